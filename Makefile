@@ -1,0 +1,60 @@
+# recxla: the two commands of the README are `make run` and `make test`; both set everything up
+# first (idempotent), so they work on a fresh clone.
+SHELL := /bin/bash
+PYTHON_SYSTEM ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMPS := .stamps
+# FBGEMM's CUDA build cannot be imported without an NVIDIA driver (libnvidia-ml.so.1); its CPU
+# variant is FBGEMM's own build for such machines.
+HAVE_NVIDIA_DRIVER := $(shell ldconfig -p 2>/dev/null | grep -q 'libnvidia-ml.so.1' && echo 1)
+FBGEMM := $(if $(HAVE_NVIDIA_DRIVER),fbgemm-gpu==1.9.0,fbgemm-gpu-cpu==1.9.0)
+export MAX_JOBS ?= $(shell nproc)
+NPROC ?= 2
+
+.PHONY: setup build run test bench bench-cluster gpu-check clean
+
+$(STAMPS)/venv:
+	mkdir -p $(STAMPS)
+	$(PYTHON_SYSTEM) -m venv $(VENV)
+	touch $@
+
+$(STAMPS)/deps: $(STAMPS)/venv requirements/base.txt requirements/test.txt
+	$(PIP) install -q -r requirements/base.txt -r requirements/test.txt
+	# torchrec names fbgemm-gpu as a dependency: install it alone, next to the FBGEMM variant
+	# this machine can load.
+	$(PIP) install -q --no-deps $(FBGEMM) torchrec==1.9.2
+	touch $@
+
+# The extension is rebuilt incrementally (ninja) whenever a source file is newer than it.
+$(STAMPS)/build: $(STAMPS)/deps setup.py $(shell find csrc -type f 2>/dev/null)
+	flock .build.lock $(PIP) install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+	$(PY) -c "import recxla._C"
+	touch $@
+
+setup: $(STAMPS)/build
+
+build: setup
+
+run: setup
+	$(PY) -m recxla.demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) -m pytest -q bench --benchmark-only --benchmark-columns=min,median,mean,rounds
+
+bench-cluster: setup
+	$(PY) -m bench.cluster.run_a2a
+
+gpu-check: setup
+	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || \
+	  { echo "make gpu-check: no CUDA device is visible on this machine; the GPU tests and benchmarks need one."; exit 1; }
+	$(PY) -m pytest -q tests -m gpu
+	RECXLA_BACKEND=triton $(PY) -m pytest -q tests -m gpu
+	$(PY) -m pytest -q bench -m gpu --benchmark-only
+
+clean:
+	rm -rf build $(STAMPS) recxla/_C*.so *.egg-info

@@ -1,0 +1,150 @@
+// FP8 row-wise quantize / dequantize on CUDA. One warp per row (grid-stride over rows): the lanes
+// stride over the row's columns, so loads and stores are coalesced, and the row's amax is a warp
+// shuffle reduction. The per-element math is recxla/fp8.h, shared with the CPU kernel.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include "recxla/checks.h"
+#include "recxla/fp8.h"
+
+namespace recxla {
+namespace {
+
+using fp8::Format;
+
+constexpr int kWarp = 32;
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ float load_float(const float* p) { return __ldg(p); }
+__device__ __forceinline__ float load_float(const at::BFloat16* p) {
+  return fp8::bits_float(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(p)[0]) << 16);
+}
+__device__ __forceinline__ float load_float(const at::Half* p) {
+  return __half2float(*reinterpret_cast<const __half*>(p));
+}
+
+template <typename scalar_t>
+__global__ void quantize_rows_kernel(
+    const scalar_t* __restrict__ x, int64_t x_stride, int64_t rows, int64_t dim, Format fmt,
+    uint8_t* __restrict__ out) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / kWarp);
+  const int64_t out_stride = fp8::row_bytes(dim);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp;
+       row < rows; row += warps) {
+    const scalar_t* xr = x + row * x_stride;
+    uint32_t amax_bits = 0;
+    for (int64_t j = lane; j < dim; j += kWarp) {
+      amax_bits = max(amax_bits, fp8::finite_abs_bits(load_float(xr + j)));
+    }
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+      amax_bits = max(amax_bits, __shfl_xor_sync(0xFFFFFFFFu, amax_bits, offset));
+    }
+    const float inv_scale = fp8::inv_scale_from_amax(fp8::bits_float(amax_bits), fmt);
+    uint8_t* orow = out + row * out_stride;
+    for (int64_t j = lane; j < dim; j += kWarp) {
+      // __fmul_rn: never contracted into an FMA, so the product rounds as on the CPU.
+      orow[j] = fp8::encode(__fmul_rn(load_float(xr + j), inv_scale), fmt);
+    }
+    if (lane < fp8::kScaleBytes) {
+      const uint32_t scale_bits = fp8::float_bits(fp8::scale_from_inv_scale(inv_scale));
+      orow[dim + lane] = static_cast<uint8_t>(scale_bits >> (8 * lane));
+    }
+  }
+}
+
+template <typename scalar_t>
+__global__ void dequantize_rows_kernel(
+    const uint8_t* __restrict__ in, int64_t rows, int64_t dim, Format fmt,
+    scalar_t* __restrict__ y) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kThreads / kWarp);
+  const int64_t in_stride = fp8::row_bytes(dim);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (kThreads / kWarp) + threadIdx.x / kWarp;
+       row < rows; row += warps) {
+    const uint8_t* irow = in + row * in_stride;
+    const uint32_t scale_bits = static_cast<uint32_t>(irow[dim]) |
+                                (static_cast<uint32_t>(irow[dim + 1]) << 8) |
+                                (static_cast<uint32_t>(irow[dim + 2]) << 16) |
+                                (static_cast<uint32_t>(irow[dim + 3]) << 24);
+    const float scale = fp8::bits_float(scale_bits);
+    for (int64_t j = lane; j < dim; j += kWarp) {
+      y[row * dim + j] = static_cast<scalar_t>(__fmul_rn(fp8::decode(irow[j], fmt), scale));
+    }
+  }
+}
+
+// Runs `body` with scalar_t bound to the C++ type of a float32 / bfloat16 / float16 dtype (the
+// only ones the checks let through).
+template <typename Body>
+void dispatch_float_type(at::ScalarType dtype, Body&& body) {
+  switch (dtype) {
+    case at::kFloat:
+      body(float{});
+      break;
+    case at::kBFloat16:
+      body(at::BFloat16{});
+      break;
+    default:
+      body(at::Half{});
+  }
+}
+
+int blocks_for(int64_t rows) {
+  const int64_t warps_per_block = kThreads / kWarp;
+  const int64_t wanted = (rows + warps_per_block - 1) / warps_per_block;
+  const int64_t cap = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
+  return static_cast<int>(std::max<int64_t>(1, std::min(wanted, cap)));
+}
+
+at::Tensor quantize_fp8_rows_cuda(const at::Tensor& x_in, c10::string_view fmt_name) {
+  constexpr const char* op = "recxla::quantize_fp8_rows";
+  check_quantize_input(op, x_in);
+  const Format fmt = parse_fp8_format(op, std::string(fmt_name));
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.stride(1) == 1 || x_in.size(1) <= 1 ? x_in : x_in.contiguous();
+  const int64_t rows = x.size(0), dim = x.size(1);
+  at::Tensor out = at::empty({rows, fp8::row_bytes(dim)}, x.options().dtype(at::kByte));
+  if (rows == 0) return out;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float_type(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    quantize_rows_kernel<scalar_t><<<blocks_for(rows), kThreads, 0, stream>>>(
+        x.const_data_ptr<scalar_t>(), x.stride(0), rows, dim, fmt, out.data_ptr<uint8_t>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+at::Tensor dequantize_fp8_rows_cuda(
+    const at::Tensor& packed_in, int64_t dim, c10::string_view fmt_name, at::ScalarType dtype) {
+  constexpr const char* op = "recxla::dequantize_fp8_rows";
+  check_dequantize_input(op, packed_in, dim, dtype);
+  const Format fmt = parse_fp8_format(op, std::string(fmt_name));
+  const c10::cuda::CUDAGuard guard(packed_in.device());
+  const at::Tensor packed = packed_in.contiguous();
+  const int64_t rows = packed.size(0);
+  at::Tensor y = at::empty({rows, dim}, packed.options().dtype(dtype));
+  if (rows == 0 || dim == 0) return y;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_float_type(dtype, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    dequantize_rows_kernel<scalar_t><<<blocks_for(rows), kThreads, 0, stream>>>(
+        packed.const_data_ptr<uint8_t>(), rows, dim, fmt, y.data_ptr<scalar_t>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(recxla, CUDA, m) {
+  m.impl("quantize_fp8_rows", &quantize_fp8_rows_cuda);
+  m.impl("dequantize_fp8_rows", &dequantize_fp8_rows_cuda);
+}
+
+}  // namespace recxla

@@ -1,0 +1,60 @@
+"""Wire formats of the row codec: the one place that knows what a format name means.
+
+Every precision travels through the same API (`quantize_rows` / `dequantize_rows`):
+- "e4m3", "e5m2": FP8 codes with one fp32 scale per row (row-wise scaling), D + 4 bytes a row;
+- "bf16", "fp16", "fp32": plain casts, 2 or 4 bytes a value, no scale.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FP8_SCALE_BYTES = 4
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    name: str
+    # The dtype a value is stored as on the wire.
+    wire_dtype: torch.dtype
+    # Largest finite magnitude of an FP8 format; None for the plain casts.
+    fp8_max: Optional[float] = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.fp8_max is not None
+
+    def row_bytes(self, dim: int) -> int:
+        if self.is_fp8:
+            return dim + FP8_SCALE_BYTES
+        return dim * self.wire_dtype.itemsize
+
+
+FORMATS = {
+    "e4m3": WireFormat("e4m3", torch.float8_e4m3fn, 448.0),
+    "e5m2": WireFormat("e5m2", torch.float8_e5m2, 57344.0),
+    "bf16": WireFormat("bf16", torch.bfloat16),
+    "fp16": WireFormat("fp16", torch.float16),
+    "fp32": WireFormat("fp32", torch.float32),
+}
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def get_format(fmt: str, op: str, arg: str = "fmt") -> WireFormat:
+    """The WireFormat named `fmt`; a ValueError naming `op` and `arg` otherwise."""
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise ValueError(f"{op}: {arg} must be one of {sorted(FORMATS)}, got {fmt!r}")
+    return FORMATS[fmt]
+
+
+def row_bytes(dim: int, fmt: str = "e4m3") -> int:
+    """Bytes one row of `dim` values takes on the wire in format `fmt`.
+
+    FP8 formats: `dim` one-byte codes plus a 4-byte fp32 scale (never more than FBGEMM's FP8
+    row-wise layout, which pads the codes to 4 bytes and adds 8 bytes of scale).
+    """
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+        raise ValueError(f"recxla.row_bytes: dim must be an int >= 0, got {dim!r}")
+    return get_format(fmt, "recxla.row_bytes").row_bytes(dim)

@@ -1,0 +1,139 @@
+"""Build recxla and its extension `recxla._C`.
+
+The C++ CPU kernels are always built. The CUDA kernels are built whenever the installed torch is a
+CUDA build and a CUDA toolkit (nvcc) is found; a visible GPU is not needed, so a CPU-only machine
+with the toolkit compiles and links them too. `RECXLA_FORCE_CPU=1` builds the CPU kernels only.
+The architectures default to sm_80 and sm_90 and follow `TORCH_CUDA_ARCH_LIST` when it is set.
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCHS = "8.0;9.0"
+
+
+def _find_cuda_home():
+    """The toolkit's install folder: torch's own guess follows the nvcc on PATH, which may be a
+    wrapper script outside the toolkit, and then the link fails with `cannot find -lcudart`."""
+    for candidate in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if candidate and os.path.exists(os.path.join(candidate, "bin", "nvcc")):
+            return candidate
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = os.path.realpath(nvcc)
+        with open(real, "rb") as f:
+            head = f.read(4096)
+        if head.startswith(b"#!"):  # a wrapper: look for the toolkit path it execs
+            for token in head.decode(errors="ignore").split():
+                if token.endswith("/bin/nvcc") and os.path.exists(token):
+                    real = token
+                    break
+        home = os.path.dirname(os.path.dirname(real))
+        if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    for candidate in sorted(glob.glob("/usr/local/cuda*"), reverse=True):
+        if os.path.exists(os.path.join(candidate, "bin", "nvcc")):
+            return candidate
+    return None
+
+
+def _want_cuda(torch):
+    if os.environ.get("RECXLA_FORCE_CPU", "0") == "1":
+        return False, "RECXLA_FORCE_CPU=1"
+    if torch.version.cuda is None:
+        return False, "torch is a CPU-only build"
+    if _find_cuda_home() is None:
+        return False, "no CUDA toolkit (nvcc) found"
+    return True, ""
+
+
+def _nvidia_include_dirs():
+    """Headers that ship in the nvidia-* wheels torch depends on (cublas, cusparse, ...)."""
+    dirs = []
+    for path in sys.path:
+        dirs += glob.glob(os.path.join(path, "nvidia", "*", "include"))
+        dirs += glob.glob(os.path.join(path, "nvidia", "cu*", "include"))
+    return sorted(set(d for d in dirs if os.path.isdir(d)))
+
+
+def get_extensions():
+    import torch
+    from torch.utils import cpp_extension
+
+    use_cuda, why_not = _want_cuda(torch)
+    if use_cuda:
+        os.environ["CUDA_HOME"] = _find_cuda_home()
+        cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    sources += sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    cxx_flags = [
+        "-O3",
+        "-std=c++20",
+        # Bit-exact codes on every backend: never fuse a multiply and an add into one rounding.
+        "-ffp-contract=off",
+        "-fopenmp",
+    ]
+    extra_compile_args = {"cxx": cxx_flags}
+    macros = []
+    include_dirs = [os.path.join(ROOT, "csrc", "include")]
+    if use_cuda:
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        extra_compile_args["nvcc"] = [
+            "-O3",
+            "-std=c++20",
+            "--fmad=false",
+            "--expt-relaxed-constexpr",
+        ]
+        macros.append(("RECXLA_WITH_CUDA", "1"))
+        include_dirs += _nvidia_include_dirs()
+        ext_cls = cpp_extension.CUDAExtension
+        print(
+            f"recxla: building CPU and CUDA kernels (archs {os.environ['TORCH_CUDA_ARCH_LIST']},"
+            f" CUDA_HOME={os.environ['CUDA_HOME']})",
+            flush=True,
+        )
+    else:
+        ext_cls = cpp_extension.CppExtension
+        print(f"recxla: building CPU kernels only ({why_not})", flush=True)
+
+    return [
+        ext_cls(
+            "recxla._C",
+            sources,
+            include_dirs=include_dirs,
+            define_macros=macros,
+            extra_compile_args=extra_compile_args,
+            extra_link_args=["-fopenmp"],
+            py_limited_api=True,
+        )
+    ]
+
+
+def main():
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        name="recxla",
+        version="0.1.0",
+        description="Fast communication and embedding kernels for TorchRec recommendation training",
+        packages=find_packages(include=["recxla", "recxla.*"]) + ["recxla.triton_kernels"],
+        # The Triton kernels live at the top level of the source tree but install inside the
+        # package: a bare top-level `triton_kernels` name belongs to another project.
+        package_dir={"recxla.triton_kernels": "triton_kernels"},
+        ext_modules=get_extensions(),
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        options={"bdist_wheel": {"py_limited_api": "cp39"}},
+        python_requires=">=3.10",
+        install_requires=["torch>=2.14"],
+    )
+
+
+if __name__ == "__main__":
+    main()
