@@ -27,9 +27,15 @@ $(STAMPS)/deps: $(STAMPS)/venv requirements/base.txt requirements/test.txt
 	$(PIP) install -q --no-deps $(FBGEMM) torchrec==1.9.2
 	touch $@
 
-# The extension is rebuilt incrementally (ninja) whenever a source file is newer than it.
-$(STAMPS)/build: $(STAMPS)/deps setup.py $(shell find csrc -type f 2>/dev/null)
-	flock .build.lock $(PIP) install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v '^WARNING: Location' || true
+# First install: an editable install (recxla imports from this tree, triton_kernels/ as
+# recxla.triton_kernels) that also compiles the extension.
+$(STAMPS)/install: $(STAMPS)/deps setup.py pyproject.toml
+	flock .build.lock $(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@ $(STAMPS)/build
+
+# Later source changes rebuild only what changed (ninja keeps the objects under build/).
+$(STAMPS)/build: $(STAMPS)/install $(shell find csrc -type f 2>/dev/null)
+	flock .build.lock $(PY) setup.py -q build_ext --inplace
 	$(PY) -c "import recxla._C"
 	touch $@
 
