@@ -10,17 +10,11 @@ PyObject* PyInit__C(void) {
 }
 }
 
-// Every schema has one home: here. Kernels register per dispatch key in csrc/cpu and csrc/cuda;
-// fake (meta) kernels and autograd live in recxla/ops.
+// The library is defined here; each op family declares its schemas in its own csrc/<family>.cpp
+// (TORCH_LIBRARY_FRAGMENT), with kernels per dispatch key in csrc/cpu and csrc/cuda, and fake
+// kernels and autograd in recxla/ops.
 TORCH_LIBRARY(recxla, m) {
-  // x: [N, D] float32/bfloat16/float16 -> uint8 [N, D + 4]: D fp8 codes then the fp32 scale.
-  m.def("quantize_fp8_rows(Tensor x, str fmt) -> Tensor");
-  // packed: uint8 [N, D + 4] -> [N, D] of `dtype`.
-  m.def("dequantize_fp8_rows(Tensor packed, int dim, str fmt, ScalarType dtype) -> Tensor");
-}
-
-// Reports which backends this build compiled, for `recxla.build_info()` and the tests.
-TORCH_LIBRARY_FRAGMENT(recxla, m) {
+  // Reports whether this build compiled the CUDA kernels, for recxla.built_with_cuda().
   m.def("built_with_cuda() -> bool", []() -> bool {
 #ifdef RECXLA_WITH_CUDA
     return true;
