@@ -10,6 +10,7 @@ Public API:
 from recxla._extension import built_with_cuda
 from recxla.formats import FORMATS, row_bytes
 from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
+from recxla.distributed import quantized_all_to_all
 
 __version__ = "0.1.0"
 
@@ -18,5 +19,6 @@ __all__ = [
     "built_with_cuda",
     "dequantize_rows",
     "quantize_rows",
+    "quantized_all_to_all",
     "row_bytes",
 ]

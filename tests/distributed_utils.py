@@ -50,6 +50,7 @@ def _child(
     args: Sequence[Any],
     conn,
 ) -> None:
+    initialized = False
     try:
         torch.set_num_threads(1)
         timeout = datetime.timedelta(seconds=group_timeout)
@@ -57,15 +58,20 @@ def _child(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
-        try:
-            result = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-        conn.send(("ok", result))
+        initialized = True
+        message = ("ok", fn(rank, world_size, *args))
     except BaseException as e:  # report everything, KeyboardInterrupt included
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        message = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    # Report before leaving the group: a peer that fails because this rank left must not be
+    # the first to report.
+    try:
+        conn.send(message)
+    except Exception as e:  # an unpicklable result
+        conn.send(("error", f"could not send the result back: {type(e).__name__}: {e}"))
     finally:
         conn.close()
+        if initialized:
+            dist.destroy_process_group()
 
 
 def run_distributed(

@@ -1,0 +1,226 @@
+"""Quantized all-to-all: quantize -> one all_to_all_single of wire bytes -> dequantize.
+
+The row codec's output is the wire buffer itself: `quantize_rows` writes every row of x into one
+uint8 [N, row_bytes] tensor, rows stay rows, so the caller's row splits are the collective's
+splits unchanged and there is no packing copy. The receive buffer is decoded straight into the
+output. Backward is the same exchange of the gradient with the splits swapped, in its own format
+(bf16 or e5m2 keep the range gradients need).
+
+The op is two autograd Functions, as in TorchRec's Req/Wait pair: `_Launch` quantizes and starts
+the collective, `_Finish` waits and dequantizes. In backward the order flips: `_Finish.backward`
+starts the gradient's exchange and `_Launch.backward` waits for it, so autograd can run other
+nodes while the bytes travel. The synchronous call is launch + finish back to back.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from recxla.distributed.split_validation import exchange_splits
+from recxla.formats import FLOAT_DTYPES, get_format
+from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
+
+OP = "recxla.quantized_all_to_all"
+
+Splits = Union[Sequence[int], torch.Tensor]
+
+
+@dataclass
+class _Exchange:
+    """Everything one call needs, kept alive until its data has arrived (forward and backward):
+    the buffers an in-flight collective reads and writes must not be freed under it."""
+
+    group: Optional[dist.ProcessGroup]
+    input_splits: List[int]
+    output_splits: List[int]
+    dim: int
+    fwd: str
+    bwd: str
+    dtype: torch.dtype
+    work: Optional[dist.Work] = None
+    buffers: List[torch.Tensor] = field(default_factory=list)
+
+    def start(self, rows: torch.Tensor, fmt: str, send_splits, recv_splits) -> None:
+        send = quantize_rows(rows, fmt)
+        recv = send.new_empty((sum(recv_splits), send.shape[1]))
+        self.work = dist.all_to_all_single(
+            recv, send, recv_splits, send_splits, group=self.group, async_op=True
+        )
+        self.buffers = [send, recv]
+
+    def finish(self, fmt: str) -> torch.Tensor:
+        self.work.wait()
+        recv = self.buffers[1]
+        self.work, self.buffers = None, []
+        return dequantize_rows(recv, self.dim, fmt, self.dtype)
+
+
+class _Launch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ex: _Exchange) -> torch.Tensor:
+        ex.start(x, ex.fwd, ex.input_splits, ex.output_splits)
+        ctx.ex = ex
+        # An empty tensor that only carries the autograd edge from x to _Finish.
+        return x.new_empty(0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, _grad_token):
+        return ctx.ex.finish(ctx.ex.bwd), None
+
+
+class _Finish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, ex: _Exchange) -> torch.Tensor:
+        ctx.ex = ex
+        ctx.token_dtype = token.dtype
+        return ex.finish(ex.fwd)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        ex = ctx.ex
+        ex.start(grad_out, ex.bwd, ex.output_splits, ex.input_splits)
+        return grad_out.new_empty(0, dtype=ctx.token_dtype), None
+
+
+class QuantizedAllToAllHandle:
+    """The result of `quantized_all_to_all(..., async_op=True)`.
+
+    The exchange is in flight until `wait()`; the send and receive buffers live on this handle
+    until then (as DeepEP's EventOverlap keeps its tensors), so no stream bookkeeping is needed.
+    Do not modify x in place before `wait()`: the fp32 format sends x's own memory.
+    """
+
+    def __init__(self, token: torch.Tensor, ex: _Exchange):
+        self._token: Optional[torch.Tensor] = token
+        self._ex = ex
+        self._output: Optional[torch.Tensor] = None
+        rb = get_format(ex.fwd, OP).row_bytes(ex.dim)
+        #: Bytes this rank sends and receives (rows to itself included).
+        self.bytes_sent = sum(ex.input_splits) * rb
+        self.bytes_received = sum(ex.output_splits) * rb
+
+    def is_completed(self) -> bool:
+        """True when the data has arrived (wait() will not block)."""
+        return self._output is not None or self._ex.work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        """Block until the rows have arrived; returns [sum(output_split_sizes), D] in x's dtype,
+        differentiable w.r.t. x. Calling it again returns the same tensor."""
+        if self._output is None:
+            self._output = _Finish.apply(self._token, self._ex)
+            self._token = None
+        return self._output
+
+
+def _as_splits(splits: Splits, name: str, world: int) -> List[int]:
+    if isinstance(splits, torch.Tensor):
+        if splits.dim() != 1 or splits.is_floating_point() or splits.is_complex():
+            raise TypeError(f"{OP}: {name} must be a 1-D integer tensor or a list of ints")
+        splits = splits.tolist()
+    if not isinstance(splits, (list, tuple)):
+        raise TypeError(f"{OP}: {name} must be a list of ints, got {type(splits).__name__}")
+    if len(splits) != world:
+        raise ValueError(
+            f"{OP}: {name} must have one entry per rank of the group ({world}), got {len(splits)}"
+        )
+    for s in splits:
+        if not isinstance(s, int) or isinstance(s, bool):
+            raise TypeError(f"{OP}: {name} must hold ints, got {s!r} ({type(s).__name__})")
+        if s < 0:
+            raise ValueError(f"{OP}: {name} must be >= 0, got {list(splits)}")
+    return [int(s) for s in splits]
+
+
+def quantized_all_to_all(
+    x: torch.Tensor,
+    output_split_sizes: Optional[Splits],
+    input_split_sizes: Optional[Splits],
+    group: Optional[dist.ProcessGroup] = None,
+    fwd: str = "e4m3",
+    bwd: str = "bf16",
+    async_op: bool = False,
+    validate_splits: bool = True,
+) -> Union[torch.Tensor, QuantizedAllToAllHandle]:
+    """All-to-all of the rows of x, sent quantized, as one differentiable op.
+
+    Rows x[sum(input_split_sizes[:r]) : ...+input_split_sizes[r]] go to rank r; the rows from
+    rank r land in the output in rank order, as in `torch.distributed.all_to_all_single`.
+
+    Args:
+        x: [N, D] float32, bfloat16 or float16, on CPU (gloo) or CUDA (NCCL); may be strided.
+            N may be 0, and any split may be 0.
+        output_split_sizes: rows to receive from each rank (list of W ints, W = group size), or
+            None: derived from the peers' input_split_sizes by the split exchange (below).
+        input_split_sizes: rows to send to each rank (list of W ints summing to N), or None for
+            N / W rows each (N must then be a multiple of W).
+        group: the process group; None is the default group.
+        fwd: wire format of the forward rows: "e4m3", "e5m2" (FP8, one fp32 scale per row,
+            D + 4 bytes a row), "bf16", "fp16" (2 D bytes) or "fp32" (4 D bytes, exact).
+        bwd: wire format of the gradient rows in backward (same names).
+        async_op: False returns the output; True returns a QuantizedAllToAllHandle whose wait()
+            returns it, so the caller can compute while the rows travel.
+        validate_splits: exchange every rank's [input splits, output splits, D, fwd, bwd] (one
+            all_gather of 2W + 3 int64 per rank, blocking, on x's device; on 2 gloo ranks over
+            loopback it costs about one small collective's latency, tens of microseconds) so that
+            every rank checks the whole send/receive matrix and, when ranks disagree, all of
+            them raise the same ValueError before any data moves. All ranks must pass the same
+            value. Without it a disagreement is not detected by recxla, and gloo behaves as
+            follows (seen with torch 2.14): a rank that is sent more rows than it expects is
+            aborted by gloo (SIGABRT, "Received data size doesn't match expected size"), taking
+            its process down; a rank that is sent fewer rows than it expects returns normally
+            with the missing rows left uninitialized (silently wrong output); a rank whose own
+            entries disagree (rows to itself) raises RuntimeError and its peers then fail with
+            "Connection closed by peer". NCCL does not exchange sizes at all. With
+            output_split_sizes=None the exchange always runs (it is how the sizes are learned).
+    Returns:
+        [sum(output_split_sizes), D] in x's dtype (or a handle, see async_op). Its gradient
+        w.r.t. x is the all-to-all of the output's gradient back, sent in `bwd`.
+    Raises:
+        TypeError / ValueError naming the argument, on this rank and before any communication,
+        for a bad x, format name or split list, or split sums that do not match N; ValueError on
+        every rank (with validate_splits) when the ranks' splits, D or formats disagree.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{OP}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{OP}: x must be 2-D [rows, dim], got {x.dim()}-D shape {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{OP}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    get_format(fwd, OP, "fwd")
+    get_format(bwd, OP, "bwd")
+    for name, flag in (("async_op", async_op), ("validate_splits", validate_splits)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{OP}: {name} must be a bool, got {flag!r}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{OP}: needs an initialized process group (init_process_group)")
+    world = dist.get_world_size(group)
+    n = x.shape[0]
+    if input_split_sizes is None:
+        if n % world:
+            raise ValueError(
+                f"{OP}: input_split_sizes=None splits x's {n} rows evenly, but {n} is not a "
+                f"multiple of the group size {world}"
+            )
+        input_splits = [n // world] * world
+    else:
+        input_splits = _as_splits(input_split_sizes, "input_split_sizes", world)
+        if sum(input_splits) != n:
+            raise ValueError(
+                f"{OP}: input_split_sizes sum to {sum(input_splits)}, but x has {n} rows"
+            )
+    output_splits = None
+    if output_split_sizes is not None:
+        output_splits = _as_splits(output_split_sizes, "output_split_sizes", world)
+
+    if validate_splits or output_splits is None:
+        output_splits = exchange_splits(
+            OP, group, x.device, input_splits, output_splits, x.shape[1], fwd, bwd
+        )
+
+    ex = _Exchange(group, input_splits, output_splits, x.shape[1], fwd, bwd, x.dtype)
+    handle = QuantizedAllToAllHandle(_Launch.apply(x, ex), ex)
+    return handle if async_op else handle.wait()
