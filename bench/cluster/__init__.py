@@ -1,0 +1,28 @@
+"""An emulated multi-node cluster on one machine, for communication benchmarks.
+
+Every emulated node is a Linux network namespace; ranks of one node talk over its loopback, and
+nodes talk through a bridge namespace over veth links shaped with tbf (see netns.py for the
+recipe and its limits). Where root, `ip netns` or `tc` is missing, the harness says so on stderr
+and runs every rank on plain loopback instead (see launch.py).
+
+- EmulatedCluster / run_job (launch.py): build the cluster, run `module:function` on every rank
+  (one process per rank, gloo process group already up), collect each rank's JSON result, and
+  always clean up: ranks, namespaces, veths.
+- rank_info (rank.py): inside a rank, its rank, node, local rank and the cluster mode.
+"""
+
+from bench.cluster.launch import ClusterJobError, ClusterTimeout, EmulatedCluster, run_job
+from bench.cluster.netns import NetnsUnavailable, Topology, probe
+from bench.cluster.rank import RankInfo, rank_info
+
+__all__ = [
+    "ClusterJobError",
+    "ClusterTimeout",
+    "EmulatedCluster",
+    "NetnsUnavailable",
+    "RankInfo",
+    "Topology",
+    "probe",
+    "rank_info",
+    "run_job",
+]

@@ -1,0 +1,307 @@
+"""Launch a job of `nodes` x `ranks_per_node` gloo ranks on one machine and collect its results.
+
+```
+from bench.cluster import EmulatedCluster
+
+with EmulatedCluster(nodes=2, ranks_per_node=2, rate="1gbit") as cluster:
+    print(cluster.mode)                    # "netns", or "loopback" after a fallback
+    results = cluster.run("my.module:rank_main", {"rows": 8192}, timeout=120)
+    # results[r] is what rank r's rank_main(rows=8192) returned (JSON).
+```
+
+Each rank is a fresh `python -m bench.cluster.rank` process (see rank.py) started inside its
+node's namespace with `ip netns exec`, in its own session so that it can be ended as a group, with
+MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (the node)
+and GLOO_SOCKET_IFNAME set. Ranks are placed node-major: ranks 0..R-1 on node 0, and so on.
+
+Modes: "netns" builds the topology of netns.py or raises; "loopback" runs every rank on
+127.0.0.1 with no shaping; "auto" (the default) tries "netns" and, when it is not possible here,
+says why on stderr and falls back to "loopback". The topology is built once and serves every
+`run()`; it is removed, and every rank still alive is ended, when the `with` block exits for any
+reason: an error, a timeout, Ctrl-C, or SIGTERM/SIGHUP (turned into an exception while the
+cluster is open). An interpreter exit without the block closing is covered by atexit.
+"""
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from bench.cluster import netns
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODES = ("auto", "netns", "loopback")
+
+
+class ClusterJobError(RuntimeError):
+    """A rank exited with an error or without a result; the message holds its stderr tail."""
+
+
+class ClusterTimeout(ClusterJobError):
+    """The job ran past its timeout; every rank was ended."""
+
+
+def free_port() -> int:
+    """A TCP port that is free on the host's loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: str, chars: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-chars:]
+    except OSError:
+        return ""
+
+
+class _Terminated(BaseException):
+    """Raised from a SIGTERM/SIGHUP handler so that the cleanup in __exit__ runs."""
+
+
+class EmulatedCluster:
+    """A cluster of `nodes` emulated nodes with `ranks_per_node` ranks each.
+
+    Args:
+        nodes, ranks_per_node: ints >= 1.
+        rate: tbf rate of every node's link, in tc syntax ("1gbit", "100mbit"); None: unshaped.
+        mode: "auto", "netns" or "loopback" (see the module docstring).
+        burst, latency: tbf's burst and latency (see netns.Topology).
+        threads_per_rank: torch/OpenMP threads of each rank; default: cores // ranks, at least 1
+            (every rank shares this machine's cores).
+    """
+
+    def __init__(
+        self,
+        nodes: int = 1,
+        ranks_per_node: int = 2,
+        rate: Optional[str] = "1gbit",
+        mode: str = "auto",
+        burst: str = "256kb",
+        latency: str = "100ms",
+        threads_per_rank: Optional[int] = None,
+    ):
+        for name, value in (("nodes", nodes), ("ranks_per_node", ranks_per_node)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"EmulatedCluster: {name} must be an int >= 1, got {value!r}")
+        if nodes > netns.MAX_NODES:
+            raise ValueError(f"EmulatedCluster: nodes must be at most {netns.MAX_NODES}, got {nodes}")
+        if mode not in MODES:
+            raise ValueError(f"EmulatedCluster: mode must be one of {MODES}, got {mode!r}")
+        self.nodes, self.ranks_per_node, self.rate = nodes, ranks_per_node, rate
+        self.requested_mode = mode
+        self.mode: Optional[str] = None
+        self.fallback_reason: Optional[str] = None
+        self.world_size = nodes * ranks_per_node
+        cores = os.cpu_count() or 1
+        self.threads_per_rank = threads_per_rank or max(1, cores // self.world_size)
+        self.topology = netns.Topology(nodes, rate=rate, burst=burst, latency=latency)
+        self._procs: List[subprocess.Popen] = []
+        self._workdir: Optional[tempfile.TemporaryDirectory] = None
+        self._old_handlers: Dict[int, Any] = {}
+        self._next_port = 29500
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def __enter__(self) -> "EmulatedCluster":
+        self._install_signal_handlers()
+        atexit.register(self.close)
+        try:
+            self._workdir = tempfile.TemporaryDirectory(prefix="recxla-cluster-")
+            self.mode = self._setup_network()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _setup_network(self) -> str:
+        if self.requested_mode == "loopback":
+            return "loopback"
+        try:
+            self.topology.create()
+            return "netns"
+        except (netns.NetnsUnavailable, OSError, subprocess.SubprocessError) as e:
+            if self.requested_mode == "netns":
+                raise
+            self.fallback_reason = str(e)
+            print(
+                f"bench.cluster: cannot emulate {self.nodes} node(s) with network namespaces "
+                f"({e}); falling back to plain loopback: all {self.world_size} ranks on "
+                f"127.0.0.1, no link shaping, so cross-node figures are NOT emulated.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return "loopback"
+
+    def close(self) -> None:
+        """End every rank still running and remove the topology (idempotent)."""
+        self._kill_all()
+        self.topology.destroy()
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+        self._restore_signal_handlers()
+        atexit.unregister(self.close)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def handler(signum, frame):
+            raise _Terminated(f"bench.cluster: received signal {signum}")
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._old_handlers[sig] = signal.signal(sig, handler)
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
+        self._old_handlers.clear()
+
+    def _kill_all(self) -> None:
+        # Each rank leads its own process group (start_new_session): end the group, so that
+        # anything the rank started goes too.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for p in self._procs:
+                if p.poll() is None:
+                    try:
+                        os.killpg(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
+                time.sleep(0.02)
+        for p in self._procs:
+            try:
+                p.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+        self._procs = []
+
+    # -- jobs -------------------------------------------------------------------------------
+    def rank_env(self, rank: int, master_port: int) -> Dict[str, str]:
+        """The environment rank `rank` runs with."""
+        node, local = divmod(rank, self.ranks_per_node)
+        netns_mode = self.mode == "netns"
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR=netns.node_address(0) if netns_mode else "127.0.0.1",
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(local),
+            LOCAL_WORLD_SIZE=str(self.ranks_per_node),
+            GROUP_RANK=str(node),
+            GLOO_SOCKET_IFNAME=netns.IFACE if netns_mode else "lo",
+            RECXLA_CLUSTER_MODE=self.mode or "loopback",
+            RECXLA_CLUSTER_NODES=str(self.nodes),
+            OMP_NUM_THREADS=str(self.threads_per_rank),
+            PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
+        )
+        return env
+
+    def run(
+        self,
+        target: str,
+        kwargs: Optional[Dict[str, Any]] = None,
+        timeout: float = 300.0,
+        init_process_group: bool = True,
+    ) -> List[Any]:
+        """Run `target` ("module:function") on every rank and return the ranks' results.
+
+        Args:
+            target: a function importable from the repository root; it is called with
+                `**kwargs` after the gloo process group is up (when `init_process_group`).
+            kwargs: JSON-serializable keyword arguments, the same for every rank.
+            timeout: seconds for the whole job, process start-up included.
+        Returns:
+            list of world_size JSON values, index = rank.
+        Raises:
+            ClusterJobError when a rank fails (with its stderr), ClusterTimeout past `timeout`.
+        """
+        if self.mode is None:
+            raise RuntimeError("EmulatedCluster.run: use the cluster inside a `with` block")
+        job_dir = tempfile.mkdtemp(dir=self._workdir.name)
+        job_path = os.path.join(job_dir, "job.json")
+        with open(job_path, "w") as f:
+            json.dump(
+                {"target": target, "kwargs": kwargs or {}, "timeout_s": timeout,
+                 "init_process_group": init_process_group},
+                f,
+            )
+        if self.mode == "netns":
+            # Fresh namespaces hold no other listener; a new port per job avoids TIME_WAIT.
+            port, self._next_port = self._next_port, self._next_port + 1
+        else:
+            port = free_port()
+        paths = []
+        try:
+            for rank in range(self.world_size):
+                env = self.rank_env(rank, port)
+                result = os.path.join(job_dir, f"rank{rank}.json")
+                log = os.path.join(job_dir, f"rank{rank}.log")
+                env["RECXLA_CLUSTER_RESULT"] = result
+                paths.append((result, log))
+                argv = [sys.executable, "-m", "bench.cluster.rank", job_path, str(rank)]
+                if self.mode == "netns":
+                    argv = self.topology.exec_prefix(rank // self.ranks_per_node) + argv
+                with open(log, "w") as log_f:
+                    self._procs.append(subprocess.Popen(
+                        argv, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log_f,
+                        stderr=subprocess.STDOUT, start_new_session=True))
+            self._wait(paths, timeout)
+            results = []
+            for rank, (result, log) in enumerate(paths):
+                if not os.path.exists(result):
+                    raise ClusterJobError(
+                        f"bench.cluster: rank {rank} exited without a result; its output:\n"
+                        f"{_tail(log)}")
+                with open(result) as f:
+                    results.append(json.load(f))
+            return results
+        finally:
+            self._kill_all()
+
+    def _wait(self, paths, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in self._procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                r = failed[0]
+                raise ClusterJobError(
+                    f"bench.cluster: rank {r} of {self.world_size} failed (exit {codes[r]}, mode "
+                    f"{self.mode}); its output:\n{_tail(paths[r][1])}")
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                running = [r for r, c in enumerate(codes) if c is None]
+                raise ClusterTimeout(
+                    f"bench.cluster: job ran past its timeout of {timeout:g} s; ranks {running} "
+                    f"were still running and were ended. Output of rank {running[0]}:\n"
+                    f"{_tail(paths[running[0]][1])}")
+            time.sleep(0.02)
+
+
+def run_job(
+    target: str,
+    kwargs: Optional[Dict[str, Any]] = None,
+    nodes: int = 1,
+    ranks_per_node: int = 2,
+    rate: Optional[str] = "1gbit",
+    mode: str = "auto",
+    timeout: float = 300.0,
+) -> List[Any]:
+    """One job on a cluster built for it and removed afterwards; see EmulatedCluster.run."""
+    with EmulatedCluster(nodes, ranks_per_node, rate=rate, mode=mode) as cluster:
+        return cluster.run(target, kwargs, timeout=timeout)
