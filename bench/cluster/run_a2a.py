@@ -1,0 +1,222 @@
+"""Quantized all-to-all across emulated nodes: bytes on the wire and time, fp32 vs bf16 vs FP8.
+
+`python -m bench.cluster.run_a2a` (or `make bench-cluster`) runs, for each setting
+- loopback: 2 and 4 ranks on 127.0.0.1 (one emulated node, no shaping);
+- shaped: 2 emulated nodes joined by 1 Gbit/s links (see netns.py), 1 and 2 ranks per node;
+a link check (raw uint8 all_to_all_single and a one-way send across the link), then
+`recxla.quantized_all_to_all` on [rows_per_rank, D] float32 rows, split evenly over the ranks,
+forward only and forward + backward, in every wire format, next to `torch.distributed.
+all_to_all_single` of the fp32 rows (what runs without recxla; its backward is the same call on
+the gradient). It prints one table and writes every figure to JSON (--json).
+
+Per row: bytes this rank puts on the wire (rows to other ranks; rows to itself never leave the
+process), the median over iterations of the slowest rank's time (every iteration starts after a
+barrier), both as ratios to torch fp32, and the SQNR of the output (and of x's gradient) against
+the exact fp32 exchange.
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+from bench.cluster.launch import EmulatedCluster
+
+# (label, fwd format, bwd format); "torch" is plain all_to_all_single of the fp32 rows.
+VARIANTS = {
+    "fwd": [("torch fp32", None, None), ("fp32", "fp32", "fp32"), ("bf16", "bf16", "bf16"),
+            ("e4m3", "e4m3", "bf16"), ("e5m2", "e5m2", "bf16")],
+    "fwd+bwd": [("torch fp32", None, None), ("fp32/fp32", "fp32", "fp32"),
+                ("bf16/bf16", "bf16", "bf16"), ("e4m3/bf16", "e4m3", "bf16"),
+                ("e4m3/e5m2", "e4m3", "e5m2"), ("e5m2/e5m2", "e5m2", "e5m2")],
+}
+# (label, nodes, ranks_per_node, tbf rate or None, harness mode)
+SETTINGS = [
+    ("loopback", 1, 2, None, "loopback"),
+    ("loopback", 1, 4, None, "loopback"),
+    ("2 nodes @ 1gbit", 2, 1, "1gbit", "auto"),
+    ("2 nodes @ 1gbit", 2, 2, "1gbit", "auto"),
+]
+
+
+def _sqnr_db(ref, out) -> float:
+    """Signal-to-quantization-noise ratio summed over all ranks, in dB (inf when exact)."""
+    import torch
+    import torch.distributed as dist
+
+    s = torch.stack([ref.double().square().sum(), (out.double() - ref.double()).square().sum()])
+    dist.all_reduce(s)
+    return math.inf if s[1] == 0 else 10.0 * math.log10((s[0] / s[1]).item())
+
+
+def rank_main(rows_per_rank: int, dim: int, passes, iters: int, warmup: int, seed: int) -> list:
+    """Runs on every rank (see bench.cluster.rank); returns one record per (pass, variant)."""
+    import torch
+    import torch.distributed as dist
+
+    import recxla
+    from recxla.distributed import quantized_all_to_all
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed + rank)
+    if rows_per_rank % world:
+        raise ValueError(f"run_a2a: rows_per_rank={rows_per_rank} must be a multiple of {world}")
+    splits = [rows_per_rank // world] * world
+    # Pooled embeddings: Gaussian rows whose magnitudes spread over a few orders, as rows of
+    # different tables and bag sizes do; per-row scales are what FP8 row-wise scaling is for.
+    x = torch.randn(rows_per_rank, dim) * torch.exp(torch.randn(rows_per_rank, 1))
+    grad = torch.randn(rows_per_rank, dim) * torch.exp(torch.randn(rows_per_rank, 1))
+    ref_out, ref_grad = torch.empty_like(x), torch.empty_like(x)
+    dist.all_to_all_single(ref_out, x, splits, splits)
+    dist.all_to_all_single(ref_grad, grad, splits, splits)
+    off_rank_rows = rows_per_rank - splits[rank]
+
+    records = []
+    for pass_name in passes:
+        backward = pass_name == "fwd+bwd"
+        for label, fwd, bwd in VARIANTS[pass_name]:
+
+            def step():
+                if fwd is None:
+                    out = torch.empty_like(x)
+                    dist.all_to_all_single(out, x, splits, splits)
+                    if backward:
+                        gx = torch.empty_like(grad)
+                        dist.all_to_all_single(gx, grad, splits, splits)
+                        return out, gx
+                    return out, None
+                xi = x.detach().requires_grad_(backward)
+                out = quantized_all_to_all(xi, splits, splits, fwd=fwd, bwd=bwd)
+                if backward:
+                    out.backward(grad)
+                    return out.detach(), xi.grad
+                return out, None
+
+            times = []
+            for i in range(warmup + iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                out, gx = step()
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                if i >= warmup:
+                    times.append(dt.item())
+            fwd_bytes = off_rank_rows * (4 * dim if fwd is None else recxla.row_bytes(dim, fwd))
+            bwd_bytes = 0
+            if backward:
+                bwd_bytes = off_rank_rows * (4 * dim if bwd is None else recxla.row_bytes(dim, bwd))
+            records.append({
+                "pass": pass_name, "variant": label, "fwd": fwd or "fp32", "bwd": bwd or "fp32",
+                "impl": "torch" if fwd is None else "recxla",
+                "wire_bytes_per_rank": fwd_bytes + bwd_bytes,
+                "median_s": statistics.median(times), "min_s": min(times), "times_s": times,
+                "sqnr_out_db": _sqnr_db(ref_out, out),
+                # x's gradient is the gradient exchanged back: compare with the exact exchange.
+                "sqnr_grad_db": _sqnr_db(ref_grad, gx) if backward else None,
+            })
+    return records
+
+
+def _machine() -> dict:
+    import torch
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
+def run_setting(label, nodes, rpn, rate, mode, args) -> dict:
+    world = nodes * rpn
+    with EmulatedCluster(nodes, rpn, rate=rate, mode=mode) as cluster:
+        link = {}
+        # Raw links first: what 16 MiB per rank costs with no codec at all.
+        a2a = cluster.run("bench.cluster.jobs:all_to_all_time",
+                          {"bytes_per_peer": (16 << 20) // world, "iters": 5}, timeout=args.timeout)
+        link["a2a_16MiB_per_rank_s"] = a2a[0]["seconds"]
+        if nodes > 1:
+            # One direction only, rank 0 (node 0) to the last rank (last node).
+            p2p = cluster.run("bench.cluster.jobs:send_time",
+                              {"nbytes": 16 << 20, "src": 0, "dst": world - 1},
+                              timeout=args.timeout)
+            link["send_16MiB_s"] = p2p[0]["seconds"]
+            link["send_gbit_s"] = (16 << 20) * 8 / p2p[0]["seconds"] / 1e9
+        kwargs = {"rows_per_rank": args.rows_per_rank, "dim": args.dim, "passes": args.passes,
+                  "iters": args.iters, "warmup": args.warmup, "seed": args.seed}
+        records = cluster.run("bench.cluster.run_a2a:rank_main", kwargs, timeout=args.timeout)[0]
+        base = {r["pass"]: r for r in records if r["impl"] == "torch"}
+        for r in records:
+            b = base[r["pass"]]
+            r["bytes_ratio"] = r["wire_bytes_per_rank"] / b["wire_bytes_per_rank"]
+            r["time_ratio"] = r["median_s"] / b["median_s"]
+        return {"setting": label, "nodes": nodes, "ranks_per_node": rpn, "world_size": world,
+                "rate": rate, "mode": cluster.mode, "fallback_reason": cluster.fallback_reason,
+                "link": link, "records": records}
+
+
+def print_table(results, out=sys.stdout) -> None:
+    hdr = (f"{'setting':<22} {'W':>2} {'pass':<8} {'variant':<11} {'MiB/rank':>9} {'bytes':>6} "
+           f"{'median ms':>10} {'time':>6} {'speedup':>7} {'SQNR dB':>8}")
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    for s in results:
+        name = s["setting"] if s["mode"] != "loopback" or s["rate"] is None else s["setting"] + "*"
+        for r in s["records"]:
+            sq = r["sqnr_out_db"] if r["sqnr_grad_db"] is None else min(r["sqnr_out_db"],
+                                                                        r["sqnr_grad_db"])
+            print(f"{name:<22} {s['world_size']:>2} {r['pass']:<8} {r['variant']:<11} "
+                  f"{r['wire_bytes_per_rank'] / 2**20:>9.2f} {r['bytes_ratio']:>5.3f}x "
+                  f"{r['median_s'] * 1e3:>10.2f} {r['time_ratio']:>5.3f}x "
+                  f"{1 / r['time_ratio']:>6.2f}x {sq:>8.1f}", file=out)
+        link = ", ".join(f"{k}={v:.4g}" for k, v in s["link"].items())
+        print(f"{'':<22} link: {link}", file=out)
+    if any(s["mode"] == "loopback" and s["rate"] for s in results):
+        print("* namespaces unavailable: ran on plain loopback, NOT across shaped links", file=out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows-per-rank", type=int, default=32768,
+                   help="rows each rank sends in all (D=128 fp32: 32768 rows = 16 MiB)")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--passes", default="fwd,fwd+bwd")
+    p.add_argument("--settings", default="all",
+                   help="comma-separated indices into SETTINGS (0-3), or 'all'")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per cluster job")
+    p.add_argument("--json", default=os.path.join("bench", "results", "quantized_all_to_all.json"))
+    args = p.parse_args(argv)
+    args.passes = [x for x in args.passes.split(",") if x]
+    for x in args.passes:
+        if x not in VARIANTS:
+            p.error(f"--passes: each entry must be one of {sorted(VARIANTS)}, got {x!r}")
+    picked = range(len(SETTINGS)) if args.settings == "all" else [
+        int(i) for i in args.settings.split(",")]
+    t0 = time.time()
+    results = [run_setting(*SETTINGS[i], args) for i in picked]
+    print_table(results)
+    doc = {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.cluster.run_a2a"]
+                               + (argv if argv is not None else sys.argv[1:])),
+           "machine": _machine(), "rows_per_rank": args.rows_per_rank, "dim": args.dim,
+           "iters": args.iters, "warmup": args.warmup, "wall_s": time.time() - t0,
+           "results": results}
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
