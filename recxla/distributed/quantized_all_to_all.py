@@ -43,7 +43,12 @@ class _Exchange:
     buffers: List[torch.Tensor] = field(default_factory=list)
 
     def start(self, rows: torch.Tensor, fmt: str, send_splits, recv_splits) -> None:
-        send = quantize_rows(rows, fmt)
+        if rows.shape[0] == 0:
+            # Nothing to encode; the plain-cast codec path cannot reshape 0 rows.
+            width = get_format(fmt, OP).row_bytes(self.dim)
+            send = torch.empty((0, width), dtype=torch.uint8, device=rows.device)
+        else:
+            send = quantize_rows(rows, fmt)
         recv = send.new_empty((sum(recv_splits), send.shape[1]))
         self.work = dist.all_to_all_single(
             recv, send, recv_splits, send_splits, group=self.group, async_op=True

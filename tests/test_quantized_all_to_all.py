@@ -1,0 +1,237 @@
+"""recxla.quantized_all_to_all on 2 and 4 gloo ranks, against an fp32 all_to_all_single.
+
+Error bounds come from the wire format: a value v of a row with max |v| = amax is off by at most
+u * |v| + s * scale, where u = eps / 2 of the wire dtype (round to nearest), s = half the spacing
+of its subnormals (smallest_normal * eps / 2), and scale = amax / FP8_MAX for the FP8 formats
+(1 for the plain casts); then the result is rounded once more to x's dtype.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+
+import recxla
+from recxla.formats import FORMATS
+from distributed_utils import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+FMTS = sorted(FORMATS)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def error_bound(ref: torch.Tensor, fmt: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """Elementwise bound on |quantized result - ref| for fp32 rows `ref` sent in `fmt`."""
+    f = FORMATS[fmt]
+    info = torch.finfo(f.wire_dtype)
+    u, sub = info.eps / 2, info.smallest_normal * info.eps / 2
+    mag = ref.abs().double()
+    if f.is_fp8:
+        amax = mag.amax(dim=1, keepdim=True) if ref.shape[1] else mag.new_zeros(ref.shape[0], 1)
+        scale = amax / f.fp8_max
+    else:
+        scale = 1.0
+    # 2^-22 |v|: the fp32 scale and its inverse are each rounded once.
+    wire = u * mag + sub * scale + 2.0**-22 * mag
+    return wire + torch.finfo(out_dtype).eps / 2 * (mag + wire)
+
+
+def assert_within(out, ref, bound, what):
+    err = (out.double() - ref.double()).abs()
+    bad = err > bound
+    if bad.any():
+        i = bad.nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} values out of bound; first at {i}: got "
+            f"{out[tuple(i)].item()}, want {ref[tuple(i)].item()} +- {bound[tuple(i)].item()}"
+        )
+
+
+def fp32_all_to_all(x, outs, ins):
+    out = torch.empty(sum(outs), x.shape[1])
+    dist.all_to_all_single(out, x.detach().float().contiguous(), outs, ins)
+    return out
+
+
+def split_matrix(world, gen, max_rows=5):
+    """m[src][dst]: rows src sends dst; the same on every rank (shared generator), with zeros."""
+    m = torch.randint(0, max_rows + 1, (world, world), generator=gen)
+    m[torch.rand(world, world, generator=gen) < 0.3] = 0
+    if torch.rand((), generator=gen) < 0.5:  # a rank with N = 0
+        m[int(torch.randint(0, world, (), generator=gen))] = 0
+    return m.tolist()
+
+
+def embedding_rows(n, d, dtype):
+    """Rows of very different magnitudes, as pooled embeddings: per-row scaling must cope."""
+    x = torch.randn(n, d) * torch.exp(2 * torch.randn(n, 1))
+    return x.to(dtype)
+
+
+def _forward_backward_body(rank, world, seed):
+    gen = torch.Generator().manual_seed(seed)  # same on every rank: splits and shapes agree
+    torch.manual_seed(seed + 1000 * rank + 1)  # own data per rank
+    checked = 0
+    for case in range(2 * len(FMTS)):
+        fwd, bwd = FMTS[case % len(FMTS)], FMTS[(case * 2 + 1) % len(FMTS)]
+        dtype = DTYPES[case % len(DTYPES)]
+        d = int(torch.randint(1, 40, (), generator=gen))
+        m = split_matrix(world, gen)
+        ins, outs = m[rank], [m[src][rank] for src in range(world)]
+        base = embedding_rows(sum(ins), 2 * d, dtype)
+        # Every other case a strided x: half the columns of a wider matrix.
+        x = (base[:, ::2] if case % 2 else base[:, :d].contiguous()).requires_grad_(True)
+        give_outs = outs if case % 3 else None  # None: learned from the peers
+        y = recxla.quantized_all_to_all(x, give_outs, ins, fwd=fwd, bwd=bwd)
+        ref = fp32_all_to_all(x, outs, ins)
+        what = f"case {case} fwd={fwd} dtype={dtype} d={d} splits={m}"
+        assert y.shape == (sum(outs), d) and y.dtype == dtype, what
+        assert_within(y, ref, error_bound(ref, fwd, dtype), what)
+        if fwd == "fp32":
+            assert torch.equal(y, ref.to(dtype)), what  # every dtype is exact in fp32
+
+        g = embedding_rows(sum(outs), d, dtype)
+        y.backward(g)
+        g_ref = fp32_all_to_all(g, ins, outs)
+        assert x.grad.shape == x.shape and x.grad.dtype == dtype
+        assert_within(x.grad, g_ref, error_bound(g_ref, bwd, dtype), f"grad of {what} bwd={bwd}")
+        checked += y.numel() + x.grad.numel()
+    return checked
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_matches_fp32_all_to_all_forward_and_backward(world_size, seed):
+    checked = run_distributed(_forward_backward_body, world_size, args=(seed,))
+    assert sum(checked) > 0
+
+
+def _model_body(rank, world, seed):
+    torch.manual_seed(seed)  # the same Linear on every rank
+    d_in, d = 6, 12
+    lin = torch.nn.Linear(d_in, d)
+    torch.manual_seed(seed + rank + 1)
+    m = [[3, 2], [0, 4]]  # rows src -> dst; rank 1 sends rank 0 nothing
+    ins, outs = m[rank], [m[src][rank] for src in range(world)]
+    feats = torch.randn(sum(ins), d_in)
+    w = torch.randn(sum(outs), d)  # loss = (y * w).sum(): dL/dy = w, whatever y's error
+
+    # Reference: fp32 comm through torch's differentiable all_to_all_single.
+    lin.zero_grad()
+    h = lin(feats)
+    y_ref = dist_fn.all_to_all_single(torch.empty(sum(outs), d), h, outs, ins)
+    (y_ref * w).sum().backward()
+    grads_ref = [p.grad.clone() for p in lin.parameters()]
+
+    # Sync and async paths give the same bits; async computes while the rows travel.
+    results = []
+    for async_op in (False, True):
+        lin.zero_grad()
+        h = lin(feats)
+        out = recxla.quantized_all_to_all(h, outs, ins, fwd="e4m3", bwd="bf16", async_op=async_op)
+        if async_op:
+            assert isinstance(out, recxla.distributed.QuantizedAllToAllHandle)
+            busy = feats @ feats.T  # overlapped work
+            y = out.wait()
+            assert out.wait() is y and out.is_completed() and busy.shape[0] == sum(ins)
+        else:
+            y = out
+        assert_within(y, y_ref.detach(), error_bound(y_ref.detach(), "e4m3", y.dtype), "forward")
+        (y * w).sum().backward()
+        results.append([p.grad.clone() for p in lin.parameters()])
+    for p_sync, p_async in zip(*results):
+        assert torch.equal(p_sync, p_async)
+
+    # dW = G^T feats, G = the gradient rows sent back in bf16 (|error| <= u |G|).
+    g_ref = fp32_all_to_all(w, ins, outs)
+    u = torch.finfo(torch.bfloat16).eps / 2
+    slack = 2.0**-20  # fp32 accumulation of a few products
+    bound_w = (u + slack) * (g_ref.abs().T @ feats.abs()) + 1e-30
+    bound_b = (u + slack) * g_ref.abs().sum(0) + 1e-30
+    dw, db = results[0]
+    assert dw.abs().sum() > 0
+    assert_within(dw, grads_ref[0], bound_w, "Linear weight grad")
+    assert_within(db, grads_ref[1], bound_b, "Linear bias grad")
+
+    # A loss of y.sum() hands backward a stride-0 (expanded) gradient.
+    x = torch.randn(sum(ins), d, requires_grad=True)
+    recxla.quantized_all_to_all(x, outs, ins, bwd="e5m2").sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    return True
+
+
+def test_gradients_reach_a_linear_before_the_all_to_all_sync_and_async(seed):
+    run_distributed(_model_body, 2, args=(seed,))
+
+
+def _errors_body(rank, world, seed):
+    torch.manual_seed(seed + rank)
+    a2a = recxla.quantized_all_to_all
+    x = torch.randn(4, 8)
+    ins = [1, 3] if rank == 0 else [3, 1]
+    outs = list(ins)  # rows src -> dst: [[1, 3], [3, 1]]
+
+    # Local errors: raised on this rank alone, before any communication (no peer is waiting:
+    # every rank raises them, and the group stays usable).
+    local = [
+        (dict(input_split_sizes=[2, 3]), ValueError, "input_split_sizes sum to 5, but x has 4"),
+        (dict(input_split_sizes=[4]), ValueError, r"one entry per rank of the group \(2\), got 1"),
+        (dict(input_split_sizes=[5, -1]), ValueError, "input_split_sizes must be >= 0"),
+        (dict(output_split_sizes=[1.0, 3]), TypeError, "output_split_sizes must hold ints"),
+        (dict(output_split_sizes="13"), TypeError, "output_split_sizes must be a list of ints"),
+        (dict(x=torch.randn(3, 8), input_split_sizes=None), ValueError, "not a multiple of"),
+        (dict(x=torch.randn(4)), ValueError, "x must be 2-D"),
+        (dict(x=torch.ones(4, 8, dtype=torch.int32)), TypeError, "x must be float32"),
+        (dict(fwd="e4m3fn"), ValueError, "fwd must be one of"),
+        (dict(bwd="int8"), ValueError, "bwd must be one of"),
+        (dict(async_op=1), TypeError, "async_op must be a bool"),
+    ]
+    for kwargs, exc, match in local:
+        args = dict(x=x, output_split_sizes=outs, input_split_sizes=ins)
+        args.update(kwargs)
+        with pytest.raises(exc, match=match):
+            a2a(**args)
+
+    # Disagreements across ranks: every rank raises the same ValueError, long before the
+    # group's 30 s timeout.
+    messages = []
+    for kwargs in (
+        dict(output_split_sizes=[1, 2] if rank == 0 else [3, 1]),  # rank 0 under-expects
+        dict(output_split_sizes=[1, 3] if rank == 0 else [4, 1]),  # rank 1 over-expects
+        dict(x=torch.randn(4, 8 + rank)),
+        dict(fwd="e4m3" if rank == 0 else "e5m2"),
+    ):
+        args = dict(x=x, output_split_sizes=outs, input_split_sizes=ins)
+        args.update(kwargs)
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="recxla.quantized_all_to_all: ") as info:
+            a2a(**args)
+        assert time.monotonic() - start < 5.0
+        messages.append(str(info.value))
+
+    # The group still works, and the valid call agrees with the fp32 exchange.
+    y = a2a(x, outs, ins, fwd="fp32")
+    assert torch.equal(y, fp32_all_to_all(x, outs, ins))
+    return messages
+
+
+def test_errors_are_raised_before_comm_and_on_every_rank(seed):
+    m0, m1 = run_distributed(_errors_body, 2, args=(seed,))
+    assert m0 == m1, "ranks must raise the same error"
+    assert "rank 1 sends 3 rows to rank 0, but rank 0 expects 2 from rank 1" in m0[0]
+    assert "rank 0 sends 3 rows to rank 1, but rank 1 expects 4 from rank 0" in m0[1]
+    assert "same x.shape[1] (D), got rank 0: 8, rank 1: 9" in m0[2]
+    assert "same fwd, got rank 0: 'e4m3', rank 1: 'e5m2'" in m0[3]
+
+
+def test_argument_errors_need_no_process_group():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        recxla.quantized_all_to_all([[1.0]], [1], [1])
+    with pytest.raises(ValueError, match="fwd must be one of"):
+        recxla.quantized_all_to_all(x, [4], [4], fwd="fp8")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="needs an initialized process group"):
+            recxla.quantized_all_to_all(x, [4], [4])
