@@ -1,0 +1,296 @@
+// Segmented key dedup on CPU: the distinct keys of each segment, ascending, and the inverse index.
+//
+// Each segment is deduplicated by one thread; threads take segments largest first from a shared
+// counter (longest-processing-time order), so one big table does not end up last on a busy
+// thread. Inside a segment, one of two exact methods runs, chosen from the segment's key range:
+// - dense: when the range max - min is small next to the segment length (small tables, hot
+//   keys), a presence array over the range gives the sorted uniques in one scan, no sort at all;
+// - hashed: otherwise an open-addressing hash table numbers the distinct keys in first-seen order
+//   (one probe per key: with skewed traffic most keys hit a few hot slots in L1), and only the U
+//   distinct keys are sorted (LSD radix on (key - min) packed above the provisional number), then
+//   the provisional numbers are mapped to ranks. Sorting U keys instead of N pays off exactly when
+//   keys repeat, which is why dedup is worth doing.
+// A second pass adds each segment's global base to its inverse and copies its uniques out.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <limits>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+#include "recxla/dedup.h"
+
+namespace recxla {
+namespace {
+
+using dedup::from_ordered_bits;
+using dedup::ordered_bits;
+
+constexpr uint32_t kEmpty = std::numeric_limits<uint32_t>::max();
+// Below this many keys in all, threads cost more than they save.
+constexpr int64_t kParallelMinKeys = 16384;
+// Unique counts below this sort with std::sort: radix histograms would dominate.
+constexpr int64_t kRadixMinKeys = 256;
+
+template <typename key_t>
+struct Slot {
+  key_t key;
+  uint32_t id;
+};
+
+// Per-thread buffers, reused from segment to segment.
+template <typename key_t>
+struct Scratch {
+  std::vector<Slot<key_t>> table;
+  std::vector<uint32_t> dense;
+  std::vector<uint64_t> packed, packed_tmp;
+  std::vector<uint32_t> histogram;
+  std::vector<uint32_t> rank;
+};
+
+// Fibonacci hashing: the top bits of key * 2^64/phi spread consecutive and strided keys evenly.
+inline uint64_t hash_slot(uint64_t bits, int shift) {
+  return (bits * UINT64_C(0x9E3779B97F4A7C15)) >> shift;
+}
+
+// The presence array costs about as much as a few hash probes per entry; beyond this range the
+// hash table is cheaper.
+inline bool use_dense(uint64_t range, int64_t n) {
+  return range < static_cast<uint64_t>(4 * n + 1024);
+}
+
+template <typename key_t>
+int64_t dedup_dense(
+    const key_t* __restrict__ v, int64_t n, uint64_t lo, uint64_t range, key_t* __restrict__ uniq,
+    int64_t* __restrict__ inv, Scratch<key_t>& scratch) {
+  std::vector<uint32_t>& rank = scratch.dense;
+  rank.assign(range + 1, 0);
+  for (int64_t i = 0; i < n; ++i) rank[ordered_bits(v[i]) - lo] = 1;
+  uint32_t u = 0;
+  for (uint64_t r = 0; r <= range; ++r) {
+    if (rank[r]) {
+      uniq[u] = from_ordered_bits<key_t>(lo + r);
+      rank[r] = u++;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) inv[i] = rank[ordered_bits(v[i]) - lo];
+  return u;
+}
+
+// Sorts a[0:n) on bits [lo_bit, hi_bit) (bits above hi_bit are zero); LSD with equal digits of
+// at most 11 bits; a digit every key shares is skipped. Returns the buffer holding the result.
+uint64_t* radix_sort(
+    uint64_t* a, uint64_t* tmp, int64_t n, int lo_bit, int hi_bit, std::vector<uint32_t>& hist) {
+  const int bits = hi_bit - lo_bit;
+  const int passes = (bits + 10) / 11;
+  const int digit = (bits + passes - 1) / passes;
+  const int64_t buckets = int64_t{1} << digit;
+  const uint64_t mask = static_cast<uint64_t>(buckets - 1);
+  hist.assign(static_cast<size_t>(passes * buckets), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int p = 0; p < passes; ++p) ++hist[p * buckets + ((a[i] >> (lo_bit + p * digit)) & mask)];
+  }
+  for (int p = 0; p < passes; ++p) {
+    uint32_t* h = hist.data() + p * buckets;
+    const int shift = lo_bit + p * digit;
+    if (h[(a[0] >> shift) & mask] == static_cast<uint32_t>(n)) continue;
+    uint32_t sum = 0;
+    for (int64_t b = 0; b < buckets; ++b) sum += std::exchange(h[b], sum);
+    for (int64_t i = 0; i < n; ++i) tmp[h[(a[i] >> shift) & mask]++] = a[i];
+    std::swap(a, tmp);
+  }
+  return a;
+}
+
+// Sorts uniq[0:u) (distinct keys, first-seen order) ascending and renumbers inv[0:n) from
+// first-seen numbers to ranks.
+template <typename key_t>
+void sort_uniques(
+    key_t* __restrict__ uniq, int64_t u, uint64_t lo, uint64_t range, int64_t* __restrict__ inv,
+    int64_t n, Scratch<key_t>& scratch) {
+  std::vector<uint32_t>& rank = scratch.rank;
+  rank.resize(u);
+  const int id_bits = std::bit_width(static_cast<uint64_t>(u - 1));
+  const int key_bits = std::bit_width(range);
+  if (id_bits + key_bits <= 64) {
+    // (key - min) above the first-seen number: one array to sort, the number rides along.
+    std::vector<uint64_t>& packed = scratch.packed;
+    packed.resize(u);
+    for (int64_t j = 0; j < u; ++j) {
+      packed[j] = ((ordered_bits(uniq[j]) - lo) << id_bits) | static_cast<uint64_t>(j);
+    }
+    const uint64_t* sorted = packed.data();
+    if (u < kRadixMinKeys) {
+      std::sort(packed.begin(), packed.end());
+    } else {
+      scratch.packed_tmp.resize(u);
+      sorted = radix_sort(
+          packed.data(), scratch.packed_tmp.data(), u, id_bits, id_bits + key_bits,
+          scratch.histogram);
+    }
+    const uint64_t id_mask = (uint64_t{1} << id_bits) - 1;
+    for (int64_t r = 0; r < u; ++r) {
+      rank[sorted[r] & id_mask] = static_cast<uint32_t>(r);
+      uniq[r] = from_ordered_bits<key_t>(lo + (sorted[r] >> id_bits));
+    }
+  } else {
+    // Keys spread over nearly all 64 bits (hashed ids): sort the numbers by key instead.
+    std::vector<uint64_t>& keys = scratch.packed;
+    keys.assign(uniq, uniq + u);
+    std::vector<uint32_t>& order = scratch.histogram;
+    order.resize(u);
+    std::iota(order.begin(), order.end(), 0u);
+    std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+      return static_cast<key_t>(keys[a]) < static_cast<key_t>(keys[b]);
+    });
+    for (int64_t r = 0; r < u; ++r) {
+      rank[order[r]] = static_cast<uint32_t>(r);
+      uniq[r] = static_cast<key_t>(keys[order[r]]);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) inv[i] = rank[inv[i]];
+}
+
+template <typename key_t>
+int64_t dedup_hashed(
+    const key_t* __restrict__ v, int64_t n, uint64_t lo, uint64_t range, key_t* __restrict__ uniq,
+    int64_t* __restrict__ inv, Scratch<key_t>& scratch) {
+  std::vector<Slot<key_t>>& table = scratch.table;
+  // Start small (skewed segments have few distinct keys, and a small table stays in cache) and
+  // double whenever the table is half full.
+  const uint64_t first_guess = static_cast<uint64_t>(std::min<int64_t>(n, 2048));
+  int log_cap = std::max(4, static_cast<int>(std::bit_width(first_guess)) + 1);
+  table.assign(size_t{1} << log_cap, Slot<key_t>{key_t{0}, kEmpty});
+  uint64_t mask = table.size() - 1;
+  int shift = 64 - log_cap;
+  uint32_t u = 0;
+  auto insert_known = [&](key_t k, uint32_t id) {
+    uint64_t h = hash_slot(static_cast<uint64_t>(k), shift);
+    while (table[h].id != kEmpty) h = (h + 1) & mask;
+    table[h] = Slot<key_t>{k, id};
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const key_t k = v[i];
+    uint64_t h = hash_slot(static_cast<uint64_t>(k), shift);
+    for (;;) {
+      const Slot<key_t> slot = table[h];
+      if (slot.id == kEmpty) {
+        table[h] = Slot<key_t>{k, u};
+        uniq[u] = k;
+        inv[i] = u++;
+        if (2 * static_cast<uint64_t>(u) > table.size()) {
+          ++log_cap;
+          table.assign(size_t{1} << log_cap, Slot<key_t>{key_t{0}, kEmpty});
+          mask = table.size() - 1;
+          shift = 64 - log_cap;
+          for (uint32_t j = 0; j < u; ++j) insert_known(uniq[j], j);
+        }
+        break;
+      }
+      if (slot.key == k) {
+        inv[i] = slot.id;
+        break;
+      }
+      h = (h + 1) & mask;
+    }
+  }
+  if (u > 1) sort_uniques(uniq, u, lo, range, inv, n, scratch);
+  return u;
+}
+
+// Dedups one segment: distinct keys ascending into uniq, inv[i] = rank of v[i] among them.
+template <typename key_t>
+int64_t dedup_segment(
+    const key_t* v, int64_t n, key_t* uniq, int64_t* inv, Scratch<key_t>& scratch) {
+  if (n == 0) return 0;
+  uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t b = ordered_bits(v[i]);
+    lo = std::min(lo, b);
+    hi = std::max(hi, b);
+  }
+  const uint64_t range = hi - lo;
+  if (use_dense(range, n)) return dedup_dense(v, n, lo, range, uniq, inv, scratch);
+  return dedup_hashed(v, n, lo, range, uniq, inv, scratch);
+}
+
+template <typename key_t>
+at::Tensor dedup_all(
+    const at::Tensor& values, const int64_t* off, int64_t segments, at::Tensor& inverse,
+    at::Tensor& unique_offsets) {
+  const int64_t n = values.numel();
+  const key_t* v = values.const_data_ptr<key_t>();
+  int64_t* inv = inverse.data_ptr<int64_t>();
+  // Each segment's uniques are staged where its keys sit (there are never more of them).
+  at::Tensor staging = at::empty({n}, values.options());
+  key_t* stage = staging.data_ptr<key_t>();
+  std::vector<int64_t> counts(segments, 0);
+  std::vector<int64_t> order;
+  order.reserve(segments);
+  for (int64_t s = 0; s < segments; ++s) {
+    if (off[s + 1] > off[s]) order.push_back(s);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return off[a + 1] - off[a] > off[b + 1] - off[b];
+  });
+  const int64_t workers =
+      n < kParallelMinKeys ? 1 : std::min<int64_t>(at::get_num_threads(), order.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    Scratch<key_t> scratch;
+    for (int64_t t = next.fetch_add(1); t < static_cast<int64_t>(order.size());
+         t = next.fetch_add(1)) {
+      const int64_t s = order[t];
+      counts[s] = dedup_segment(v + off[s], off[s + 1] - off[s], stage + off[s], inv + off[s],
+                                scratch);
+    }
+  });
+
+  int64_t* uo = unique_offsets.data_ptr<int64_t>();
+  uo[0] = 0;
+  for (int64_t s = 0; s < segments; ++s) uo[s + 1] = uo[s] + counts[s];
+  at::Tensor unique_values = at::empty({uo[segments]}, values.options());
+  key_t* out = unique_values.data_ptr<key_t>();
+  const int64_t grain = n < kParallelMinKeys ? segments : 1;
+  at::parallel_for(0, segments, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; ++s) {
+      std::copy(stage + off[s], stage + off[s] + counts[s], out + uo[s]);
+      const int64_t base = uo[s];
+      int64_t* seg_inv = inv + off[s];
+      const int64_t len = off[s + 1] - off[s];
+      for (int64_t i = 0; i < len; ++i) seg_inv[i] += base;
+    }
+  });
+  return unique_values;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> segmented_unique_cpu(
+    const at::Tensor& values_in, const at::Tensor& offsets_in) {
+  constexpr const char* op = "recxla::segmented_unique";
+  dedup::check_dedup_args(op, values_in, offsets_in);
+  const at::Tensor offsets = offsets_in.contiguous();
+  const int64_t count = offsets.numel();
+  const int64_t n = values_in.numel();
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  dedup::check_dedup_offsets(op, off, count, n);
+  const at::Tensor values = values_in.contiguous();
+  at::Tensor inverse = at::empty({n}, values.options().dtype(at::kLong));
+  at::Tensor unique_offsets = at::zeros({count}, offsets.options());
+  if (n == 0) return {at::empty({0}, values.options()), unique_offsets, inverse};
+  at::Tensor unique_values =
+      values.scalar_type() == at::kInt
+          ? dedup_all<int32_t>(values, off, count - 1, inverse, unique_offsets)
+          : dedup_all<int64_t>(values, off, count - 1, inverse, unique_offsets);
+  return {unique_values, unique_offsets, inverse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(recxla, CPU, m) { m.impl("segmented_unique", &segmented_unique_cpu); }
+
+}  // namespace recxla

@@ -1,0 +1,99 @@
+// Segmented key dedup: what the CPU and CUDA kernels share.
+//
+// Contract (recxla.ops.dedup.segmented_unique): values [N] int32/int64 hold S segments laid one
+// after another, segment s = values[offsets[s]:offsets[s + 1]]. The result lists each segment's
+// distinct keys in ascending order, segments in order (unique_values, unique_offsets [S + 1]), and
+// inverse [N] with values[i] == unique_values[inverse[i]].
+//
+// Shared here:
+// - the argument checks, run on the host copy of offsets by both kernels, so a bad offsets tensor
+//   raises the same ValueError before any work on every device;
+// - the order-preserving map of a signed key onto unsigned bits (CPU radix sort and key ranges);
+// - the head rule of the sort-based kernels (CUDA, Triton): a sorted position starts a new
+//   unique key when it starts a segment or differs from its left neighbour.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define RECXLA_DEDUP_HD __host__ __device__ __forceinline__
+#else
+#define RECXLA_DEDUP_HD inline __attribute__((always_inline))
+#endif
+
+#if !defined(__CUDA_ARCH__)
+#include <ATen/ATen.h>
+#endif
+
+namespace recxla {
+namespace dedup {
+
+// Signed keys map onto unsigned integers of the same order (flip the sign bit), so ranges and
+// radix digits work on plain unsigned arithmetic and negative keys need no special case.
+template <typename key_t>
+RECXLA_DEDUP_HD uint64_t ordered_bits(key_t key) {
+  static_assert(std::is_signed_v<key_t> && std::is_integral_v<key_t>, "signed integer keys");
+  using ukey_t = std::make_unsigned_t<key_t>;
+  constexpr ukey_t sign = ukey_t{1} << (8 * sizeof(key_t) - 1);
+  return static_cast<uint64_t>(static_cast<ukey_t>(key) ^ sign);
+}
+
+template <typename key_t>
+RECXLA_DEDUP_HD key_t from_ordered_bits(uint64_t bits) {
+  using ukey_t = std::make_unsigned_t<key_t>;
+  constexpr ukey_t sign = ukey_t{1} << (8 * sizeof(key_t) - 1);
+  return static_cast<key_t>(static_cast<ukey_t>(bits) ^ sign);
+}
+
+// Position i of a segment-sorted key array starts a new unique key. `segment_start` is true when
+// i is the first position of its segment (equal keys in different segments stay distinct).
+template <typename key_t>
+RECXLA_DEDUP_HD bool is_head(int64_t i, bool segment_start, key_t key, key_t left) {
+  return i == 0 || segment_start || key != left;
+}
+
+// A unique key's provisional number in the CPU hash table is 32-bit: a segment may hold at most
+// this many keys (16 GiB of int32 keys; larger segments are split by the caller).
+constexpr int64_t kMaxSegmentKeys = std::numeric_limits<uint32_t>::max() - 1;
+
+#if !defined(__CUDA_ARCH__)
+// values: 1-D int32/int64; offsets: 1-D int64 with S + 1 >= 1 entries, on values' device.
+inline void check_dedup_args(const char* op, const at::Tensor& values, const at::Tensor& offsets) {
+  TORCH_CHECK_VALUE(values.dim() == 1, op, ": values must be 1-D [N], got ", values.dim(), "-D");
+  TORCH_CHECK_TYPE(
+      values.scalar_type() == at::kInt || values.scalar_type() == at::kLong, op,
+      ": values must be int32 or int64, got ", values.scalar_type());
+  TORCH_CHECK_VALUE(
+      offsets.dim() == 1, op, ": offsets must be 1-D [S + 1], got ", offsets.dim(), "-D");
+  TORCH_CHECK_TYPE(
+      offsets.scalar_type() == at::kLong, op, ": offsets must be int64, got ",
+      offsets.scalar_type());
+  TORCH_CHECK_VALUE(
+      offsets.numel() >= 1, op, ": offsets must have S + 1 >= 1 entries (offsets[0] == 0), got 0");
+  TORCH_CHECK_VALUE(
+      values.device() == offsets.device(), op, ": values and offsets must be on one device, got ",
+      values.device(), " and ", offsets.device());
+}
+
+// offsets: a contiguous host array of S + 1 entries. Checked before any work: a bad offset
+// would otherwise read or write out of bounds.
+inline void check_dedup_offsets(const char* op, const int64_t* offsets, int64_t count, int64_t n) {
+  TORCH_CHECK_VALUE(offsets[0] == 0, op, ": offsets[0] must be 0, got ", offsets[0]);
+  for (int64_t s = 0; s + 1 < count; ++s) {
+    TORCH_CHECK_VALUE(
+        offsets[s] <= offsets[s + 1], op, ": offsets must be non-decreasing, but offsets[", s,
+        "]=", offsets[s], " > offsets[", s + 1, "]=", offsets[s + 1]);
+    TORCH_CHECK_VALUE(
+        offsets[s + 1] - offsets[s] <= kMaxSegmentKeys, op, ": segment ", s, " holds ",
+        offsets[s + 1] - offsets[s], " keys, more than the limit of ", kMaxSegmentKeys);
+  }
+  TORCH_CHECK_VALUE(
+      offsets[count - 1] == n, op, ": offsets[-1] must equal values.numel()=", n, ", got ",
+      offsets[count - 1]);
+}
+#endif
+
+}  // namespace dedup
+}  // namespace recxla
