@@ -1,0 +1,39 @@
+// Schemas of the pooled embedding lookup over deduplicated ids (kernels: csrc/cpu/embedding_bag.cpp,
+// csrc/cuda/embedding_bag.cu; per-row optimizer math: csrc/include/recxla/embedding_bag.h; Python
+// API, fake kernels, autograd: recxla/ops/embedding_bag.py; module: recxla/nn).
+//
+// Shared arguments (T tables, F features, B samples per feature, N ids, U unique rows):
+//   weights        T float32 tensors [E_t, D_t], rows contiguous
+//   unique_values  int32/int64 [U]: the distinct rows, table by table (segment t holds table t's
+//                  rows in strictly increasing order)
+//   unique_offsets int64 [T + 1]: segment bounds of unique_values
+//   inverse        int64 [N]: for every id, its index into unique_values
+//   offsets        int64 [F * B + 1]: bag bounds into the ids; bag f * B + b is sample b of
+//                  feature f, and feature f's ids all belong to table feature_table[f]
+//   per_sample_weights  float32 [N] or None
+//   feature_table  F ints: the table of each feature; output columns follow feature order
+//   pooling        T ints: 0 = sum, 1 = mean (sum / bag length; empty bags give zeros)
+#include <torch/library.h>
+
+TORCH_LIBRARY_FRAGMENT(recxla, m) {
+  // -> float32 [B, sum_f D_{feature_table[f]}]: the pooled rows of every bag.
+  m.def(
+      "embedding_bag_forward(Tensor[] weights, Tensor unique_values, Tensor unique_offsets, "
+      "Tensor inverse, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
+      "int[] pooling, int batch_size) -> Tensor");
+  // -> T float32 tensors [U_t, D_t]: the gradient of every unique row, summed over its ids
+  //    (what a dense weight gradient holds at those rows; it is zero everywhere else).
+  m.def(
+      "embedding_bag_unique_grad(Tensor grad_output, Tensor[] weights, Tensor unique_values, "
+      "Tensor unique_offsets, Tensor inverse, Tensor offsets, Tensor? per_sample_weights, "
+      "int[] feature_table, int[] pooling, int batch_size) -> Tensor[]");
+  // Reduces the gradient per unique row as above and applies each table's optimizer to those rows
+  // in place. optim: T ints (0 none, 1 SGD, 2 Adagrad, 3 row-wise Adagrad); states: T float32
+  // tensors (SGD: any, unused; Adagrad: [E_t, D_t]; row-wise Adagrad: E_t values); hparams:
+  // 4 * T floats, per table (lr, eps, weight_decay, grad_sign).
+  m.def(
+      "embedding_bag_backward_update(Tensor grad_output, Tensor(a!)[] weights, "
+      "Tensor(b!)[] states, Tensor unique_values, Tensor unique_offsets, Tensor inverse, "
+      "Tensor offsets, Tensor? per_sample_weights, int[] feature_table, int[] pooling, "
+      "int batch_size, int[] optim, float[] hparams) -> ()");
+}

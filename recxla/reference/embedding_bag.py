@@ -1,0 +1,176 @@
+"""Reference pooled embedding lookup over deduplicated ids, its gradient and the fused sparse
+optimizers, in plain PyTorch (the oracle of tests/test_embedding_bag.py; the kernels are
+csrc/cpu/embedding_bag.cpp, csrc/cuda/embedding_bag.cu and triton_kernels/embedding_bag.py).
+
+Shapes (T tables, F features, B samples, N ids, U unique rows), as in csrc/embedding_bag.cpp:
+    weights: T float32 [E_t, D_t]; unique_values: int32/int64 [U], table by table;
+    unique_offsets: int64 [T + 1]; inverse: int64 [N]; offsets: int64 [F * B + 1];
+    per_sample_weights: float32 [N] or None; feature_table: F ints; pooling: T ints (0 sum, 1 mean).
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+SUM, MEAN = 0, 1
+NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2, 3
+NUM_HPARAMS = 4  # lr, eps, weight_decay, grad_sign
+
+
+def segmented_unique_ref(
+    values: torch.Tensor, offsets: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """values: int32/int64 [N]; offsets: int64 [S + 1] -> (unique_values [U] ascending within
+    each segment, unique_offsets int64 [S + 1], inverse int64 [N] into unique_values)."""
+    bounds = offsets.tolist()
+    uniques, inverses, counts = [], [], [0]
+    for s in range(len(bounds) - 1):
+        u, inv = torch.unique(values[bounds[s] : bounds[s + 1]], sorted=True, return_inverse=True)
+        inverses.append(inv.to(torch.int64) + counts[-1])
+        uniques.append(u)
+        counts.append(counts[-1] + u.numel())
+    unique_values = torch.cat(uniques) if uniques else values.new_empty(0)
+    inverse = torch.cat(inverses) if inverses else values.new_empty(0, dtype=torch.int64)
+    return unique_values, torch.tensor(counts, dtype=torch.int64, device=values.device), inverse
+
+
+def _bag_layout(offsets: torch.Tensor, num_features: int, batch_size: int):
+    """Per id: its bag's sample index, and the bag length (for mean pooling)."""
+    lengths = offsets.diff()
+    bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    return bag_of_id % max(batch_size, 1), lengths[bag_of_id]
+
+
+def _id_scale(pool, lengths_of_id, per_sample_weights, f_slice):
+    scale = torch.ones(lengths_of_id[f_slice].shape, dtype=torch.float32, device=lengths_of_id.device)
+    if per_sample_weights is not None:
+        scale = per_sample_weights[f_slice].float()
+    if pool == MEAN:
+        scale = scale * (1.0 / lengths_of_id[f_slice].float())
+    return scale
+
+
+def embedding_bag_forward_ref(
+    weights: Sequence[torch.Tensor],
+    unique_values: torch.Tensor,
+    unique_offsets: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_table: Sequence[int],
+    pooling: Sequence[int],
+    batch_size: int,
+) -> torch.Tensor:
+    """-> float32 [B, sum_f D_{feature_table[f]}]; differentiable with respect to `weights`."""
+    ids = unique_values[inverse].long()
+    sample_of_id, _ = _bag_layout(offsets, len(feature_table), batch_size)
+    outs = []
+    for f, t in enumerate(feature_table):
+        w = weights[t]
+        first, last = offsets[f * batch_size].item(), offsets[(f + 1) * batch_size].item()
+        rows = w[ids[first:last]]
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights[first:last, None]
+        out = torch.zeros(batch_size, w.shape[1], dtype=w.dtype, device=w.device)
+        out = out.index_add(0, sample_of_id[first:last], rows)
+        if pooling[t] == MEAN:
+            lengths = offsets[f * batch_size : (f + 1) * batch_size + 1].diff()
+            out = out * torch.where(lengths > 0, 1.0 / lengths.clamp(min=1).float(), 1.0)[:, None]
+        outs.append(out)
+    if not outs:
+        return torch.zeros(batch_size, 0, dtype=torch.float32, device=offsets.device)
+    return torch.cat(outs, dim=1)
+
+
+def embedding_bag_unique_grad_ref(
+    grad_output: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    unique_values: torch.Tensor,
+    unique_offsets: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_table: Sequence[int],
+    pooling: Sequence[int],
+    batch_size: int,
+) -> List[torch.Tensor]:
+    """grad_output: float32 [B, total_dim] -> T float32 [U_t, D_t], the weight gradient at each
+    unique row (ids' output gradients, scaled by per-sample weight and 1 / bag length for mean)."""
+    uoff = unique_offsets.tolist()
+    sample_of_id, lengths_of_id = _bag_layout(offsets, len(feature_table), batch_size)
+    grads = [
+        torch.zeros(uoff[t + 1] - uoff[t], w.shape[1], dtype=torch.float32, device=w.device)
+        for t, w in enumerate(weights)
+    ]
+    column = 0
+    for f, t in enumerate(feature_table):
+        dim = weights[t].shape[1]
+        first, last = offsets[f * batch_size].item(), offsets[(f + 1) * batch_size].item()
+        scale = _id_scale(pooling[t], lengths_of_id, per_sample_weights, slice(first, last))
+        g = grad_output[sample_of_id[first:last], column : column + dim] * scale[:, None]
+        grads[t].index_add_(0, inverse[first:last] - uoff[t], g)
+        column += dim
+    return grads
+
+
+def apply_optimizer_ref(
+    weight: torch.Tensor,
+    state: Optional[torch.Tensor],
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    optim: int,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    grad_sign: float = 1.0,
+) -> None:
+    """Update weight[rows] (float32 [E, D]) in place with the gradient rows grad [len(rows), D];
+    state: Adagrad float32 [E, D], row-wise Adagrad float32 with E values (updated in place).
+    The formulas are those of csrc/include/recxla/embedding_bag.h, in torch ops."""
+    rows = rows.long()
+    w = weight[rows]
+    g = grad * grad_sign
+    gd = g + weight_decay * w if weight_decay != 0 else g
+    if optim == SGD:
+        weight[rows] = w + (-lr) * gd
+    elif optim == ADAGRAD:
+        m = state[rows] + gd * gd
+        state[rows] = m
+        weight[rows] = w + ((-lr) * gd) / (m.sqrt() + eps)
+    elif optim == ROWWISE_ADAGRAD:
+        flat = state.view(-1)
+        m = flat[rows] + (gd * gd).sum(dim=1) / w.shape[1]
+        flat[rows] = m
+        multiplier = lr / (m.sqrt() + eps)
+        correction = 1.0 - multiplier * weight_decay if weight_decay != 0 else torch.ones_like(m)
+        weight[rows] = correction[:, None] * w - g * multiplier[:, None]
+    elif optim != NONE:
+        raise ValueError(f"apply_optimizer_ref: unknown optim {optim}")
+
+
+def embedding_bag_backward_update_ref(
+    grad_output: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    states: Sequence[torch.Tensor],
+    unique_values: torch.Tensor,
+    unique_offsets: torch.Tensor,
+    inverse: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: Optional[torch.Tensor],
+    feature_table: Sequence[int],
+    pooling: Sequence[int],
+    batch_size: int,
+    optim: Sequence[int],
+    hparams: Sequence[float],
+) -> None:
+    """Reduce the gradient per unique row and update weights/states in place (see the op)."""
+    grads = embedding_bag_unique_grad_ref(
+        grad_output, weights, unique_values, unique_offsets, inverse, offsets,
+        per_sample_weights, feature_table, pooling, batch_size,
+    )
+    uoff = unique_offsets.tolist()
+    with torch.no_grad():
+        for t, w in enumerate(weights):
+            lr, eps, wd, sign = hparams[NUM_HPARAMS * t : NUM_HPARAMS * (t + 1)]
+            rows = unique_values[uoff[t] : uoff[t + 1]]
+            apply_optimizer_ref(w, states[t], rows, grads[t], optim[t], lr, eps, wd, sign)
