@@ -8,30 +8,13 @@ Shapes (T tables, F features, B samples, N ids, U unique rows), as in csrc/embed
     per_sample_weights: float32 [N] or None; feature_table: F ints; pooling: T ints (0 sum, 1 mean).
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 
 SUM, MEAN = 0, 1
 NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2, 3
 NUM_HPARAMS = 4  # lr, eps, weight_decay, grad_sign
-
-
-def segmented_unique_ref(
-    values: torch.Tensor, offsets: torch.Tensor
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """values: int32/int64 [N]; offsets: int64 [S + 1] -> (unique_values [U] ascending within
-    each segment, unique_offsets int64 [S + 1], inverse int64 [N] into unique_values)."""
-    bounds = offsets.tolist()
-    uniques, inverses, counts = [], [], [0]
-    for s in range(len(bounds) - 1):
-        u, inv = torch.unique(values[bounds[s] : bounds[s + 1]], sorted=True, return_inverse=True)
-        inverses.append(inv.to(torch.int64) + counts[-1])
-        uniques.append(u)
-        counts.append(counts[-1] + u.numel())
-    unique_values = torch.cat(uniques) if uniques else values.new_empty(0)
-    inverse = torch.cat(inverses) if inverses else values.new_empty(0, dtype=torch.int64)
-    return unique_values, torch.tensor(counts, dtype=torch.int64, device=values.device), inverse
 
 
 def _bag_layout(offsets: torch.Tensor, num_features: int, batch_size: int):

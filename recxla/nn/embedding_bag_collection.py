@@ -1,0 +1,193 @@
+"""recxla.nn.EmbeddingBagCollection: TorchRec's EmbeddingBagCollection with deduplicated lookups
+and a fused sparse optimizer.
+
+It is a subclass of torchrec.modules.embedding_modules.EmbeddingBagCollection that keeps its
+parameters, initialisation and output layout (same constructor tables, same KeyedTensor keys,
+order and columns, same state_dict keys `embedding_bags.<table>.weight`, so checkpoints move
+between the two), and replaces the forward:
+
+1. the ids of each table's features are deduplicated once (recxla.ops.dedup.segmented_unique,
+   one segment per table, so features sharing a table share its unique rows);
+2. one kernel pools every bag of every feature from those unique rows (sum or mean, optional
+   per-sample weights) straight into the [B, sum of dims] output;
+3. the backward reduces the output gradient per unique row and, for tables with an optimizer,
+   updates those rows and their optimizer state in place (weight.grad stays None, as with FBGEMM's
+   fused TBE); tables without one get an ordinary dense gradient.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection as TorchRecEmbeddingBagCollection,
+)
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from recxla.nn import optimizers
+from recxla.ops.dedup import segmented_unique
+from recxla.ops.embedding_bag import MEAN, SUM, FusedPooledLookup, LookupPlan
+
+OWNER = optimizers.OWNER
+
+
+class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
+    """Pooled embedding tables with deduplicated lookups and a fused sparse optimizer.
+
+    Args:
+        tables: torchrec EmbeddingBagConfig list (FP32 tables; SUM or MEAN pooling).
+        is_weighted: the input carries per-sample weights (kjt.weights(), float, one per id).
+        device: where the tables live.
+        optimizer: None, "sgd", "adagrad", "rowwise_adagrad", torch.optim.SGD,
+            torch.optim.Adagrad or torchrec.optim.RowWiseAdagrad: the update applied in backward
+            to every table. Tables can also get one later with
+            torchrec.optim.apply_optimizer_in_backward(cls, [weight], kwargs).
+        **optimizer_kwargs: the optimizer's hyperparameters (lr, eps, weight_decay, lr_decay,
+            initial_accumulator_value, maximize), as in the optimizer class.
+
+    forward(features: KeyedJaggedTensor with B samples per key) -> KeyedTensor with values
+    float32 [B, sum of the features' dims], keys and columns as TorchRec's module gives.
+    Raises ValueError for a feature that no table lists or that is missing, lengths that do not
+    match the values, and IndexError for ids outside [0, num_embeddings), before any row changes.
+    """
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: Optional[torch.device] = None,
+        optimizer=None,
+        **optimizer_kwargs,
+    ) -> None:
+        for config in tables:
+            if config.data_type != DataType.FP32:
+                raise TypeError(f"{OWNER}: table '{config.name}' must be FP32, got "
+                                f"{config.data_type}")
+            if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"{OWNER}: table '{config.name}' pooling must be SUM or MEAN, "
+                                 f"got {config.pooling}")
+        if optimizer is None and optimizer_kwargs:
+            raise TypeError(f"{OWNER}: optimizer keyword arguments {sorted(optimizer_kwargs)} "
+                            "given without an optimizer")
+        super().__init__(tables, is_weighted=is_weighted, device=device)
+        self._flat_features: List[str] = [n for names in self._feature_names for n in names]
+        self._feature_table: List[int] = [
+            t for t, names in enumerate(self._feature_names) for _ in names
+        ]
+        self._pooling = [MEAN if c.pooling == PoolingType.MEAN else SUM for c in tables]
+        self._table_of_feature: Dict[str, str] = {}
+        for config in tables:
+            for name in config.feature_names:
+                self._table_of_feature.setdefault(name, config.name)
+        if optimizer is not None:
+            optimizers.attach_optimizer(self._weights(), optimizer, optimizer_kwargs)
+
+    def _weights(self) -> List[torch.nn.Parameter]:
+        return [bag.weight for bag in self.embedding_bags.values()]
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        values, offsets, psw, table_bounds = self._table_major_ids(features)
+        unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
+        self._check_ids(unique_values, unique_offsets, values, offsets, features.stride())
+        weights = self._weights()
+        plan = LookupPlan(
+            feature_table=self._feature_table,
+            pooling=self._pooling,
+            batch_size=features.stride(),
+            optimizer_step=optimizers.optimizer_step_callback(
+                [optimizers.table_optimizer(w, c.name)
+                 for w, c in zip(weights, self._embedding_bag_configs)]
+            ),
+        )
+        out = FusedPooledLookup.apply(
+            plan, unique_values, unique_offsets, inverse, offsets, psw, *weights
+        )
+        return KeyedTensor(
+            keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=out
+        )
+
+    def _table_major_ids(self, features: KeyedJaggedTensor):
+        """The ids of the module's features, table by table (the order of the output columns).
+        -> values [N], bag offsets int64 [F * B + 1], per-sample weights float32 [N] or None,
+        table bounds int64 [T + 1] into values."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"{OWNER}: features must be a KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        keys = features.keys()
+        unknown = [k for k in keys if k not in self._table_of_feature]
+        if unknown:
+            raise ValueError(f"{OWNER}: feature '{unknown[0]}' names no table (features of this "
+                             f"module: {sorted(self._table_of_feature)})")
+        position = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self._flat_features if f not in position]
+        if missing:
+            raise ValueError(f"{OWNER}: feature '{missing[0]}' of table "
+                             f"'{self._table_of_feature[missing[0]]}' is missing from the input "
+                             f"(keys: {keys})")
+        if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
+            raise ValueError(f"{OWNER}: variable batch sizes per feature are not supported")
+        batch = features.stride()
+        values, lengths = features.values(), features.lengths()
+        if values.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{OWNER}: ids must be int32 or int64, got {values.dtype}")
+        if lengths.numel() != len(keys) * batch:
+            raise ValueError(f"{OWNER}: lengths has {lengths.numel()} entries, but {len(keys)} "
+                             f"features x batch size {batch} need {len(keys) * batch}")
+        lengths = lengths.to(torch.int64)
+        per_key = lengths.view(len(keys), batch).sum(dim=1) if batch else lengths.new_zeros(len(keys))
+        if lengths.numel() and int(lengths.min()) < 0:
+            bad = int(torch.nonzero(lengths < 0)[0]) // max(batch, 1)
+            raise ValueError(f"{OWNER}: feature '{keys[bad]}' has a negative length")
+        if int(per_key.sum()) != values.numel():
+            raise ValueError(f"{OWNER}: lengths sum to {int(per_key.sum())} but the input holds "
+                             f"{values.numel()} ids (lengths per feature: "
+                             f"{dict(zip(keys, per_key.tolist()))})")
+        psw = None
+        if self._is_weighted:
+            psw = features.weights_or_none()
+            if psw is None:
+                raise ValueError(f"{OWNER}: is_weighted=True but the input has no weights")
+            psw = psw.to(torch.float32)
+        if keys != self._flat_features:
+            order = [position[f] for f in self._flat_features]
+            starts = [0] + torch.cumsum(per_key, 0).tolist()
+            values = torch.cat([values[starts[i] : starts[i + 1]] for i in order])
+            if psw is not None:
+                psw = torch.cat([psw[starts[i] : starts[i + 1]] for i in order])
+            lengths = lengths.view(len(keys), batch)[order].reshape(-1)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        first_feature = [0]
+        for names in self._feature_names:
+            first_feature.append(first_feature[-1] + len(names))
+        table_bounds = offsets[torch.tensor(first_feature, device=values.device) * batch]
+        return values, offsets, psw, table_bounds
+
+    def _check_ids(self, unique_values, unique_offsets, values, offsets, batch) -> None:
+        """IndexError naming the feature when an id is negative or >= its table's rows. The
+        uniques of a table are sorted, so its first and last unique id bound all of its ids."""
+        num_tables = unique_offsets.numel() - 1
+        if unique_values.numel() == 0 or num_tables == 0:
+            return
+        starts, ends = unique_offsets[:-1], unique_offsets[1:]
+        nonempty = ends > starts
+        last_index = unique_values.numel() - 1
+        low = unique_values[starts.clamp(max=last_index)]
+        high = unique_values[(ends - 1).clamp(min=0)]
+        rows = torch.tensor([c.num_embeddings for c in self._embedding_bag_configs],
+                            device=unique_values.device)
+        bad = nonempty & ((low < 0) | (high >= rows))
+        if not bool(bad.any()):
+            return
+        t = int(torch.nonzero(bad)[0])
+        limit = self._embedding_bag_configs[t].num_embeddings
+        for f, table in enumerate(self._feature_table):
+            if table != t:
+                continue
+            ids = values[int(offsets[f * batch]) : int(offsets[(f + 1) * batch])]
+            wrong = ids[(ids < 0) | (ids >= limit)]
+            if wrong.numel():
+                raise IndexError(
+                    f"{OWNER}: feature '{self._flat_features[f]}' has id {int(wrong[0])} outside "
+                    f"[0, {limit}) (table '{self._embedding_bag_configs[t].name}' has {limit} rows)"
+                )
