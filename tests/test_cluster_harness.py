@@ -108,8 +108,8 @@ def test_failing_rank_raises_with_its_traceback_and_ends_the_others(mode):
                         timeout=60, init_process_group=False)
         # Fails fast: the ranks still sleeping were ended, not waited for.
         assert time.monotonic() - t0 < 30
-        pids = [p.pid for p in cluster._procs]
-    _assert_clean(cluster, pids)
+    assert len(cluster.started_pids) == 4
+    _assert_clean(cluster, cluster.started_pids)
 
 
 def test_failing_rank_message_holds_its_output():
@@ -126,7 +126,8 @@ def test_timeout_ends_every_rank():
             cluster.run("bench.cluster.jobs:sleep", {"seconds": 60}, timeout=1,
                         init_process_group=False)
         assert time.monotonic() - t0 < 15
-    _assert_clean(cluster)
+    assert len(cluster.started_pids) == 2
+    _assert_clean(cluster, cluster.started_pids)
 
 
 _INTERRUPTED = textwrap.dedent("""

@@ -32,7 +32,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Tuple
 
 from bench.cluster import netns
 
@@ -104,7 +105,9 @@ class EmulatedCluster:
         cores = os.cpu_count() or 1
         self.threads_per_rank = threads_per_rank or max(1, cores // self.world_size)
         self.topology = netns.Topology(nodes, rate=rate, burst=burst, latency=latency)
-        self._procs: List[subprocess.Popen] = []
+        self._procs: List[Tuple[int, subprocess.Popen]] = []  # (rank, process) now running
+        #: pids of every rank process this cluster has started, for checks after the fact.
+        self.started_pids: List[int] = []
         self._workdir: Optional[tempfile.TemporaryDirectory] = None
         self._old_handlers: Dict[int, Any] = {}
         self._next_port = 29500
@@ -171,17 +174,18 @@ class EmulatedCluster:
     def _kill_all(self) -> None:
         # Each rank leads its own process group (start_new_session): end the group, so that
         # anything the rank started goes too.
+        procs = [p for _, p in self._procs]
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            for p in self._procs:
+            for p in procs:
                 if p.poll() is None:
                     try:
                         os.killpg(p.pid, sig)
                     except ProcessLookupError:
                         pass
             deadline = time.monotonic() + 3.0
-            while time.monotonic() < deadline and any(p.poll() is None for p in self._procs):
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
                 time.sleep(0.02)
-        for p in self._procs:
+        for p in procs:
             try:
                 p.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
@@ -229,6 +233,32 @@ class EmulatedCluster:
         Raises:
             ClusterJobError when a rank fails (with its stderr), ClusterTimeout past `timeout`.
         """
+        try:
+            paths = self._spawn(target, kwargs, timeout, init_process_group,
+                                range(self.world_size))[1]
+            self._wait(paths, time.monotonic() + timeout, timeout)
+            return self._collect(paths)
+        finally:
+            self._kill_all()
+
+    def start_peers(
+        self, target: str, kwargs: Optional[Dict[str, Any]] = None, timeout: float = 300.0
+    ) -> "PeerGroup":
+        """Start ranks 1..W-1 running `target`; the calling process is to be rank 0.
+
+        For benchmarks timed inside this process (pytest-benchmark): call
+        `peers.init_process_group()` here, drive the peers through collectives, then
+        `peers.finish()` for their results. Loopback mode only, since this process is not inside
+        a namespace. The peers are ended when the cluster closes, whatever happens.
+        """
+        if self.mode != "loopback":
+            raise ValueError(
+                f"EmulatedCluster.start_peers: needs mode 'loopback' (this process is rank 0 "
+                f"and runs on the host's loopback), got mode {self.mode!r}")
+        port, paths = self._spawn(target, kwargs, timeout, True, range(1, self.world_size))
+        return PeerGroup(self, port, paths, time.monotonic() + timeout, timeout)
+
+    def _spawn(self, target, kwargs, timeout, init_process_group, ranks):
         if self.mode is None:
             raise RuntimeError("EmulatedCluster.run: use the cluster inside a `with` block")
         job_dir = tempfile.mkdtemp(dir=self._workdir.name)
@@ -244,53 +274,87 @@ class EmulatedCluster:
             port, self._next_port = self._next_port, self._next_port + 1
         else:
             port = free_port()
-        paths = []
-        try:
-            for rank in range(self.world_size):
-                env = self.rank_env(rank, port)
-                result = os.path.join(job_dir, f"rank{rank}.json")
-                log = os.path.join(job_dir, f"rank{rank}.log")
-                env["RECXLA_CLUSTER_RESULT"] = result
-                paths.append((result, log))
-                argv = [sys.executable, "-m", "bench.cluster.rank", job_path, str(rank)]
-                if self.mode == "netns":
-                    argv = self.topology.exec_prefix(rank // self.ranks_per_node) + argv
-                with open(log, "w") as log_f:
-                    self._procs.append(subprocess.Popen(
-                        argv, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log_f,
-                        stderr=subprocess.STDOUT, start_new_session=True))
-            self._wait(paths, timeout)
-            results = []
-            for rank, (result, log) in enumerate(paths):
-                if not os.path.exists(result):
-                    raise ClusterJobError(
-                        f"bench.cluster: rank {rank} exited without a result; its output:\n"
-                        f"{_tail(log)}")
-                with open(result) as f:
-                    results.append(json.load(f))
-            return results
-        finally:
-            self._kill_all()
+        paths = {}
+        for rank in ranks:
+            env = self.rank_env(rank, port)
+            result = os.path.join(job_dir, f"rank{rank}.json")
+            log = os.path.join(job_dir, f"rank{rank}.log")
+            env["RECXLA_CLUSTER_RESULT"] = result
+            paths[rank] = (result, log)
+            argv = [sys.executable, "-m", "bench.cluster.rank", job_path, str(rank)]
+            if self.mode == "netns":
+                argv = self.topology.exec_prefix(rank // self.ranks_per_node) + argv
+            with open(log, "w") as log_f:
+                self._procs.append((rank, subprocess.Popen(
+                    argv, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log_f,
+                    stderr=subprocess.STDOUT, start_new_session=True)))
+            self.started_pids.append(self._procs[-1][1].pid)
+        return port, paths
 
-    def _wait(self, paths, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    @staticmethod
+    def _collect(paths) -> List[Any]:
+        results = []
+        for rank, (result, log) in sorted(paths.items()):
+            if not os.path.exists(result):
+                raise ClusterJobError(
+                    f"bench.cluster: rank {rank} exited without a result; its output:\n"
+                    f"{_tail(log)}")
+            with open(result) as f:
+                results.append(json.load(f))
+        return results
+
+    def _wait(self, paths, deadline: float, timeout: float) -> None:
         while True:
-            codes = [p.poll() for p in self._procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            codes = {r: p.poll() for r, p in self._procs}
+            failed = [r for r, c in codes.items() if c not in (None, 0)]
             if failed:
                 r = failed[0]
                 raise ClusterJobError(
                     f"bench.cluster: rank {r} of {self.world_size} failed (exit {codes[r]}, mode "
                     f"{self.mode}); its output:\n{_tail(paths[r][1])}")
-            if all(c == 0 for c in codes):
+            if all(c == 0 for c in codes.values()):
                 return
             if time.monotonic() > deadline:
-                running = [r for r, c in enumerate(codes) if c is None]
+                running = [r for r, c in codes.items() if c is None]
                 raise ClusterTimeout(
                     f"bench.cluster: job ran past its timeout of {timeout:g} s; ranks {running} "
                     f"were still running and were ended. Output of rank {running[0]}:\n"
                     f"{_tail(paths[running[0]][1])}")
             time.sleep(0.02)
+
+
+class PeerGroup:
+    """Ranks 1..W-1 of a job whose rank 0 is the calling process (EmulatedCluster.start_peers)."""
+
+    def __init__(self, cluster: EmulatedCluster, port: int, paths, deadline: float, timeout):
+        self.cluster, self.port, self._paths = cluster, port, paths
+        self._deadline, self._timeout = deadline, timeout
+
+    def init_process_group(self):
+        """Join the peers' gloo group as rank 0 (on loopback); returns torch.distributed."""
+        import torch.distributed as dist
+
+        old = os.environ.get("GLOO_SOCKET_IFNAME")
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the interface the peers bind, not the host's
+        try:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{self.port}", rank=0,
+                world_size=self.cluster.world_size,
+                timeout=timedelta(seconds=self._timeout))
+        finally:
+            if old is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME")
+            else:
+                os.environ["GLOO_SOCKET_IFNAME"] = old
+        return dist
+
+    def finish(self) -> List[Any]:
+        """Wait for the peers to exit; their results, index = rank - 1 (errors as in run())."""
+        try:
+            self.cluster._wait(self._paths, self._deadline, self._timeout)
+            return self.cluster._collect(self._paths)
+        finally:
+            self.cluster._kill_all()
 
 
 def run_job(

@@ -43,14 +43,82 @@ SETTINGS = [
 ]
 
 
-def _sqnr_db(ref, out) -> float:
-    """Signal-to-quantization-noise ratio summed over all ranks, in dB (inf when exact)."""
+def sqnr_db(ref, out, all_ranks: bool = True) -> float:
+    """Signal-to-quantization-noise ratio of `out` against `ref` in dB (inf when exact), summed
+    over all ranks (all_ranks) or over this rank's rows."""
     import torch
     import torch.distributed as dist
 
     s = torch.stack([ref.double().square().sum(), (out.double() - ref.double()).square().sum()])
-    dist.all_reduce(s)
+    if all_ranks:
+        dist.all_reduce(s)
     return math.inf if s[1] == 0 else 10.0 * math.log10((s[0] / s[1]).item())
+
+
+def make_inputs(rows_per_rank: int, dim: int, seed: int) -> dict:
+    """This rank's rows, the gradient fed to backward, even splits, and the exact fp32 results.
+
+    Returns {"x", "grad": [rows_per_rank, dim] float32; "splits": list of W ints;
+    "ref_out", "ref_grad": [rows_per_rank, dim] float32, the fp32 exchange of x and of grad}.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rows_per_rank % world:
+        raise ValueError(f"run_a2a: rows_per_rank={rows_per_rank} must be a multiple of {world}")
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    # Pooled embeddings: Gaussian rows whose magnitudes spread over a few orders, as rows of
+    # different tables and bag sizes do; per-row scales are what FP8 row-wise scaling is for.
+    x, grad = (torch.randn(rows_per_rank, dim, generator=gen)
+               * torch.exp(torch.randn(rows_per_rank, 1, generator=gen)) for _ in range(2))
+    splits = [rows_per_rank // world] * world
+    ref_out, ref_grad = torch.empty_like(x), torch.empty_like(x)
+    dist.all_to_all_single(ref_out, x, splits, splits)
+    dist.all_to_all_single(ref_grad, grad, splits, splits)
+    return {"x": x, "grad": grad, "splits": splits, "ref_out": ref_out, "ref_grad": ref_grad}
+
+
+def make_step(inputs: dict, backward: bool, fwd, bwd):
+    """A function doing one exchange (and its backward) of inputs["x"]; it returns (output,
+    x's gradient or None). fwd None: plain all_to_all_single of the fp32 rows."""
+    import torch
+    import torch.distributed as dist
+
+    from recxla.distributed import quantized_all_to_all
+
+    x, grad, splits = inputs["x"], inputs["grad"], inputs["splits"]
+
+    def step():
+        if fwd is None:
+            out = torch.empty_like(x)
+            dist.all_to_all_single(out, x, splits, splits)
+            if not backward:
+                return out, None
+            gx = torch.empty_like(grad)
+            dist.all_to_all_single(gx, grad, splits, splits)
+            return out, gx
+        xi = x.detach().requires_grad_(backward)
+        out = quantized_all_to_all(xi, splits, splits, fwd=fwd, bwd=bwd)
+        if not backward:
+            return out, None
+        out.backward(grad)
+        return out.detach(), xi.grad
+
+    return step
+
+
+def wire_bytes(inputs: dict, dim: int, backward: bool, fwd, bwd) -> int:
+    """Bytes this rank sends to other ranks in one step (rows to itself stay in the process)."""
+    import torch.distributed as dist
+
+    import recxla
+
+    rows = sum(inputs["splits"]) - inputs["splits"][dist.get_rank()]
+    total = rows * (4 * dim if fwd is None else recxla.row_bytes(dim, fwd))
+    if backward:
+        total += rows * (4 * dim if bwd is None else recxla.row_bytes(dim, bwd))
+    return total
 
 
 def rank_main(rows_per_rank: int, dim: int, passes, iters: int, warmup: int, seed: int) -> list:
@@ -58,44 +126,12 @@ def rank_main(rows_per_rank: int, dim: int, passes, iters: int, warmup: int, see
     import torch
     import torch.distributed as dist
 
-    import recxla
-    from recxla.distributed import quantized_all_to_all
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(seed + rank)
-    if rows_per_rank % world:
-        raise ValueError(f"run_a2a: rows_per_rank={rows_per_rank} must be a multiple of {world}")
-    splits = [rows_per_rank // world] * world
-    # Pooled embeddings: Gaussian rows whose magnitudes spread over a few orders, as rows of
-    # different tables and bag sizes do; per-row scales are what FP8 row-wise scaling is for.
-    x = torch.randn(rows_per_rank, dim) * torch.exp(torch.randn(rows_per_rank, 1))
-    grad = torch.randn(rows_per_rank, dim) * torch.exp(torch.randn(rows_per_rank, 1))
-    ref_out, ref_grad = torch.empty_like(x), torch.empty_like(x)
-    dist.all_to_all_single(ref_out, x, splits, splits)
-    dist.all_to_all_single(ref_grad, grad, splits, splits)
-    off_rank_rows = rows_per_rank - splits[rank]
-
+    inputs = make_inputs(rows_per_rank, dim, seed)
     records = []
     for pass_name in passes:
         backward = pass_name == "fwd+bwd"
         for label, fwd, bwd in VARIANTS[pass_name]:
-
-            def step():
-                if fwd is None:
-                    out = torch.empty_like(x)
-                    dist.all_to_all_single(out, x, splits, splits)
-                    if backward:
-                        gx = torch.empty_like(grad)
-                        dist.all_to_all_single(gx, grad, splits, splits)
-                        return out, gx
-                    return out, None
-                xi = x.detach().requires_grad_(backward)
-                out = quantized_all_to_all(xi, splits, splits, fwd=fwd, bwd=bwd)
-                if backward:
-                    out.backward(grad)
-                    return out.detach(), xi.grad
-                return out, None
-
+            step = make_step(inputs, backward, fwd, bwd)
             times = []
             for i in range(warmup + iters):
                 dist.barrier()
@@ -105,18 +141,14 @@ def rank_main(rows_per_rank: int, dim: int, passes, iters: int, warmup: int, see
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                 if i >= warmup:
                     times.append(dt.item())
-            fwd_bytes = off_rank_rows * (4 * dim if fwd is None else recxla.row_bytes(dim, fwd))
-            bwd_bytes = 0
-            if backward:
-                bwd_bytes = off_rank_rows * (4 * dim if bwd is None else recxla.row_bytes(dim, bwd))
             records.append({
                 "pass": pass_name, "variant": label, "fwd": fwd or "fp32", "bwd": bwd or "fp32",
                 "impl": "torch" if fwd is None else "recxla",
-                "wire_bytes_per_rank": fwd_bytes + bwd_bytes,
+                "wire_bytes_per_rank": wire_bytes(inputs, dim, backward, fwd, bwd),
                 "median_s": statistics.median(times), "min_s": min(times), "times_s": times,
-                "sqnr_out_db": _sqnr_db(ref_out, out),
+                "sqnr_out_db": sqnr_db(inputs["ref_out"], out),
                 # x's gradient is the gradient exchanged back: compare with the exact exchange.
-                "sqnr_grad_db": _sqnr_db(ref_grad, gx) if backward else None,
+                "sqnr_grad_db": sqnr_db(inputs["ref_grad"], gx) if backward else None,
             })
     return records
 
