@@ -121,31 +121,58 @@ def wire_bytes(inputs: dict, dim: int, backward: bool, fwd, bwd) -> int:
     return total
 
 
-def rank_main(rows_per_rank: int, dim: int, passes, iters: int, warmup: int, seed: int) -> list:
-    """Runs on every rank (see bench.cluster.rank); returns one record per (pass, variant)."""
+def make_codec(inputs: dict, backward: bool, fwd, bwd):
+    """A function doing only the step's quantize and dequantize work, without communication:
+    what the codec adds to an exchange when nothing overlaps it. None for plain fp32."""
+    from recxla import dequantize_rows, quantize_rows
+
+    if fwd is None:
+        return None
+    x, grad = inputs["x"], inputs["grad"]
+    dim = x.shape[1]
+
+    def codec():
+        dequantize_rows(quantize_rows(x, fwd), dim, fwd)
+        if backward:
+            dequantize_rows(quantize_rows(grad, bwd), dim, bwd)
+
+    return codec
+
+
+def _timed(fn, iters: int, warmup: int) -> tuple:
+    """([seconds of each of `iters` calls of fn, run on all ranks at once: the slowest rank's],
+    the last call's result)."""
     import torch
     import torch.distributed as dist
 
+    times = []
+    for i in range(warmup + iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        result = fn()
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            times.append(dt.item())
+    return times, result
+
+
+def rank_main(rows_per_rank: int, dim: int, passes, iters: int, warmup: int, seed: int) -> list:
+    """Runs on every rank (see bench.cluster.rank); returns one record per (pass, variant)."""
     inputs = make_inputs(rows_per_rank, dim, seed)
     records = []
     for pass_name in passes:
         backward = pass_name == "fwd+bwd"
         for label, fwd, bwd in VARIANTS[pass_name]:
-            step = make_step(inputs, backward, fwd, bwd)
-            times = []
-            for i in range(warmup + iters):
-                dist.barrier()
-                t0 = time.perf_counter()
-                out, gx = step()
-                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-                if i >= warmup:
-                    times.append(dt.item())
+            times, (out, gx) = _timed(make_step(inputs, backward, fwd, bwd), iters, warmup)
+            codec = make_codec(inputs, backward, fwd, bwd)
+            codec_s = statistics.median(_timed(codec, iters, warmup)[0]) if codec else 0.0
             records.append({
                 "pass": pass_name, "variant": label, "fwd": fwd or "fp32", "bwd": bwd or "fp32",
                 "impl": "torch" if fwd is None else "recxla",
                 "wire_bytes_per_rank": wire_bytes(inputs, dim, backward, fwd, bwd),
                 "median_s": statistics.median(times), "min_s": min(times), "times_s": times,
+                "codec_s": codec_s,
                 "sqnr_out_db": sqnr_db(inputs["ref_out"], out),
                 # x's gradient is the gradient exchanged back: compare with the exact exchange.
                 "sqnr_grad_db": sqnr_db(inputs["ref_grad"], gx) if backward else None,
@@ -196,7 +223,7 @@ def run_setting(label, nodes, rpn, rate, mode, args) -> dict:
 
 def print_table(results, out=sys.stdout) -> None:
     hdr = (f"{'setting':<22} {'W':>2} {'pass':<8} {'variant':<11} {'MiB/rank':>9} {'bytes':>6} "
-           f"{'median ms':>10} {'time':>6} {'speedup':>7} {'SQNR dB':>8}")
+           f"{'median ms':>10} {'time':>6} {'speedup':>7} {'codec ms':>8} {'SQNR dB':>8}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     for s in results:
@@ -207,7 +234,7 @@ def print_table(results, out=sys.stdout) -> None:
             print(f"{name:<22} {s['world_size']:>2} {r['pass']:<8} {r['variant']:<11} "
                   f"{r['wire_bytes_per_rank'] / 2**20:>9.2f} {r['bytes_ratio']:>5.3f}x "
                   f"{r['median_s'] * 1e3:>10.2f} {r['time_ratio']:>5.3f}x "
-                  f"{1 / r['time_ratio']:>6.2f}x {sq:>8.1f}", file=out)
+                  f"{1 / r['time_ratio']:>6.2f}x {r['codec_s'] * 1e3:>8.2f} {sq:>8.1f}", file=out)
         link = ", ".join(f"{k}={v:.4g}" for k, v in s["link"].items())
         print(f"{'':<22} link: {link}", file=out)
     if any(s["mode"] == "loopback" and s["rate"] for s in results):
