@@ -34,7 +34,12 @@ Limits, to keep in mind when reading figures measured with it:
   small message costs loopback latency (tens of microseconds), not a real network's.
 - tbf with a `burst` of 256 KiB lets short transfers run faster than RATE for their first
   burst bytes; it matters only for messages of a few hundred KiB or less.
-- Measured here: one TCP stream through a 1 Gbit/s link reaches about 0.96 Gbit/s.
+- Measured here: one TCP stream through a 1 Gbit/s link reaches about 0.96 Gbit/s, and two
+  streams, one each way, reach 0.95 Gbit/s each at once (the links are full duplex). gloo does
+  not get that: a gloo pair that sends and receives at the same time moves about half the rate
+  each way (16 MiB one way: 140 ms; 8 MiB each way at once, a 2-rank all-to-all of 16 MiB per
+  rank: 138 ms). That is gloo's TCP transport (one socket per pair), not the emulated link, so an
+  all-to-all across nodes here costs about twice bytes / rate.
 - No packet loss, no congestion from other tenants, no NIC offloads or RDMA: an upper bound
   on what a clean switched Ethernet of that rate gives a TCP collective library like gloo.
 
