@@ -1,0 +1,181 @@
+"""Pooled embedding lookup over deduplicated ids and its fused optimizer update, in Triton (the
+GPU path when RECXLA_BACKEND=triton; argument layout in csrc/embedding_bag.cpp).
+
+- Forward: one program per bag (one launch per feature): it walks the bag's ids, loads each id's
+  unique row from the table and accumulates the row in registers (BLOCK_D >= dim columns).
+- Backward: the ids are grouped by unique row with torch ops (a stable argsort of `inverse` and
+  a bincount: a grid-wide sort has no place inside one Triton kernel), then one program per
+  unique row (one launch per table) sums its ids' output gradients and applies the optimizer to
+  the row. A row belongs to one program, so no atomics are needed.
+
+The per-row formulas are those of csrc/include/recxla/embedding_bag.h. The kernels take plain
+pointers and run under TRITON_INTERPRET=1 on CPU tensors, which is how they are tested without
+a GPU. Argument checks that need the data (ids inside their table) are the caller's: the module
+(recxla.nn.EmbeddingBagCollection) makes them before any kernel runs.
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2, 3
+MEAN = 1
+
+
+@triton.jit
+def _pool_kernel(weight_ptr, rows_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, bag_base, dim,
+                 out_stride, column, HAS_PSW: tl.constexpr, IS_MEAN: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    first = tl.load(offsets_ptr + bag_base + b)
+    last = tl.load(offsets_ptr + bag_base + b + 1)
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    dmask = d < dim
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(first, last):
+        row = tl.load(rows_ptr + tl.load(inverse_ptr + i)).to(tl.int64)
+        w = tl.load(weight_ptr + row * dim + d, mask=dmask, other=0.0)
+        if HAS_PSW:
+            acc += tl.load(psw_ptr + i) * w
+        else:
+            acc += w
+    if IS_MEAN:
+        count = (last - first).to(tl.float32)
+        acc = acc * tl.where(count > 0, 1.0 / tl.maximum(count, 1.0), 1.0)
+    tl.store(out_ptr + b * out_stride + column + d, acc, mask=dmask)
+
+
+@triton.jit
+def _update_kernel(weight_ptr, state_ptr, rows_ptr, start_ptr, grad_offset_ptr, scale_ptr,
+                   grad_ptr, out_ptr, first_unique, dim, lr, eps, weight_decay,
+                   OPTIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    u = first_unique + j
+    e0 = tl.load(start_ptr + u)
+    e1 = tl.load(start_ptr + u + 1)
+    d = tl.arange(0, BLOCK_D).to(tl.int64)
+    dmask = d < dim
+    g = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for e in range(e0, e1):
+        src = tl.load(grad_offset_ptr + e)
+        g += tl.load(scale_ptr + e) * tl.load(grad_ptr + src + d, mask=dmask, other=0.0)
+    if OPTIM == 0:
+        tl.store(out_ptr + j * dim + d, g, mask=dmask)
+    else:
+        row = tl.load(rows_ptr + u).to(tl.int64)
+        w = tl.load(weight_ptr + row * dim + d, mask=dmask, other=0.0)
+        gd = tl.where(weight_decay != 0.0, g + weight_decay * w, g)
+        if OPTIM == 1:
+            w = w + (-lr) * gd
+        elif OPTIM == 2:
+            m = tl.load(state_ptr + row * dim + d, mask=dmask, other=0.0) + gd * gd
+            tl.store(state_ptr + row * dim + d, m, mask=dmask)
+            w = w + ((-lr) * gd) / (tl.sqrt_rn(m) + eps)
+        else:
+            squares = tl.sum(tl.where(dmask, gd * gd, 0.0), axis=0)
+            m = tl.load(state_ptr + row) + squares / dim
+            tl.store(state_ptr + row, m)
+            multiplier = lr / (tl.sqrt_rn(m) + eps)
+            correction = tl.where(weight_decay != 0.0, 1.0 - multiplier * weight_decay, 1.0)
+            w = correction * w - g * multiplier
+        tl.store(weight_ptr + row * dim + d, w, mask=dmask)
+
+
+def _block(dim: int) -> int:
+    return max(16, triton.next_power_of_2(max(dim, 1)))
+
+
+def _columns(weights, feature_table) -> List[int]:
+    columns, c = [], 0
+    for t in feature_table:
+        columns.append(c)
+        c += weights[t].shape[1]
+    return columns + [c]
+
+
+def embedding_bag_forward_triton(weights, unique_values, unique_offsets, inverse, offsets, psw,
+                                 feature_table, pooling, batch_size) -> torch.Tensor:
+    """-> float32 [B, total_dim]; arguments as recxla.ops.embedding_bag.pooled_forward."""
+    columns = _columns(weights, feature_table)
+    out = torch.empty(batch_size, columns[-1], dtype=torch.float32, device=unique_values.device)
+    if out.numel() == 0:
+        return out
+    for f, t in enumerate(feature_table):
+        dim = weights[t].shape[1]
+        if dim == 0:
+            continue
+        _pool_kernel[(batch_size,)](
+            weights[t], unique_values, inverse, offsets, psw if psw is not None else offsets,
+            out, f * batch_size, dim, out.stride(0), columns[f], HAS_PSW=psw is not None,
+            IS_MEAN=pooling[t] == MEAN, BLOCK_D=_block(dim),
+        )
+    return out
+
+
+def group_ids_by_row(inverse, offsets, psw, weights, feature_table, pooling, batch_size,
+                     num_unique, signs: Optional[Sequence[float]] = None):
+    """The ids of each unique row, as a CSR in torch ops: -> (start int64 [U + 1], grad_offset
+    int64 [N] into the flattened grad_output, scale float32 [N] = per-sample weight x
+    (1 / bag length for mean) x sign), entries of a row in id order."""
+    device = inverse.device
+    columns = torch.tensor(_columns(weights, feature_table)[:-1], dtype=torch.int64, device=device)
+    table = torch.tensor(list(feature_table), dtype=torch.int64, device=device)
+    total_dim = _columns(weights, feature_table)[-1]
+    lengths = offsets.diff()
+    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths,
+                                  output_size=inverse.numel())
+    feature = bag // max(batch_size, 1)
+    grad_offset = (bag % max(batch_size, 1)) * total_dim + columns[feature]
+    mean = torch.tensor([p == MEAN for p in pooling] + [False], device=device)[table][feature]
+    sign = torch.tensor(list(signs) if signs is not None else [1.0] * len(weights) + [1.0],
+                        dtype=torch.float32, device=device)
+    bag_scale = torch.where(mean, sign[table[feature]] * (1.0 / lengths[bag].float()),
+                            sign[table[feature]])
+    scale = psw.float() * bag_scale if psw is not None else bag_scale
+    order = torch.argsort(inverse, stable=True)
+    start = torch.zeros(num_unique + 1, dtype=torch.int64, device=device)
+    torch.cumsum(torch.bincount(inverse, minlength=num_unique), 0, out=start[1:])
+    return start, grad_offset[order].contiguous(), scale[order].contiguous()
+
+
+def _run_update(grad_output, weights, states, unique_values, unique_offsets, inverse, offsets,
+                psw, feature_table, pooling, batch_size, optim, hparams, outs):
+    signs = [hparams[4 * t + 3] for t in range(len(weights))] if hparams else None
+    start, grad_offset, scale = group_ids_by_row(
+        inverse, offsets, psw, weights, feature_table, pooling, batch_size,
+        unique_values.numel(), signs)
+    grad = grad_output.contiguous().float()
+    bounds = unique_offsets.tolist()
+    for t, w in enumerate(weights):
+        n, dim = bounds[t + 1] - bounds[t], w.shape[1]
+        if n == 0 or dim == 0 or (optim[t] == NONE and outs[t] is None):
+            continue
+        lr, eps, wd = (hparams[4 * t : 4 * t + 3]) if hparams else (0.0, 0.0, 0.0)
+        state = states[t] if states is not None and states[t] is not None and states[t].numel() else w
+        _update_kernel[(n,)](
+            w, state, unique_values, start, grad_offset, scale, grad,
+            outs[t] if outs[t] is not None else w, bounds[t], dim, float(lr), float(eps),
+            float(wd), OPTIM=int(optim[t]), BLOCK_D=_block(dim),
+        )
+
+
+def embedding_bag_unique_grad_triton(grad_output, weights, unique_values, unique_offsets, inverse,
+                                     offsets, psw, feature_table, pooling,
+                                     batch_size) -> List[torch.Tensor]:
+    """-> T float32 [U_t, D_t]; arguments as recxla.ops.embedding_bag.unique_grad."""
+    bounds = unique_offsets.tolist()
+    outs = [torch.zeros(bounds[t + 1] - bounds[t], w.shape[1], dtype=torch.float32,
+                        device=w.device) for t, w in enumerate(weights)]
+    _run_update(grad_output, weights, None, unique_values, unique_offsets, inverse, offsets, psw,
+                feature_table, pooling, batch_size, [NONE] * len(weights), None, outs)
+    return outs
+
+
+def embedding_bag_backward_update_triton(grad_output, weights, states, unique_values,
+                                         unique_offsets, inverse, offsets, psw, feature_table,
+                                         pooling, batch_size, optim, hparams) -> None:
+    """In place; arguments as recxla.ops.embedding_bag.backward_update."""
+    _run_update(grad_output, weights, states, unique_values, unique_offsets, inverse, offsets,
+                psw, feature_table, pooling, batch_size, optim, hparams, [None] * len(weights))
