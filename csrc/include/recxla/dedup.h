@@ -23,9 +23,7 @@
 #define RECXLA_DEDUP_HD inline __attribute__((always_inline))
 #endif
 
-#if !defined(__CUDA_ARCH__)
 #include <ATen/ATen.h>
-#endif
 
 namespace recxla {
 namespace dedup {
@@ -58,8 +56,7 @@ RECXLA_DEDUP_HD bool is_head(int64_t i, bool segment_start, key_t key, key_t lef
 // this many keys (16 GiB of int32 keys; larger segments are split by the caller).
 constexpr int64_t kMaxSegmentKeys = std::numeric_limits<uint32_t>::max() - 1;
 
-#if !defined(__CUDA_ARCH__)
-// values: 1-D int32/int64; offsets: 1-D int64 with S + 1 >= 1 entries, on values' device.
+// Host-side checks. values: 1-D int32/int64; offsets: 1-D int64 with S + 1 >= 1 entries, on values' device.
 inline void check_dedup_args(const char* op, const at::Tensor& values, const at::Tensor& offsets) {
   TORCH_CHECK_VALUE(values.dim() == 1, op, ": values must be 1-D [N], got ", values.dim(), "-D");
   TORCH_CHECK_TYPE(
@@ -93,7 +90,6 @@ inline void check_dedup_offsets(const char* op, const int64_t* offsets, int64_t 
       offsets[count - 1] == n, op, ": offsets[-1] must equal values.numel()=", n, ", got ",
       offsets[count - 1]);
 }
-#endif
 
 }  // namespace dedup
 }  // namespace recxla
