@@ -1,0 +1,236 @@
+"""recxla's row codec behind TorchRec's quantized-communication interface (QComms).
+
+TorchRec's sharded modules quantize their pooled-embedding all-to-alls through a registry of
+codecs, Dict[str, QuantizedCommCodecs] keyed by CommOp name, as built by
+`torchrec.distributed.fbgemm_qcomm_codec.get_qcomm_codecs_registry`. `qcomm_codecs_registry`
+builds the same registry on recxla's kernels, so FP8 communication also runs on CPU/gloo, where
+FBGEMM's FP8 codec raises "fp8 is not supported by CPU":
+
+    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=qcomm_codecs_registry())
+
+How TorchRec drives a codec (torchrec/distributed/comm_ops.py, pooled all-to-all):
+    ctx = codec.create_context()
+    codec.padded_size(x, dim_sum_per_rank, my_rank, ctx)      # x: [B_global, D_local_sum]
+    wire = codec.encode(x.view(-1), ctx)                       # 1-D
+    splits = [codec.calc_quantized_size(n, ctx) for n in element_splits]
+    all_to_all_single(out, wire, splits...)                    # in wire elements (here bytes)
+    y = codec.decode(out, ctx)                                 # 1-D again
+The element splits are B_rank x D_local_sum (sent) and B_local x D_rank_sum (received); the
+backward pass does the same with the gradient and the other codec.
+
+Rows (FP8 formats): like FBGEMM's FP8 row-wise codec, the flat input is viewed as rows of
+`row_dim` values (`ctx.row_dim`), each quantized with its own fp32 scale: row_dim + 4 bytes a
+row. A row must not straddle two ranks' splits, so row_dim must divide every split, which holds
+for any batch size when it divides every table's embedding dimension (choose row_dim = the
+common embedding dimension, or their gcd; smaller rows scale more finely and cost 4 bytes each).
+A split that is not a multiple raises ValueError naming row_dim. The plain casts (bf16, fp16,
+fp32) have no rows and no such constraint; their wire dtype is the cast dtype itself, so they
+also serve the reduce-scatter, which sums on the wire.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from recxla.formats import FLOAT_DTYPES, get_format
+from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
+
+logger = logging.getLogger(__name__)
+
+NAME = "recxla.torchrec.qcomm_codecs_registry"
+DEFAULT_ROW_DIM = 32  # FBGEMM's ROW_DIM_DEFAULT: divides the usual embedding dimensions
+
+
+@dataclass
+class RowCodecContext:
+    """Per-call state TorchRec hands from encode to decode (its QuantizationContext fields)."""
+
+    row_dim: int = -1
+    row_dim_quant: int = -1
+    padded_dim_sum_per_rank: Optional[List[int]] = None
+
+
+@dataclass
+class CodecStats:
+    """What a codec has done: counts for tests and for logging bytes saved."""
+
+    encode_calls: int = 0
+    decode_calls: int = 0
+    values_encoded: int = 0
+    bytes_encoded: int = 0
+
+
+class RecxlaQuantizedCommCodec:
+    """One direction's codec (TorchRec's QuantizedCommCodec protocol) on recxla's row codec.
+
+    Args:
+        fmt: wire format: "e4m3", "e5m2" (FP8 rows of row_dim values + an fp32 scale; wire dtype
+            uint8), "bf16", "fp16" or "fp32" (plain casts; wire dtype the cast dtype).
+        row_dim: values per FP8 row (see the module docstring); ignored by the casts.
+        output_dtype: dtype decode returns: float32 (TorchRec's assumption, FBGEMM's default),
+            bfloat16 or float16.
+    encode takes any float tensor (float32/bfloat16/float16) of any shape and returns a 1-D
+    tensor of the wire dtype (FP8: calc_quantized_size(x.numel()) bytes); decode returns 1-D.
+    """
+
+    def __init__(self, fmt: str, row_dim: int = DEFAULT_ROW_DIM, output_dtype=torch.float32):
+        self.fmt = fmt
+        self._format = get_format(fmt, NAME)
+        if not isinstance(row_dim, int) or isinstance(row_dim, bool) or row_dim < 1:
+            raise ValueError(f"{NAME}: row_dim must be an int >= 1, got {row_dim!r}")
+        if output_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{NAME}: output_dtype must be float32, bfloat16 or float16, got "
+                            f"{output_dtype}")
+        self.row_dim = row_dim
+        self.output_dtype = output_dtype
+        self.stats = CodecStats()
+
+    def __repr__(self) -> str:
+        rows = f", row_dim={self.row_dim}" if self._format.is_fp8 else ""
+        return f"RecxlaQuantizedCommCodec({self.fmt!r}{rows})"
+
+    @property
+    def quantized_dtype(self) -> torch.dtype:
+        return torch.uint8 if self._format.is_fp8 else self._format.wire_dtype
+
+    @property
+    def _comm_precision(self):
+        """FBGEMM's SparseType for this format: TorchRec's variable-batch all-to-all reads it
+        (and pads splits to row_dim for FP8 under TORCHREC_ENABLE_FP8_ROWWISE_PADDING=1)."""
+        from fbgemm_gpu.split_embedding_configs import SparseType
+
+        if self._format.is_fp8:
+            return SparseType.FP8
+        return {"bf16": SparseType.BF16, "fp16": SparseType.FP16}.get(self.fmt, SparseType.FP32)
+
+    def create_context(self) -> RowCodecContext:
+        return RowCodecContext(row_dim=self.row_dim if self._format.is_fp8 else -1)
+
+    def _row_dim(self, ctx: Optional[RowCodecContext]) -> int:
+        return ctx.row_dim if ctx is not None and ctx.row_dim > 0 else self.row_dim
+
+    def _check_rows(self, n: int, row_dim: int, what: str) -> None:
+        if n % row_dim:
+            raise ValueError(
+                f"{NAME}: {what} of {n} values is not a multiple of row_dim={row_dim}: with "
+                f"{self.fmt} every split (batch x embedding-dim sum) must be whole rows; pass a "
+                "row_dim that divides every table's embedding dimension"
+            )
+
+    def padded_size(
+        self,
+        input_tensor: torch.Tensor,
+        dim_per_rank: List[int],
+        my_rank: int,
+        qcomm_ctx: Optional[RowCodecContext],
+    ) -> Tuple[int, int]:
+        """(dim sum, 0): no padding; FP8 checks here, before encoding, that rows fit."""
+        if input_tensor.dim() == 1:
+            return input_tensor.shape[0], 0
+        if self._format.is_fp8:
+            row_dim = self._row_dim(qcomm_ctx)
+            for rank, d in enumerate(dim_per_rank):
+                self._check_rows(d, row_dim, f"rank {rank}'s embedding-dim sum")
+        return input_tensor.shape[1], 0
+
+    def calc_quantized_size(self, input_len: int, ctx: Optional[RowCodecContext] = None) -> int:
+        """Wire elements for a split of `input_len` values (bytes for FP8)."""
+        if not self._format.is_fp8:
+            return input_len
+        row_dim = self._row_dim(ctx)
+        self._check_rows(input_len, row_dim, "a split")
+        return input_len // row_dim * self._format.row_bytes(row_dim)
+
+    def encode(self, input_tensor: torch.Tensor, ctx: Optional[RowCodecContext] = None):
+        x = input_tensor
+        self.stats.encode_calls += 1
+        self.stats.values_encoded += x.numel()
+        if not self._format.is_fp8:
+            wire = x.reshape(-1).to(self._format.wire_dtype).contiguous()
+        else:
+            row_dim = self._row_dim(ctx)
+            self._check_rows(x.numel(), row_dim, "the tensor to encode")
+            rows = x.reshape(-1, row_dim)
+            if rows.shape[0] == 0:
+                wire = x.new_empty(0, dtype=torch.uint8)
+            else:
+                wire = quantize_rows(rows, self.fmt).view(-1)
+            if ctx is not None:
+                ctx.row_dim_quant = self._format.row_bytes(row_dim)
+        self.stats.bytes_encoded += wire.numel() * wire.element_size()
+        return wire
+
+    def decode(self, input_tensor: torch.Tensor, ctx: Optional[RowCodecContext] = None):
+        self.stats.decode_calls += 1
+        if not self._format.is_fp8:
+            return input_tensor.reshape(-1).to(self.output_dtype)
+        row_dim = self._row_dim(ctx)
+        rows = input_tensor.view(-1, self._format.row_bytes(row_dim))
+        if rows.shape[0] == 0:
+            return input_tensor.new_empty(0, dtype=self.output_dtype)
+        return dequantize_rows(rows, row_dim, self.fmt, self.output_dtype).view(-1)
+
+
+# Reduce-scatters add on the wire, which row-scaled FP8 bytes cannot do; like TorchRec's own
+# registry, FP8 falls back to a cast there (fp16 keeps more mantissa for activations, bf16 the
+# range for gradients).
+_REDUCE_SCATTER_FALLBACK = {"fwd": "fp16", "bwd": "bf16"}
+
+
+def qcomm_codecs_registry(
+    fwd: str = "e4m3",
+    bwd: str = "bf16",
+    row_dim: int = DEFAULT_ROW_DIM,
+    row_dim_bwd: Optional[int] = None,
+    comm_ops: Optional[Sequence] = None,
+    output_dtype: torch.dtype = torch.float32,
+) -> Dict[str, "QuantizedCommCodecs"]:  # noqa: F821
+    """A QComms registry for TorchRec sharders, backed by recxla's kernels (CPU, CUDA, Triton).
+
+    Args:
+        fwd: wire format of the forward embeddings: "e4m3", "e5m2", "bf16", "fp16", "fp32".
+        bwd: wire format of the backward gradients (same names); bf16 or e5m2 keep the range.
+        row_dim: values per FP8 row in forward; must divide every table's embedding dimension
+            (see the module docstring). Ignored by the casts.
+        row_dim_bwd: the same for backward; None: row_dim.
+        comm_ops: torchrec CommOp members to register; None: the pooled all-to-all, the pooled
+            reduce-scatter (FP8 falls back to fp16 forward / bf16 backward there, with a
+            warning, since it sums on the wire) and the sequence all-to-all.
+        output_dtype: dtype decode returns (TorchRec expects float32).
+    Returns:
+        Dict[CommOp name, QuantizedCommCodecs] for EmbeddingBagCollectionSharder(
+        qcomm_codecs_registry=...) and the other embedding sharders. Each codec's `.stats`
+        counts its calls and bytes.
+    """
+    from torchrec.distributed.types import CommOp, QuantizedCommCodecs
+
+    get_format(fwd, NAME, "fwd")
+    get_format(bwd, NAME, "bwd")
+    if comm_ops is None:
+        comm_ops = [
+            CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL,
+            CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER,
+            CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL,
+        ]
+    registry = {}
+    for op in comm_ops:
+        if not isinstance(op, CommOp):
+            raise TypeError(f"{NAME}: comm_ops must hold torchrec CommOp members, got {op!r}")
+        formats = {"fwd": fwd, "bwd": bwd}
+        if op == CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER:
+            for direction, fmt in formats.items():
+                if get_format(fmt, NAME).is_fp8:
+                    formats[direction] = _REDUCE_SCATTER_FALLBACK[direction]
+                    logger.warning(
+                        "%s: %s %s cannot be summed on the wire by a reduce-scatter; using %s",
+                        NAME, direction, fmt, formats[direction],
+                    )
+        registry[op.name] = QuantizedCommCodecs(
+            forward=RecxlaQuantizedCommCodec(formats["fwd"], row_dim, output_dtype),
+            backward=RecxlaQuantizedCommCodec(
+                formats["bwd"], row_dim if row_dim_bwd is None else row_dim_bwd, output_dtype
+            ),
+        )
+    return registry

@@ -1,0 +1,226 @@
+"""recxla.torchrec.qcomm_codecs_registry: the codec on its own, then inside a sharded
+EmbeddingBagCollection trained on 2 gloo ranks against TorchRec's fp32 communication."""
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recxla.formats import FORMATS
+from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref
+from recxla.torchrec import RecxlaQuantizedCommCodec, qcomm_codecs_registry
+from distributed_utils import run_distributed
+
+torchrec = pytest.importorskip("torchrec")
+from torchrec.distributed.types import CommOp  # noqa: E402
+
+FMTS = sorted(FORMATS)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_decode_match_the_row_codec_reference(fmt, dtype):
+    row_dim = 12
+    codec = RecxlaQuantizedCommCodec(fmt, row_dim=row_dim)
+    # A strided [B, D_sum] batch, as TorchRec hands over (then flattened).
+    x = (torch.randn(5, 2 * 36) * torch.exp(torch.randn(5, 1))).to(dtype)[:, ::2]
+    ctx = codec.create_context()
+    wire = codec.encode(x, ctx)
+    n = x.numel()
+    assert wire.dim() == 1 and wire.dtype == codec.quantized_dtype
+    assert wire.numel() == codec.calc_quantized_size(n, ctx)
+    rows = x.reshape(-1, row_dim) if FORMATS[fmt].is_fp8 else x.reshape(1, -1)
+    want = quantize_rows_ref(rows, fmt).view(-1)
+    assert torch.equal(wire.view(torch.uint8), want)
+    out = codec.decode(wire, ctx)
+    assert out.shape == (n,) and out.dtype == torch.float32
+    ref = dequantize_rows_ref(want.view(rows.shape[0], -1), rows.shape[1], fmt, torch.float32)
+    assert torch.equal(out, ref.view(-1))
+    if FORMATS[fmt].is_fp8:
+        assert ctx.row_dim == row_dim and ctx.row_dim_quant == row_dim + 4
+        assert codec.stats.bytes_encoded == n // row_dim * (row_dim + 4)
+    assert codec.stats.encode_calls == 1 and codec.stats.decode_calls == 1
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "bf16"])
+def test_splits_of_whole_rows_encode_independently(fmt):
+    """What the all-to-all relies on: the wire bytes of split i are exactly the first
+    calc_quantized_size(split_i) bytes after those of the splits before it."""
+    codec = RecxlaQuantizedCommCodec(fmt, row_dim=8)
+    splits = [16, 0, 40, 8]
+    x = torch.randn(sum(splits))
+    wire = codec.encode(x)
+    pieces = wire.split([codec.calc_quantized_size(s) for s in splits])
+    for piece, part in zip(pieces, x.split(splits)):
+        assert torch.equal(piece, codec.encode(part))
+        assert torch.equal(codec.decode(piece), codec.decode(codec.encode(part)))
+    assert codec.encode(torch.randn(0)).numel() == 0 and codec.decode(pieces[1]).numel() == 0
+
+
+def test_bad_arguments_raise_naming_the_limit():
+    codec = RecxlaQuantizedCommCodec("e4m3", row_dim=32)
+    with pytest.raises(ValueError, match="a split of 48 values is not a multiple of row_dim=32"):
+        codec.calc_quantized_size(48, codec.create_context())
+    with pytest.raises(ValueError, match="the tensor to encode of 40 values"):
+        codec.encode(torch.randn(40))
+    with pytest.raises(ValueError, match="rank 1's embedding-dim sum of 48 values"):
+        codec.padded_size(torch.randn(4, 64), [64, 48], 0, codec.create_context())
+    assert RecxlaQuantizedCommCodec("bf16", row_dim=32).calc_quantized_size(48) == 48
+    with pytest.raises(ValueError, match="row_dim must be an int >= 1, got 0"):
+        RecxlaQuantizedCommCodec("e4m3", row_dim=0)
+    with pytest.raises(TypeError, match="output_dtype must be float32"):
+        RecxlaQuantizedCommCodec("e4m3", output_dtype=torch.int8)
+    with pytest.raises(ValueError, match="fwd must be one of"):
+        qcomm_codecs_registry(fwd="fp8")
+    with pytest.raises(ValueError, match="bwd must be one of"):
+        qcomm_codecs_registry(bwd="int8")
+    with pytest.raises(TypeError, match="comm_ops must hold torchrec CommOp members"):
+        qcomm_codecs_registry(comm_ops=["POOLED_EMBEDDINGS_ALL_TO_ALL"])
+
+
+def test_registry_has_torchrecs_keys_and_casts_for_the_reduce_scatter(caplog):
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    with caplog.at_level(logging.WARNING):
+        reg = qcomm_codecs_registry(fwd="e4m3", bwd="e5m2", row_dim=16, row_dim_bwd=8)
+    assert set(reg) == {op.name for op in CommOp}
+    a2a = reg[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name]
+    assert (a2a.forward.fmt, a2a.forward.row_dim) == ("e4m3", 16)
+    assert (a2a.backward.fmt, a2a.backward.row_dim) == ("e5m2", 8)
+    assert a2a.forward.quantized_dtype == torch.uint8
+    assert a2a.forward._comm_precision == SparseType.FP8
+    rs = reg[CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name]
+    assert (rs.forward.fmt, rs.backward.fmt) == ("fp16", "bf16")
+    assert rs.forward.quantized_dtype == torch.float16  # summable on the wire
+    assert "cannot be summed on the wire" in caplog.text
+    only = qcomm_codecs_registry("bf16", "bf16", comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL])
+    assert list(only) == [CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name]
+
+
+class _Model(nn.Module):
+    """Two tables (dims 8 and 16), pooled, into a linear head: TorchRec's DLRM in small."""
+
+    def __init__(self, tables):
+        super().__init__()
+        self.ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+        self.head = nn.Linear(sum(t.embedding_dim for t in tables), 1)
+
+    def forward(self, kjt):
+        return self.head(self.ebc(kjt).values()).squeeze(1)
+
+
+STEPS, B_LOCAL, ROW_DIM = 4, 4, 8
+
+
+def _train(rank, world, seed, registry, init):
+    """Table-wise sharded model (t0 on rank 0, t1 on rank 1), STEPS of SGD; returns the losses,
+    this rank's final weights and the initial weights (init: copy these in instead)."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    tables = [
+        torchrec.EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=50,
+                                    feature_names=["f0"]),
+        torchrec.EmbeddingBagConfig(name="t1", embedding_dim=16, num_embeddings=40,
+                                    feature_names=["f1"]),
+    ]
+    torch.manual_seed(seed)
+    model = _Model(tables)
+    apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.5})
+    sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)
+    plan = construct_module_sharding_plan(
+        model.ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)}, sharder=sharder,
+        local_size=world, world_size=world, device_type="cpu",
+    )
+    dmp = DistributedModelParallel(
+        model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+        plan=ShardingPlan({"ebc": plan}), sharders=[sharder],
+    )
+
+    def local_weights():
+        out = {}
+        for k, v in dmp.state_dict().items():
+            shards = v.local_shards() if hasattr(v, "local_shards") else None
+            if shards is None or shards:
+                out[k] = shards[0].tensor if shards else v
+        return out
+
+    with torch.no_grad():
+        if init is not None:  # the same starting point as the fp32 run
+            for k, w in local_weights().items():
+                w.copy_(init[k])
+        w0 = {k: w.clone() for k, w in local_weights().items()}
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(dmp.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.5),
+    )
+    gen = torch.Generator().manual_seed(seed * 7 + rank)  # the same batches in every run
+    losses = []
+    for _ in range(STEPS):
+        lengths = torch.randint(0, 4, (2 * B_LOCAL,), generator=gen)
+        ids = torch.randint(0, 40, (int(lengths.sum()),), generator=gen)
+        kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], ids, lengths)
+        labels = torch.rand(B_LOCAL, generator=gen)
+        dense.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(dmp(kjt), labels)
+        loss.backward()
+        dense.step()
+        losses.append(loss.item())
+    return losses, {k: w.clone() for k, w in local_weights().items()}, w0, dmp
+
+
+def _training_body(rank, world, seed):
+    losses_f, w_f, w0, _ = _train(rank, world, seed, None, None)  # TorchRec, fp32 on the wire
+    report = {}
+    for fwd, bwd in (("fp32", "fp32"), ("e4m3", "bf16")):
+        reg = qcomm_codecs_registry(fwd, bwd, row_dim=ROW_DIM)
+        losses, w, _, _ = _train(rank, world, seed, reg, w0)
+        a2a = reg[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name]
+        # recxla's codec carried every pooled all-to-all, forward and backward.
+        assert a2a.forward.stats.encode_calls == STEPS and a2a.forward.stats.decode_calls == STEPS
+        assert a2a.backward.stats.encode_calls == STEPS
+        d_local = (8, 16)[rank]
+        values = world * B_LOCAL * d_local  # B_global x D_local_sum, each step
+        row_bytes = FORMATS[fwd].row_bytes(ROW_DIM) if FORMATS[fwd].is_fp8 else 4 * ROW_DIM
+        assert a2a.forward.stats.bytes_encoded == STEPS * values // ROW_DIM * row_bytes
+        if fwd == "fp32":
+            # The identity codec path is TorchRec's own, bit for bit.
+            assert losses == losses_f
+            assert all(torch.equal(w[k], w_f[k]) for k in w)
+            continue
+        # Each update is a product of at most two quantized factors (error <= 2u to first
+        # order, u = e4m3's eps / 2); doubled for what compounds over the steps.
+        tol = 4 * torch.finfo(torch.float8_e4m3fn).eps / 2
+        for k in w:
+            delta, delta_f = w[k] - w0[k], w_f[k] - w0[k]
+            rel = float((delta - delta_f).norm() / delta_f.norm())
+            assert rel <= tol, f"{k}: update differs by {rel:.3g} (relative) from fp32's"
+            report[k] = rel
+        assert any(not torch.equal(w[k], w_f[k]) for k in w), "e4m3 changed nothing"
+        for got, want in zip(losses, losses_f):
+            assert abs(got - want) <= tol * abs(want)
+
+    # Tables whose dims (8, 16) row_dim=32 does not divide: a clear error, on every rank,
+    # from the first forward (the codec checks in padded_size, before any data moves).
+    bad = qcomm_codecs_registry("e4m3", "bf16", row_dim=32)
+    try:
+        _train(rank, world, seed, bad, None)
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise AssertionError("row_dim=32 with 8-wide tables must raise")
+    assert "not a multiple of row_dim=32" in message, message
+    return report
+
+
+@pytest.mark.distributed
+def test_sharded_ebc_trains_like_fp32_comm_with_recxla_codec(seed):
+    reports = run_distributed(_training_body, 2, args=(seed,), timeout=180)
+    assert all(reports)
