@@ -13,13 +13,27 @@ extra_info per case: wire_bytes_per_rank (bytes sent to the other rank per step)
 memcpy_gbps (a memcpy of the same fp32 bytes on this machine, for scale).
 """
 
+import os
+import sys
 import time
 
 import pytest
 import torch
 
-from bench.cluster import EmulatedCluster
-from bench.cluster.run_a2a import VARIANTS, make_inputs, make_step, sqnr_db, wire_bytes
+# bench/ is a folder of the repository, not of the installed package: make it importable however
+# pytest is started (`pytest` does not put the working directory on sys.path).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from bench.cluster import EmulatedCluster  # noqa: E402
+from bench.cluster.run_a2a import (  # noqa: E402
+    VARIANTS,
+    make_inputs,
+    make_step,
+    sqnr_db,
+    wire_bytes,
+)
 
 ROWS_PER_RANK = 32768  # D=128 fp32: 16 MiB per rank, half of it to the other rank
 DIM = 128

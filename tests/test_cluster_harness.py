@@ -12,9 +12,21 @@ import time
 
 import pytest
 
-from bench.cluster import ClusterJobError, ClusterTimeout, EmulatedCluster, NetnsUnavailable, probe
-from bench.cluster import netns
-from bench.cluster.launch import REPO_ROOT
+# bench/ is a folder of the repository, not of the installed package: make it importable however
+# pytest is started (`pytest` does not put the working directory on sys.path).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from bench.cluster import (  # noqa: E402
+    ClusterJobError,
+    ClusterTimeout,
+    EmulatedCluster,
+    NetnsUnavailable,
+    netns,
+    probe,
+)
+from bench.cluster.launch import REPO_ROOT  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 

@@ -94,7 +94,8 @@ class EmulatedCluster:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EmulatedCluster: {name} must be an int >= 1, got {value!r}")
         if nodes > netns.MAX_NODES:
-            raise ValueError(f"EmulatedCluster: nodes must be at most {netns.MAX_NODES}, got {nodes}")
+            raise ValueError(
+                f"EmulatedCluster: nodes must be at most {netns.MAX_NODES}, got {nodes}")
         if mode not in MODES:
             raise ValueError(f"EmulatedCluster: mode must be one of {MODES}, got {mode!r}")
         self.nodes, self.ranks_per_node, self.rate = nodes, ranks_per_node, rate

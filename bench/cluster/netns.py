@@ -170,7 +170,8 @@ class Topology:
     def __post_init__(self):
         global _counter
         if not isinstance(self.nodes, int) or not 1 <= self.nodes <= MAX_NODES:
-            raise ValueError(f"Topology: nodes must be an int in [1, {MAX_NODES}], got {self.nodes!r}")
+            raise ValueError(
+                f"Topology: nodes must be an int in [1, {MAX_NODES}], got {self.nodes!r}")
         if not self.prefix:
             _counter += 1
             self.prefix = f"{NAME_PREFIX}-{os.getpid()}-{_counter}"

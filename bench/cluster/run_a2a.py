@@ -186,7 +186,7 @@ def _machine() -> dict:
     model = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return {"cpu": model, "cores": os.cpu_count(), "kernel": platform.release(),
