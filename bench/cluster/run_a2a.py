@@ -186,7 +186,7 @@ def _machine() -> dict:
     model = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
     return {"cpu": model, "cores": os.cpu_count(), "kernel": platform.release(),
