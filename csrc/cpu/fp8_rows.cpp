@@ -1,9 +1,10 @@
 // FP8 row-wise quantize / dequantize on CPU.
 //
-// Rows are split across threads (at::parallel_for); inside a row every loop is branch-free over
-// contiguous memory, so the compiler vectorizes it. Each row kernel is compiled for AVX-512, AVX2
-// and baseline x86-64 and picked at load time (GCC function multiversioning), so one binary is
-// fast on the build machine and still runs on older CPUs.
+// Rows are split across threads (at::parallel_for). Each thread runs one of two row kernels:
+// - the AVX-512 kernels (fp8_rows_avx512.cpp, intrinsics), when the CPU has AVX-512 F/BW/VL;
+// - the portable kernels below: branch-free loops over recxla/fp8.h, compiled for AVX2 and
+//   baseline x86-64 and picked at load time (GCC function multiversioning).
+// Both compute fp8.h's arithmetic element by element, so their output is bit-identical.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -11,13 +12,21 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
+// fp8.h's encoder selects among values it computes for every element (an fp32 addition among
+// them); with the default -ftrapping-math GCC will not compute an addition whose result a select
+// may discard, so it keeps a branch and the loops do not vectorize. The results do not depend on
+// this flag (no fp32 exception is ever observed), so it is dropped for the kernels below.
+#pragma GCC optimize("no-trapping-math")
+
+#include "fp8_rows_cpu.h"
 #include "recxla/checks.h"
 #include "recxla/fp8.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define RECXLA_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#define RECXLA_MULTIVERSION __attribute__((target_clones("avx2", "default")))
 #else
 #define RECXLA_MULTIVERSION
 #endif
@@ -41,8 +50,7 @@ inline void quantize_row(const scalar_t* __restrict__ x, int64_t dim, uint8_t* _
   }
   const float inv_scale = fp8::inv_scale_from_amax(fp8::bits_float(amax_bits), fmt);
   for (int64_t j = 0; j < dim; ++j) {
-    const float scaled = to_float(x[j]) * inv_scale;
-    out[j] = fmt == Format::E4M3 ? fp8::encode_e4m3(scaled) : fp8::encode_e5m2(scaled);
+    out[j] = fp8::encode<fmt>(to_float(x[j]) * inv_scale);
   }
   const float scale = fp8::scale_from_inv_scale(inv_scale);
   std::memcpy(out + dim, &scale, sizeof(scale));
@@ -53,7 +61,7 @@ inline void dequantize_row(const uint8_t* __restrict__ in, int64_t dim, scalar_t
   float scale;
   std::memcpy(&scale, in + dim, sizeof(scale));
   for (int64_t j = 0; j < dim; ++j) {
-    const float v = fmt == Format::E4M3 ? fp8::decode_e4m3(in[j]) : fp8::decode_e5m2(in[j]);
+    const float v = fp8::decode(in[j], fmt);
     y[j] = static_cast<scalar_t>(v * scale);
   }
 }
@@ -89,6 +97,39 @@ RECXLA_ROW_KERNELS(c10::BFloat16, bf16)
 RECXLA_ROW_KERNELS(c10::Half, f16)
 #undef RECXLA_ROW_KERNELS
 
+#define RECXLA_DISPATCH_ROWS(scalar_t, name)                                                  \
+  void quantize_rows(                                                                         \
+      const scalar_t* x, int64_t x_stride, int64_t begin, int64_t end, int64_t dim, Format fmt, \
+      uint8_t* out, bool avx512) {                                                            \
+    if (avx512) {                                                                             \
+      cpu::quantize_rows_avx512(x, x_stride, begin, end, dim, fmt, out);                      \
+    } else {                                                                                  \
+      quantize_rows_##name(x, x_stride, begin, end, dim, fmt, out);                           \
+    }                                                                                         \
+  }                                                                                           \
+  void dequantize_rows(                                                                       \
+      const uint8_t* in, int64_t begin, int64_t end, int64_t dim, Format fmt, scalar_t* y,    \
+      bool avx512) {                                                                          \
+    if (avx512) {                                                                             \
+      cpu::dequantize_rows_avx512(in, begin, end, dim, fmt, y);                               \
+    } else {                                                                                  \
+      dequantize_rows_##name(in, begin, end, dim, fmt, y);                                    \
+    }                                                                                         \
+  }
+
+RECXLA_DISPATCH_ROWS(float, f32)
+RECXLA_DISPATCH_ROWS(c10::BFloat16, bf16)
+RECXLA_DISPATCH_ROWS(c10::Half, f16)
+#undef RECXLA_DISPATCH_ROWS
+
+// RECXLA_CPU_KERNELS=portable runs the portable kernels on an AVX-512 CPU as well, so that tests
+// check both kernels on one machine.
+bool use_avx512() {
+  if (!cpu::have_avx512_fp8()) return false;
+  const char* choice = std::getenv("RECXLA_CPU_KERNELS");
+  return choice == nullptr || std::strcmp(choice, "portable") != 0;
+}
+
 // Rows per task: enough bytes that a thread's share outweighs the cost of handing it out.
 int64_t grain_rows(int64_t dim) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(dim, 1)); }
 
@@ -102,17 +143,19 @@ at::Tensor quantize_fp8_rows_cpu(const at::Tensor& x_in, c10::string_view fmt_na
   at::Tensor out = at::empty({rows, fp8::row_bytes(dim)}, x.options().dtype(at::kByte));
   if (rows == 0) return out;
   uint8_t* out_ptr = out.data_ptr<uint8_t>();
+  const bool avx512 = use_avx512();
   at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
     switch (x.scalar_type()) {
       case at::kFloat:
-        quantize_rows_f32(x.const_data_ptr<float>(), x_stride, begin, end, dim, fmt, out_ptr);
+        quantize_rows(x.const_data_ptr<float>(), x_stride, begin, end, dim, fmt, out_ptr, avx512);
         break;
       case at::kBFloat16:
-        quantize_rows_bf16(
-            x.const_data_ptr<c10::BFloat16>(), x_stride, begin, end, dim, fmt, out_ptr);
+        quantize_rows(
+            x.const_data_ptr<c10::BFloat16>(), x_stride, begin, end, dim, fmt, out_ptr, avx512);
         break;
       default:
-        quantize_rows_f16(x.const_data_ptr<c10::Half>(), x_stride, begin, end, dim, fmt, out_ptr);
+        quantize_rows(
+            x.const_data_ptr<c10::Half>(), x_stride, begin, end, dim, fmt, out_ptr, avx512);
     }
   });
   return out;
@@ -128,16 +171,17 @@ at::Tensor dequantize_fp8_rows_cpu(
   at::Tensor y = at::empty({rows, dim}, packed.options().dtype(dtype));
   if (rows == 0 || dim == 0) return y;
   const uint8_t* in = packed.const_data_ptr<uint8_t>();
+  const bool avx512 = use_avx512();
   at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
     switch (dtype) {
       case at::kFloat:
-        dequantize_rows_f32(in, begin, end, dim, fmt, y.data_ptr<float>());
+        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<float>(), avx512);
         break;
       case at::kBFloat16:
-        dequantize_rows_bf16(in, begin, end, dim, fmt, y.data_ptr<c10::BFloat16>());
+        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<c10::BFloat16>(), avx512);
         break;
       default:
-        dequantize_rows_f16(in, begin, end, dim, fmt, y.data_ptr<c10::Half>());
+        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<c10::Half>(), avx512);
     }
   });
   return y;

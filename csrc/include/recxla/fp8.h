@@ -13,8 +13,9 @@
 //   NaN  -> NaN code; +-Inf -> +-Inf code in e5m2, NaN code in e4m3 (which has no infinity)
 // Decoding: value(code) * scale, computed in fp32.
 //
-// The conversions follow c10's fp8 conversions bit for bit (the integer tricks need no FP8
-// hardware and no lookup table), so torch's own `.to(torch.float8_*)` is the reference.
+// The conversions agree bit for bit with c10's fp8 conversions (torch's `.to(torch.float8_*)`, the
+// reference), checked on all 2^32 fp32 inputs; they need no FP8 hardware and no lookup table. They
+// assume IEEE fp32 with subnormals (no flush-to-zero), the default of every backend here.
 #pragma once
 
 #include <cstdint>
@@ -65,10 +66,11 @@ RECXLA_HD float max_finite(Format fmt) { return fmt == Format::E4M3 ? kE4M3Max :
 
 // The bits of |x| when x is finite, else 0: one value's contribution to its row's amax. For
 // non-negative floats the bit patterns order like the values, so the row maximum is an integer
-// maximum, which vectorizes without -ffast-math and treats NaN predictably.
+// maximum, which vectorizes without -ffast-math and treats NaN predictably. (A mask rather than a
+// select: GCC 12 does not vectorize a max reduction fed by a select.)
 RECXLA_HD uint32_t finite_abs_bits(float x) {
   const uint32_t a = float_bits(x) & 0x7FFFFFFFu;
-  return a < 0x7F800000u ? a : 0u;
+  return a & (0u - static_cast<uint32_t>(a < 0x7F800000u));
 }
 
 RECXLA_HD float inv_scale_from_amax(float amax, Format fmt) {
@@ -79,43 +81,72 @@ RECXLA_HD float inv_scale_from_amax(float amax, Format fmt) {
 
 RECXLA_HD float scale_from_inv_scale(float inv_scale) { return 1.0f / inv_scale; }
 
-// fp32 -> e4m3fn code: c10::detail::fp8e4m3fn_from_fp32_value with saturation of finite values.
-// Written without branches (every candidate is computed, one is selected) so that the CPU loop
-// vectorizes and GPU warps do not diverge.
-RECXLA_HD uint8_t encode_e4m3(float f) {
-  constexpr uint32_t nan_threshold = UINT32_C(1087) << 20;  // 464.0: rounds past 448
-  constexpr uint32_t min_normal = UINT32_C(121) << 23;      // 2^-6
-  constexpr uint32_t denorm_mask = UINT32_C(141) << 23;
-  uint32_t bits = float_bits(f);
-  const uint32_t sign = bits & 0x80000000u;
-  bits ^= sign;
-  // Saturate finite values; Inf and NaN keep their bits and become the NaN code below.
-  bits = (bits < 0x7F800000u && bits > kE4M3MaxBits) ? kE4M3MaxBits : bits;
-  // Subnormal: adding 2^(141-127) makes the FPU round onto the subnormal grid (nearest even).
-  const uint32_t subnormal = float_bits(bits_float(bits) + bits_float(denorm_mask)) - denorm_mask;
-  const uint32_t normal =
-      (bits + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20;
-  const uint32_t code = bits >= nan_threshold ? 0x7Fu : (bits < min_normal ? subnormal : normal);
-  return static_cast<uint8_t>(code | (sign >> 24));
+// Per-format constants of the encoder. An FP8 value with unbiased exponent E >= kMinExp has the
+// spacing 2^(E - kMantissaBits); below kMinExp (subnormals) the spacing stays 2^(kMinExp - M).
+template <Format F>
+struct Traits;
+template <>
+struct Traits<Format::E4M3> {
+  static constexpr uint32_t kMantissaBits = 3;
+  static constexpr uint32_t kBias = 7;
+  static constexpr uint32_t kMaxBits = kE4M3MaxBits;
+  static constexpr uint32_t kInfCode = 0x7Fu;  // e4m3fn has no infinity: Inf becomes NaN
+  static constexpr uint32_t kNanCode = 0x7Fu;
+};
+template <>
+struct Traits<Format::E5M2> {
+  static constexpr uint32_t kMantissaBits = 2;
+  static constexpr uint32_t kBias = 15;
+  static constexpr uint32_t kMaxBits = kE5M2MaxBits;
+  static constexpr uint32_t kInfCode = 0x7Cu;
+  static constexpr uint32_t kNanCode = 0x7Fu;
+};
+
+// fp32 bits of the smallest normal FP8 magnitude, 2^(1 - bias).
+template <Format F>
+constexpr uint32_t kMinNormalBits = (128u - Traits<F>::kBias) << 23;
+
+// Rounding to FP8 is one fp32 addition. For a magnitude v whose FP8 spacing is q = 2^(E - M)
+// (E clamped to the smallest normal exponent), the anchor is A = 2^(E + 23 - M): the fp32 spacing
+// at A is exactly q, and v < 2^(E + 1) keeps v + A inside A's binade, so the FPU's
+// round-to-nearest-even of v + A rounds v onto the FP8 grid, normals and subnormals alike, carry
+// into the next exponent included. The sum's bits minus A's bits count the multiples of q in the
+// rounded value. `a` is the fp32 bit pattern of a finite magnitude <= the format's maximum.
+template <Format F>
+RECXLA_HD uint32_t anchor_bits(uint32_t a) {
+  constexpr uint32_t min_normal = kMinNormalBits<F>;
+  return ((a > min_normal ? a : min_normal) & 0x7F800000u) + ((23u - Traits<F>::kMantissaBits) << 23);
 }
 
-// fp32 -> e5m2 code: c10::detail::fp8e5m2_from_fp32_value with saturation of finite values.
-RECXLA_HD uint8_t encode_e5m2(float f) {
-  constexpr uint32_t overflow_threshold = UINT32_C(143) << 23;  // 65536.0
-  constexpr uint32_t min_normal = UINT32_C(113) << 23;          // 2^-14
-  constexpr uint32_t denorm_mask = UINT32_C(134) << 23;
-  uint32_t bits = float_bits(f);
-  const uint32_t sign = bits & 0x80000000u;
-  bits ^= sign;
-  bits = (bits < 0x7F800000u && bits > kE5M2MaxBits) ? kE5M2MaxBits : bits;
-  const uint32_t subnormal = float_bits(bits_float(bits) + bits_float(denorm_mask)) - denorm_mask;
-  const uint32_t normal =
-      (bits + (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu + ((bits >> 21) & 1u)) >> 21;
-  const uint32_t special = bits > 0x7F800000u ? 0x7Fu : 0x7Cu;  // NaN : Inf
-  const uint32_t code =
-      bits >= overflow_threshold ? special : (bits < min_normal ? subnormal : normal);
-  return static_cast<uint8_t>(code | (sign >> 24));
+// What to subtract from bits(v + A) to get the FP8 code of v: A's own bits, minus the FP8 exponent
+// field of A's binade. It depends on A alone, so a vector kernel may tabulate it per exponent.
+template <Format F>
+RECXLA_HD uint32_t code_offset(uint32_t anchor) {
+  constexpr uint32_t m = Traits<F>::kMantissaBits;
+  // code = (multiples of q) + ((E + bias) << M) - (1 << M), the implicit leading one removed;
+  // (anchor >> (23 - M)) = (E + 23 - M + 127) << M.
+  constexpr uint32_t k = ((23u - m + 127u - Traits<F>::kBias) << m) + (1u << m);
+  return anchor - (anchor >> (23u - m)) + k;
 }
+
+// fp32 -> FP8 code, bit-identical to c10's fp8e4m3fn / fp8e5m2 conversions (round to nearest
+// even) except that finite values saturate at +-max instead of becoming NaN / Inf. Branch-free:
+// every candidate is computed and one selected, so CPU loops vectorize and warps do not diverge.
+template <Format F>
+RECXLA_HD uint8_t encode(float f) {
+  const uint32_t bits = float_bits(f);
+  const uint32_t sign = bits & 0x80000000u;
+  const uint32_t a = bits ^ sign;
+  const uint32_t clamped = a < Traits<F>::kMaxBits ? a : Traits<F>::kMaxBits;
+  const uint32_t anchor = anchor_bits<F>(clamped);
+  const uint32_t code =
+      float_bits(bits_float(clamped) + bits_float(anchor)) - code_offset<F>(anchor);
+  const uint32_t special = a > 0x7F800000u ? Traits<F>::kNanCode : Traits<F>::kInfCode;
+  return static_cast<uint8_t>((a >= 0x7F800000u ? special : code) | (sign >> 24));
+}
+
+RECXLA_HD uint8_t encode_e4m3(float f) { return encode<Format::E4M3>(f); }
+RECXLA_HD uint8_t encode_e5m2(float f) { return encode<Format::E5M2>(f); }
 
 // e4m3fn code -> fp32 (exact). The exponent and mantissa bits are placed in an fp32 pattern and
 // rescaled by a power of two; fp32 subnormals then cover e4m3 subnormals with no special case.
