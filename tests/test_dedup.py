@@ -1,0 +1,290 @@
+"""Segmented key dedup: kernels against the per-segment torch.unique reference."""
+
+import importlib
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import recxla
+from recxla import _extension
+from recxla.ops.dedup import (
+    bucketize_by_rank,
+    row_wise_bounds,
+    segmented_unique,
+    table_wise_bounds,
+)
+from recxla.reference.dedup import bucketize_by_rank_ref, segmented_unique_ref
+
+DTYPES = [torch.int32, torch.int64]
+# zipf: skewed traffic over a large table; uniform: few repeats; narrow: a small table (dense
+# path); full: keys over the whole dtype (hashed ids, the wide-key sort of the CPU kernel).
+KINDS = ["zipf", "uniform", "narrow", "full"]
+
+
+def random_keys(kind: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+    info = torch.iinfo(dtype)
+    if kind == "zipf":
+        table = 50_000
+        weights = torch.arange(1, table + 1, dtype=torch.float64).pow(-1.05)
+        ranks = torch.multinomial(weights, n, replacement=True) if n else torch.zeros(0).long()
+        # Hot keys scattered over the id space, negative ones included, as hashed ids are.
+        ids = torch.randperm(40 * table)[:table] - 20 * table
+        return ids[ranks].to(dtype)
+    if kind == "uniform":
+        return torch.randint(-(2**30), 2**30, (n,), dtype=torch.int64).to(dtype)
+    if kind == "narrow":
+        low = int(torch.randint(-1000, 1000, ()))
+        return torch.randint(low, low + 97, (n,), dtype=torch.int64).to(dtype)
+    return torch.randint(info.min, info.max, (n,), dtype=dtype)
+
+
+def random_offsets(segments: int, max_len: int) -> torch.Tensor:
+    lengths = torch.randint(0, max_len + 1, (segments,))
+    lengths[torch.rand(segments) < 0.2] = 0  # empty segments
+    offsets = torch.zeros(segments + 1, dtype=torch.int64)
+    offsets[1:] = lengths.cumsum(0)
+    return offsets
+
+
+def assert_same(got, want):
+    names = ("unique_values", "unique_offsets", "inverse")
+    for name, g, w in zip(names, got, want):
+        assert g.dtype == w.dtype, f"{name}: dtype {g.dtype} != {w.dtype}"
+        assert g.device == w.device, f"{name}: device {g.device} != {w.device}"
+        assert torch.equal(g, w), f"{name} differs from the reference"
+
+
+def check_properties(values, offsets, result):
+    """What the contract promises, checked without the reference."""
+    unique_values, unique_offsets, inverse = result
+    assert torch.equal(unique_values[inverse], values)
+    assert unique_offsets[0] == 0 and unique_offsets[-1] == unique_values.numel()
+    for s in range(offsets.numel() - 1):
+        lo, hi = int(unique_offsets[s]), int(unique_offsets[s + 1])
+        seg = unique_values[lo:hi]
+        assert bool((seg[1:] > seg[:-1]).all()), f"segment {s} not strictly ascending"
+        seg_inverse = inverse[int(offsets[s]) : int(offsets[s + 1])]
+        assert bool(((seg_inverse >= lo) & (seg_inverse < hi)).all())
+        assert hi - lo == seg_inverse.unique().numel()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(kind, dtype):
+    # Sizes around the kernel's thresholds: small totals run on one thread, larger ones on all.
+    for segments, max_len in [(1, 500), (26, 1500), (int(torch.randint(2, 60, ())), 300)]:
+        offsets = random_offsets(segments, max_len)
+        values = random_keys(kind, int(offsets[-1]), dtype)
+        result = segmented_unique(values, offsets)
+        assert_same(result, segmented_unique_ref(values, offsets))
+        check_properties(values, offsets, result)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_extreme_and_repeated_keys(dtype):
+    info = torch.iinfo(dtype)
+    n = 3000
+    pool = torch.tensor([info.min, info.min + 1, -1, 0, 1, info.max - 1, info.max], dtype=dtype)
+    values = pool[torch.randint(0, pool.numel(), (n,))]
+    offsets = torch.tensor([0, 1, 1, 700, n], dtype=torch.int64)
+    assert_same(segmented_unique(values, offsets), segmented_unique_ref(values, offsets))
+    same = torch.full((n,), int(pool[torch.randint(0, pool.numel(), ())]), dtype=dtype)
+    assert_same(segmented_unique(same, offsets), segmented_unique_ref(same, offsets))
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[], [0], [0, 0, 0], [1], [0, 1, 0], [5000], [3] * 700, [0, 2, 0, 1] * 300],
+    ids=["S0", "one-empty", "all-empty", "one-key", "key-among-empty", "one-big", "many", "mix"],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_edge_shapes(lengths, dtype):
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    values = random_keys("narrow", int(offsets[-1]), dtype)
+    result = segmented_unique(values, offsets)
+    assert_same(result, segmented_unique_ref(values, offsets))
+    assert result[1].shape == (len(lengths) + 1,)
+
+
+def test_noncontiguous_and_int32_offsets():
+    base = random_keys("zipf", 8000, torch.int64)
+    values = base[::2]
+    offsets = random_offsets(7, 1000)
+    offsets[-1] = values.numel()
+    offsets = torch.minimum(offsets, offsets[-1]).to(torch.int32)
+    assert not values.is_contiguous()
+    got = recxla.unique_keys(values, offsets)
+    assert_same(got, segmented_unique_ref(values.contiguous(), offsets.to(torch.int64)))
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    segments=st.lists(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40), max_size=8),
+    int32=st.booleans(),
+)
+def test_hypothesis_shapes(segments, int32):
+    dtype = torch.int32 if int32 else torch.int64
+    flat = [k for seg in segments for k in seg]
+    if int32:
+        flat = [(k % 2**32) - 2**31 for k in flat]
+    values = torch.tensor(flat, dtype=dtype)
+    offsets = torch.tensor([0] + [len(s) for s in segments], dtype=torch.int64).cumsum(0)
+    assert_same(segmented_unique(values, offsets), segmented_unique_ref(values, offsets))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(dtype):
+    offsets = random_offsets(5, 40)
+    values = random_keys("narrow", int(offsets[-1]), dtype)
+    torch.library.opcheck(torch.ops.recxla.segmented_unique.default, (values, offsets))
+
+
+def test_reference_fallback_checks_and_matches(monkeypatch):
+    # Without the compiled kernels the public function runs the reference, with the same checks.
+    monkeypatch.setattr(_extension, "extension_available", lambda: False)
+    offsets = random_offsets(9, 100)
+    values = random_keys("zipf", int(offsets[-1]), torch.int64)
+    assert_same(segmented_unique(values, offsets), segmented_unique_ref(values, offsets))
+    with pytest.raises(ValueError, match=r"offsets must be non-decreasing, but offsets\[1\]"):
+        segmented_unique(torch.arange(4), torch.tensor([0, 3, 2, 4]))
+
+
+BAD_ARGS = [
+    (torch.arange(4), torch.tensor([1, 2, 4]), ValueError, r"offsets\[0\] must be 0, got 1"),
+    (
+        torch.arange(6),
+        torch.tensor([0, 4, 3, 6]),
+        ValueError,
+        r"offsets must be non-decreasing, but offsets\[1\]=4 > offsets\[2\]=3",
+    ),
+    (torch.arange(6), torch.tensor([0, 2, 5]), ValueError, r"offsets\[-1\] must equal .*=6, got 5"),
+    (torch.arange(6), torch.tensor([0, 2, 7]), ValueError, r"offsets\[-1\] must equal .*=6, got 7"),
+    (torch.arange(0), torch.tensor([], dtype=torch.int64), ValueError, r"offsets must have S \+ 1"),
+    (torch.rand(4), torch.tensor([0, 4]), TypeError, r"values must be int32 or int64"),
+    (torch.arange(4).view(2, 2), torch.tensor([0, 4]), ValueError, r"values must be 1-D"),
+    (torch.arange(4), torch.tensor([0.0, 4.0]), TypeError, r"offsets must be int64"),
+    (torch.arange(4), torch.tensor([[0, 4]]), ValueError, r"offsets must be 1-D"),
+]
+
+
+@pytest.mark.parametrize("values,offsets,exc,match", BAD_ARGS)
+def test_errors_name_op_and_argument(values, offsets, exc, match):
+    # Value checks of offsets come from the kernel (recxla::), argument checks from Python.
+    with pytest.raises(exc, match=r"recxla(\.|::)segmented_unique: " + match):
+        segmented_unique(values, offsets)
+
+
+@pytest.mark.parametrize("values,offsets,exc,match", BAD_ARGS[:5] + BAD_ARGS[5:7])
+def test_kernel_errors_name_op_and_argument(values, offsets, exc, match):
+    # Called directly, the C++ op checks too (TORCH_CHECK_VALUE / TYPE map to these types).
+    with pytest.raises(exc, match=r"recxla::segmented_unique: " + match):
+        torch.ops.recxla.segmented_unique(values, offsets)
+
+
+@pytest.fixture
+def interpreted_triton():
+    """recxla.triton_kernels.dedup with its kernels built for the Triton interpreter (CPU)."""
+    pytest.importorskip("triton")
+    module = importlib.import_module("recxla.triton_kernels.dedup")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated: reload
+    try:
+        yield importlib.reload(module)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+        importlib.reload(module)
+
+
+@pytest.mark.parametrize("kind", ["zipf", "full"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_interpreted_matches_reference(interpreted_triton, kind, dtype):
+    for segments, max_len in [(0, 0), (3, 0), (int(torch.randint(1, 12, ())), 600)]:
+        offsets = random_offsets(segments, max_len)
+        values = random_keys(kind, int(offsets[-1]), dtype)
+        got = interpreted_triton.segmented_unique_triton(values, offsets)
+        assert_same(got, segmented_unique_ref(values, offsets))
+
+
+def _random_tables(tables: int, max_len: int, max_rows: int):
+    offsets = random_offsets(tables, max_len)
+    num_rows = torch.randint(1, max_rows, (tables,)).tolist()
+    lengths = (offsets[1:] - offsets[:-1]).tolist()
+    values = torch.cat(
+        [torch.randint(0, rows, (n,)) for rows, n in zip(num_rows, lengths)]
+        + [torch.zeros(0, dtype=torch.int64)]
+    )
+    return values, offsets, num_rows
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_bucketize_by_rank_matches_reference(world_size):
+    values, offsets, num_rows = _random_tables(5, 300, 5000)
+    owners = torch.randint(0, world_size, (len(num_rows),)).tolist()
+    for bounds in (row_wise_bounds(num_rows, world_size), table_wise_bounds(num_rows, owners, world_size)):
+        permutation, bucket_offsets = bucketize_by_rank(values, offsets, bounds)
+        want = bucketize_by_rank_ref(values, offsets, bounds)
+        assert torch.equal(permutation, want[0]) and torch.equal(bucket_offsets, want[1])
+        # Every key lands with the rank whose block holds its row.
+        tables = len(num_rows)
+        for b in range(world_size * tables):
+            r, t = divmod(b, tables)
+            keys = values[permutation[bucket_offsets[b] : bucket_offsets[b + 1]]]
+            assert bool(((keys >= bounds[t, r]) & (keys < bounds[t, r + 1])).all())
+        # Dedup per (rank, table) bucket, then expand back to the original order.
+        unique_values, _, inverse = segmented_unique(values[permutation], bucket_offsets)
+        restored = torch.empty_like(values)
+        restored[permutation] = unique_values[inverse]
+        assert torch.equal(restored, values)
+
+
+def test_bucketize_wide_keys_and_errors():
+    # Keys spread over all of int64 take the per-table search instead of the banded one.
+    values = random_keys("full", 900, torch.int64)
+    offsets = torch.tensor([0, 300, 300, 900])
+    interior = torch.sort(random_keys("full", 3 * 3, torch.int64).view(3, 3), dim=1).values
+    bounds = torch.cat([interior[:, :1], interior, interior[:, -1:]], dim=1)
+    got = bucketize_by_rank(values, offsets, bounds)
+    want = bucketize_by_rank_ref(values, offsets, bounds)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match=r"recxla.bucketize_by_rank: block_bounds must be \[T, R"):
+        bucketize_by_rank(values, offsets, bounds[:2])
+    with pytest.raises(ValueError, match=r"recxla.bucketize_by_rank: each row of block_bounds"):
+        bucketize_by_rank(values, offsets, bounds.flip(1))
+    with pytest.raises(ValueError, match=r"recxla.table_wise_bounds: owners must lie in \[0, 2\)"):
+        table_wise_bounds([10, 10], [0, 2], 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_matches_reference(monkeypatch, backend, kind, dtype):
+    if backend == "cuda" and not recxla.built_with_cuda():
+        pytest.skip("this build has no CUDA kernels")
+    monkeypatch.setenv("RECXLA_BACKEND", backend)
+    for segments, max_len in [(0, 0), (4, 0), (1, 5000), (26, 8000), (500, 40)]:
+        offsets = random_offsets(segments, max_len)
+        values = random_keys(kind, int(offsets[-1]), dtype)
+        got = segmented_unique(values.cuda(), offsets.cuda())
+        want = segmented_unique_ref(values, offsets)
+        assert_same([t.cpu() for t in got], want)
+    with pytest.raises(ValueError, match=r"offsets must be non-decreasing"):
+        segmented_unique(torch.arange(6).cuda(), torch.tensor([0, 4, 3, 6]).cuda())
+
+
+@pytest.mark.gpu
+def test_gpu_bucketize_matches_cpu():
+    values, offsets, num_rows = _random_tables(6, 2000, 100_000)
+    bounds = row_wise_bounds(num_rows, 4)
+    want = bucketize_by_rank(values, offsets, bounds)
+    got = bucketize_by_rank(values.cuda(), offsets.cuda(), bounds.cuda())
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
