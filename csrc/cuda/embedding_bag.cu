@@ -1,0 +1,333 @@
+// Pooled embedding lookup over deduplicated ids, and its fused backward, on CUDA.
+//
+// Forward: one warp per bag (grid-stride over all bags of all features); the lanes stride over
+// the row's columns, so every row load is coalesced, and the bag's sum lives in the warp's slice
+// of shared memory until it is written once.
+// Backward: the ids are grouped by unique row with ATen ops on the current stream (a stable
+// argsort of `inverse`, a bincount and a scan), then one warp per unique row sums its ids'
+// output gradients (in id order: deterministic) into shared memory and updates the row and its
+// optimizer state in place. A row belongs to one warp, so no atomics are needed; row-wise Adagrad
+// reduces the row's squares with warp shuffles.
+//
+// The per-element math is recxla/embedding_bag.h, shared with the CPU kernel. Shape and dtype
+// checks are the host-side ones of the CPU kernel (recxla/embedding_bag_checks.h); ids outside
+// their table's segment are device asserts (the module checks ids before calling).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "recxla/embedding_bag.h"
+#include "recxla/embedding_bag_checks.h"
+
+namespace recxla {
+namespace {
+
+using emb::Hparams;
+using emb::Layout;
+using emb::Optim;
+
+constexpr int kWarp = 32;
+constexpr int kWarpsPerBlock = 4;
+constexpr int kThreads = kWarp * kWarpsPerBlock;
+constexpr int64_t kMaxSharedBytes = 48 * 1024;
+
+// Per-call metadata, one int64 array on the device:
+//   [feature_table F][feature_column F][table_dim T][pooling T][unique_offsets T + 1]
+//   [weights T][states T][grad_out T]   (the last three are pointers)
+struct Meta {
+  const int64_t* feature_table;
+  const int64_t* feature_column;
+  const int64_t* table_dim;
+  const int64_t* pooling;
+  const int64_t* unique_offsets;
+  const int64_t* weights;
+  const int64_t* states;
+  const int64_t* grad_out;
+  int64_t num_tables;
+};
+
+struct DeviceMeta {
+  at::Tensor storage;
+  Meta meta;
+};
+
+DeviceMeta make_meta(
+    const Layout& l, at::TensorList weights, at::TensorList states,
+    const std::vector<at::Tensor>& grad_out, const at::Device& device) {
+  const int64_t F = l.num_features, T = l.num_tables;
+  std::vector<int64_t> host;
+  host.insert(host.end(), l.feature_table.begin(), l.feature_table.end());
+  host.insert(host.end(), l.feature_column.begin(), l.feature_column.end());
+  host.insert(host.end(), l.table_dim.begin(), l.table_dim.end());
+  host.insert(host.end(), l.pooling.begin(), l.pooling.end());
+  host.insert(host.end(), l.unique_offsets.begin(), l.unique_offsets.end());
+  for (int64_t t = 0; t < T; ++t) host.push_back(reinterpret_cast<int64_t>(weights[t].data_ptr()));
+  for (int64_t t = 0; t < T; ++t) {
+    const bool has = static_cast<int64_t>(states.size()) > t && states[t].numel() > 0;
+    host.push_back(has ? reinterpret_cast<int64_t>(states[t].data_ptr()) : 0);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const bool has = static_cast<int64_t>(grad_out.size()) > t && grad_out[t].numel() > 0;
+    host.push_back(has ? reinterpret_cast<int64_t>(grad_out[t].data_ptr()) : 0);
+  }
+  host.push_back(0);  // never empty
+  DeviceMeta m;
+  m.storage = at::tensor(host, at::TensorOptions().dtype(at::kLong)).to(device);
+  const int64_t* p = m.storage.const_data_ptr<int64_t>();
+  m.meta = Meta{p, p + F, p + 2 * F, p + 2 * F + T, p + 2 * F + 2 * T, p + 2 * F + 3 * T + 1,
+                p + 2 * F + 4 * T + 1, p + 2 * F + 5 * T + 1, T};
+  return m;
+}
+
+int64_t max_dim(const Layout& l) {
+  int64_t d = 1;
+  for (int64_t x : l.table_dim) d = std::max(d, x);
+  return d;
+}
+
+int blocks_for(int64_t warps) {
+  const int64_t wanted = (warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const int64_t cap =
+      static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
+  return static_cast<int>(std::max<int64_t>(1, std::min(wanted, cap)));
+}
+
+template <typename index_t>
+__global__ void forward_kernel(
+    Meta m, const index_t* __restrict__ rows, const int64_t* __restrict__ inverse,
+    const int64_t* __restrict__ offsets, const float* __restrict__ psw, int64_t bags,
+    int64_t batch_size, int64_t total_dim, int64_t smem_dim, float* __restrict__ out) {
+  extern __shared__ float smem[];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  float* acc = smem + warp * smem_dim;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; k < bags; k += warps) {
+    const int64_t f = k / batch_size, b = k - f * batch_size;
+    const int64_t t = m.feature_table[f], dim = m.table_dim[t];
+    const int64_t lo = m.unique_offsets[t], hi = m.unique_offsets[t + 1];
+    const float* w = reinterpret_cast<const float*>(m.weights[t]);
+    for (int64_t d = lane; d < dim; d += kWarp) acc[d] = 0.0f;
+    const int64_t first = offsets[k], last = offsets[k + 1];
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t u = inverse[i];
+      CUDA_KERNEL_ASSERT(u >= lo && u < hi);
+      const float* row = w + static_cast<int64_t>(rows[u]) * dim;
+      const float s = psw != nullptr ? psw[i] : 1.0f;
+      for (int64_t d = lane; d < dim; d += kWarp) {
+        acc[d] = psw != nullptr ? acc[d] + s * __ldg(row + d) : acc[d] + __ldg(row + d);
+      }
+    }
+    const bool mean = m.pooling[t] == static_cast<int64_t>(emb::Pooling::Mean) && last > first;
+    const float inv_len = mean ? 1.0f / static_cast<float>(last - first) : 1.0f;
+    float* o = out + b * total_dim + m.feature_column[f];
+    for (int64_t d = lane; d < dim; d += kWarp) o[d] = mean ? acc[d] * inv_len : acc[d];
+    __syncwarp();
+  }
+}
+
+template <typename index_t>
+__global__ void update_kernel(
+    Meta m, const index_t* __restrict__ rows, const int64_t* __restrict__ start,
+    const int64_t* __restrict__ grad_offset, const float* __restrict__ scale,
+    const float* __restrict__ grad, const int64_t* __restrict__ optim,
+    const float* __restrict__ hparams, int64_t num_unique, int64_t smem_dim) {
+  extern __shared__ float smem[];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  float* g = smem + warp * smem_dim;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; u < num_unique;
+       u += warps) {
+    int64_t t = 0;  // the table whose segment holds u (few tables: a linear scan)
+    while (t + 1 < m.num_tables && m.unique_offsets[t + 1] <= u) ++t;
+    const auto kind = static_cast<Optim>(optim[t]);
+    float* grad_out = reinterpret_cast<float*>(m.grad_out[t]);
+    if (kind == Optim::None && grad_out == nullptr) continue;
+    const int64_t dim = m.table_dim[t];
+    for (int64_t d = lane; d < dim; d += kWarp) g[d] = 0.0f;
+    for (int64_t e = start[u]; e < start[u + 1]; ++e) {
+      const float* src = grad + grad_offset[e];
+      const float s = scale[e];
+      for (int64_t d = lane; d < dim; d += kWarp) g[d] = g[d] + s * __ldg(src + d);
+    }
+    const Hparams h{hparams[4 * t], hparams[4 * t + 1], hparams[4 * t + 2], hparams[4 * t + 3]};
+    const int64_t r = rows[u];
+    float* row = reinterpret_cast<float*>(m.weights[t]) + r * dim;
+    float* state = reinterpret_cast<float*>(m.states[t]);
+    if (kind == Optim::None) {
+      for (int64_t d = lane; d < dim; d += kWarp) grad_out[(u - m.unique_offsets[t]) * dim + d] = g[d];
+    } else if (kind == Optim::SGD) {
+      for (int64_t d = lane; d < dim; d += kWarp) row[d] = emb::sgd_update(row[d], g[d], h);
+    } else if (kind == Optim::Adagrad) {
+      float* mom = state + r * dim;
+      for (int64_t d = lane; d < dim; d += kWarp) row[d] = emb::adagrad_update(row[d], g[d], mom[d], h);
+    } else {
+      float squares = 0.0f;
+      for (int64_t d = lane; d < dim; d += kWarp) squares += emb::rowwise_square(g[d], row[d], h);
+      for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+        squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
+      }
+      const float m_new = emb::rowwise_accumulator(state[r], squares, dim);
+      __syncwarp();
+      if (lane == 0) state[r] = m_new;
+      const float mult = emb::rowwise_multiplier(m_new, h);
+      const float corr = emb::rowwise_correction(mult, h);
+      for (int64_t d = lane; d < dim; d += kWarp) row[d] = emb::rowwise_update(row[d], g[d], mult, corr);
+    }
+    __syncwarp();
+  }
+}
+
+int64_t shared_dim(const char* op, const Layout& l) {
+  const int64_t dim = max_dim(l);
+  TORCH_CHECK_VALUE(dim * kWarpsPerBlock * static_cast<int64_t>(sizeof(float)) <= kMaxSharedBytes,
+                    op, ": CUDA kernels support embedding dims up to ",
+                    kMaxSharedBytes / (kWarpsPerBlock * sizeof(float)), ", got ", dim);
+  return dim;
+}
+
+at::Tensor embedding_bag_forward_cuda(
+    at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
+    const at::Tensor& inverse, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
+    at::IntArrayRef pooling, int64_t batch_size) {
+  constexpr const char* op = "recxla::embedding_bag_forward";
+  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
+                                     per_sample_weights, feature_table, pooling, batch_size);
+  const c10::cuda::CUDAGuard guard(unique_values.device());
+  at::Tensor out = at::empty({batch_size, l.total_dim}, unique_values.options().dtype(at::kFloat));
+  const int64_t bags = l.num_features * batch_size;
+  if (out.numel() == 0) return out;
+  const int64_t smem_dim = shared_dim(op, l);
+  const DeviceMeta meta = make_meta(l, weights, {}, {}, unique_values.device());
+  const at::Tensor rows = unique_values.contiguous(), inv = inverse.contiguous();
+  const at::Tensor offs = offsets.contiguous();
+  const at::Tensor psw = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t smem = smem_dim * kWarpsPerBlock * sizeof(float);
+  AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_forward_cuda", [&] {
+    forward_kernel<index_t><<<blocks_for(bags), kThreads, smem, stream>>>(
+        meta.meta, rows.const_data_ptr<index_t>(), inv.const_data_ptr<int64_t>(),
+        offs.const_data_ptr<int64_t>(), psw.defined() ? psw.const_data_ptr<float>() : nullptr,
+        bags, batch_size, l.total_dim, smem_dim, out.data_ptr<float>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+// The ids of every unique row (start [U + 1], grad_offset [N], scale [N]), in ATen ops; the
+// same CSR as the CPU kernel's IdsByRow, with the same scale rounding (sign x 1/len, then x psw).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> group_ids(
+    const Layout& l, const at::Tensor& inverse, const at::Tensor& offsets, const at::Tensor& psw,
+    const std::vector<float>& sign) {
+  const auto dev = inverse.device();
+  const auto i64 = at::TensorOptions().dtype(at::kLong).device(dev);
+  const int64_t B = std::max<int64_t>(l.batch_size, 1);
+  const at::Tensor lengths = offsets.slice(0, 1) - offsets.slice(0, 0, -1);
+  const at::Tensor bag = at::repeat_interleave(at::arange(lengths.numel(), i64), lengths, 0,
+                                               inverse.numel());
+  const at::Tensor feature = at::floor_divide(bag, B);
+  const at::Tensor column = at::tensor(l.feature_column, at::kLong).to(dev).index_select(0, feature);
+  const at::Tensor grad_offset = (bag - feature * B) * l.total_dim + column;
+  std::vector<float> feature_sign;
+  std::vector<uint8_t> feature_mean;
+  for (int64_t f = 0; f < l.num_features; ++f) {
+    feature_sign.push_back(sign[l.feature_table[f]]);
+    feature_mean.push_back(l.pooling[l.feature_table[f]] == 1);
+  }
+  const at::Tensor fsign = at::tensor(feature_sign, at::kFloat).to(dev).index_select(0, feature);
+  const at::Tensor fmean = at::tensor(feature_mean, at::kByte).to(dev).index_select(0, feature);
+  const at::Tensor inv_len = at::reciprocal(lengths.index_select(0, bag).to(at::kFloat));
+  at::Tensor scale = at::where(fmean.to(at::kBool), fsign * inv_len, fsign);
+  if (psw.defined()) scale = psw * scale;
+  const at::Tensor order = std::get<1>(at::sort(inverse, /*stable=*/true, 0, false));
+  at::Tensor start = at::zeros({l.num_unique + 1}, i64);
+  if (l.num_ids > 0) start.slice(0, 1).copy_(at::cumsum(at::bincount(inverse, {}, l.num_unique), 0));
+  return {start, grad_offset.index_select(0, order), scale.index_select(0, order)};
+}
+
+void run_update(
+    const char* op, const Layout& l, at::TensorList weights, at::TensorList states,
+    const std::vector<at::Tensor>& grad_out, const at::Tensor& grad_output,
+    const at::Tensor& unique_values, const at::Tensor& inverse, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& per_sample_weights, const std::vector<int64_t>& optim,
+    const std::vector<Hparams>& h) {
+  if (l.num_unique == 0) return;
+  const int64_t smem_dim = shared_dim(op, l);
+  const auto dev = unique_values.device();
+  std::vector<float> sign, hp;
+  for (const Hparams& p : h) {
+    sign.push_back(p.grad_sign);
+    hp.insert(hp.end(), {p.lr, p.eps, p.weight_decay, p.grad_sign});
+  }
+  const at::Tensor psw = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
+  const auto ids = group_ids(l, inverse.contiguous(), offsets.contiguous(), psw, sign);
+  const at::Tensor& start = std::get<0>(ids);
+  const at::Tensor& grad_offset = std::get<1>(ids);
+  const at::Tensor& scale = std::get<2>(ids);
+  const DeviceMeta meta = make_meta(l, weights, states, grad_out, dev);
+  const at::Tensor optim_d = at::tensor(optim, at::kLong).to(dev);
+  const at::Tensor hp_d = at::tensor(hp, at::kFloat).to(dev);
+  const at::Tensor rows = unique_values.contiguous(), grad = grad_output.contiguous();
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t smem = smem_dim * kWarpsPerBlock * sizeof(float);
+  AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_update_cuda", [&] {
+    update_kernel<index_t><<<blocks_for(l.num_unique), kThreads, smem, stream>>>(
+        meta.meta, rows.const_data_ptr<index_t>(), start.const_data_ptr<int64_t>(),
+        grad_offset.const_data_ptr<int64_t>(), scale.const_data_ptr<float>(),
+        grad.const_data_ptr<float>(), optim_d.const_data_ptr<int64_t>(),
+        hp_d.const_data_ptr<float>(), l.num_unique, smem_dim);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::vector<at::Tensor> embedding_bag_unique_grad_cuda(
+    const at::Tensor& grad_output, at::TensorList weights, const at::Tensor& unique_values,
+    const at::Tensor& unique_offsets, const at::Tensor& inverse, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
+    at::IntArrayRef pooling, int64_t batch_size) {
+  constexpr const char* op = "recxla::embedding_bag_unique_grad";
+  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
+                                     per_sample_weights, feature_table, pooling, batch_size);
+  emb::check_grad_output(op, grad_output, l);
+  const c10::cuda::CUDAGuard guard(unique_values.device());
+  std::vector<at::Tensor> out;
+  for (int64_t t = 0; t < l.num_tables; ++t) {
+    const int64_t n = l.unique_offsets[t + 1] - l.unique_offsets[t];
+    out.push_back(at::zeros({n, l.table_dim[t]}, grad_output.options()));
+  }
+  const std::vector<int64_t> optim(l.num_tables, static_cast<int64_t>(Optim::None));
+  const std::vector<Hparams> h(l.num_tables, Hparams{0.0f, 0.0f, 0.0f, 1.0f});
+  run_update(op, l, weights, {}, out, grad_output, unique_values, inverse, offsets,
+             per_sample_weights, optim, h);
+  return out;
+}
+
+void embedding_bag_backward_update_cuda(
+    const at::Tensor& grad_output, at::TensorList weights, at::TensorList states,
+    const at::Tensor& unique_values, const at::Tensor& unique_offsets, const at::Tensor& inverse,
+    const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+    at::IntArrayRef feature_table, at::IntArrayRef pooling, int64_t batch_size,
+    at::IntArrayRef optim, at::ArrayRef<double> hparams) {
+  constexpr const char* op = "recxla::embedding_bag_backward_update";
+  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
+                                     per_sample_weights, feature_table, pooling, batch_size);
+  emb::check_grad_output(op, grad_output, l);
+  const std::vector<Hparams> h =
+      emb::check_optimizer(op, l, unique_values.device(), states, optim, hparams);
+  const c10::cuda::CUDAGuard guard(unique_values.device());
+  run_update(op, l, weights, states, {}, grad_output, unique_values, inverse, offsets,
+             per_sample_weights, std::vector<int64_t>(optim.begin(), optim.end()), h);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(recxla, CUDA, m) {
+  m.impl("embedding_bag_forward", &embedding_bag_forward_cuda);
+  m.impl("embedding_bag_unique_grad", &embedding_bag_unique_grad_cuda);
+  m.impl("embedding_bag_backward_update", &embedding_bag_backward_update_cuda);
+}
+
+}  // namespace recxla
