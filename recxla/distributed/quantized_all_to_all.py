@@ -59,6 +59,8 @@ class _Exchange:
         self.work.wait()
         recv = self.buffers[1]
         self.work, self.buffers = None, []
+        if recv.numel() == 0:  # no rows, or D = 0 in a cast format: nothing to decode
+            return recv.new_empty((recv.shape[0], self.dim), dtype=self.dtype)
         return dequantize_rows(recv, self.dim, fmt, self.dtype)
 
 
