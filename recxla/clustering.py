@@ -1,0 +1,292 @@
+"""Key-centric sample clustering: order a batch's samples so that micro-batches share keys.
+
+A training step looks up and communicates each embedding key once per micro-batch (dedup), so
+the bytes on the wire follow the sum over micro-batches of their unique keys. A random split
+copies every key that several samples share into up to M micro-batches; samples of one request
+share all their user-side keys (user id, history, attributes), so keeping them together leaves
+one copy. `cluster_samples` finds such groups from the keys alone, with no request ids.
+
+Algorithm (hash + scan + sort of B samples: O(N + B log B) for N keys, plain torch, CPU or GPU):
+1. Score each feature by what clustering can save on it: a key held by c samples costs about
+   min(c, M) micro-batch copies under a random split and ceil(c * M / B) when its samples are
+   contiguous; the score is key_bytes[f] times the sum of the difference over its keys,
+   estimated on a hash sample of the keys with a counting table (no sort of the keys). Features
+   with few values (every micro-batch holds all of them anyway) or only one-off keys score ~0;
+   those whose keys repeat over a few samples (a user's history) score highest.
+2. Two signatures of every bag of the best `SORT_FEATURES` features: its min-hash (the smallest
+   salted 64-bit key hash; bags that overlap share it with probability equal to their Jaccard
+   similarity, so users with similar histories come close) and its fingerprint (the sum of the
+   hashes: equal bags, e.g. the samples of one request, tie exactly).
+3. Sort the samples lexicographically by (min-hash, fingerprint) of the best feature, then of
+   the next (stable passes; ties keep batch order), and cut the order into M contiguous chunks
+   of floor(B / M) or ceil(B / M) samples.
+Why a sort and not a graph partition: on the default synthetic profile this order gets within
+0.2% of grouping samples by their true user id (an oracle the keys do not reveal), and greedy
+re-packing of the groups by shared item keys gained under 1% more, while a sort of B samples
+is a few milliseconds on one core and a few launches on GPU. Where the unique-key cost remains,
+it is in keys that many requests share (popular items, attribute values), which every
+balanced split must repeat.
+"""
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recxla.data.hashing import mix_scalar
+
+# Features whose signatures form the sort key; later ones only order samples that tie on
+# the earlier ones, so more passes cost time and gain little.
+SORT_FEATURES = 2
+_SIGNATURE_SALT = 0x5EED_C1A5
+# Features are scored on a hash sample of their keys of about this many values.
+SAMPLE_VALUES = 8192
+_HASH_MULTIPLIER = 0x2545F4914F6CDD1D  # odd: multiplication by it is a bijection mod 2**64
+EMPTY_SIGNATURE = torch.iinfo(torch.int64).max
+
+
+def _check_kjt(kjt, op: str) -> KeyedJaggedTensor:
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise ValueError(
+            f"{op}: kjt must be a torchrec KeyedJaggedTensor, got {type(kjt).__name__}"
+        )
+    if kjt.variable_stride_per_key():
+        raise ValueError(f"{op}: kjt must have one batch size for every key (no variable stride)")
+    return kjt
+
+
+def _check_num_micro_batches(num_micro_batches, batch_size: int, op: str) -> int:
+    if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool):
+        raise ValueError(
+            f"{op}: num_micro_batches must be an int, got {type(num_micro_batches).__name__}"
+        )
+    if not 1 <= num_micro_batches <= batch_size:
+        raise ValueError(
+            f"{op}: num_micro_batches must be in [1, batch size {batch_size}], "
+            f"got {num_micro_batches}"
+        )
+    return num_micro_batches
+
+
+def key_bytes_tensor(kjt: KeyedJaggedTensor, key_bytes, op: str) -> torch.Tensor:
+    """Per-feature bytes per key as float64 [F] on CPU.
+
+    key_bytes: None (1 per key), a sequence or 1-D tensor of F numbers in KJT key order, or a
+    dict from feature name to bytes covering every key.
+    """
+    keys = kjt.keys()
+    if key_bytes is None:
+        return torch.ones(len(keys), dtype=torch.float64)
+    if isinstance(key_bytes, dict):
+        missing = [k for k in keys if k not in key_bytes]
+        if missing:
+            raise ValueError(f"{op}: key_bytes has no entry for features {missing}")
+        key_bytes = [key_bytes[k] for k in keys]
+    try:
+        out = torch.as_tensor(key_bytes, dtype=torch.float64).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{op}: key_bytes must be numbers, one per feature, got {key_bytes!r}")
+    if out.shape != (len(keys),):
+        raise ValueError(
+            f"{op}: key_bytes must hold one number per feature ({len(keys)}), "
+            f"got shape {tuple(out.shape)}"
+        )
+    if not bool(torch.isfinite(out).all()) or bool((out < 0).any()):
+        raise ValueError(f"{op}: key_bytes must be finite and >= 0, got {out.tolist()}")
+    return out
+
+
+def _feature_slices(kjt: KeyedJaggedTensor):
+    """(lengths [B] int64, values [N_f] int64) of every feature, as views."""
+    lengths = kjt.lengths().to(torch.int64)
+    batch = kjt.stride()
+    starts = [0]
+    for n in kjt.length_per_key():
+        starts.append(starts[-1] + n)
+    values = kjt.values()
+    return [
+        (lengths[f * batch:(f + 1) * batch], values[starts[f]:starts[f + 1]].to(torch.int64))
+        for f in range(len(kjt.keys()))
+    ]
+
+
+def key_hash(values: torch.Tensor, feature: int) -> torch.Tensor:
+    """A salted bijection of int64 keys: (key ^ salt) * odd constant, wrapping mod 2**64.
+
+    Cheap (two operations), and it scatters keys: the minimum over a bag is a min-hash, and
+    the top bits index a counting table.
+    """
+    return (values ^ _salt(feature)) * _HASH_MULTIPLIER
+
+
+@functools.lru_cache(maxsize=None)
+def _salt(feature: int) -> int:
+    return mix_scalar(_SIGNATURE_SALT, feature) >> 1
+
+
+def sample_bits(num_values: int) -> int:
+    """log2 of the key sampling rate R of a feature with N values: R >= N / SAMPLE_VALUES."""
+    return (max(num_values - 1, 0) // SAMPLE_VALUES).bit_length()
+
+
+def table_bits(num_values: int) -> int:
+    """log2 of a counting table for N values: the power of two in [N, 2N) (at least 2 slots)."""
+    return max(1, (num_values - 1).bit_length())
+
+
+def clustering_gains(
+    hashes, weights: torch.Tensor, batch_size: int, num_micro_batches: int
+) -> torch.Tensor:
+    """What clustering can save on each feature: float64 [F] on CPU, in bytes.
+
+    hashes: `key_hash` of the values of every feature (int64 [N_f] each); weights: bytes per
+    key of each feature, float64 [F].
+    A key seen c times costs about min(c, M) micro-batch copies when samples are split at
+    random and ceil(c * M / B) when its samples are contiguous; the gain of a feature is the
+    sum of the difference over its keys, times its bytes per key.
+    Estimated in linear time, with no sort: a feature keeps the keys whose hash has its top
+    log2(R) bits zero (about 1/R of its keys, with all their occurrences, R chosen so that
+    about SAMPLE_VALUES values remain) and counts them in a table indexed by the next bits;
+    the sum is scaled by R. Keys sharing a slot count as one. The score only ranks features,
+    so an estimate within a few percent does.
+    """
+    num_features = len(hashes)
+    m, b = num_micro_batches, batch_size
+    gains = torch.zeros(num_features, dtype=torch.float64)
+    if m == 1:
+        return gains
+    parts, bounds, rates = [], [0], []
+    for h in hashes:
+        r_bits = sample_bits(h.numel())
+        if r_bits:
+            h = h[(h >> (64 - r_bits)) == 0]
+        bits = table_bits(max(h.numel(), 1))
+        parts.append(((h >> (64 - r_bits - bits)) & ((1 << bits) - 1)) + bounds[-1])
+        bounds.append(bounds[-1] + (1 << bits))
+        rates.append(float(1 << r_bits))
+    counts = torch.bincount(torch.cat(parts), minlength=bounds[-1])
+    c = torch.arange(b + 1, device=counts.device)
+    gain_of_count = c.clamp(max=m) - (c * m + b - 1) // b
+    saved = gain_of_count.index_select(0, counts.clamp(max=b)).cumsum(0)
+    ends = torch.tensor(bounds[1:], device=saved.device) - 1
+    per_feature = saved.index_select(0, ends).cpu()
+    per_feature = per_feature.diff(prepend=torch.zeros(1, dtype=per_feature.dtype))
+    return per_feature.to(torch.float64) * torch.tensor(rates, dtype=torch.float64) * weights
+
+
+def bag_signatures(lengths: torch.Tensor, hashes: torch.Tensor):
+    """Two signatures of every bag, int64 [B] each, from the `key_hash` of its keys.
+
+    min_hash: the smallest hash (EMPTY_SIGNATURE for an empty bag). Bags that overlap share
+        it with probability equal to their Jaccard similarity.
+    fingerprint: the wrapping sum of the hashes, equal exactly for equal bags (as multisets)
+        and different otherwise but with probability 2**-64.
+    lengths: int64 [B] bag lengths; hashes: int64 [N].
+    """
+    batch = lengths.numel()
+    owner = torch.repeat_interleave(
+        torch.arange(batch, device=hashes.device), lengths, output_size=hashes.numel()
+    )
+    min_hash = torch.full((batch,), EMPTY_SIGNATURE, dtype=torch.int64, device=hashes.device)
+    min_hash.scatter_reduce_(0, owner, hashes, reduce="amin", include_self=True)
+    fingerprint = torch.zeros(batch, dtype=torch.int64, device=hashes.device)
+    fingerprint.index_add_(0, owner, hashes)
+    return min_hash, fingerprint
+
+
+def balanced_offsets(batch_size: int, num_micro_batches: int, device=None) -> torch.Tensor:
+    """Micro-batch bounds: int64 [M + 1], sizes floor(B / M) or ceil(B / M)."""
+    m = torch.arange(num_micro_batches + 1, dtype=torch.int64, device=device)
+    return m * batch_size // num_micro_batches
+
+
+def cluster_samples(
+    kjt: KeyedJaggedTensor, num_micro_batches: int, key_bytes=None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Order a batch's samples into micro-batches that share embedding keys.
+
+    Args:
+        kjt: the batch's sparse features, F keys of B samples each (CPU or CUDA).
+        num_micro_batches: M, 1 <= M <= B.
+        key_bytes: bytes a key of each feature costs on the wire (e.g. its embedding row's
+            bytes): None (1 per key), F numbers in key order, or a dict {feature: bytes}.
+    Returns:
+        permutation: int64 [B] on kjt's device; micro-batch j holds samples
+            permutation[offsets[j]:offsets[j + 1]].
+        offsets: int64 [M + 1], offsets[0] = 0, offsets[M] = B; sizes differ by at most one.
+    The algorithm is in this module's docstring; `micro_batch_unique_keys` measures the result.
+    """
+    op = "recxla.cluster_samples"
+    kjt = _check_kjt(kjt, op)
+    batch = kjt.stride()
+    num_micro_batches = _check_num_micro_batches(num_micro_batches, batch, op)
+    weights = key_bytes_tensor(kjt, key_bytes, op)
+    device = kjt.values().device
+    offsets = balanced_offsets(batch, num_micro_batches, device)
+    perm = torch.arange(batch, dtype=torch.int64, device=device)
+    if num_micro_batches == 1 or num_micro_batches == batch or not kjt.keys():
+        return perm, offsets  # every order costs the same
+    slices = _feature_slices(kjt)
+    hashes = [key_hash(values, f) for f, (_, values) in enumerate(slices)]
+    gains = clustering_gains(hashes, weights, batch, num_micro_batches).tolist()
+    best = sorted((-g, f) for f, g in enumerate(gains) if g > 0)[:SORT_FEATURES]
+    sort_keys = []
+    for _, f in best:
+        sort_keys += bag_signatures(slices[f][0], hashes[f])
+    # Lexicographic order: stable sorts from the least significant key to the most.
+    for key in reversed(sort_keys):
+        perm = perm.index_select(0, torch.sort(key.index_select(0, perm), stable=True).indices)
+    return perm, offsets
+
+
+def random_split(
+    batch_size: int, num_micro_batches: int, generator: Optional[torch.Generator] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The baseline: a random permutation cut into balanced micro-batches (CPU tensors)."""
+    op = "recxla.clustering.random_split"
+    num_micro_batches = _check_num_micro_batches(num_micro_batches, batch_size, op)
+    perm = torch.randperm(batch_size, generator=generator)
+    return perm, balanced_offsets(batch_size, num_micro_batches)
+
+
+def micro_batch_unique_keys(
+    kjt: KeyedJaggedTensor, permutation: torch.Tensor, offsets: torch.Tensor, key_bytes=None
+) -> torch.Tensor:
+    """Wire cost of a split: float64 [M], micro-batch j's unique keys summed over features,
+    each weighted by its feature's key_bytes (default 1: a count of unique keys).
+
+    permutation: int64 [B], a permutation of the samples; offsets: int64 [M + 1] bounds into it.
+    The whole batch as one micro-batch (offsets [0, B]) gives the floor of any split.
+    """
+    op = "recxla.clustering.micro_batch_unique_keys"
+    kjt = _check_kjt(kjt, op)
+    batch = kjt.stride()
+    weights = key_bytes_tensor(kjt, key_bytes, op)
+    device = kjt.values().device
+    permutation = torch.as_tensor(permutation, device=device).to(torch.int64)
+    offsets = torch.as_tensor(offsets, device=device).to(torch.int64)
+    if permutation.shape != (batch,):
+        raise ValueError(
+            f"{op}: permutation must have shape ({batch},), got {tuple(permutation.shape)}"
+        )
+    num_mb = offsets.numel() - 1
+    bad = num_mb < 1 or int(offsets[0]) != 0 or int(offsets[-1]) != batch
+    if bad or bool((offsets.diff() < 0).any()):
+        raise ValueError(f"{op}: offsets must rise from 0 to {batch}, got {offsets.tolist()}")
+    # Micro-batch of every sample: position in the permutation -> chunk.
+    position = torch.empty_like(permutation)
+    position[permutation] = torch.arange(batch, device=device)
+    sample_mb = torch.searchsorted(offsets[1:], position, right=True)
+    total = torch.zeros(num_mb, dtype=torch.float64, device=device)
+    for f, (lengths, values) in enumerate(_feature_slices(kjt)):
+        if values.numel() == 0:
+            continue
+        owner = torch.repeat_interleave(
+            torch.arange(batch, device=device), lengths, output_size=values.numel()
+        )
+        _, key_id = torch.unique(values, return_inverse=True)
+        pairs = torch.unique(sample_mb.index_select(0, owner) * values.numel() + key_id)
+        counts = torch.bincount(pairs // values.numel(), minlength=num_mb)
+        total += float(weights[f]) * counts.to(torch.float64)
+    return total

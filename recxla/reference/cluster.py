@@ -1,0 +1,103 @@
+"""Reference of key-centric sample clustering (`recxla.clustering`) in plain Python.
+
+One loop per key and per sample, Python ints for the 64-bit hashes, dicts for the counting
+table and sets for unique keys: slow, but each step reads as the algorithm's description, and
+it shares no code with the vectorized version beyond constants, so the tests can demand the
+same permutation bit for bit.
+"""
+
+from typing import List, Sequence, Tuple
+
+import torch
+
+from recxla import clustering as C
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= (1 << 63) else u
+
+
+def key_hash_ref(key: int, feature: int) -> int:
+    """(key ^ salt) * odd constant mod 2**64, as a signed int64 value."""
+    return _signed(((key ^ C._salt(feature)) * C._HASH_MULTIPLIER) & _MASK64)
+
+
+def _bags(kjt) -> List[List[List[int]]]:
+    """bags[f][i]: the keys of sample i in feature f, as Python ints."""
+    batch = kjt.stride()
+    lengths = kjt.lengths().tolist()
+    values = kjt.values().tolist()
+    bags, pos = [], 0
+    for f in range(len(kjt.keys())):
+        feature = []
+        for i in range(batch):
+            n = lengths[f * batch + i]
+            feature.append(values[pos:pos + n])
+            pos += n
+        bags.append(feature)
+    return bags
+
+
+def _gain_ref(hashes: Sequence[int], batch: int, m: int) -> int:
+    """Sampled, slot-counted clustering gain of one feature, in keys (see clustering_gains)."""
+    r_bits = C.sample_bits(len(hashes))
+    kept = [h & _MASK64 for h in hashes]
+    if r_bits:
+        kept = [u for u in kept if u >> (64 - r_bits) == 0]
+    bits = C.table_bits(max(len(kept), 1))
+    counts = {}
+    for u in kept:
+        slot = (u >> (64 - r_bits - bits)) & ((1 << bits) - 1)
+        counts[slot] = counts.get(slot, 0) + 1
+    gain = 0
+    for c in counts.values():
+        c = min(c, batch)
+        gain += min(c, m) - (c * m + batch - 1) // batch
+    return gain << r_bits
+
+
+def cluster_samples_ref(kjt, num_micro_batches: int, key_bytes=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Same contract and result as `recxla.cluster_samples`, computed with Python loops."""
+    batch = kjt.stride()
+    m = num_micro_batches
+    offsets = [j * batch // m for j in range(m + 1)]
+    weights = C.key_bytes_tensor(kjt, key_bytes, "cluster_samples_ref").tolist()
+    order = list(range(batch))
+    if m == 1 or m == batch or not kjt.keys():
+        return torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+    bags = _bags(kjt)
+    hashed = [[[key_hash_ref(k, f) for k in bag] for bag in feature] for f, feature in enumerate(bags)]
+    scores = []
+    for f, feature in enumerate(hashed):
+        flat = [h for bag in feature for h in bag]
+        gain = float(_gain_ref(flat, batch, m)) * weights[f]
+        if gain > 0:
+            scores.append((-gain, f))
+    sort_keys = []
+    for _, f in sorted(scores)[: C.SORT_FEATURES]:
+        min_hash = [min(bag) if bag else C.EMPTY_SIGNATURE for bag in hashed[f]]
+        fingerprint = [_signed(sum(bag) & _MASK64) for bag in hashed[f]]
+        sort_keys += [min_hash, fingerprint]
+    order.sort(key=lambda i: tuple(key[i] for key in sort_keys))
+    return torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+
+
+def micro_batch_unique_keys_ref(kjt, permutation, offsets, key_bytes=None) -> torch.Tensor:
+    """float64 [M]: per micro-batch, the sum over features of key_bytes[f] * |unique keys|."""
+    weights = C.key_bytes_tensor(kjt, key_bytes, "micro_batch_unique_keys_ref").tolist()
+    bags = _bags(kjt)
+    perm = [int(p) for p in permutation]
+    offsets = [int(o) for o in offsets]
+    out = []
+    for j in range(len(offsets) - 1):
+        samples = perm[offsets[j]:offsets[j + 1]]
+        total = 0.0
+        for f, feature in enumerate(bags):
+            unique = set()
+            for i in samples:
+                unique.update(feature[i])
+            total += weights[f] * len(unique)
+        out.append(total)
+    return torch.tensor(out, dtype=torch.float64)
