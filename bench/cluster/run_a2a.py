@@ -25,6 +25,7 @@ import sys
 import time
 
 from bench.cluster.launch import EmulatedCluster
+from bench.cluster.rank import rank_info
 
 # (label, fwd format, bwd format); "torch" is plain all_to_all_single of the fp32 rows.
 VARIANTS = {
@@ -108,13 +109,19 @@ def make_step(inputs: dict, backward: bool, fwd, bwd):
     return step
 
 
-def wire_bytes(inputs: dict, dim: int, backward: bool, fwd, bwd) -> int:
-    """Bytes this rank sends to other ranks in one step (rows to itself stay in the process)."""
+def wire_bytes(inputs: dict, dim: int, backward: bool, fwd, bwd, 
+               ranks_per_node: int = 0) -> int:
+    """Bytes this rank sends to other ranks in one step (rows to itself stay in the process);
+    with ranks_per_node > 0, only the bytes to ranks on other nodes (those cross the links)."""
     import torch.distributed as dist
 
     import recxla
 
-    rows = sum(inputs["splits"]) - inputs["splits"][dist.get_rank()]
+    rank, splits = dist.get_rank(), inputs["splits"]
+    if ranks_per_node > 0:
+        rows = sum(n for r, n in enumerate(splits) if r // ranks_per_node != rank // ranks_per_node)
+    else:
+        rows = sum(splits) - splits[rank]
     total = rows * (4 * dim if fwd is None else recxla.row_bytes(dim, fwd))
     if backward:
         total += rows * (4 * dim if bwd is None else recxla.row_bytes(dim, bwd))
@@ -171,6 +178,8 @@ def rank_main(rows_per_rank: int, dim: int, passes, iters: int, warmup: int, see
                 "pass": pass_name, "variant": label, "fwd": fwd or "fp32", "bwd": bwd or "fp32",
                 "impl": "torch" if fwd is None else "recxla",
                 "wire_bytes_per_rank": wire_bytes(inputs, dim, backward, fwd, bwd),
+                "cross_node_bytes_per_rank": wire_bytes(inputs, dim, backward, fwd, bwd,
+                                                        rank_info().local_world_size),
                 "median_s": statistics.median(times), "min_s": min(times), "times_s": times,
                 "codec_s": codec_s,
                 "sqnr_out_db": sqnr_db(inputs["ref_out"], out),
