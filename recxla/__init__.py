@@ -11,6 +11,7 @@ from recxla._extension import built_with_cuda
 from recxla.formats import FORMATS, row_bytes
 from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
 from recxla.ops.dedup import bucketize_by_rank, unique_keys  # noqa: F401  (key dedup)
+from recxla.clustering import cluster_samples  # noqa: F401  (key-centric sample clustering)
 from recxla.distributed import quantized_all_to_all
 from recxla import nn  # noqa: F401  (recxla.nn.EmbeddingBagCollection, imported on use)
 

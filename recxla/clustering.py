@@ -29,12 +29,12 @@ balanced split must repeat.
 """
 
 import functools
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recxla.data.hashing import mix_scalar
+if TYPE_CHECKING:  # torchrec is imported on first use: `import recxla` stays light
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 # Features whose signatures form the sort key; later ones only order samples that tie on
 # the earlier ones, so more passes cost time and gain little.
@@ -46,7 +46,9 @@ _HASH_MULTIPLIER = 0x2545F4914F6CDD1D  # odd: multiplication by it is a bijectio
 EMPTY_SIGNATURE = torch.iinfo(torch.int64).max
 
 
-def _check_kjt(kjt, op: str) -> KeyedJaggedTensor:
+def _check_kjt(kjt, op: str) -> "KeyedJaggedTensor":
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
     if not isinstance(kjt, KeyedJaggedTensor):
         raise ValueError(
             f"{op}: kjt must be a torchrec KeyedJaggedTensor, got {type(kjt).__name__}"
@@ -69,7 +71,7 @@ def _check_num_micro_batches(num_micro_batches, batch_size: int, op: str) -> int
     return num_micro_batches
 
 
-def key_bytes_tensor(kjt: KeyedJaggedTensor, key_bytes, op: str) -> torch.Tensor:
+def key_bytes_tensor(kjt: "KeyedJaggedTensor", key_bytes, op: str) -> torch.Tensor:
     """Per-feature bytes per key as float64 [F] on CPU.
 
     key_bytes: None (1 per key), a sequence or 1-D tensor of F numbers in KJT key order, or a
@@ -97,7 +99,7 @@ def key_bytes_tensor(kjt: KeyedJaggedTensor, key_bytes, op: str) -> torch.Tensor
     return out
 
 
-def _feature_slices(kjt: KeyedJaggedTensor):
+def _feature_slices(kjt: "KeyedJaggedTensor"):
     """(lengths [B] int64, values [N_f] int64) of every feature, as views."""
     lengths = kjt.lengths().to(torch.int64)
     batch = kjt.stride()
@@ -122,7 +124,11 @@ def key_hash(values: torch.Tensor, feature: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _salt(feature: int) -> int:
-    return mix_scalar(_SIGNATURE_SALT, feature) >> 1
+    """A per-feature salt below 2**62 (SplitMix64 of the feature index)."""
+    z = (_SIGNATURE_SALT + (feature + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) >> 2
 
 
 def sample_bits(num_values: int) -> int:
@@ -202,7 +208,7 @@ def balanced_offsets(batch_size: int, num_micro_batches: int, device=None) -> to
 
 
 def cluster_samples(
-    kjt: KeyedJaggedTensor, num_micro_batches: int, key_bytes=None
+    kjt: "KeyedJaggedTensor", num_micro_batches: int, key_bytes=None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Order a batch's samples into micro-batches that share embedding keys.
 
@@ -251,7 +257,7 @@ def random_split(
 
 
 def micro_batch_unique_keys(
-    kjt: KeyedJaggedTensor, permutation: torch.Tensor, offsets: torch.Tensor, key_bytes=None
+    kjt: "KeyedJaggedTensor", permutation: torch.Tensor, offsets: torch.Tensor, key_bytes=None
 ) -> torch.Tensor:
     """Wire cost of a split: float64 [M], micro-batch j's unique keys summed over features,
     each weighted by its feature's key_bytes (default 1: a count of unique keys).
