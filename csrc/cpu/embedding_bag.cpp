@@ -201,8 +201,8 @@ RECXLA_EB_KERNELS(int64_t, i64)
 // makes each row owned by one thread). One task per table.
 template <typename index_t>
 void check_rows(const char* op, const Layout& l, const index_t* rows, bool increasing) {
-  std::atomic<int64_t> bad_table{-1};
-  std::atomic<bool> unsorted{false};
+  // One flag per table, so the message names the first bad table whatever the thread timing.
+  std::vector<char> out_of_range(l.num_tables, 0), unsorted(l.num_tables, 0);
   at::parallel_for(0, l.num_tables, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t lo = l.unique_offsets[t], hi = l.unique_offsets[t + 1], n = l.table_rows[t];
@@ -211,15 +211,16 @@ void check_rows(const char* op, const Layout& l, const index_t* rows, bool incre
         in_range &= rows[u] >= 0 && static_cast<int64_t>(rows[u]) < n;
         sorted &= u == lo || rows[u] > rows[u - 1];
       }
-      if (!in_range) bad_table.store(t);
-      if (increasing && !sorted) unsorted.store(true);
+      out_of_range[t] = !in_range;
+      unsorted[t] = increasing && !sorted;
     }
   });
-  const int64_t t = bad_table.load();
-  TORCH_CHECK_INDEX(t < 0, op, ": unique_values of table ", t, " must lie in [0, ",
-                    t < 0 ? 0 : l.table_rows[t], ")");
-  TORCH_CHECK_VALUE(!unsorted.load(), op,
-                    ": unique_values must be strictly increasing within each table's segment");
+  for (int64_t t = 0; t < l.num_tables; ++t) {
+    TORCH_CHECK_INDEX(!out_of_range[t], op, ": unique_values of table ", t, " must lie in [0, ",
+                      l.table_rows[t], ")");
+    TORCH_CHECK_VALUE(!unsorted[t], op, ": unique_values must be strictly increasing within "
+                      "each table's segment, but table ", t, "'s are not");
+  }
 }
 
 void check_offsets(const char* op, const Layout& l, const int64_t* offsets) {
