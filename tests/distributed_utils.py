@@ -155,11 +155,3 @@ def run_distributed(
         )
     return [res[1] for res in results]
 
-
-def assert_raises_on_all_ranks(results: Sequence[Any], expected: str) -> None:
-    """For bodies that return the message of an error they caught: every rank saw `expected`."""
-    for rank, message in enumerate(results):
-        if message is None or expected not in message:
-            raise AssertionError(f"rank {rank}: expected an error containing {expected!r}, got "
-                                 f"{message!r}")
-

@@ -176,21 +176,24 @@ def quantized_all_to_all(
             same ValueError before any data moves. Cost: one small collective's latency per call
             (0.3 to 0.7 ms on 2 gloo ranks over loopback on a busy 2-core machine; `python -m
             recxla.demo` prints it); pass False in a hot loop whose splits are known to agree.
-            All ranks must pass the same value. Without it a disagreement is not detected by recxla, and gloo behaves as
-            follows (seen with torch 2.14): a rank that is sent more rows than it expects is
-            aborted by gloo (SIGABRT, "Received data size doesn't match expected size"), taking
-            its process down; a rank that is sent fewer rows than it expects returns normally
-            with the missing rows left uninitialized (silently wrong output); a rank whose own
-            entries disagree (rows to itself) raises RuntimeError and its peers then fail with
-            "Connection closed by peer". NCCL does not exchange sizes at all. With
-            output_split_sizes=None the exchange always runs (it is how the sizes are learned).
+            All ranks must pass the same value. Without it recxla cannot see a disagreement,
+            and gloo (torch 2.14, tried on 2 ranks) does this: a rank that is sent more rows
+            than it expects is aborted by gloo (SIGABRT, "Received data size doesn't match
+            expected size"), taking its process down; a rank that is sent fewer rows than it
+            expects returns normally with the missing rows uninitialized (silently wrong
+            output); a rank whose entries for itself disagree raises RuntimeError and its peers
+            then fail with "Connection closed by peer". NCCL passes no sizes between ranks
+            either (not tried here). With output_split_sizes=None the exchange always runs: it
+            is how the sizes are learned.
     Returns:
         [sum(output_split_sizes), D] in x's dtype (or a handle, see async_op). Its gradient
         w.r.t. x is the all-to-all of the output's gradient back, sent in `bwd`.
     Raises:
         TypeError / ValueError naming the argument, on this rank and before any communication,
-        for a bad x, format name or split list, or split sums that do not match N; ValueError on
-        every rank (with validate_splits) when the ranks' splits, D or formats disagree.
+        for a bad x, format name or split list, or split sums that do not match N (a peer
+        without the error then waits in its collective until the group's timeout, as with any
+        collective one rank skips); ValueError on every rank (with validate_splits) when the
+        ranks' splits, D or formats disagree.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{OP}: x must be a torch.Tensor, got {type(x).__name__}")
