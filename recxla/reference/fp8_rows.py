@@ -34,7 +34,8 @@ def quantize_rows_ref(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
     inf_code = 0x7C if f.name == "e5m2" else 0x7F
     special = torch.where(torch.isinf(scaled), inf_code, 0x7F).to(torch.uint8) | sign
     codes = torch.where(finite, codes, special)
-    scale_bytes = scale.contiguous().view(torch.uint8).reshape(x.shape[0], FP8_SCALE_BYTES)
+    # Flattened first: an empty [0, 1] result may carry a stride of 0, which a dtype view rejects.
+    scale_bytes = scale.reshape(-1).contiguous().view(torch.uint8).reshape(x.shape[0], FP8_SCALE_BYTES)
     return torch.cat([codes, scale_bytes], dim=1)
 
 
@@ -46,5 +47,6 @@ def dequantize_rows_ref(
     if not f.is_fp8:
         return packed.contiguous().view(f.wire_dtype).to(dtype)
     codes = packed[:, :dim].contiguous().view(f.wire_dtype).float()
-    scale = packed[:, dim:].contiguous().view(torch.float32)
+    # A copy: a slice of an empty tensor keeps a storage offset that a dtype view rejects.
+    scale = packed[:, dim:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     return (codes.double() * scale.double()).float().to(dtype)
