@@ -1,0 +1,75 @@
+"""The build: the extension loads, reports truthfully what it compiled, and covers every op on
+every backend it compiled (a CPU kernel without its CUDA twin would make CUDA tensors fail only
+on a GPU machine, long after CI)."""
+
+import importlib
+import importlib.util
+import os
+import pkgutil
+
+import pytest
+import torch
+
+import recxla
+import recxla.ops
+from recxla import _extension
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def recxla_ops_with_kernel(dispatch_key):
+    return sorted(
+        name
+        for name in torch._C._dispatch_get_registrations_for_dispatch_key(dispatch_key)
+        if name.startswith("recxla::")
+    )
+
+
+def load_setup_py():
+    """setup.py as a module (its setup() call runs only as __main__)."""
+    spec = importlib.util.spec_from_file_location("recxla_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_extension_is_loaded():
+    assert _extension.HAVE_EXTENSION, f"recxla._C failed to load: {_extension._LOAD_ERROR}"
+    assert "recxla::quantize_fp8_rows" in recxla_ops_with_kernel("CPU")
+
+
+def test_build_reports_what_it_built():
+    # The library's own record of its link step: a CUDA build needs torch's CUDA runtime.
+    with open(recxla._C.__file__, "rb") as f:
+        linked_to_cuda = b"libc10_cuda.so" in f.read()
+    assert recxla.built_with_cuda() == linked_to_cuda
+    has_cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(
+        "recxla::quantize_fp8_rows", "CUDA")
+    assert recxla.built_with_cuda() == has_cuda_kernel
+    # And it built what setup.py decides for this machine: CUDA whenever torch is a CUDA build and
+    # a toolkit is found, GPU or not.
+    want_cuda, why_not = load_setup_py()._want_cuda(torch)
+    assert recxla.built_with_cuda() == want_cuda, (
+        f"setup.py would build CUDA kernels: {want_cuda} ({why_not or 'toolkit found'}); the "
+        f"build did: {recxla.built_with_cuda()}. Rebuild with `make setup`.")
+
+
+def test_every_cpu_op_has_a_cuda_kernel():
+    if not recxla.built_with_cuda():
+        pytest.skip("this build has no CUDA kernels")
+    missing = [
+        name for name in recxla_ops_with_kernel("CPU")
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")
+    ]
+    assert not missing, f"ops with a CPU kernel but no CUDA kernel: {missing}"
+
+
+def test_every_op_has_a_fake_kernel():
+    # torch.compile and opcheck trace ops through their fake kernels (recxla/ops/<family>.py).
+    for module in pkgutil.iter_modules(recxla.ops.__path__):
+        importlib.import_module(f"recxla.ops.{module.name}")
+    from torch._library.simple_registry import singleton
+
+    ops = recxla_ops_with_kernel("CPU")
+    missing = [name for name in ops if singleton.find(name).fake_impl.kernel is None]
+    assert not missing, f"ops without a fake kernel (torch.library.register_fake): {missing}"
