@@ -395,3 +395,103 @@ def test_unsupported_configurations_raise():
     _apply_optimizer_in_backward(torch.optim.Adam, [module.embedding_bags["t1"].weight], {"lr": 1})
     with pytest.raises(ValueError, match=r"optimizer must be one of"):
         module(make_kjt(tables, ["f0", "f1", "f2", "f3"], 3))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter (CPU tensors), CUDA and Triton on a GPU
+
+
+@pytest.fixture(scope="module")
+def interpreted_triton():
+    """A copy of triton_kernels/embedding_bag.py whose kernels were built by the interpreter
+    (TRITON_INTERPRET is read when @triton.jit runs), leaving the imported module as it is."""
+    path = importlib.util.find_spec("recxla.triton_kernels.embedding_bag").origin
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("_embedding_bag_interpreted", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return module
+
+
+def check_backend_against_reference(forward, grad_fn, update, a, exact=True):
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
+    out = forward(*op_args(a))
+    torch.testing.assert_close(out, ref.embedding_bag_forward_ref(*op_args(a)), **tol)
+    grad = torch.randn_like(out)
+    assert_lists_close(grad_fn(grad, *op_args(a)),
+                       ref.embedding_bag_unique_grad_ref(grad, *op_args(a)), **tol)
+    for optim in OPTIMS.values():
+        got = fused_args(a, optim, grad, wd=0.01, sign=-1.0)
+        want = list(got)
+        want[1], want[2] = [w.clone() for w in got[1]], [s.clone() for s in got[2]]
+        update(*got)
+        ref.embedding_bag_backward_update_ref(*want)
+        assert_lists_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+        assert_lists_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype,weighted", [(torch.int64, True), (torch.int32, False)])
+def test_triton_interpreted_matches_reference(interpreted_triton, monkeypatch, dtype, weighted):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = interpreted_triton
+    check_backend_against_reference(
+        t.embedding_bag_forward_triton, t.embedding_bag_unique_grad_triton,
+        t.embedding_bag_backward_update_triton, op_inputs(dtype, weighted, batch=5),
+    )
+
+
+def test_triton_interpreted_empty(interpreted_triton, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a = op_inputs(batch=0)
+    assert interpreted_triton.embedding_bag_forward_triton(*op_args(a)).shape == (0, 34)
+    assert [g.shape[0] for g in interpreted_triton.embedding_bag_unique_grad_triton(
+        torch.zeros(0, 34), *op_args(a))] == [0, 0, 0]
+
+
+def to_cuda(a):
+    return {k: ([w.cuda() for w in v] if k == "weights" else
+                v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("dtype,weighted", [(torch.int64, True), (torch.int32, False)])
+def test_gpu_ops_match_reference(monkeypatch, backend, dtype, weighted):
+    if backend == "cuda" and not recxla.built_with_cuda():
+        pytest.skip("this build has no CUDA kernels")
+    monkeypatch.setenv("RECXLA_BACKEND", backend)
+    # GPU kernels may contract a multiply and an add into one FMA (Triton): not bit-exact.
+    check_backend_against_reference(ops.pooled_forward, ops.unique_grad, ops.backward_update,
+                                    to_cuda(op_inputs(dtype, weighted, batch=300)), exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_gpu_module_matches_dense_optimizer(monkeypatch, backend, optimizer):
+    if backend == "cuda" and not recxla.built_with_cuda():
+        pytest.skip("this build has no CUDA kernels")
+    monkeypatch.setenv("RECXLA_BACKEND", backend)
+    cls, kwargs = HPARAMS[optimizer]
+    tables = make_tables(mean=True)
+    module = EmbeddingBagCollection(tables, device=torch.device("cuda"), optimizer=optimizer,
+                                    **kwargs)
+    twin = TorchRecEBC(tables, device=torch.device("cuda"))
+    twin.load_state_dict(module.state_dict())
+    dense = cls(twin.parameters(), **kwargs)
+    for _ in range(3):
+        kjt = make_kjt(tables, ["f0", "f1", "f2", "f3"], 64).to(torch.device("cuda"))
+        target = torch.randn(64, sum(module._lengths_per_embedding), device="cuda")
+        ((module(kjt).values() - target) ** 2).sum().backward()
+        dense.zero_grad()
+        ((twin(kjt).values() - target) ** 2).sum().backward()
+        dense.step()
+    for p, q in zip(module.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)

@@ -25,6 +25,11 @@ MEAN = 1
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
 def _pool_kernel(weight_ptr, rows_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_ptr, bag_base, dim,
                  out_stride, column, HAS_PSW: tl.constexpr, IS_MEAN: tl.constexpr,
                  BLOCK_D: tl.constexpr):
@@ -33,7 +38,7 @@ def _pool_kernel(weight_ptr, rows_ptr, inverse_ptr, offsets_ptr, psw_ptr, out_pt
     last = tl.load(offsets_ptr + bag_base + b + 1)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     dmask = d < dim
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
     for i in range(first, last):
         row = tl.load(rows_ptr + tl.load(inverse_ptr + i)).to(tl.int64)
         w = tl.load(weight_ptr + row * dim + d, mask=dmask, other=0.0)
@@ -57,7 +62,7 @@ def _update_kernel(weight_ptr, state_ptr, rows_ptr, start_ptr, grad_offset_ptr, 
     e1 = tl.load(start_ptr + u + 1)
     d = tl.arange(0, BLOCK_D).to(tl.int64)
     dmask = d < dim
-    g = tl.zeros([BLOCK_D], dtype=tl.float32)
+    g = tl.full([BLOCK_D], 0.0, dtype=tl.float32)
     for e in range(e0, e1):
         src = tl.load(grad_offset_ptr + e)
         g += tl.load(scale_ptr + e) * tl.load(grad_ptr + src + d, mask=dmask, other=0.0)
@@ -74,7 +79,11 @@ def _update_kernel(weight_ptr, state_ptr, rows_ptr, start_ptr, grad_offset_ptr, 
             tl.store(state_ptr + row * dim + d, m, mask=dmask)
             w = w + ((-lr) * gd) / (tl.sqrt_rn(m) + eps)
         else:
-            squares = tl.sum(tl.where(dmask, gd * gd, 0.0), axis=0)
+            # tl.reduce with a local combine rather than tl.sum (and tl.full, not tl.zeros): the
+            # jit functions of triton's own library run under the interpreter only when
+            # TRITON_INTERPRET was set before triton was imported, which a test process cannot
+            # promise; builtins and this module's functions always do.
+            squares = tl.reduce(tl.where(dmask, gd * gd, 0.0), 0, _add)
             m = tl.load(state_ptr + row) + squares / dim
             tl.store(state_ptr + row, m)
             multiplier = lr / (tl.sqrt_rn(m) + eps)
