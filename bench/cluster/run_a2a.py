@@ -21,10 +21,11 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
-from bench.cluster.launch import EmulatedCluster
+from bench.cluster.launch import REPO_ROOT, EmulatedCluster
 from bench.cluster.rank import rank_info
 
 # (label, fwd format, bwd format); "torch" is plain all_to_all_single of the fp32 rows.
@@ -198,8 +199,32 @@ def _machine() -> dict:
             model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=REPO_ROOT, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
     return {"cpu": model, "cores": os.cpu_count(), "kernel": platform.release(),
-            "python": platform.python_version(), "torch": torch.__version__}
+            "python": platform.python_version(), "torch": torch.__version__, "commit": commit,
+            # Other work on the machine shifts absolute times: record how busy it was.
+            "loadavg_1m": os.getloadavg()[0]}
+
+
+def check_targets(results) -> list:
+    """The goals of the quantized exchange at D=128, each as (text, measured, passed): FP8
+    forward rows at most 0.27x fp32's bytes, and e4m3 at least 3x faster than fp32 across a
+    shaped link."""
+    checks = []
+    for s in results:
+        for r in s["records"]:
+            if r["pass"] == "fwd" and r["variant"] == "e4m3":
+                where = f"{s['setting']}, {s['world_size']} ranks"
+                checks.append((f"e4m3 forward bytes <= 0.27x fp32 ({where})",
+                               r["bytes_ratio"], r["bytes_ratio"] <= 0.27))
+                if s["mode"] == "netns":
+                    checks.append((f"e4m3 forward >= 3x faster than fp32 ({where})",
+                                   1 / r["time_ratio"], 1 / r["time_ratio"] >= 3.0))
+    return checks
 
 
 def run_setting(label, nodes, rpn, rate, mode, args) -> dict:
@@ -271,11 +296,17 @@ def main(argv=None) -> int:
     picked = range(len(SETTINGS)) if args.settings == "all" else [
         int(i) for i in args.settings.split(",")]
     t0 = time.time()
+    load_before = os.getloadavg()[0]
     results = [run_setting(*SETTINGS[i], args) for i in picked]
     print_table(results)
+    checks = check_targets(results)
+    for text, value, ok in checks:
+        print(f"{'PASS' if ok else 'MISS'}  {text}: {value:.3f}")
     doc = {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.cluster.run_a2a"]
                                + (argv if argv is not None else sys.argv[1:])),
-           "machine": _machine(), "rows_per_rank": args.rows_per_rank, "dim": args.dim,
+           "machine": dict(_machine(), loadavg_1m_before=load_before),
+           "targets": [{"check": t, "value": v, "passed": ok} for t, v, ok in checks],
+           "rows_per_rank": args.rows_per_rank, "dim": args.dim,
            "iters": args.iters, "warmup": args.warmup, "wall_s": time.time() - t0,
            "results": results}
     if args.json:
