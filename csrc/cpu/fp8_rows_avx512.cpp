@@ -79,7 +79,7 @@ RECXLA_AVX512 inline void store16(c10::Half* p, __mmask16 k, __m512 v) {
 }
 
 // The anchor and code offset of fp8.h for every clamped fp32 exponent a row can reach, in slot
-// (biased exponent mod 32): e4m3 needs exponents 121..135 and e5m2 113..143 (15 and 31 slots),
+// (biased exponent mod 32): e4m3 needs exponents 121..135 and e5m2 113..142 (15 and 30 slots),
 // plus slot 31 (exponent 255, Inf and NaN), whose code the special-value path overwrites.
 template <Format F>
 struct EncodeTables {
@@ -114,18 +114,21 @@ struct Encoder {
     offset_hi = _mm512_load_si512(t.offset + 16);
   }
 
-  // fp8::encode<F>(v * inv_scale) in every lane. Without kSpecials, the lanes must be finite
-  // (NaN / Inf codes are then not produced).
+  // fp8::encode<F>(v * inv_scale) in every lane, for v of a row whose finite |v| are at most
+  // amax and inv_scale = fp8::inv_scale_from_amax(amax). fp8::encode's saturation is left out:
+  // it never changes such a value, as |v * inv_scale| <= RN(amax * RN(FP8_MAX / amax)) <= the
+  // float after FP8_MAX, which rounds to FP8_MAX anyway (and amax * FLT_MAX < FP8_MAX when
+  // inv_scale is clamped). Without kSpecials the lanes must be finite: no NaN / Inf codes.
   template <bool kSpecials>
   RECXLA_AVX512 __m512i encode(__m512 v, __m512 inv_scale) const {
     const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(v, inv_scale));
     const __m512i a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-    const __m512i clamped = _mm512_min_epu32(a, _mm512_set1_epi32(fp8::Traits<F>::kMaxBits));
+    // Inf / NaN lanes land in slot 31; their code is replaced below.
     const __m512i slot = _mm512_srli_epi32(
-        _mm512_max_epu32(clamped, _mm512_set1_epi32(fp8::kMinNormalBits<F>)), 23);
+        _mm512_max_epu32(a, _mm512_set1_epi32(fp8::kMinNormalBits<F>)), 23);
     const __m512i anchor = _mm512_permutex2var_epi32(anchor_lo, slot, anchor_hi);
     const __m512i offset = _mm512_permutex2var_epi32(offset_lo, slot, offset_hi);
-    const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(clamped), _mm512_castsi512_ps(anchor));
+    const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(anchor));
     __m512i code = _mm512_sub_epi32(_mm512_castps_si512(sum), offset);
     if constexpr (kSpecials) {
       const __m512i inf = _mm512_set1_epi32(0x7F800000);
