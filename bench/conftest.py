@@ -1,26 +1,45 @@
 """Setup shared by the benchmarks in bench/.
 
 - The repository root goes on sys.path, so `bench.common` imports however pytest is started.
-- Large CPU tensors are allocated on 2 MB pages (torch's THP_MEM_ALLOC_ENABLE=1), unless the
-  environment already sets the variable. Without it every call that returns a fresh tensor of
-  more than 32 MiB gets new 4 KiB pages from the kernel, and on these VMs a first touch costs
-  about 3 us a page: 25 ms for 32 MiB, ten times the work of the kernels being measured. The
-  setting applies to every provider alike; run with THP_MEM_ALLOC_ENABLE=0 to see the default.
-  torch reads it at its first allocation, so it is set here, before the benchmarks import torch.
+- Freed memory stays in the process (glibc's malloc never maps a block of its own and never
+  gives memory back), as a caching allocator would keep it; RECXLA_BENCH_MALLOC=default turns
+  this off. By default every call that returns a fresh tensor of 32 MiB or more (and, after the
+  heap was trimmed, smaller ones) gets new pages from the kernel, and on these VMs a first touch
+  costs about 3 us per 4 KiB page: 25 ms for 32 MiB, ten times the work of the kernels measured.
+  The setting applies to every provider alike (references, FBGEMM, memcpy+alloc).
 - The `gpu` marker skips its benchmarks when no CUDA device is visible (`make gpu-check` runs
   them on a GPU machine).
 """
 
+import ctypes
+import ctypes.util
 import os
 import sys
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
+
+
+def _keep_freed_memory() -> bool:
+    """glibc: no mmap'ed blocks, no trimming. False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError, TypeError, ctypes.ArgumentError):
+        return False
+
+
+KEEPS_FREED_MEMORY = os.environ.get("RECXLA_BENCH_MALLOC") != "default" and _keep_freed_memory()
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import pytest  # noqa: E402
+
+
+def pytest_report_header(config):
+    mode = "kept in the process" if KEEPS_FREED_MEMORY else "malloc's default"
+    return f"recxla bench: freed memory {mode} (RECXLA_BENCH_MALLOC)"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -50,13 +50,24 @@ inline __mmask16 first_lanes(int64_t n) {
   return static_cast<__mmask16>(n >= 16 ? 0xFFFFu : (1u << n) - 1u);
 }
 
-// 16 consecutive values as fp32 (an exact widening); lanes outside `k` read as +0.
+// 16 consecutive values as fp32 (an exact widening); with a mask `k`, lanes outside it read as
+// +0 and their memory is not touched. Loops run whole vectors unmasked and mask only the row's
+// tail: a mask costs a uop on the port the permutes and conversions need.
+RECXLA_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 RECXLA_AVX512 inline __m512 load16(const float* p, __mmask16 k) {
   return _mm512_maskz_loadu_ps(k, p);
 }
+RECXLA_AVX512 inline __m512 bf16_to_f32(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+RECXLA_AVX512 inline __m512 load16(const c10::BFloat16* p) {
+  return bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 RECXLA_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 k) {
-  const __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  return bf16_to_f32(_mm256_maskz_loadu_epi16(k, p));
+}
+RECXLA_AVX512 inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 RECXLA_AVX512 inline __m512 load16(const c10::Half* p, __mmask16 k) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
@@ -64,18 +75,32 @@ RECXLA_AVX512 inline __m512 load16(const c10::Half* p, __mmask16 k) {
 
 // Stores the lanes of `k` as the output dtype, rounded to nearest even like c10's conversions
 // (float -> BFloat16: NaN becomes 0x7FC0; float -> Half: NaN keeps its sign, payload 0x200).
+RECXLA_AVX512 inline __m512i f32_to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i h =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, lsb), _mm512_set1_epi32(0x7FFF)), 16);
+  return _mm512_mask_mov_epi32(
+      h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+RECXLA_AVX512 inline __m256i f32_to_f16(__m512 v) {
+  return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+RECXLA_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 RECXLA_AVX512 inline void store16(float* p, __mmask16 k, __m512 v) {
   _mm512_mask_storeu_ps(p, k, v);
 }
+RECXLA_AVX512 inline void store16(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(f32_to_bf16(v)));
+}
 RECXLA_AVX512 inline void store16(c10::BFloat16* p, __mmask16 k, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, lsb), _mm512_set1_epi32(0x7FFF)), 16);
-  h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm512_mask_cvtepi32_storeu_epi16(p, k, h);
+  _mm512_mask_cvtepi32_storeu_epi16(p, k, f32_to_bf16(v));
+}
+RECXLA_AVX512 inline void store16(c10::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), f32_to_f16(v));
 }
 RECXLA_AVX512 inline void store16(c10::Half* p, __mmask16 k, __m512 v) {
-  _mm256_mask_storeu_epi16(p, k, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm256_mask_storeu_epi16(p, k, f32_to_f16(v));
 }
 
 // The anchor and code offset of fp8.h for every clamped fp32 exponent a row can reach, in slot
@@ -148,12 +173,14 @@ template <bool kFiniteOnly, typename scalar_t>
 RECXLA_AVX512 uint32_t row_amax_bits(const scalar_t* x, int64_t dim) {
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
   __m512i amax = _mm512_setzero_si512();
-  for (int64_t j = 0; j < dim; j += 16) {
-    const __m512i a = _mm512_and_si512(
-        _mm512_castps_si512(load16(x + j, first_lanes(dim - j))), abs_mask);
+  const auto accumulate = [&](__m512 v) RECXLA_AVX512 {
+    const __m512i a = _mm512_and_si512(_mm512_castps_si512(v), abs_mask);
     amax = kFiniteOnly ? _mm512_mask_max_epu32(amax, _mm512_cmplt_epu32_mask(a, inf), amax, a)
                        : _mm512_max_epu32(amax, a);
-  }
+  };
+  int64_t j = 0;
+  for (; j + 16 <= dim; j += 16) accumulate(load16(x + j));
+  if (j < dim) accumulate(load16(x + j, first_lanes(dim - j)));
   return _mm512_reduce_max_epu32(amax);
 }
 
@@ -166,15 +193,19 @@ RECXLA_AVX512 void encode_row(
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   int64_t j = 0;
   for (; j + 64 <= dim; j += 64) {
-    const __m512i c0 = enc.template encode<kSpecials>(load16(x + j, 0xFFFF), inv);
-    const __m512i c1 = enc.template encode<kSpecials>(load16(x + j + 16, 0xFFFF), inv);
-    const __m512i c2 = enc.template encode<kSpecials>(load16(x + j + 32, 0xFFFF), inv);
-    const __m512i c3 = enc.template encode<kSpecials>(load16(x + j + 48, 0xFFFF), inv);
+    const __m512i c0 = enc.template encode<kSpecials>(load16(x + j), inv);
+    const __m512i c1 = enc.template encode<kSpecials>(load16(x + j + 16), inv);
+    const __m512i c2 = enc.template encode<kSpecials>(load16(x + j + 32), inv);
+    const __m512i c3 = enc.template encode<kSpecials>(load16(x + j + 48), inv);
     const __m512i bytes =
         _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
     _mm512_storeu_si512(out + j, _mm512_permutexvar_epi32(order, bytes));
   }
-  for (; j < dim; j += 16) {
+  for (; j + 16 <= dim; j += 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j),
+                     _mm512_cvtepi32_epi8(enc.template encode<kSpecials>(load16(x + j), inv)));
+  }
+  if (j < dim) {
     const __mmask16 k = first_lanes(dim - j);
     _mm512_mask_cvtepi32_storeu_epi8(out + j, k, enc.template encode<kSpecials>(load16(x + j, k), inv));
   }
@@ -242,7 +273,12 @@ RECXLA_AVX512 void dequantize_rows_fmt(
     float scale_value;
     std::memcpy(&scale_value, row + dim, sizeof(scale_value));
     const __m512 scale = _mm512_set1_ps(scale_value);
-    for (int64_t j = 0; j < dim; j += 16) {
+    int64_t j = 0;
+    for (; j + 16 <= dim; j += 16) {
+      const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
+      store16(y_row + j, decode16<F>(codes, scale));
+    }
+    if (j < dim) {
       const __mmask16 k = first_lanes(dim - j);
       store16(y_row + j, k, decode16<F>(_mm_maskz_loadu_epi8(k, row + j), scale));
     }

@@ -1,8 +1,10 @@
 """The row codec: quantize rows of a float matrix into one contiguous wire buffer and back.
 
 FP8 formats run recxla's kernels (`torch.ops.recxla.quantize_fp8_rows` /
-`dequantize_fp8_rows`): C++ on CPU, CUDA or Triton on GPU. The plain-cast formats (bf16, fp16,
-fp32) are a cast and a byte view, which torch already does at memory speed.
+`dequantize_fp8_rows`): C++ on CPU (AVX-512 kernels where the CPU has them, portable ones
+elsewhere or with RECXLA_CPU_KERNELS=portable), CUDA or Triton on GPU (RECXLA_BACKEND). Every
+backend writes the same bytes. The plain-cast formats (bf16, fp16, fp32) are a cast and a byte
+view, which torch already does at memory speed.
 """
 
 import torch
