@@ -19,9 +19,12 @@ from recxla.ops.dedup import (
 from recxla.reference.dedup import bucketize_by_rank_ref, segmented_unique_ref
 
 DTYPES = [torch.int32, torch.int64]
-# zipf: skewed traffic over a large table; uniform: few repeats; narrow: a small table (dense
-# path); full: keys over the whole dtype (hashed ids, the wide-key sort of the CPU kernel).
-KINDS = ["zipf", "uniform", "narrow", "full"]
+# The CPU kernel picks its method from the data; each kind reaches one of them:
+# zipf: skewed traffic over a large table (hash table, then a radix sort of the uniques);
+# hot: a few hundred keys spread wide (hash table, table sized from the first keys);
+# uniform: nearly all keys distinct (radix sort of all keys); narrow: a small table (presence
+# array); full: keys over the whole dtype, hashed ids (hash table, comparison sort of uniques).
+KINDS = ["zipf", "hot", "uniform", "narrow", "full"]
 
 
 def random_keys(kind: str, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -33,6 +36,9 @@ def random_keys(kind: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         # Hot keys scattered over the id space, negative ones included, as hashed ids are.
         ids = torch.randperm(40 * table)[:table] - 20 * table
         return ids[ranks].to(dtype)
+    if kind == "hot":
+        pool = torch.randint(-(2**40), 2**40, (int(torch.randint(260, 600, ())),))
+        return pool[torch.randint(0, pool.numel(), (n,))].to(dtype)
     if kind == "uniform":
         return torch.randint(-(2**30), 2**30, (n,), dtype=torch.int64).to(dtype)
     if kind == "narrow":

@@ -156,48 +156,123 @@ void sort_uniques(
   for (int64_t i = 0; i < n; ++i) inv[i] = rank[inv[i]];
 }
 
+// Sorts all n keys, each packed above its position, and numbers the runs of equal keys. The
+// faster method when nearly every key is distinct: hashing would insert almost every key.
+template <typename key_t>
+int64_t dedup_sorted(
+    const key_t* __restrict__ v, int64_t n, uint64_t lo, int pos_bits, int key_bits,
+    key_t* __restrict__ uniq, int64_t* __restrict__ inv, Scratch<key_t>& scratch) {
+  std::vector<uint64_t>& packed = scratch.packed;
+  packed.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    packed[i] = ((ordered_bits(v[i]) - lo) << pos_bits) | static_cast<uint64_t>(i);
+  }
+  scratch.packed_tmp.resize(n);
+  const uint64_t* sorted = radix_sort(
+      packed.data(), scratch.packed_tmp.data(), n, pos_bits, pos_bits + key_bits,
+      scratch.histogram);
+  const uint64_t pos_mask = (uint64_t{1} << pos_bits) - 1;
+  // No key equals the sentinel: (key - min) < 2^key_bits <= 2^(64 - pos_bits) <= 2^63.
+  uint64_t prev = std::numeric_limits<uint64_t>::max();
+  int64_t u = -1;
+  for (int64_t r = 0; r < n; ++r) {
+    const uint64_t k = sorted[r] >> pos_bits;
+    u += k != prev;  // branch-free: uniq[u] is rewritten with the same key within a run
+    prev = k;
+    uniq[u] = from_ordered_bits<key_t>(lo + k);
+    inv[sorted[r] & pos_mask] = u;
+  }
+  return u + 1;
+}
+
+template <typename key_t>
+class HashTable {
+ public:
+  explicit HashTable(std::vector<Slot<key_t>>& slots) : slots_(slots) {}
+
+  // Room for `keys` distinct keys at load <= 1/2 (linear probing stays short); rehashes the
+  // `u` keys numbered so far (uniq[j] has number j).
+  void reserve(uint64_t keys, const key_t* uniq, uint32_t u) {
+    const int log_cap = std::max(4, static_cast<int>(std::bit_width(2 * keys - 1)));
+    if (!slots_.empty() && (size_t{1} << log_cap) <= slots_.size()) return;
+    slots_.assign(size_t{1} << log_cap, Slot<key_t>{key_t{0}, kEmpty});
+    mask_ = slots_.size() - 1;
+    shift_ = 64 - log_cap;
+    for (uint32_t j = 0; j < u; ++j) {
+      uint64_t h = hash_slot(static_cast<uint64_t>(uniq[j]), shift_);
+      while (slots_[h].id != kEmpty) h = (h + 1) & mask_;
+      slots_[h] = Slot<key_t>{uniq[j], j};
+    }
+  }
+
+  // Numbers v[begin:end) in first-seen order, continuing from u: new keys are appended to uniq
+  // and every key's number goes to inv. Returns the new count.
+  uint32_t number(
+      const key_t* __restrict__ v, int64_t begin, int64_t end, key_t* __restrict__ uniq,
+      int64_t* __restrict__ inv, uint32_t u) {
+    for (int64_t i = begin; i < end; ++i) {
+      const key_t k = v[i];
+      uint64_t h = hash_slot(static_cast<uint64_t>(k), shift_);
+      for (;;) {
+        const Slot<key_t> slot = slots_[h];
+        if (slot.id == kEmpty) {
+          slots_[h] = Slot<key_t>{k, u};
+          uniq[u] = k;
+          inv[i] = u++;
+          if (2 * static_cast<uint64_t>(u) > slots_.size()) reserve(2 * u, uniq, u);
+          break;
+        }
+        if (slot.key == k) {
+          inv[i] = slot.id;
+          break;
+        }
+        h = (h + 1) & mask_;
+      }
+    }
+    return u;
+  }
+
+ private:
+  std::vector<Slot<key_t>>& slots_;
+  uint64_t mask_ = 0;
+  int shift_ = 64;
+};
+
+// How many distinct keys a segment of n keys holds, judged from its first m keys, numbered in
+// inv[0:m) (d distinct ones). Good-Turing: the share of keys seen once in the first m estimates
+// how often a later key is new. Right for skewed keys, whose distinct count keeps growing with
+// n; an overestimate for keys from a small set, which only makes the table roomier.
+inline uint64_t expected_distinct(
+    const int64_t* inv, int64_t m, uint32_t d, int64_t n, std::vector<uint32_t>& counts) {
+  counts.assign(d, 0);
+  for (int64_t i = 0; i < m; ++i) ++counts[inv[i]];
+  int64_t seen_once = 0;
+  for (uint32_t j = 0; j < d; ++j) seen_once += counts[j] == 1;
+  const uint64_t later = static_cast<uint64_t>((n - m) * static_cast<double>(seen_once) / m);
+  return std::min<uint64_t>(n, d + later + 1);
+}
+
+// Numbers the keys with a hash table, then sorts only the distinct ones. The first eighth of
+// the segment is numbered first: it sizes the table for the rest (growing a table as it fills
+// costs as much as the inserts themselves), and when three quarters of its keys are distinct the
+// segment goes to dedup_sorted instead (measured: hashing loses once most keys are new).
 template <typename key_t>
 int64_t dedup_hashed(
     const key_t* __restrict__ v, int64_t n, uint64_t lo, uint64_t range, key_t* __restrict__ uniq,
     int64_t* __restrict__ inv, Scratch<key_t>& scratch) {
-  std::vector<Slot<key_t>>& table = scratch.table;
-  // Start small (skewed segments have few distinct keys, and a small table stays in cache) and
-  // double whenever the table is half full.
-  const uint64_t first_guess = static_cast<uint64_t>(std::min<int64_t>(n, 2048));
-  int log_cap = std::max(4, static_cast<int>(std::bit_width(first_guess)) + 1);
-  table.assign(size_t{1} << log_cap, Slot<key_t>{key_t{0}, kEmpty});
-  uint64_t mask = table.size() - 1;
-  int shift = 64 - log_cap;
-  uint32_t u = 0;
-  auto insert_known = [&](key_t k, uint32_t id) {
-    uint64_t h = hash_slot(static_cast<uint64_t>(k), shift);
-    while (table[h].id != kEmpty) h = (h + 1) & mask;
-    table[h] = Slot<key_t>{k, id};
-  };
-  for (int64_t i = 0; i < n; ++i) {
-    const key_t k = v[i];
-    uint64_t h = hash_slot(static_cast<uint64_t>(k), shift);
-    for (;;) {
-      const Slot<key_t> slot = table[h];
-      if (slot.id == kEmpty) {
-        table[h] = Slot<key_t>{k, u};
-        uniq[u] = k;
-        inv[i] = u++;
-        if (2 * static_cast<uint64_t>(u) > table.size()) {
-          ++log_cap;
-          table.assign(size_t{1} << log_cap, Slot<key_t>{key_t{0}, kEmpty});
-          mask = table.size() - 1;
-          shift = 64 - log_cap;
-          for (uint32_t j = 0; j < u; ++j) insert_known(uniq[j], j);
-        }
-        break;
-      }
-      if (slot.key == k) {
-        inv[i] = slot.id;
-        break;
-      }
-      h = (h + 1) & mask;
+  const int64_t prefix = std::min<int64_t>(n, std::max<int64_t>(1024, n / 8));
+  HashTable<key_t> table(scratch.table);
+  scratch.table.clear();
+  table.reserve(static_cast<uint64_t>(prefix), uniq, 0);
+  uint32_t u = table.number(v, 0, prefix, uniq, inv, 0);
+  if (prefix < n) {
+    const int pos_bits = std::bit_width(static_cast<uint64_t>(n - 1));
+    const int key_bits = std::bit_width(range);
+    if (4 * static_cast<int64_t>(u) >= 3 * prefix && pos_bits + key_bits <= 64) {
+      return dedup_sorted(v, n, lo, pos_bits, key_bits, uniq, inv, scratch);
     }
+    table.reserve(expected_distinct(inv, prefix, u, n, scratch.rank), uniq, u);
+    u = table.number(v, prefix, n, uniq, inv, u);
   }
   if (u > 1) sort_uniques(uniq, u, lo, range, inv, n, scratch);
   return u;
