@@ -1,26 +1,21 @@
-"""FP8 row codec: every backend against the PyTorch reference (recxla/reference/fp8_rows.py).
-
-CPU kernels run here: the AVX-512 kernels (when the CPU has AVX-512) and the portable ones
-(RECXLA_CPU_KERNELS=portable). The Triton kernels run in Triton's interpreter on CPU tensors and
-are compiled to PTX without a GPU; the gpu-marked tests run CUDA and Triton on a GPU.
+"""FP8 row codec on CPU: the C++ kernels against the PyTorch reference
+(recxla/reference/fp8_rows.py), the codec's documented semantics, its torch.library integration
+and its errors. Both CPU kernels run here: the AVX-512 ones (when the CPU has AVX-512) and the
+portable ones (RECXLA_CPU_KERNELS=portable). Triton and CUDA: test_fp8_rows_triton.py.
 """
 
-import numpy as np
 import pytest
 import torch
 
 import recxla
+from fp8_rows_cases import (
+    DTYPES, FP8, SHAPES, assert_same_values, fp8_grid, random_rows, with_specials,
+)
 from recxla.formats import FORMATS
 from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref
 
-FP8 = ["e4m3", "e5m2"]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-# (rows, dim): empty, single, D not a multiple of 4 / 16 / 64, several column blocks.
-SHAPES = [(0, 7), (6, 0), (1, 1), (33, 3), (9, 16), (5, 17), (17, 64), (4, 100), (7, 129), (3, 300)]
-CPU_KERNELS = ["default", "portable"]
 
-
-@pytest.fixture(params=CPU_KERNELS)
+@pytest.fixture(params=["default", "portable"])
 def cpu_kernels(request, monkeypatch):
     """Runs a test with the CPU kernels the machine picks, then with the portable ones."""
     if request.param == "portable":
@@ -28,54 +23,6 @@ def cpu_kernels(request, monkeypatch):
     else:
         monkeypatch.delenv("RECXLA_CPU_KERNELS", raising=False)
     return request.param
-
-
-def random_rows(rows, dim, dtype=torch.float32, device="cpu"):
-    """Gaussian rows whose magnitudes span 1e-30 .. 1e4 (fp32 subnormal products, bf16/fp16
-    underflow and overflow to Inf included once cast)."""
-    magnitude = torch.exp(torch.empty(rows, 1).uniform_(-69.0, 9.2))
-    return (torch.randn(rows, dim) * magnitude).to(dtype).to(device)
-
-
-def with_specials(x):
-    """x with NaN, +Inf, -Inf and an all-zero row at random places (needs >= 4 rows)."""
-    x = x.clone()
-    rows, dim = x.shape
-    if rows >= 4 and dim >= 1:
-        r = torch.randperm(rows)[:4]
-        x[r[0], torch.randint(dim, ())] = float("nan")
-        x[r[1], torch.randint(dim, ())] = float("inf")
-        x[r[2], torch.randint(dim, ())] = -float("inf")
-        x[r[3]] = 0
-    return x
-
-
-def bits(t):
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def assert_same_values(actual, expected):
-    """Same dtype and shape, NaN at the same places, every other value bit for bit."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(actual), nan)
-    assert torch.equal(bits(actual)[~nan], bits(expected)[~nan])
-
-
-def fp8_grid(fmt):
-    """fp32 values that probe every rounding decision of `fmt`: each FP8 magnitude, the midpoints
-    between neighbours (ties to even), one fp32 ulp either side, and the fp32 subnormals below the
-    smallest FP8 step; both signs. All within +-FP8_MAX."""
-    f = FORMATS[fmt]
-    codes = torch.arange(256, dtype=torch.uint8).view(f.wire_dtype).float()
-    values = codes[torch.isfinite(codes) & (codes >= 0)].unique()
-    mids = (values[1:] + values[:-1]) / 2  # exact in fp32
-    near = torch.cat([values, mids])
-    up = torch.nextafter(near, torch.tensor(float("inf")))
-    down = torch.nextafter(near, torch.tensor(0.0))
-    tiny = torch.tensor([1e-45, 1e-40, 1.1754942e-38, 1e-10])
-    grid = torch.cat([near, up, down, tiny]).clamp(max=f.fp8_max)
-    return torch.cat([grid, -grid])
 
 
 # ---------------------------------------------------------------- CPU kernels vs the reference
@@ -266,18 +213,21 @@ def test_python_api_errors():
     x = torch.randn(3, 4)
     with pytest.raises(ValueError, match=r"quantize_rows: x must be 2-D \[rows, dim\], got 3-D"):
         recxla.quantize_rows(torch.randn(2, 3, 4))
-    with pytest.raises(TypeError, match=r"quantize_rows: x must be float32, bfloat16 or float16, got torch.int32"):
+    with pytest.raises(TypeError, match=r"quantize_rows: "
+                       r"x must be float32, bfloat16 or float16, got torch.int32"):
         recxla.quantize_rows(torch.ones(3, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"quantize_rows: fmt must be one of .*, got 'e3m4'"):
         recxla.quantize_rows(x, "e3m4")
     packed = recxla.quantize_rows(x)
     with pytest.raises(ValueError, match=r"packed has 8 bytes per row, but dim=5 in e4m3 needs 9"):
         recxla.dequantize_rows(packed, 5)
-    with pytest.raises(TypeError, match=r"dequantize_rows: packed must be uint8, got torch.float32"):
+    with pytest.raises(
+            TypeError, match=r"dequantize_rows: packed must be uint8, got torch.float32"):
         recxla.dequantize_rows(x, 4)
     with pytest.raises(ValueError, match=r"dequantize_rows: packed must be 2-D"):
         recxla.dequantize_rows(packed.view(-1), 4)
-    with pytest.raises(TypeError, match=r"dequantize_rows: dtype must be float32, bfloat16 or float16"):
+    with pytest.raises(
+            TypeError, match=r"dequantize_rows: dtype must be float32, bfloat16 or float16"):
         recxla.dequantize_rows(packed, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"row_bytes: dim must be an int >= 0, got -1"):
         recxla.row_bytes(-1)
@@ -287,160 +237,26 @@ def test_op_errors():
     # The ops themselves check too (C++ TORCH_CHECK_VALUE / TORCH_CHECK_TYPE).
     q = torch.ops.recxla.quantize_fp8_rows
     d = torch.ops.recxla.dequantize_fp8_rows
-    with pytest.raises(ValueError, match=r"recxla::quantize_fp8_rows: x must be 2-D \[rows, dim\], got 1-D"):
+    with pytest.raises(
+            ValueError, match=r"recxla::quantize_fp8_rows: x must be 2-D \[rows, dim\], got 1-D"):
         q(torch.randn(4), "e4m3")
-    with pytest.raises(TypeError, match=r"recxla::quantize_fp8_rows: x must be float32, bfloat16 or float16"):
+    with pytest.raises(
+            TypeError, match=r"recxla::quantize_fp8_rows: x must be float32, bfloat16 or float16"):
         q(torch.randn(2, 4).double(), "e4m3")
-    with pytest.raises(ValueError, match=r"recxla::quantize_fp8_rows: fmt must be 'e4m3' or 'e5m2', got 'bf16'"):
+    with pytest.raises(ValueError, match=r"recxla::quantize_fp8_rows: "
+                       r"fmt must be 'e4m3' or 'e5m2', got 'bf16'"):
         q(torch.randn(2, 4), "bf16")
     packed = q(torch.randn(2, 4), "e4m3")
-    with pytest.raises(ValueError, match=r"recxla::dequantize_fp8_rows: packed has 8 bytes per row but dim=3 needs 7"):
+    with pytest.raises(ValueError, match=r"recxla::dequantize_fp8_rows: "
+                       r"packed has 8 bytes per row but dim=3 needs 7"):
         d(packed, 3, "e4m3", torch.float32)
     with pytest.raises(ValueError, match=r"recxla::dequantize_fp8_rows: dim must be >= 0, got -2"):
         d(packed, -2, "e4m3", torch.float32)
     with pytest.raises(TypeError, match=r"recxla::dequantize_fp8_rows: packed must be uint8"):
         d(packed.float(), 4, "e4m3", torch.float32)
-    with pytest.raises(TypeError, match=r"recxla::dequantize_fp8_rows: dtype must be float32, bfloat16 or float16"):
+    with pytest.raises(TypeError, match=r"recxla::dequantize_fp8_rows: "
+                       r"dtype must be float32, bfloat16 or float16"):
         d(packed, 4, "e4m3", torch.int8)
-    with pytest.raises(ValueError, match=r"recxla::dequantize_fp8_rows: fmt must be 'e4m3' or 'e5m2', got 'x'"):
+    with pytest.raises(ValueError, match=r"recxla::dequantize_fp8_rows: "
+                       r"fmt must be 'e4m3' or 'e5m2', got 'x'"):
         d(packed, 4, "x", torch.float32)
-
-
-# ---------------------------------------------------------------- Triton kernels
-
-# numpy, which runs the interpreter, warns on Inf results (the kernels form them on purpose).
-interpreter_warnings = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module")
-def triton_interpreted():
-    pytest.importorskip("triton")
-    from recxla.triton_kernels import interpreted
-
-    return interpreted("fp8_rows")
-
-
-# (rows, dim, block_d): one column block, several (block_d forced small), empty shapes.
-TRITON_SHAPES = [(0, 5, None), (4, 0, None), (7, 1, None), (9, 37, None), (6, 37, 16), (5, 130, 64)]
-
-
-@interpreter_warnings
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", FP8)
-def test_triton_interpreted_quantize(triton_interpreted, fmt, dtype):
-    for rows, dim, block_d in TRITON_SHAPES:
-        x = with_specials(random_rows(rows, dim, dtype))
-        packed = triton_interpreted.quantize_fp8_rows_triton(x, fmt, block_d=block_d)
-        assert torch.equal(packed, quantize_rows_ref(x, fmt)), (rows, dim, block_d)
-    strided = random_rows(12, 50, dtype)[::2, 3:40]
-    assert torch.equal(triton_interpreted.quantize_fp8_rows_triton(strided, fmt),
-                       quantize_rows_ref(strided.contiguous(), fmt))
-
-
-@interpreter_warnings
-@pytest.mark.parametrize("fmt", FP8)
-def test_triton_interpreted_rounding_cases(triton_interpreted, fmt):
-    # Ties and carries into the next exponent: where the interpreter's own fp8 cast goes wrong.
-    f = FORMATS[fmt]
-    grid = fp8_grid(fmt)
-    dim = 127
-    grid = torch.cat([grid, torch.zeros((-grid.numel()) % (dim - 1))]).view(-1, dim - 1)
-    x = torch.cat([torch.full((grid.shape[0], 1), f.fp8_max), grid], dim=1)
-    packed = triton_interpreted.quantize_fp8_rows_triton(x, fmt)
-    assert torch.equal(packed[:, :dim], x.to(f.wire_dtype).view(torch.uint8))
-
-
-@interpreter_warnings
-@pytest.mark.parametrize("fmt", FP8)
-def test_triton_interpreted_dequantize(triton_interpreted, fmt):
-    for rows, dim, block_d in TRITON_SHAPES:
-        packed = quantize_rows_ref(random_rows(rows, dim), fmt)
-        packed[:, :dim] = torch.randint(0, 256, (rows, dim), dtype=torch.uint8)
-        for dtype in DTYPES:
-            y = triton_interpreted.dequantize_fp8_rows_triton(packed, dim, fmt, dtype, block_d=block_d)
-            assert_same_values(y, dequantize_rows_ref(packed, dim, fmt, dtype))
-
-
-def test_triton_launcher_errors(triton_interpreted):
-    tk = triton_interpreted
-    with pytest.raises(ValueError, match=r"quantize_fp8_rows_triton: fmt must be 'e4m3' or 'e5m2', got 'bf16'"):
-        tk.quantize_fp8_rows_triton(torch.randn(2, 3), "bf16")
-    with pytest.raises(ValueError, match=r"quantize_fp8_rows_triton: x must be 2-D"):
-        tk.quantize_fp8_rows_triton(torch.randn(3), "e4m3")
-    with pytest.raises(TypeError, match=r"quantize_fp8_rows_triton: x must be float32, bfloat16 or float16"):
-        tk.quantize_fp8_rows_triton(torch.ones(2, 3, dtype=torch.int64), "e4m3")
-    with pytest.raises(ValueError, match=r"dequantize_fp8_rows_triton: packed has 7 bytes per row, but dim=4 needs 8"):
-        tk.dequantize_fp8_rows_triton(torch.zeros(2, 7, dtype=torch.uint8), 4, "e4m3")
-
-
-def test_triton_kernels_compile_for_gpu_without_one():
-    """The kernels lower to PTX for sm_90 on this machine (no GPU needed), with IEEE division,
-    no fused multiply-add and no flush-to-zero: the arithmetic the bit-exactness relies on."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from recxla.triton_kernels import fp8_rows as tk
-
-    pointers = {"x_ptr": "*bf16", "out_ptr": "*u8", "in_ptr": "*u8", "y_ptr": "*fp16"}
-    cases = [
-        (tk._quantize_kernel, dict(BLOCK_ROWS=4, BLOCK_D=64, ONE_BLOCK=False, **tk._FORMATS["e4m3"],
-                                   IN_BF16=True)),
-        (tk._dequantize_kernel, dict(BLOCK_ROWS=4, BLOCK_D=64, MANT=2, BIAS=15,
-                                     SUBNORMAL_STEP=2.0 ** -16, OUT_BF16=False)),
-    ]
-    for kernel, constexprs in cases:
-        signature = {name: pointers.get(name, "i64" if "stride" in name else "i32")
-                     for name in kernel.arg_names if name not in constexprs}
-        signature.update({name: "constexpr" for name in constexprs})
-        try:
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs),
-                                      target=GPUTarget("cuda", 90, 32),
-                                      options={"enable_fp_fusion": False})
-        except (RuntimeError, ImportError) as e:  # no NVIDIA backend / ptxas in this install
-            pytest.skip(f"Triton cannot compile for CUDA here: {e}")
-        ptx = compiled.asm["ptx"]
-        assert "fma." not in ptx and ".ftz" not in ptx
-        if kernel is tk._quantize_kernel:
-            assert ptx.count("div.rn.f32") >= 2 and "div.full" not in ptx and "div.approx" not in ptx
-
-
-# ---------------------------------------------------------------- GPU (make gpu-check)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["cuda", "triton"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", FP8)
-def test_gpu_backends_match_reference(monkeypatch, backend, fmt, dtype):
-    if backend == "cuda" and not recxla.built_with_cuda():
-        pytest.skip("this build has no CUDA kernels")
-    monkeypatch.setenv("RECXLA_BACKEND", backend)
-    for rows, dim in SHAPES + [(4096, 128), (3, 5000)]:
-        x = with_specials(random_rows(rows, dim, dtype))
-        packed = recxla.quantize_rows(x.cuda(), fmt)
-        assert packed.is_cuda
-        assert torch.equal(packed.cpu(), quantize_rows_ref(x, fmt)), (rows, dim)
-        packed_cpu = quantize_rows_ref(x, fmt)
-        packed_cpu[:, :dim] = torch.randint(0, 256, (rows, dim), dtype=torch.uint8)
-        for out_dtype in DTYPES:
-            y = recxla.dequantize_rows(packed_cpu.cuda(), dim, fmt, out_dtype)
-            assert_same_values(y.cpu(), dequantize_rows_ref(packed_cpu, dim, fmt, out_dtype))
-    strided = random_rows(64, 300, dtype).cuda()[::2, 5:200]
-    assert torch.equal(recxla.quantize_rows(strided, fmt).cpu(),
-                       quantize_rows_ref(strided.cpu().contiguous(), fmt))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FP8)
-def test_gpu_rounding_cases(fmt):
-    f = FORMATS[fmt]
-    grid = fp8_grid(fmt)
-    grid = torch.cat([grid, torch.zeros((-grid.numel()) % 127)]).view(-1, 127)
-    x = torch.cat([torch.full((grid.shape[0], 1), f.fp8_max), grid], dim=1)
-    from recxla.triton_kernels.fp8_rows import quantize_fp8_rows_triton
-
-    expected = x.to(f.wire_dtype).view(torch.uint8)
-    assert torch.equal(quantize_fp8_rows_triton(x.cuda(), fmt)[:, :128].cpu(), expected)
-    if recxla.built_with_cuda():
-        assert torch.equal(torch.ops.recxla.quantize_fp8_rows(x.cuda(), fmt)[:, :128].cpu(), expected)

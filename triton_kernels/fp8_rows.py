@@ -31,8 +31,10 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 # Per format: mantissa bits, exponent bias, fp32 bits of the largest finite value, FP8 max, and the
 # codes of Inf and NaN (e4m3fn has no infinity: Inf becomes NaN).
 _FORMATS = {
-    "e4m3": dict(MANT=3, BIAS=7, MAX_BITS=0x43E00000, FP8_MAX=448.0, INF_CODE=0x7F, NAN_CODE=0x7F),
-    "e5m2": dict(MANT=2, BIAS=15, MAX_BITS=0x47600000, FP8_MAX=57344.0, INF_CODE=0x7C, NAN_CODE=0x7F),
+    "e4m3": dict(MANT=3, BIAS=7, MAX_BITS=0x43E00000, FP8_MAX=448.0,
+                 INF_CODE=0x7F, NAN_CODE=0x7F),
+    "e5m2": dict(MANT=2, BIAS=15, MAX_BITS=0x47600000, FP8_MAX=57344.0,
+                 INF_CODE=0x7C, NAN_CODE=0x7F),
 }
 
 
@@ -133,7 +135,8 @@ def _quantize_kernel(x_ptr, out_ptr, n_rows, dim, x_row_stride, out_row_stride,
     amax = amax_bits.to(tl.float32, bitcast=True)
     # An all-zero row divides by 1 (its inv_scale is 1 anyway): no Inf is formed on the way.
     positive = amax > 0
-    ratio = tl.math.div_rn(tl.full((BLOCK_ROWS,), FP8_MAX, tl.float32), tl.where(positive, amax, 1.0))
+    fp8_max = tl.full((BLOCK_ROWS,), FP8_MAX, tl.float32)
+    ratio = tl.math.div_rn(fp8_max, tl.where(positive, amax, 1.0))
     inv_scale = tl.where(positive, tl.minimum(ratio, _FLT_MAX), 1.0)
     scale = tl.math.div_rn(tl.full((BLOCK_ROWS,), 1.0, tl.float32), inv_scale)
 
@@ -254,10 +257,12 @@ def dequantize_fp8_rows_triton(
     if not f.is_fp8:
         raise ValueError(f"{op}: fmt must be 'e4m3' or 'e5m2', got {fmt!r}")
     if packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise TypeError(f"{op}: packed must be a 2-D uint8 tensor, got {packed.dim()}-D {packed.dtype}")
+        raise TypeError(
+            f"{op}: packed must be a 2-D uint8 tensor, got {packed.dim()}-D {packed.dtype}")
     if packed.shape[1] != dim + FP8_SCALE_BYTES:
         raise ValueError(
-            f"{op}: packed has {packed.shape[1]} bytes per row, but dim={dim} needs {dim + FP8_SCALE_BYTES}"
+            f"{op}: packed has {packed.shape[1]} bytes per row, but dim={dim} needs "
+            f"{dim + FP8_SCALE_BYTES}"
         )
     if dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype}")
@@ -272,7 +277,8 @@ def dequantize_fp8_rows_triton(
     _dequantize_kernel[grid](
         packed, y, n_rows, dim, packed.stride(0),
         BLOCK_ROWS=block_rows, BLOCK_D=block_d, MANT=params["MANT"], BIAS=params["BIAS"],
-        SUBNORMAL_STEP=2.0 ** (1 - params["BIAS"] - params["MANT"]), OUT_BF16=dtype == torch.bfloat16,
+        SUBNORMAL_STEP=2.0 ** (1 - params["BIAS"] - params["MANT"]),
+        OUT_BF16=dtype == torch.bfloat16,
         enable_fp_fusion=False,
     )
     return y
