@@ -19,9 +19,9 @@ def _signed(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
 
-def key_hash_ref(key: int, feature: int) -> int:
+def key_hash_ref(key: int) -> int:
     """(key ^ salt) * odd constant mod 2**64, as a signed int64 value."""
-    return _signed(((key ^ C._salt(feature)) * C._HASH_MULTIPLIER) & _MASK64)
+    return _signed(((key ^ C._HASH_SALT) * C._HASH_MULTIPLIER) & _MASK64)
 
 
 def _bags(kjt) -> List[List[List[int]]]:
@@ -46,7 +46,7 @@ def _gain_ref(hashes: Sequence[int], batch: int, m: int) -> int:
     kept = [h & _MASK64 for h in hashes]
     if r_bits:
         kept = [u for u in kept if u >> (64 - r_bits) == 0]
-    bits = C.table_bits(max(len(kept), 1))
+    bits = C.table_bits(max(len(hashes) >> r_bits, 1))
     counts = {}
     for u in kept:
         slot = (u >> (64 - r_bits - bits)) & ((1 << bits) - 1)
@@ -68,7 +68,7 @@ def cluster_samples_ref(kjt, num_micro_batches: int, key_bytes=None) -> Tuple[to
     if m == 1 or m == batch or not kjt.keys():
         return torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
     bags = _bags(kjt)
-    hashed = [[[key_hash_ref(k, f) for k in bag] for bag in feature] for f, feature in enumerate(bags)]
+    hashed = [[[key_hash_ref(k) for k in bag] for bag in feature] for feature in bags]
     scores = []
     for f, feature in enumerate(hashed):
         flat = [h for bag in feature for h in bag]
@@ -77,9 +77,12 @@ def cluster_samples_ref(kjt, num_micro_batches: int, key_bytes=None) -> Tuple[to
             scores.append((-gain, f))
     sort_keys = []
     for _, f in sorted(scores)[: C.SORT_FEATURES]:
+        # The min-hash's top 32 bits, then the fingerprint's (see clustering.bag_sort_key).
         min_hash = [min(bag) if bag else C.EMPTY_SIGNATURE for bag in hashed[f]]
         fingerprint = [_signed(sum(bag) & _MASK64) for bag in hashed[f]]
-        sort_keys += [min_hash, fingerprint]
+        sort_keys.append(
+            [(mh & ~C._LOW32) | ((fp >> 32) & C._LOW32) for mh, fp in zip(min_hash, fingerprint)]
+        )
     order.sort(key=lambda i: tuple(key[i] for key in sort_keys))
     return torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
 
