@@ -1,6 +1,6 @@
 // FP8 row-wise quantize / dequantize: the AVX-512 row kernels (F, BW, VL), written with
 // intrinsics because GCC's auto-vectorized version of the same loops runs at about half this
-// speed (it re-derives every constant per element and packs bytes one vector at a time).
+// speed (it derives the rounding anchor per element and narrows bytes one vector at a time).
 //
 // Every lane computes exactly what recxla/fp8.h computes for one element, so codes and values are
 // bit-identical with the portable kernels, the CUDA and Triton kernels and the reference:
