@@ -235,7 +235,9 @@ def _random_tables(tables: int, max_len: int, max_rows: int):
 def test_bucketize_by_rank_matches_reference(world_size):
     values, offsets, num_rows = _random_tables(5, 300, 5000)
     owners = torch.randint(0, world_size, (len(num_rows),)).tolist()
-    for bounds in (row_wise_bounds(num_rows, world_size), table_wise_bounds(num_rows, owners, world_size)):
+    row_wise = row_wise_bounds(num_rows, world_size)
+    table_wise = table_wise_bounds(num_rows, owners, world_size)
+    for bounds in (row_wise, table_wise):
         permutation, bucket_offsets = bucketize_by_rank(values, offsets, bounds)
         want = bucketize_by_rank_ref(values, offsets, bounds)
         assert torch.equal(permutation, want[0]) and torch.equal(bucket_offsets, want[1])

@@ -2,15 +2,16 @@
 //
 // Each segment is deduplicated by one thread; threads take segments largest first from a shared
 // counter (longest-processing-time order), so one big table does not end up last on a busy
-// thread. Inside a segment, one of two exact methods runs, chosen from the segment's key range:
-// - dense: when the range max - min is small next to the segment length (small tables, hot
-//   keys), a presence array over the range gives the sorted uniques in one scan, no sort at all;
-// - hashed: otherwise an open-addressing hash table numbers the distinct keys in first-seen order
-//   (one probe per key: with skewed traffic most keys hit a few hot slots in L1), and only the U
-//   distinct keys are sorted (LSD radix on (key - min) packed above the provisional number), then
-//   the provisional numbers are mapped to ranks. Sorting U keys instead of N pays off exactly when
-//   keys repeat, which is why dedup is worth doing.
-// A second pass adds each segment's global base to its inverse and copies its uniques out.
+// thread. Inside a segment one of three exact methods runs, picked from the data:
+// - presence array: when the key range max - min is at most a few times the segment length
+//   (small tables), one scan over the range yields the sorted uniques, no sort at all;
+// - hash table: an open-addressing table numbers the distinct keys in first-seen order (with
+//   skewed traffic most keys hit a few hot slots in cache), then only the U distinct keys are
+//   sorted (LSD radix on key - min, packed above the number) and numbers become ranks. Sorting
+//   U keys instead of N is what makes skewed segments cheap;
+// - radix sort of all keys: when the first keys of a segment are mostly distinct, sorting all
+//   (key, position) pairs and numbering the runs beats inserting nearly every key into a table.
+// A last pass adds each segment's global base to its inverse and copies its uniques out.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,9 +22,16 @@
 #include <limits>
 #include <numeric>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "recxla/dedup.h"
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define RECXLA_DEDUP_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define RECXLA_DEDUP_MULTIVERSION
+#endif
 
 namespace recxla {
 namespace {
@@ -58,11 +66,26 @@ inline uint64_t hash_slot(uint64_t bits, int shift) {
   return (bits * UINT64_C(0x9E3779B97F4A7C15)) >> shift;
 }
 
-// The presence array costs about as much as a few hash probes per entry; beyond this range the
-// hash table is cheaper.
+// An entry of the presence array costs a fraction of a hash probe: up to about four entries per
+// key the array is the cheaper method.
 inline bool use_dense(uint64_t range, int64_t n) {
   return range < static_cast<uint64_t>(4 * n + 1024);
 }
+
+// The smallest and largest key (n >= 1): signed compares, which AVX2 / AVX-512 vectorize, and
+// a plain function per key type so that each is compiled for those and picked at load time.
+#define RECXLA_KEY_RANGE(key_t)                                                          \
+  RECXLA_DEDUP_MULTIVERSION std::pair<key_t, key_t> key_range(const key_t* v, int64_t n) { \
+    key_t lo = v[0], hi = v[0];                                                            \
+    for (int64_t i = 1; i < n; ++i) {                                                      \
+      lo = v[i] < lo ? v[i] : lo;                                                          \
+      hi = v[i] > hi ? v[i] : hi;                                                          \
+    }                                                                                      \
+    return {lo, hi};                                                                       \
+  }
+RECXLA_KEY_RANGE(int32_t)
+RECXLA_KEY_RANGE(int64_t)
+#undef RECXLA_KEY_RANGE
 
 template <typename key_t>
 int64_t dedup_dense(
@@ -283,13 +306,9 @@ template <typename key_t>
 int64_t dedup_segment(
     const key_t* v, int64_t n, key_t* uniq, int64_t* inv, Scratch<key_t>& scratch) {
   if (n == 0) return 0;
-  uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t b = ordered_bits(v[i]);
-    lo = std::min(lo, b);
-    hi = std::max(hi, b);
-  }
-  const uint64_t range = hi - lo;
+  const auto [min_key, max_key] = key_range(v, n);
+  const uint64_t lo = ordered_bits(min_key);
+  const uint64_t range = ordered_bits(max_key) - lo;
   if (use_dense(range, n)) return dedup_dense(v, n, lo, range, uniq, inv, scratch);
   return dedup_hashed(v, n, lo, range, uniq, inv, scratch);
 }

@@ -52,11 +52,11 @@ RECXLA_DEDUP_HD bool is_head(int64_t i, bool segment_start, key_t key, key_t lef
   return i == 0 || segment_start || key != left;
 }
 
-// A unique key's provisional number in the CPU hash table is 32-bit: a segment may hold at most
-// this many keys (16 GiB of int32 keys; larger segments are split by the caller).
+// The CPU hash table numbers a segment's keys with 32 bits: a segment may hold at most this many
+// keys (16 GiB of int32 keys).
 constexpr int64_t kMaxSegmentKeys = std::numeric_limits<uint32_t>::max() - 1;
 
-// Host-side checks. values: 1-D int32/int64; offsets: 1-D int64 with S + 1 >= 1 entries, on values' device.
+// Host-side checks. values: 1-D int32/int64; offsets: 1-D int64, S + 1 >= 1 entries, same device.
 inline void check_dedup_args(const char* op, const at::Tensor& values, const at::Tensor& offsets) {
   TORCH_CHECK_VALUE(values.dim() == 1, op, ": values must be 1-D [N], got ", values.dim(), "-D");
   TORCH_CHECK_TYPE(
