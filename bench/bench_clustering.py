@@ -73,24 +73,28 @@ def unique_keys_row(batch, num_micro_batches: int, generator: torch.Generator) -
 
 def unique_keys_table(num_batches: int, lines: list) -> None:
     lines += [
-        "| Zipf | spread | M | floor | random split | cluster_samples | by user id (oracle) "
-        "| fewer than random |",
+        "| profile | Zipf | M | floor | random split | cluster_samples | by user id (oracle) "
+        "| fewer than random: mean (min-max over batches) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    cases = [(z, 1) for z in EXPONENTS] + [(1.05, 2)]
-    for zipf, spread in cases:
-        ds = SyntheticRankingDataset(
-            criteo_kaggle_profile(zipf=zipf), batch_size=BATCH, seed=0, request_spread=spread
-        )
+    default = ("default", {}, 1)
+    cases = [(default, z, MICRO_BATCHES) for z in EXPONENTS] + [
+        (("requests spread over 2 batches", {}, 2), 1.05, (4,)),
+        (("history 20-100 ids", {"history_pooling": (20, 100)}, 1), 1.05, (4,)),
+        (("no user interests", {"interest_share": 0.0}, 1), 1.05, (4,)),
+    ]
+    for (label, kwargs, spread), zipf, micro_batches in cases:
+        profile = criteo_kaggle_profile(zipf=zipf, **kwargs)
+        ds = SyntheticRankingDataset(profile, batch_size=BATCH, seed=0, request_spread=spread)
         batches = [ds.batch(i) for i in range(num_batches)]
         g = torch.Generator().manual_seed(0)
-        for m in MICRO_BATCHES if spread == 1 else (4,):
+        for m in micro_batches:
             rows = [unique_keys_row(b, m, g) for b in batches]
             mean = {k: statistics.mean(r[k] for r in rows) for k in rows[0]}
             savings = [1 - r["clustered"] / r["random"] for r in rows]
             name = "uniform" if zipf == 0 else f"{zipf}"
             lines.append(
-                f"| {name} | {spread} | {m} | {mean['floor']:,.0f} | {mean['random']:,.0f} "
+                f"| {label} | {name} | {m} | {mean['floor']:,.0f} | {mean['random']:,.0f} "
                 f"| {mean['clustered']:,.0f} | {mean['by_user']:,.0f} "
                 f"| {100 * statistics.mean(savings):.1f}% "
                 f"({100 * min(savings):.1f}-{100 * max(savings):.1f}%) |"
