@@ -19,6 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <tuple>
 
@@ -87,7 +88,9 @@ template <typename Call>
 void run_cub(const at::Tensor& like, Call&& call) {
   size_t bytes = 0;
   C10_CUDA_CHECK(call(nullptr, bytes));
-  at::Tensor scratch = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+  // At least one byte: a null scratch pointer would make the second call a size query again.
+  const int64_t size = std::max<int64_t>(1, static_cast<int64_t>(bytes));
+  at::Tensor scratch = at::empty({size}, like.options().dtype(at::kByte));
   C10_CUDA_CHECK(call(scratch.data_ptr(), bytes));
 }
 
