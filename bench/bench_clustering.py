@@ -63,12 +63,13 @@ def unique_keys_row(batch, num_micro_batches: int, generator: torch.Generator) -
     offsets = torch.arange(num_micro_batches + 1) * b // num_micro_batches
     users = kjt["cat_2"].values()
     oracle = torch.sort(users, stable=True).indices
-    return {
-        "floor": micro_batch_unique_keys(kjt, torch.arange(b), torch.tensor([0, b])).sum().item(),
-        "random": micro_batch_unique_keys(kjt, *random_split(b, num_micro_batches, generator)).sum().item(),
-        "clustered": micro_batch_unique_keys(kjt, *recxla.cluster_samples(kjt, num_micro_batches)).sum().item(),
-        "by_user": micro_batch_unique_keys(kjt, oracle, offsets).sum().item(),
-    }  # fmt: skip
+    splits = {
+        "floor": (torch.arange(b), torch.tensor([0, b])),
+        "random": random_split(b, num_micro_batches, generator),
+        "clustered": recxla.cluster_samples(kjt, num_micro_batches),
+        "by_user": (oracle, offsets),
+    }
+    return {name: micro_batch_unique_keys(kjt, *s).sum().item() for name, s in splits.items()}
 
 
 def unique_keys_table(num_batches: int, lines: list) -> None:

@@ -23,9 +23,9 @@ Algorithm (hash + scan + sort of B samples: O(N + B log B) for N keys, plain tor
 Why a sort and not a graph partition: on the synthetic ranking log this order comes within 2%
 of grouping samples by their true user id (an oracle the keys do not reveal), and an
 iterative re-packing of the groups by shared keys, tried, saved under 1% more; a sort of B
-samples costs a few milliseconds on one core and a few launches on GPU. Where the unique-key cost remains,
-it is in keys that many requests share (popular items, attribute values), which every
-balanced split must repeat.
+samples costs a few milliseconds on one core and a few launches on GPU. The unique-key cost
+that remains is in keys that many requests share (popular items, attribute values), which
+every balanced split must repeat.
 """
 
 from typing import TYPE_CHECKING, Optional, Tuple

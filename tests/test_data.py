@@ -79,6 +79,8 @@ def test_batch_shapes_and_dtypes(seed_value):
         if jt.values().numel():
             assert 0 <= int(jt.values().min()) and int(jt.values().max()) < f.num_embeddings
     assert profile.num_embeddings == list(CRITEO_KAGGLE_NUM_EMBEDDINGS)
+    moved = b.to("cpu")
+    assert torch.equal(moved.labels, b.labels) and moved.batch_size == 333
 
 
 def test_same_seed_same_batches_other_seed_differs(seed_value):
@@ -118,6 +120,29 @@ def test_user_features_repeat_within_requests(seed_value):
             assert len({tuple(bags[name][i]) for i in rows}) == 1, name
         varied += len({tuple(bags["cat_20"][i]) for i in rows}) > 1
     assert varied >= 0.8 * many.numel()
+
+
+def test_candidates_of_a_request_share_interest_categories(seed_value):
+    """Half the candidates come from the user's interest categories, so two candidates of one
+    request share a category-level key (cat_0) more often than two of different requests."""
+
+    def share_rates(interest_share):
+        profile = criteo_kaggle_profile(interest_share=interest_share)
+        b = SyntheticRankingDataset(profile, batch_size=3000, seed=seed_value).batch(0)
+        cat = b.sparse["cat_0"].values()
+        _, req = b.request_ids.unique(return_inverse=True)
+        same_req = req[:, None] == req[None, :]
+        same_req.fill_diagonal_(False)
+        same_cat = cat[:, None] == cat[None, :]
+        other_req = req[:, None] != req[None, :]
+        within = (same_cat & same_req).sum() / same_req.sum()
+        across = (same_cat & other_req).sum() / other_req.sum()
+        return within.item(), across.item()
+
+    within, across = share_rates(0.5)
+    assert within > across + 0.03, (within, across)
+    within, across = share_rates(0.0)
+    assert within < across + 0.02, (within, across)
 
 
 def test_request_spread_keeps_requests_in_nearby_batches(seed_value):
@@ -186,7 +211,8 @@ def test_labels_are_learnable(seed_value):
 def test_embedding_bag_configs_and_capped_tables(seed_value):
     configs = embedding_bag_configs(embedding_dim=16)
     assert [c.num_embeddings for c in configs] == list(CRITEO_KAGGLE_NUM_EMBEDDINGS)
-    assert all(c.embedding_dim == 16 and c.feature_names == [f"cat_{i}"] for i, c in enumerate(configs))
+    for i, c in enumerate(configs):
+        assert c.embedding_dim == 16 and c.feature_names == [f"cat_{i}"]
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     profile = criteo_kaggle_profile(max_rows=1000)

@@ -58,7 +58,9 @@ def _gain_ref(hashes: Sequence[int], batch: int, m: int) -> int:
     return gain << r_bits
 
 
-def cluster_samples_ref(kjt, num_micro_batches: int, key_bytes=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def cluster_samples_ref(
+    kjt, num_micro_batches: int, key_bytes=None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Same contract and result as `recxla.cluster_samples`, computed with Python loops."""
     batch = kjt.stride()
     m = num_micro_batches
