@@ -224,6 +224,14 @@ def test_embedding_bag_configs_and_capped_tables(seed_value):
     assert pooled.values().shape == (97, 26 * 4)
 
 
+@pytest.mark.gpu
+def test_pinned_batch_moves_to_cuda(seed_value):
+    b = small_dataset(seed_value, batch_size=64).batch(0)
+    on_gpu = b.pin_memory().to("cuda", non_blocking=True)
+    assert on_gpu.sparse.values().is_cuda and on_gpu.dense.is_cuda
+    assert torch.equal(on_gpu.labels.cpu(), b.labels)
+
+
 def test_custom_profile_without_item_features(seed_value):
     profile = Profile(
         "users_only",

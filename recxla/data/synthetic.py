@@ -79,7 +79,9 @@ class Batch:
 
     def pin_memory(self) -> "Batch":
         pin = lambda t: None if t is None else t.pin_memory()  # noqa
-        return Batch(self.sparse.pin(), pin(self.dense), pin(self.labels), pin(self.request_ids))
+        return Batch(
+            self.sparse.pin_memory(), pin(self.dense), pin(self.labels), pin(self.request_ids)
+        )
 
     @property
     def batch_size(self) -> int:
