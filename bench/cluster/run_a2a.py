@@ -275,6 +275,18 @@ def print_table(results, out=sys.stdout) -> None:
         print("* namespaces unavailable: ran on plain loopback, NOT across shaped links", file=out)
 
 
+def json_safe(value):
+    """`value` with every infinite float (the SQNR of an exact result) as the string "inf", so
+    that the file is strict JSON that any reader accepts."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows-per-rank", type=int, default=32768,
@@ -312,7 +324,7 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+            json.dump(json_safe(doc), f, indent=1, allow_nan=False)
         print(f"wrote {args.json}")
     return 0
 
