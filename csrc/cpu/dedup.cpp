@@ -110,6 +110,7 @@ int64_t dedup_dense(
 uint64_t* radix_sort(
     uint64_t* a, uint64_t* tmp, int64_t n, int lo_bit, int hi_bit, std::vector<uint32_t>& hist) {
   const int bits = hi_bit - lo_bit;
+  if (bits <= 0 || n < 2) return a;
   const int passes = (bits + 10) / 11;
   const int digit = (bits + passes - 1) / passes;
   const int64_t buckets = int64_t{1} << digit;
