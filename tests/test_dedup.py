@@ -80,8 +80,10 @@ def check_properties(values, offsets, result):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_reference(kind, dtype):
-    # Sizes around the kernel's thresholds: small totals run on one thread, larger ones on all.
-    for segments, max_len in [(1, 500), (26, 1500), (int(torch.randint(2, 60, ())), 300)]:
+    # Small totals run on one thread, larger ones on all; segments past 1024 keys are judged by
+    # their first eighth (or 1024 keys) before the rest is hashed or sorted.
+    cases = [(1, 500), (1, 20000), (26, 3000), (int(torch.randint(2, 60, ())), 300)]
+    for segments, max_len in cases:
         offsets = random_offsets(segments, max_len)
         values = random_keys(kind, int(offsets[-1]), dtype)
         result = segmented_unique(values, offsets)
