@@ -12,7 +12,8 @@ varied magnitude, e4m3. CPU providers:
 - fbgemm-int8 / fbgemm-bf16 / fbgemm-hfp8: FBGEMM's CPU codecs (fbgemm-gpu-cpu) that TorchRec's
   QComms can use on CPU: INT8 row-wise with fp32 scale and bias (D + 8 bytes a row), bf16, and
   HFP8 (FP8 e4m3-like codes without any scale). Its FP8 row-wise codec has no CPU kernel;
-- memcpy: `copy_` of the float32 input's bytes into an existing buffer; memcpy+alloc: `clone`.
+- memcpy: `copy_` of the float32 input's bytes into an existing buffer; memcpy-1thread: the same
+  on one thread (the baseline of recxla-1thread); memcpy+alloc: `clone`.
 Bandwidth = bytes read + bytes written (bench/common.py); the reference's temporaries are not
 counted. extra_info also holds wire_bytes (the encoded size) and of_memcpy. The `gpu` cases time
 the CUDA and Triton kernels on a GPU (`make gpu-check`).
@@ -99,14 +100,22 @@ def dequantizers():
     return out
 
 
-@pytest.mark.parametrize("provider", list(quantizers()) + ["memcpy", "memcpy+alloc"])
+MEMCPY = ["memcpy", "memcpy-1thread", "memcpy+alloc"]
+
+
+def memcpy_provider(benchmark, request, provider, nbytes):
+    if provider == "memcpy-1thread":
+        request.getfixturevalue("one_thread")
+    copy = memcpy_fn(nbytes, alloc=provider == "memcpy+alloc")
+    run_and_record(benchmark, copy, nbytes=2 * nbytes, memcpy_nbytes=nbytes)
+
+
+@pytest.mark.parametrize("provider", list(quantizers()) + MEMCPY)
 def test_quantize(benchmark, request, x, provider):
     benchmark.group = f"quantize {ROWS}x{DIM} float32 -> {FMT}"
     input_bytes = tensor_bytes(x)
-    if provider.startswith("memcpy"):
-        copy = memcpy_fn(input_bytes, alloc=provider == "memcpy+alloc")
-        run_and_record(benchmark, copy, nbytes=2 * input_bytes, memcpy_nbytes=input_bytes)
-        return
+    if provider in MEMCPY:
+        return memcpy_provider(benchmark, request, provider, input_bytes)
     fixtures, quantize = quantizers()[provider]
     for name in fixtures:
         request.getfixturevalue(name)
@@ -117,14 +126,12 @@ def test_quantize(benchmark, request, x, provider):
         assert torch.equal(out[:1024], quantize_rows_ref(x[:1024], FMT))
 
 
-@pytest.mark.parametrize("provider", list(dequantizers()) + ["memcpy", "memcpy+alloc"])
+@pytest.mark.parametrize("provider", list(dequantizers()) + MEMCPY)
 def test_dequantize(benchmark, request, x, provider):
     benchmark.group = f"dequantize {FMT} -> {ROWS}x{DIM} float32"
     output_bytes = tensor_bytes(x)
-    if provider.startswith("memcpy"):
-        copy = memcpy_fn(output_bytes, alloc=provider == "memcpy+alloc")
-        run_and_record(benchmark, copy, nbytes=2 * output_bytes, memcpy_nbytes=output_bytes)
-        return
+    if provider in MEMCPY:
+        return memcpy_provider(benchmark, request, provider, output_bytes)
     fixtures, quantize, dequantize = dequantizers()[provider]
     for name in fixtures:
         request.getfixturevalue(name)
