@@ -360,6 +360,8 @@ def test_bad_input_raises_before_any_row_changes():
         bad[-1] = bad_id
         with pytest.raises(IndexError, match=match):
             module(KeyedJaggedTensor(keys=keys, values=bad, lengths=lengths))
+    negative = lengths.clone()  # same total: sample 2 of f1 gets -1, sample 3 of f1 one more
+    negative[4 + 2], negative[4 + 3] = -1, lengths[4 + 2] + lengths[4 + 3] + 1
     cases = [
         (KeyedJaggedTensor(keys=keys, values=values[:-1], lengths=lengths), ValueError,
          r"lengths sum to \d+ but the input holds \d+ ids"),
@@ -370,6 +372,8 @@ def test_bad_input_raises_before_any_row_changes():
                            lengths=lengths[:12]),
          ValueError, r"feature 'f3' of table 't2' is missing"),
         (values, TypeError, r"features must be a KeyedJaggedTensor"),
+        (KeyedJaggedTensor(keys=keys, values=values, lengths=negative),
+         ValueError, r"feature 'f1' has a negative length \(-1\) at sample 2"),
     ]
     for kjt_bad, exc, match in cases:
         with pytest.raises(exc, match=match):

@@ -15,7 +15,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
+#include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "recxla/embedding_bag.h"
@@ -26,6 +29,9 @@
 #else
 #define RECXLA_MULTIVERSION
 #endif
+// The loops below must be inlined into each multiversioned entry point to be compiled for its
+// instruction set; a call would run them as baseline x86-64 code.
+#define RECXLA_INLINE inline __attribute__((always_inline))
 
 namespace recxla {
 namespace {
@@ -49,39 +55,142 @@ struct Args {
   int64_t batch_size;
   int64_t total_dim;
   int64_t num_tables;
+  int64_t num_features;
 };
 
+// Ids ahead of the current one whose rows are prefetched: enough to keep several row loads in
+// flight (ids of one bag, and of consecutive one-id bags, are independent of each other).
+constexpr int64_t kPrefetchAhead = 8;
+constexpr bool kPrefetchRows = true;
+
+RECXLA_INLINE void prefetch_row(const float* row, int64_t dim) {
+  for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d);  // one 64-byte line each
+}
+
+// A sum of rows. For a width kDim known at compile time (a multiple of 16) it lives in
+// 64-byte vectors (GCC vector extensions: zmm registers in the AVX-512 clone, split in the
+// others), so a bag's or a gradient row's sum never goes through memory; kDim == 0 is the
+// generic path, summing in place in a caller's buffer of the runtime width.
+typedef float vec16 __attribute__((vector_size(64)));
+
+#pragma GCC diagnostic ignored "-Wpsabi"  // vec16 never crosses a call: everything here is inlined
+RECXLA_INLINE vec16 load16(const float* p) {
+  vec16 v;
+  std::memcpy(&v, p, sizeof(v));  // unaligned load
+  return v;
+}
+
+template <int64_t kDim>
+struct RowSum {
+  static constexpr int64_t kVecs = kDim / 16;
+  vec16 v[kVecs];
+  RECXLA_INLINE explicit RowSum(float*, int64_t) {
+    for (int64_t j = 0; j < kVecs; ++j) v[j] = vec16{};
+  }
+  RECXLA_INLINE void add(const float* __restrict__ row) {
+    for (int64_t j = 0; j < kVecs; ++j) v[j] += load16(row + 16 * j);
+  }
+  RECXLA_INLINE void add(const float* __restrict__ row, float s) {
+    for (int64_t j = 0; j < kVecs; ++j) v[j] += s * load16(row + 16 * j);
+  }
+  RECXLA_INLINE void store(float* __restrict__ out) const {
+    std::memcpy(out, v, sizeof(v));
+  }
+  RECXLA_INLINE void store(float* __restrict__ out, float s) const {
+    for (int64_t j = 0; j < kVecs; ++j) {
+      const vec16 x = v[j] * s;
+      std::memcpy(out + 16 * j, &x, sizeof(x));
+    }
+  }
+};
+
+template <>
+struct RowSum<0> {
+  float* __restrict__ p;
+  int64_t dim;
+  RECXLA_INLINE RowSum(float* buffer, int64_t d) : p(buffer), dim(d) {
+    for (int64_t i = 0; i < dim; ++i) p[i] = 0.0f;
+  }
+  RECXLA_INLINE void add(const float* __restrict__ row) {
+    for (int64_t i = 0; i < dim; ++i) p[i] += row[i];
+  }
+  RECXLA_INLINE void add(const float* __restrict__ row, float s) {
+    for (int64_t i = 0; i < dim; ++i) p[i] += s * row[i];
+  }
+  RECXLA_INLINE void store(float* __restrict__ out) const {
+    if (out != p) std::memcpy(out, p, dim * sizeof(float));
+  }
+  RECXLA_INLINE void store(float* __restrict__ out, float s) const {
+    for (int64_t i = 0; i < dim; ++i) out[i] = p[i] * s;
+  }
+};
+
+// Pools one bag into o[0, dim) (the generic path sums in o itself).
+template <int64_t kDim, typename index_t>
+RECXLA_INLINE bool pool_bag(
+    const Args& a, const index_t* __restrict__ rows, const float* __restrict__ w,
+    int64_t runtime_dim, int64_t first, int64_t last, int64_t feature_end, int64_t lo, int64_t hi,
+    bool mean, float* __restrict__ o) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim;
+  RowSum<kDim> acc(o, dim);
+  bool ok = true;
+  for (int64_t i = first; i < last; ++i) {
+    if (kPrefetchRows && i + kPrefetchAhead < feature_end) {
+      const int64_t ahead = a.inverse[i + kPrefetchAhead];
+      if (ahead >= lo && ahead < hi) prefetch_row(w + static_cast<int64_t>(rows[ahead]) * dim, dim);
+    }
+    const int64_t u = a.inverse[i];
+    if (u < lo || u >= hi) {
+      ok = false;
+      continue;
+    }
+    const float* __restrict__ row = w + static_cast<int64_t>(rows[u]) * dim;
+    if (a.psw != nullptr) {
+      acc.add(row, a.psw[i]);
+    } else {
+      acc.add(row);
+    }
+  }
+  if (mean && last > first) {
+    acc.store(o, 1.0f / static_cast<float>(last - first));
+  } else {
+    acc.store(o);
+  }
+  return ok;
+}
+
+// Pools the bags of samples [begin, end) of every feature. Samples, not bags, are split across
+// threads, and a task walks its samples feature by feature: each feature's ids are then read
+// as one stretch, while the output rows written stay few enough to remain in the TLB (a sample's
+// row of the [B, total_dim] output is several KiB, so bag after bag of one feature over the
+// whole batch would touch a new page every time).
 template <typename index_t>
-inline void forward_bags(
+RECXLA_INLINE void forward_bags(
     const Args& a, const index_t* __restrict__ rows, int64_t begin, int64_t end,
     float* __restrict__ out, std::atomic<bool>& bad) {
   bool ok = true;
-  for (int64_t k = begin; k < end; ++k) {
-    const int64_t f = k / a.batch_size, b = k - f * a.batch_size;
+  const int64_t num_features = a.num_features;
+  for (int64_t f = 0; f < num_features; ++f) {
     const int64_t t = a.feature_table[f], dim = a.table_dim[t];
     const int64_t lo = a.unique_offsets[t], hi = a.unique_offsets[t + 1];
-    const float* __restrict__ w = a.weights[t];
-    float* __restrict__ o = out + b * a.total_dim + a.feature_column[f];
-    for (int64_t d = 0; d < dim; ++d) o[d] = 0.0f;
-    const int64_t first = a.offsets[k], last = a.offsets[k + 1];
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t u = a.inverse[i];
-      if (u < lo || u >= hi) {
-        ok = false;
-        continue;
-      }
-      const float* __restrict__ row = w + static_cast<int64_t>(rows[u]) * dim;
-      if (a.psw != nullptr) {
-        const float s = a.psw[i];
-        for (int64_t d = 0; d < dim; ++d) o[d] += s * row[d];
-      } else {
-        for (int64_t d = 0; d < dim; ++d) o[d] += row[d];
-      }
+    const int64_t feature_end = a.offsets[(f + 1) * a.batch_size];
+    const bool mean = a.pooling[t] == static_cast<int64_t>(emb::Pooling::Mean);
+    const float* w = a.weights[t];
+    const int64_t* offsets = a.offsets + f * a.batch_size;
+    float* o = out + a.feature_column[f];
+#define RECXLA_POOL(D)                                                                          \
+  for (int64_t b = begin; b < end; ++b) {                                                     \
+    ok &= pool_bag<D>(a, rows, w, dim, offsets[b], offsets[b + 1], feature_end, lo, hi, mean, \
+                      o + b * a.total_dim);                                                   \
+  }
+    switch (dim) {
+      case 16: RECXLA_POOL(16); break;
+      case 32: RECXLA_POOL(32); break;
+      case 64: RECXLA_POOL(64); break;
+      case 128: RECXLA_POOL(128); break;
+      default: RECXLA_POOL(0);
     }
-    if (a.pooling[t] == static_cast<int64_t>(emb::Pooling::Mean) && last > first) {
-      const float inv_len = 1.0f / static_cast<float>(last - first);
-      for (int64_t d = 0; d < dim; ++d) o[d] *= inv_len;
-    }
+#undef RECXLA_POOL
   }
   if (!ok) bad.store(true, std::memory_order_relaxed);
 }
@@ -90,30 +199,79 @@ inline void forward_bags(
 // an entry holds where the id's output gradient lives (grad_offset into grad_output) and the
 // factor its gradient is scaled by (per-sample weight, 1 / bag length for mean, grad sign).
 struct IdsByRow {
-  std::vector<int64_t> start;        // [U + 1]
-  std::vector<int64_t> grad_offset;  // [N]
-  std::vector<float> scale;          // [N]
+  std::vector<int64_t> start;                 // [U + 1]
+  std::unique_ptr<int64_t[]> grad_offset;     // [N], left uninitialised until filled
+  std::unique_ptr<float[]> scale;             // [N]
 };
 
-// Sums, for unique rows [begin, end) of one table, the gradient of their ids into g, then hands
-// each row to `apply(u, g)`.
-template <typename Apply>
-inline void reduce_rows(
-    const IdsByRow& ids, const float* __restrict__ grad, int64_t begin, int64_t end, int64_t dim,
-    float* __restrict__ g, Apply&& apply) {
+// Applies one table's optimizer to unique rows [begin, end) of its segment (or, for Optim::None,
+// writes their gradient to grad_out). kDim > 0 makes the width a compile-time constant, so the
+// gradient row stays in vector registers; kDim == 0 is the generic path over `buffer`.
+template <int64_t kDim, typename index_t>
+RECXLA_INLINE void update_segment(
+    const Args& a, const IdsByRow& ids, const index_t* __restrict__ rows,
+    const float* __restrict__ grad, Optim kind, const Hparams h, int64_t t, int64_t runtime_dim,
+    float* __restrict__ grad_out, int64_t begin, int64_t end, float* __restrict__ buffer) {
+  const int64_t dim = kDim > 0 ? kDim : runtime_dim;
+  const int64_t lo = a.unique_offsets[t];
+  const int64_t* __restrict__ start = ids.start.data();
+  const int64_t* __restrict__ grad_offset = ids.grad_offset.get();
+  const float* __restrict__ scale = ids.scale.get();
+  const int64_t last_entry = start[end];
+  float* __restrict__ w = a.weights[t];
+  float* __restrict__ state = a.states != nullptr ? a.states[t] : nullptr;
+  float local[kDim > 0 ? kDim : 1];
+  float* __restrict__ g = kDim > 0 ? local : buffer;
   for (int64_t u = begin; u < end; ++u) {
-    for (int64_t d = 0; d < dim; ++d) g[d] = 0.0f;
-    for (int64_t e = ids.start[u]; e < ids.start[u + 1]; ++e) {
-      const float* __restrict__ src = grad + ids.grad_offset[e];
-      const float s = ids.scale[e];
-      for (int64_t d = 0; d < dim; ++d) g[d] += s * src[d];
+    RowSum<kDim> sum(buffer, dim);
+    for (int64_t e = start[u]; e < start[u + 1]; ++e) {
+      // The output-gradient rows of the ids are scattered over grad_output: fetch ahead.
+      if (e + kPrefetchAhead < last_entry) prefetch_row(grad + grad_offset[e + kPrefetchAhead], dim);
+      sum.add(grad + grad_offset[e], scale[e]);
     }
-    apply(u, g);
+    sum.store(g);
+    const int64_t r = rows[u];
+    float* __restrict__ row = w + r * dim;
+    switch (kind) {
+      case Optim::None: {
+        float* __restrict__ o = grad_out + (u - lo) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = g[d];
+        break;
+      }
+      case Optim::SGD:
+        for (int64_t d = 0; d < dim; ++d) row[d] = emb::sgd_update(row[d], g[d], h);
+        break;
+      case Optim::Adagrad: {
+        float* __restrict__ m = state + r * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] = emb::adagrad_update(row[d], g[d], m[d], h);
+        break;
+      }
+      case Optim::RowwiseAdagrad: {
+        // 16 independent partial sums, so the reduction vectorizes without reassociation.
+        constexpr int kLanes = 16;
+        float lanes[kLanes] = {};
+        int64_t d = 0;
+        for (; d + kLanes <= dim; d += kLanes) {
+          for (int j = 0; j < kLanes; ++j) lanes[j] += emb::rowwise_square(g[d + j], row[d + j], h);
+        }
+        float tail = 0.0f;
+        for (; d < dim; ++d) tail += emb::rowwise_square(g[d], row[d], h);
+        for (int width = kLanes / 2; width > 0; width /= 2) {
+          for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+        }
+        const float m_new = emb::rowwise_accumulator(state[r], lanes[0] + tail, dim);
+        state[r] = m_new;
+        const float mult = emb::rowwise_multiplier(m_new, h);
+        const float corr = emb::rowwise_correction(mult, h);
+        for (d = 0; d < dim; ++d) row[d] = emb::rowwise_update(row[d], g[d], mult, corr);
+        break;
+      }
+    }
   }
 }
 
 template <typename index_t>
-inline void update_rows(
+RECXLA_INLINE void update_rows(
     const Args& a, const IdsByRow& ids, const index_t* __restrict__ rows,
     const float* __restrict__ grad, const int64_t* optim, const Hparams* hparams,
     float* const* grad_out, int64_t begin, int64_t end) {
@@ -123,59 +281,24 @@ inline void update_rows(
         std::upper_bound(a.unique_offsets, a.unique_offsets + a.num_tables + 1, begin) -
         a.unique_offsets - 1;
     const int64_t stop = std::min(end, a.unique_offsets[t + 1]);
-    const int64_t dim = a.table_dim[t], lo = a.unique_offsets[t];
-    if (static_cast<Optim>(optim[t]) == Optim::None && grad_out[t] == nullptr) {
+    const int64_t dim = a.table_dim[t];
+    const auto kind = static_cast<Optim>(optim[t]);
+    if (kind == Optim::None && grad_out[t] == nullptr) {
       begin = stop;  // a table without an optimizer in a fused update: nothing to do
       continue;
     }
     buffer.resize(std::max<int64_t>(dim, 1));
-    float* w = a.weights[t];
-    const Hparams h = hparams[t];
-    switch (static_cast<Optim>(optim[t])) {
-      case Optim::None:
-        reduce_rows(ids, grad, begin, stop, dim, buffer.data(), [&](int64_t u, const float* g) {
-          float* __restrict__ o = grad_out[t] + (u - lo) * dim;
-          for (int64_t d = 0; d < dim; ++d) o[d] = g[d];
-        });
-        break;
-      case Optim::SGD:
-        reduce_rows(ids, grad, begin, stop, dim, buffer.data(), [&](int64_t u, const float* g) {
-          float* __restrict__ row = w + static_cast<int64_t>(rows[u]) * dim;
-          for (int64_t d = 0; d < dim; ++d) row[d] = emb::sgd_update(row[d], g[d], h);
-        });
-        break;
-      case Optim::Adagrad:
-        reduce_rows(ids, grad, begin, stop, dim, buffer.data(), [&](int64_t u, const float* g) {
-          const int64_t base = static_cast<int64_t>(rows[u]) * dim;
-          float* __restrict__ row = w + base;
-          float* __restrict__ m = a.states[t] + base;
-          for (int64_t d = 0; d < dim; ++d) row[d] = emb::adagrad_update(row[d], g[d], m[d], h);
-        });
-        break;
-      case Optim::RowwiseAdagrad:
-        reduce_rows(ids, grad, begin, stop, dim, buffer.data(), [&](int64_t u, const float* g) {
-          const int64_t r = rows[u];
-          float* __restrict__ row = w + r * dim;
-          // 16 independent partial sums, so the reduction vectorizes without reassociation.
-          constexpr int kLanes = 16;
-          float lanes[kLanes] = {};
-          int64_t d = 0;
-          for (; d + kLanes <= dim; d += kLanes) {
-            for (int j = 0; j < kLanes; ++j) lanes[j] += emb::rowwise_square(g[d + j], row[d + j], h);
-          }
-          float tail = 0.0f;
-          for (; d < dim; ++d) tail += emb::rowwise_square(g[d], row[d], h);
-          for (int width = kLanes / 2; width > 0; width /= 2) {
-            for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-          }
-          const float m_new = emb::rowwise_accumulator(a.states[t][r], lanes[0] + tail, dim);
-          a.states[t][r] = m_new;
-          const float mult = emb::rowwise_multiplier(m_new, h);
-          const float corr = emb::rowwise_correction(mult, h);
-          for (d = 0; d < dim; ++d) row[d] = emb::rowwise_update(row[d], g[d], mult, corr);
-        });
-        break;
+#define RECXLA_UPDATE(D)                                                                     \
+  update_segment<D>(a, ids, rows, grad, kind, hparams[t], t, dim, grad_out[t], begin, stop, \
+                    buffer.data())
+    switch (dim) {
+      case 16: RECXLA_UPDATE(16); break;
+      case 32: RECXLA_UPDATE(32); break;
+      case 64: RECXLA_UPDATE(64); break;
+      case 128: RECXLA_UPDATE(128); break;
+      default: RECXLA_UPDATE(0);
     }
+#undef RECXLA_UPDATE
     begin = stop;
   }
 }
@@ -202,17 +325,25 @@ RECXLA_EB_KERNELS(int64_t, i64)
 template <typename index_t>
 void check_rows(const char* op, const Layout& l, const index_t* rows, bool increasing) {
   // One flag per table, so the message names the first bad table whatever the thread timing.
-  std::vector<char> out_of_range(l.num_tables, 0), unsorted(l.num_tables, 0);
-  at::parallel_for(0, l.num_tables, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t lo = l.unique_offsets[t], hi = l.unique_offsets[t + 1], n = l.table_rows[t];
+  // Split over rows, not tables (one table may hold most of them); a batch's few thousand
+  // unique rows are checked on one thread, which beats waking the others.
+  std::unique_ptr<std::atomic<bool>[]> out_of_range(new std::atomic<bool>[l.num_tables]);
+  std::unique_ptr<std::atomic<bool>[]> unsorted(new std::atomic<bool>[l.num_tables]);
+  for (int64_t t = 0; t < l.num_tables; ++t) out_of_range[t] = unsorted[t] = false;
+  at::parallel_for(0, l.num_unique, 1 << 16, [&](int64_t begin, int64_t end) {
+    while (begin < end) {
+      const int64_t t = std::upper_bound(l.unique_offsets.begin(), l.unique_offsets.end(), begin) -
+                        l.unique_offsets.begin() - 1;
+      const int64_t lo = l.unique_offsets[t], stop = std::min(end, l.unique_offsets[t + 1]);
+      const int64_t n = l.table_rows[t];
       bool in_range = true, sorted = true;
-      for (int64_t u = lo; u < hi; ++u) {
+      for (int64_t u = begin; u < stop; ++u) {
         in_range &= rows[u] >= 0 && static_cast<int64_t>(rows[u]) < n;
         sorted &= u == lo || rows[u] > rows[u - 1];
       }
-      out_of_range[t] = !in_range;
-      unsorted[t] = increasing && !sorted;
+      if (!in_range) out_of_range[t] = true;
+      if (increasing && !sorted) unsorted[t] = true;
+      begin = stop;
     }
   });
   for (int64_t t = 0; t < l.num_tables; ++t) {
@@ -269,6 +400,7 @@ struct Call {
     args.batch_size = l.batch_size;
     args.total_dim = l.total_dim;
     args.num_tables = l.num_tables;
+    args.num_features = l.num_features;
   }
 };
 
@@ -281,16 +413,19 @@ at::Tensor embedding_bag_forward_cpu(
   Call c(op, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
          feature_table, pooling, batch_size, /*increasing=*/false);
   at::Tensor out = at::empty({batch_size, c.l.total_dim}, unique_values.options().dtype(at::kFloat));
-  const int64_t bags = c.l.num_features * batch_size;
   if (out.numel() == 0) return out;
   std::atomic<bool> bad{false};
   float* out_ptr = out.data_ptr<float>();
-  // A bag of one id is a few cache lines: hand out enough of them to amortize the task.
-  at::parallel_for(0, bags, 256, [&](int64_t begin, int64_t end) {
-    if (c.rows.scalar_type() == at::kInt) {
-      forward_bags_i32(c.args, c.rows.const_data_ptr<int32_t>(), begin, end, out_ptr, bad);
-    } else {
-      forward_bags_i64(c.args, c.rows.const_data_ptr<int64_t>(), begin, end, out_ptr, bad);
+  // Tiles of 64 samples: 64 output rows per feature stay within the TLB's reach.
+  constexpr int64_t kTile = 64;
+  at::parallel_for(0, (batch_size + kTile - 1) / kTile, 1, [&](int64_t first, int64_t last) {
+    for (int64_t tile = first; tile < last; ++tile) {
+      const int64_t begin = tile * kTile, end = std::min(batch_size, begin + kTile);
+      if (c.rows.scalar_type() == at::kInt) {
+        forward_bags_i32(c.args, c.rows.const_data_ptr<int32_t>(), begin, end, out_ptr, bad);
+      } else {
+        forward_bags_i64(c.args, c.rows.const_data_ptr<int64_t>(), begin, end, out_ptr, bad);
+      }
     }
   });
   TORCH_CHECK_INDEX(!bad.load(), op,
@@ -312,8 +447,8 @@ IdsByRow group_ids(const char* op, const Call& c, const std::vector<float>& sign
   for (int64_t t = 0; t < l.num_tables; ++t) base[t + 1] += base[t];
   IdsByRow ids;
   ids.start.assign(l.num_unique + 1, 0);
-  ids.grad_offset.resize(l.num_ids);
-  ids.scale.resize(l.num_ids);
+  ids.grad_offset.reset(new int64_t[std::max<int64_t>(l.num_ids, 1)]);
+  ids.scale.reset(new float[std::max<int64_t>(l.num_ids, 1)]);
   std::vector<int64_t> cursor(l.num_unique, 0);
   std::atomic<bool> bad{false};
   at::parallel_for(0, l.num_tables, 1, [&](int64_t t0, int64_t t1) {

@@ -87,7 +87,11 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         values, offsets, psw, table_bounds = self._table_major_ids(features)
-        unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
+        try:
+            unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
+        except ValueError as e:
+            self._negative_length(features)
+            raise e
         self._check_ids(unique_values, unique_offsets, values, offsets, features.stride())
         weights = self._weights()
         plan = LookupPlan(
@@ -99,9 +103,13 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
                  for w, c in zip(weights, self._embedding_bag_configs)]
             ),
         )
-        out = FusedPooledLookup.apply(
-            plan, unique_values, unique_offsets, inverse, offsets, psw, *weights
-        )
+        try:
+            out = FusedPooledLookup.apply(
+                plan, unique_values, unique_offsets, inverse, offsets, psw, *weights
+            )
+        except ValueError as e:
+            self._negative_length(features)
+            raise e
         return KeyedTensor(
             keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=out
         )
@@ -133,15 +141,17 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
         if lengths.numel() != len(keys) * batch:
             raise ValueError(f"{OWNER}: lengths has {lengths.numel()} entries, but {len(keys)} "
                              f"features x batch size {batch} need {len(keys) * batch}")
-        lengths = lengths.to(torch.int64)
-        per_key = lengths.view(len(keys), batch).sum(dim=1) if batch else lengths.new_zeros(len(keys))
-        if lengths.numel() and int(lengths.min()) < 0:
-            bad = int(torch.nonzero(lengths < 0)[0]) // max(batch, 1)
-            raise ValueError(f"{OWNER}: feature '{keys[bad]}' has a negative length")
-        if int(per_key.sum()) != values.numel():
-            raise ValueError(f"{OWNER}: lengths sum to {int(per_key.sum())} but the input holds "
+        # The running sum of the lengths gives the bag offsets; feature totals and the check
+        # against the number of ids then cost nothing more. A negative length inside a feature
+        # shows as decreasing offsets, which the kernels reject before any row is touched
+        # (`_negative_length` names the feature).
+        offsets = self._offsets(lengths)
+        bounds = offsets[:: max(batch, 1)].tolist() if batch else [0] * (len(keys) + 1)
+        per_key = [bounds[i + 1] - bounds[i] for i in range(len(keys))]
+        if bounds[-1] != values.numel():
+            raise ValueError(f"{OWNER}: lengths sum to {bounds[-1]} but the input holds "
                              f"{values.numel()} ids (lengths per feature: "
-                             f"{dict(zip(keys, per_key.tolist()))})")
+                             f"{dict(zip(keys, per_key))})")
         psw = None
         if self._is_weighted:
             psw = features.weights_or_none()
@@ -150,18 +160,31 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
             psw = psw.to(torch.float32)
         if keys != self._flat_features:
             order = [position[f] for f in self._flat_features]
-            starts = [0] + torch.cumsum(per_key, 0).tolist()
-            values = torch.cat([values[starts[i] : starts[i + 1]] for i in order])
+            values = torch.cat([values[bounds[i] : bounds[i + 1]] for i in order])
             if psw is not None:
-                psw = torch.cat([psw[starts[i] : starts[i + 1]] for i in order])
-            lengths = lengths.view(len(keys), batch)[order].reshape(-1)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=values.device)
-        torch.cumsum(lengths, 0, out=offsets[1:])
+                psw = torch.cat([psw[bounds[i] : bounds[i + 1]] for i in order])
+            offsets = self._offsets(lengths.view(len(keys), batch)[order].reshape(-1))
         first_feature = [0]
         for names in self._feature_names:
             first_feature.append(first_feature[-1] + len(names))
         table_bounds = offsets[torch.tensor(first_feature, device=values.device) * batch]
         return values, offsets, psw, table_bounds
+
+    @staticmethod
+    def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, 0, dtype=torch.int64, out=offsets[1:])
+        return offsets
+
+    def _negative_length(self, features: KeyedJaggedTensor) -> None:
+        """ValueError naming the first feature with a negative bag length, if there is one."""
+        lengths = features.lengths()
+        bad = torch.nonzero(lengths < 0)
+        if bad.numel():
+            b = int(bad[0]) % features.stride()
+            feature = features.keys()[int(bad[0]) // features.stride()]
+            raise ValueError(f"{OWNER}: feature '{feature}' has a negative length "
+                             f"({int(lengths[bad[0]])}) at sample {b}")
 
     def _check_ids(self, unique_values, unique_offsets, values, offsets, batch) -> None:
         """IndexError naming the feature when an id is negative or >= its table's rows. The
