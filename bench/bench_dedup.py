@@ -8,18 +8,20 @@ Batch: 8192 samples x 26 sparse features with Criteo Kaggle's table sizes; 20 fe
 or uniform over each table, hot keys scattered over the id space. One segment per table.
 
 Providers, all producing the same (unique_values, unique_offsets, inverse):
-- recxla: the C++ CPU kernel (torch.ops.recxla.segmented_unique), on 1 and on all threads;
+- recxla: the C++ CPU kernel (torch.ops.recxla.segmented_unique);
 - reference: torch.unique per segment (recxla.reference.dedup, the tests' oracle);
 - torch-unique-combined: one torch.unique over (segment, key) packed into one int64, then the
   offsets from the segments of the uniques;
 - memcpy: a copy of the bytes the op must read and write at least (values in; uniques and
-  inverse out), the speed of light on this machine.
+  inverse out), the speed of light on this machine;
+each on 1 thread and on all threads (the test id ends in the thread count: torch's own sort is
+parallel too, and on a busy machine its threads can lose more than they gain).
 FBGEMM's jagged_unique_indices has no CPU kernel (fbgemm-gpu-cpu 1.9.0 registers none), so
 there is no upstream provider on CPU. On a GPU, `make gpu-check` times the CUDA and Triton
-kernels against torch.unique with the `gpu` cases.
+kernels against the combined torch.unique with the `gpu` cases.
 
-extra_info: n_keys, n_unique, unique_ratio, bytes (the memcpy bytes) and gbps (bytes per second
-at the median, so providers compare as fractions of memcpy).
+extra_info: threads, n_keys, n_unique, unique_ratio, bytes (the memcpy bytes) and gbps (bytes
+per second at the median, so providers compare as fractions of memcpy).
 """
 
 import os
@@ -93,22 +95,9 @@ def torch_unique_combined(values: torch.Tensor, offsets: torch.Tensor):
     return unique_values, unique_offsets, inverse
 
 
-def _with_threads(fn, threads):
-    def run(values, offsets):
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return fn(values, offsets)
-        finally:
-            torch.set_num_threads(before)
-
-    return run
-
-
 ALL_THREADS = torch.get_num_threads()
 PROVIDERS = {
-    "recxla-1thread": _with_threads(segmented_unique, 1),
-    f"recxla-{ALL_THREADS}threads": _with_threads(segmented_unique, ALL_THREADS),
+    "recxla": segmented_unique,
     "reference": segmented_unique_ref,
     "torch-unique-combined": torch_unique_combined,
 }
@@ -123,10 +112,20 @@ def _bytes_moved(values, result) -> int:
     )
 
 
+@pytest.fixture
+def threads(request):
+    """Every provider runs on 1 thread and on all of them (torch's sort is parallel too)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", sorted({1, ALL_THREADS}), indirect=True)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("distribution", ["zipf", "uniform"])
 @pytest.mark.parametrize("provider", list(PROVIDERS) + ["memcpy"])
-def test_dedup_cpu(benchmark, provider, distribution, dtype):
+def test_dedup_cpu(benchmark, provider, distribution, dtype, threads):
     values, offsets = criteo_batch(distribution, dtype)
     want = segmented_unique_ref(values, offsets)
     moved = _bytes_moved(values, want)
@@ -141,12 +140,33 @@ def test_dedup_cpu(benchmark, provider, distribution, dtype):
             assert torch.equal(g, w), f"{provider} differs from the reference"
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
+        threads=threads,
         n_keys=values.numel(),
         n_unique=want[0].numel(),
         unique_ratio=round(want[0].numel() / values.numel(), 4),
         bytes=moved,
         gbps=round(moved / median / 1e9, 3),
     )
+
+
+@pytest.mark.parametrize("threads", [1], indirect=True)
+@pytest.mark.parametrize("distribution", ["zipf", "uniform"])
+@pytest.mark.parametrize("provider", ["recxla", "reference"])
+def test_dedup_one_big_segment(benchmark, provider, distribution, threads):
+    """One segment of 2^20 keys from a 10M-row table (a long multi-hot feature): the kernel has
+    no segments to spread over threads here, so this is its single-thread worst shape."""
+    g = torch.Generator().manual_seed(SEED)
+    n, rows = 1 << 20, 10_000_000
+    if distribution == "zipf":
+        values = (zipf_ranks(n, rows, ZIPF_S, g) * 2654435761) % rows
+    else:
+        values = torch.randint(0, rows, (n,), generator=g)
+    offsets = torch.tensor([0, n])
+    got = benchmark(PROVIDERS[provider], values, offsets)
+    want = segmented_unique_ref(values, offsets)
+    for g_, w in zip(got, want):
+        assert torch.equal(g_, w)
+    benchmark.extra_info.update(threads=threads, n_keys=n, n_unique=want[0].numel())
 
 
 @pytest.mark.gpu

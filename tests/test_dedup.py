@@ -91,6 +91,29 @@ def test_matches_reference(kind, dtype):
         check_properties(values, offsets, result)
 
 
+@pytest.mark.parametrize("kind", ["uniform", "zipf-wide", "hot"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_big_segment_matches_reference(kind, dtype):
+    # Past 65536 keys the CPU kernel splits a segment in key-range buckets over all threads
+    # (mostly distinct keys, or more distinct keys than a cached hash table holds) or keeps
+    # hashing (few distinct keys). Small segments around it go to the thread pool.
+    n = int(torch.randint(70_000, 140_000, ()))
+    if kind == "zipf-wide":
+        # Zipf(1.05) ranks of a 10M-row table, hot ranks scattered: ~30% distinct.
+        u = torch.rand(n, dtype=torch.float64)
+        top = (1e7 + 1.0) ** -0.05
+        ranks = ((1.0 - u * (1.0 - top)) ** -20.0).floor().long()
+        big = ((ranks * 2654435761) % 10_000_000 - 5_000_000).to(dtype)
+    else:
+        big = random_keys(kind, n, dtype)
+    small = random_keys("zipf", 3000, dtype)
+    values = torch.cat([small[:1000], big, small[1000:]])
+    offsets = torch.tensor([0, 1000, 1000 + n, 1000 + n + 1000, values.numel()])
+    result = segmented_unique(values, offsets)
+    assert_same(result, segmented_unique_ref(values, offsets))
+    assert torch.equal(result[0][result[2]], values)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extreme_and_repeated_keys(dtype):
     info = torch.iinfo(dtype)

@@ -1,8 +1,10 @@
 // Segmented key dedup on CPU: the distinct keys of each segment, ascending, and the inverse index.
 //
-// Each segment is deduplicated by one thread; threads take segments largest first from a shared
+// Segments are deduplicated one per thread; threads take them largest first from a shared
 // counter (longest-processing-time order), so one big table does not end up last on a busy
-// thread. Inside a segment one of three exact methods runs, picked from the data:
+// thread. Segments of 65536 keys or more run first, one at a time, each split over all threads
+// when it is sorted (csrc/cpu/dedup_sort.h). Inside a segment one of three exact methods runs,
+// picked from the data:
 // - presence array: when the key range max - min is at most a few times the segment length
 //   (small tables), one scan over the range yields the sorted uniques, no sort at all;
 // - hash table: an open-addressing table numbers the distinct keys in first-seen order (with
@@ -10,7 +12,8 @@
 //   sorted (LSD radix on key - min, packed above the number) and numbers become ranks. Sorting
 //   U keys instead of N is what makes skewed segments cheap;
 // - radix sort of all keys: when the first keys of a segment are mostly distinct, sorting all
-//   (key, position) pairs and numbering the runs beats inserting nearly every key into a table.
+//   (key, position) pairs and numbering the runs beats inserting nearly every key into a table;
+//   big segments are first split into key-range buckets that sort in cache.
 // A last pass adds each segment's global base to its inverse and copies its uniques out.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "dedup_sort.h"
 #include "recxla/dedup.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -38,12 +42,19 @@ namespace {
 
 using dedup::from_ordered_bits;
 using dedup::ordered_bits;
+using dedup_cpu::number_runs;
+using dedup_cpu::radix_sort;
 
 constexpr uint32_t kEmpty = std::numeric_limits<uint32_t>::max();
 // Below this many keys in all, threads cost more than they save.
 constexpr int64_t kParallelMinKeys = 16384;
 // Unique counts below this sort with std::sort: radix histograms would dominate.
 constexpr int64_t kRadixMinKeys = 256;
+// From this length a segment's two sort arrays (16 bytes a key) leave L2: it is split in
+// buckets (csrc/cpu/dedup_sort.h) and over all threads.
+constexpr int64_t kBigSegmentKeys = 65536;
+// Distinct keys whose hash table (twice as many 16-byte slots) still fits in L2.
+constexpr uint64_t kCachedDistinct = 32768;
 
 template <typename key_t>
 struct Slot {
@@ -103,32 +114,6 @@ int64_t dedup_dense(
   }
   for (int64_t i = 0; i < n; ++i) inv[i] = rank[ordered_bits(v[i]) - lo];
   return u;
-}
-
-// Sorts a[0:n) on bits [lo_bit, hi_bit) (bits above hi_bit are zero); LSD with equal digits of
-// at most 11 bits; a digit every key shares is skipped. Returns the buffer holding the result.
-uint64_t* radix_sort(
-    uint64_t* a, uint64_t* tmp, int64_t n, int lo_bit, int hi_bit, std::vector<uint32_t>& hist) {
-  const int bits = hi_bit - lo_bit;
-  if (bits <= 0 || n < 2) return a;
-  const int passes = (bits + 10) / 11;
-  const int digit = (bits + passes - 1) / passes;
-  const int64_t buckets = int64_t{1} << digit;
-  const uint64_t mask = static_cast<uint64_t>(buckets - 1);
-  hist.assign(static_cast<size_t>(passes * buckets), 0);
-  for (int64_t i = 0; i < n; ++i) {
-    for (int p = 0; p < passes; ++p) ++hist[p * buckets + ((a[i] >> (lo_bit + p * digit)) & mask)];
-  }
-  for (int p = 0; p < passes; ++p) {
-    uint32_t* h = hist.data() + p * buckets;
-    const int shift = lo_bit + p * digit;
-    if (h[(a[0] >> shift) & mask] == static_cast<uint32_t>(n)) continue;
-    uint32_t sum = 0;
-    for (int64_t b = 0; b < buckets; ++b) sum += std::exchange(h[b], sum);
-    for (int64_t i = 0; i < n; ++i) tmp[h[(a[i] >> shift) & mask]++] = a[i];
-    std::swap(a, tmp);
-  }
-  return a;
 }
 
 // Sorts uniq[0:u) (distinct keys, first-seen order) ascending and renumbers inv[0:n) from
@@ -195,18 +180,7 @@ int64_t dedup_sorted(
   const uint64_t* sorted = radix_sort(
       packed.data(), scratch.packed_tmp.data(), n, pos_bits, pos_bits + key_bits,
       scratch.histogram);
-  const uint64_t pos_mask = (uint64_t{1} << pos_bits) - 1;
-  // No key equals the sentinel: (key - min) < 2^key_bits <= 2^(64 - pos_bits) <= 2^63.
-  uint64_t prev = std::numeric_limits<uint64_t>::max();
-  int64_t u = -1;
-  for (int64_t r = 0; r < n; ++r) {
-    const uint64_t k = sorted[r] >> pos_bits;
-    u += k != prev;  // branch-free: uniq[u] is rewritten with the same key within a run
-    prev = k;
-    uniq[u] = from_ordered_bits<key_t>(lo + k);
-    inv[sorted[r] & pos_mask] = u;
-  }
-  return u + 1;
+  return number_runs(sorted, n, pos_bits, lo, 0, uniq, inv);
 }
 
 template <typename key_t>
@@ -277,14 +251,18 @@ inline uint64_t expected_distinct(
 }
 
 // Numbers the keys with a hash table, then sorts only the distinct ones. The first eighth of
-// the segment is numbered first: it sizes the table for the rest (growing a table as it fills
-// costs as much as the inserts themselves), and when three quarters of its keys are distinct the
-// segment goes to dedup_sorted instead (measured: hashing loses once most keys are new).
+// the segment (1024 to 16384 keys) is numbered first and decides the rest:
+// - three quarters of it distinct: sorting all keys beats inserting nearly every one
+//   (dedup_sorted; measured on 2^12 to 2^17 keys);
+// - a big segment whose distinct keys would not fit a table in L2: the partitioned sort, which
+//   also spreads the segment over the threads;
+// - otherwise the table is sized for the distinct keys expected (growing a table as it fills
+//   costs as much as the inserts themselves) and numbers the rest.
 template <typename key_t>
 int64_t dedup_hashed(
     const key_t* __restrict__ v, int64_t n, uint64_t lo, uint64_t range, key_t* __restrict__ uniq,
-    int64_t* __restrict__ inv, Scratch<key_t>& scratch) {
-  const int64_t prefix = std::min<int64_t>(n, std::max<int64_t>(1024, n / 8));
+    int64_t* __restrict__ inv, Scratch<key_t>& scratch, int64_t workers) {
+  const int64_t prefix = std::min<int64_t>(n, std::clamp<int64_t>(n / 8, 1024, 16384));
   HashTable<key_t> table(scratch.table);
   scratch.table.clear();
   table.reserve(static_cast<uint64_t>(prefix), uniq, 0);
@@ -292,10 +270,17 @@ int64_t dedup_hashed(
   if (prefix < n) {
     const int pos_bits = std::bit_width(static_cast<uint64_t>(n - 1));
     const int key_bits = std::bit_width(range);
-    if (4 * static_cast<int64_t>(u) >= 3 * prefix && pos_bits + key_bits <= 64) {
-      return dedup_sorted(v, n, lo, pos_bits, key_bits, uniq, inv, scratch);
+    const bool sortable = pos_bits + key_bits <= 64;
+    if (sortable && 4 * static_cast<int64_t>(u) >= 3 * prefix) {
+      return n >= kBigSegmentKeys
+          ? dedup_cpu::dedup_partitioned(v, n, lo, key_bits, pos_bits, uniq, inv, workers)
+          : dedup_sorted(v, n, lo, pos_bits, key_bits, uniq, inv, scratch);
     }
-    table.reserve(expected_distinct(inv, prefix, u, n, scratch.rank), uniq, u);
+    const uint64_t expected = expected_distinct(inv, prefix, u, n, scratch.rank);
+    if (sortable && n >= kBigSegmentKeys && expected > kCachedDistinct) {
+      return dedup_cpu::dedup_partitioned(v, n, lo, key_bits, pos_bits, uniq, inv, workers);
+    }
+    table.reserve(expected, uniq, u);
     u = table.number(v, prefix, n, uniq, inv, u);
   }
   if (u > 1) sort_uniques(uniq, u, lo, range, inv, n, scratch);
@@ -305,13 +290,14 @@ int64_t dedup_hashed(
 // Dedups one segment: distinct keys ascending into uniq, inv[i] = rank of v[i] among them.
 template <typename key_t>
 int64_t dedup_segment(
-    const key_t* v, int64_t n, key_t* uniq, int64_t* inv, Scratch<key_t>& scratch) {
+    const key_t* v, int64_t n, key_t* uniq, int64_t* inv, Scratch<key_t>& scratch,
+    int64_t workers) {
   if (n == 0) return 0;
   const auto [min_key, max_key] = key_range(v, n);
   const uint64_t lo = ordered_bits(min_key);
   const uint64_t range = ordered_bits(max_key) - lo;
   if (use_dense(range, n)) return dedup_dense(v, n, lo, range, uniq, inv, scratch);
-  return dedup_hashed(v, n, lo, range, uniq, inv, scratch);
+  return dedup_hashed(v, n, lo, range, uniq, inv, scratch, workers);
 }
 
 template <typename key_t>
@@ -333,16 +319,27 @@ at::Tensor dedup_all(
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return off[a + 1] - off[a] > off[b + 1] - off[b];
   });
-  const int64_t workers =
-      n < kParallelMinKeys ? 1 : std::min<int64_t>(at::get_num_threads(), order.size());
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  const int64_t threads = n < kParallelMinKeys ? 1 : at::get_num_threads();
+  // Big segments first, one at a time, each split over all threads (the pool below would give
+  // one of them a single thread); the rest share the threads segment by segment.
+  size_t first_small = 0;
+  {
     Scratch<key_t> scratch;
-    for (int64_t t = next.fetch_add(1); t < static_cast<int64_t>(order.size());
-         t = next.fetch_add(1)) {
+    for (; first_small < order.size(); ++first_small) {
+      const int64_t s = order[first_small], len = off[s + 1] - off[s];
+      if (len < kBigSegmentKeys) break;
+      counts[s] = dedup_segment(v + off[s], len, stage + off[s], inv + off[s], scratch, threads);
+    }
+  }
+  const int64_t workers =
+      std::min<int64_t>(threads, static_cast<int64_t>(order.size() - first_small));
+  std::atomic<size_t> next{first_small};
+  at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
+    Scratch<key_t> scratch;
+    for (size_t t = next.fetch_add(1); t < order.size(); t = next.fetch_add(1)) {
       const int64_t s = order[t];
-      counts[s] = dedup_segment(v + off[s], off[s + 1] - off[s], stage + off[s], inv + off[s],
-                                scratch);
+      counts[s] = dedup_segment(
+          v + off[s], off[s + 1] - off[s], stage + off[s], inv + off[s], scratch, 1);
     }
   });
 
