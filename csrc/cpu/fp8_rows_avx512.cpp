@@ -22,9 +22,11 @@
 #define RECXLA_HAVE_AVX512_KERNELS 1
 #include <immintrin.h>
 #define RECXLA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-// GCC 12 reports the deliberately undefined source vector inside avx512fintrin.h's shifts
-// (`__m512i __Y = __Y;`) as maybe-uninitialized wherever they are inlined: a false positive.
+// GCC 12 reports the deliberately undefined source vectors inside avx512fintrin.h's shifts and
+// extracts (`__m512i __Y = __Y;`) as (maybe-)uninitialized wherever they are inlined: false
+// positives.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 namespace recxla {
@@ -207,7 +209,8 @@ RECXLA_AVX512 void encode_row(
   }
   if (j < dim) {
     const __mmask16 k = first_lanes(dim - j);
-    _mm512_mask_cvtepi32_storeu_epi8(out + j, k, enc.template encode<kSpecials>(load16(x + j, k), inv));
+    const __m512i codes = enc.template encode<kSpecials>(load16(x + j, k), inv);
+    _mm512_mask_cvtepi32_storeu_epi8(out + j, k, codes);
   }
 }
 

@@ -81,8 +81,8 @@ RECXLA_HD float inv_scale_from_amax(float amax, Format fmt) {
 
 RECXLA_HD float scale_from_inv_scale(float inv_scale) { return 1.0f / inv_scale; }
 
-// Per-format constants of the encoder. An FP8 value with unbiased exponent E >= kMinExp has the
-// spacing 2^(E - kMantissaBits); below kMinExp (subnormals) the spacing stays 2^(kMinExp - M).
+// Per-format constants of the encoder. Normal FP8 values with unbiased exponent E (>= 1 - bias)
+// are 2^(E - kMantissaBits) apart; subnormals keep the spacing of the smallest normal binade.
 template <Format F>
 struct Traits;
 template <>
@@ -115,7 +115,8 @@ constexpr uint32_t kMinNormalBits = (128u - Traits<F>::kBias) << 23;
 template <Format F>
 RECXLA_HD uint32_t anchor_bits(uint32_t a) {
   constexpr uint32_t min_normal = kMinNormalBits<F>;
-  return ((a > min_normal ? a : min_normal) & 0x7F800000u) + ((23u - Traits<F>::kMantissaBits) << 23);
+  return ((a > min_normal ? a : min_normal) & 0x7F800000u) +
+         ((23u - Traits<F>::kMantissaBits) << 23);
 }
 
 // What to subtract from bits(v + A) to get the FP8 code of v: A's own bits, minus the FP8 exponent
@@ -161,7 +162,9 @@ RECXLA_HD float decode_e4m3(uint8_t code) {
 RECXLA_HD float decode_e5m2(uint8_t code) {
   const uint32_t magnitude = code & 0x7Fu;
   const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
-  if (magnitude >= 0x7Cu) return bits_float(sign | (magnitude == 0x7Cu ? 0x7F800000u : 0x7FC00000u));
+  if (magnitude >= 0x7Cu) {
+    return bits_float(sign | (magnitude == 0x7Cu ? 0x7F800000u : 0x7FC00000u));
+  }
   const float v = bits_float(magnitude << 21) * 0x1p112f;  // 2^(127 - 15)
   return bits_float(float_bits(v) | sign);
 }
