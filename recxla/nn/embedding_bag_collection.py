@@ -172,7 +172,9 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
 
     @staticmethod
     def _offsets(lengths: torch.Tensor) -> torch.Tensor:
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        # empty + one zero rather than zeros: a fill of the whole buffer is a pass for nothing.
+        offsets = torch.empty(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        offsets[:1] = 0
         torch.cumsum(lengths, 0, dtype=torch.int64, out=offsets[1:])
         return offsets
 
