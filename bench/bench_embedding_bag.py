@@ -21,6 +21,8 @@ Providers (same tables, same optimizer, one step = forward + backward + update):
   (SGD for sgd; torch has no row-wise Adagrad, so Adagrad, per element, for rowwise_adagrad);
 - reference: recxla.reference.embedding_bag (plain PyTorch ops) after recxla's dedup;
 - memcpy: a copy of the bytes a step must move at least (see `step_bytes`).
+`test_embedding_bag_forward_cpu` times the forward alone (no_grad) against FBGEMM's TBE and
+TorchRec's unsharded EmbeddingBagCollection (torch.nn.EmbeddingBag per table, then a cat).
 extra_info: n_ids, n_unique, bytes, gbps, memcpy_gbps, of_memcpy (bench/common.py).
 """
 
@@ -199,6 +201,55 @@ def test_embedding_bag_step_cpu(benchmark, optimizer, distribution, provider):
     )
 
 
+def make_forward(provider: str):
+    """kjt -> pooled [B, 26 * DIM] under no_grad, for the forward-only comparison."""
+    key = f"{provider}/forward"
+    if key in _model:
+        return _model[key]
+    _model.clear()
+    if provider == "recxla":
+        from recxla.nn import EmbeddingBagCollection
+
+        module = EmbeddingBagCollection(tables())
+        fn = lambda kjt: module(kjt).values()  # noqa: E731
+    elif provider == "torchrec-ebc":
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchRecEBC
+
+        module = TorchRecEBC(tables())
+        fn = lambda kjt: module(kjt).values()  # noqa: E731
+    else:
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice, EmbeddingLocation, SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(t.num_embeddings, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables()],
+            pooling_mode=PoolingMode.SUM,
+        )
+        fn = lambda kjt: tbe(kjt.values(), kjt.offsets().long())  # noqa: E731
+
+    def forward(kjt):
+        with torch.no_grad():
+            return fn(kjt)
+
+    _model[key] = forward
+    return forward
+
+
+@pytest.mark.parametrize("provider", ["recxla", "fbgemm-tbe", "torchrec-ebc"])
+@pytest.mark.parametrize("distribution", ["zipf-1.05", "iid-uniform"])
+def test_embedding_bag_forward_cpu(benchmark, distribution, provider):
+    """The forward alone (dedup included for recxla): where the step's time is not spent."""
+    kjts = batches(distribution)
+    forward = make_forward(provider)
+    counter = iter(range(10**9))
+    out = benchmark.pedantic(lambda: forward(kjts[next(counter) % 3]), rounds=5, iterations=1,
+                             warmup_rounds=1)
+    assert out.shape == (BATCH, 26 * DIM)
+    benchmark.extra_info.update(n_ids=kjts[0].values().numel(), dim=DIM)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 @pytest.mark.parametrize("distribution", ["zipf-1.05", "iid-uniform"])
@@ -242,6 +293,19 @@ def summarize(path: str) -> str:
             cells = [f"{v:.1f}" if v is not None else "-" for v in row]
             speed = [f"{row[i] / row[0]:.2f}x" if row[i] else "-" for i in (1, 2)]
             lines.append(f"| {o} | {d} | " + " | ".join(cells + speed) + " |")
+    forward = {}
+    for r in runs:
+        if r["name"].startswith("test_embedding_bag_forward_cpu"):
+            p = r["params"]
+            forward[(p["distribution"], p["provider"])] = r["stats"]["median"] * 1e3
+    if forward:
+        lines += ["", "| forward only | recxla ms | fbgemm-tbe ms | torchrec-ebc ms |",
+                  "|---|---|---|---|"]
+        for d in DISTRIBUTIONS:
+            row = [forward.get((d, p)) for p in ("recxla", "fbgemm-tbe", "torchrec-ebc")]
+            if row[0] is not None:
+                lines.append(f"| {d} | " + " | ".join(
+                    f"{v:.1f}" if v is not None else "-" for v in row) + " |")
     return "\n".join(lines)
 
 

@@ -86,12 +86,17 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
         return [bag.weight for bag in self.embedding_bags.values()]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """features: KeyedJaggedTensor (int32/int64 ids, B samples per key, float weights when
+        is_weighted) -> KeyedTensor, values float32 [B, sum of dims], one key per feature of
+        each table (`feature@table` for a feature read by several tables), in table order.
+        Every input check and the optimizer lookup run here, before the autograd graph exists,
+        so a bad batch leaves the rows and optimizer states as they were."""
         values, offsets, psw, table_bounds = self._table_major_ids(features)
         try:
             unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
-        except ValueError as e:
-            self._negative_length(features)
-            raise e
+        except ValueError:
+            self._negative_length(features)  # a clearer message when that is the cause
+            raise
         self._check_ids(unique_values, unique_offsets, values, offsets, features.stride())
         weights = self._weights()
         plan = LookupPlan(
@@ -107,9 +112,9 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
             out = FusedPooledLookup.apply(
                 plan, unique_values, unique_offsets, inverse, offsets, psw, *weights
             )
-        except ValueError as e:
-            self._negative_length(features)
-            raise e
+        except ValueError:
+            self._negative_length(features)  # a clearer message when that is the cause
+            raise
         return KeyedTensor(
             keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=out
         )
