@@ -44,6 +44,11 @@ _LOW32 = (1 << 32) - 1
 SAMPLE_VALUES = 8192
 _HASH_MULTIPLIER = 0x2545F4914F6CDD1D  # odd: multiplication by it is a bijection mod 2**64
 EMPTY_SIGNATURE = torch.iinfo(torch.int64).max
+# Rounds of moving whole groups between micro-batches (see refine_bins), and how far above
+# ceil(B / M) a micro-batch may grow: B / (M * BALANCE_SLACK) samples.
+REFINE_ROUNDS = 4
+BALANCE_SLACK = 32
+WEIGHT_SCALE = 1 << 20
 
 
 def _check_kjt(kjt, op: str) -> "KeyedJaggedTensor":
@@ -251,10 +256,123 @@ def cluster_samples(
     gains = clustering_gains(hashes, weights, batch, num_micro_batches).tolist()
     best = sorted((-g, f) for f, g in enumerate(gains) if g > 0)[:SORT_FEATURES]
     # Lexicographic order over the best features: stable sorts, least significant key first.
+    primary = None
     for _, f in reversed(best):
-        key = bag_sort_key(*slices[f])
-        perm = perm.index_select(0, torch.sort(key.index_select(0, perm), stable=True).indices)
+        primary, order = torch.sort(bag_sort_key(*slices[f]).index_select(0, perm), stable=True)
+        perm = perm.index_select(0, order)
+    if primary is None:
+        return perm, offsets
+    # Groups: runs of samples that tie on the best feature's signature (a user's requests).
+    start = torch.ones(batch, dtype=torch.bool, device=device)
+    start[1:] = primary[1:] != primary[:-1]
+    group_in_order = start.cumsum(0) - 1
+    group = torch.empty_like(group_in_order).index_copy_(0, perm, group_in_order)
+    bins = refine_bins(
+        slices, perm, start, group, group_in_order, integer_weights(weights), num_micro_batches
+    )
+    perm = perm.index_select(0, torch.sort(bins.index_select(0, group_in_order), stable=True).indices)
     return perm, offsets
+
+
+def integer_weights(weights: torch.Tensor) -> list:
+    """Bytes per key as ints (the largest is WEIGHT_SCALE), so that gains sum exactly and the
+    order of summation cannot change a decision."""
+    top = float(weights.max()) if weights.numel() else 0.0
+    if top <= 0:
+        return [0] * weights.numel()
+    return torch.round(weights / top * WEIGHT_SCALE).to(torch.int64).tolist()
+
+
+def group_key_pairs(slices, perm, start, group, weights: list, group_bits: int):
+    """The distinct (key, group) pairs of every weighted feature: (key ids int64 [P], groups
+    int64 [P], bytes per pair int64 [P], number of keys). A key is a feature's value, known by
+    the top 64 - group_bits bits of its hash (a collision merges two keys: a cost estimate,
+    not a result, changes).
+
+    perm: the sorted order, int64 [B]; start: bool [B], True where a group starts in it.
+    A bag equal (same fingerprint) to the bag of the sample before it in its group adds no
+    pair and is dropped before the sort that finds distinct pairs: that leaves one bag per
+    group of a user-side feature (a tenth of the ids).
+    """
+    mask = (1 << group_bits) - 1
+    keys, groups, bytes_, num_keys = [], [], [], 0
+    for f, (lengths, hashes) in enumerate(slices):
+        if weights[f] == 0 or hashes.numel() == 0:
+            continue
+        _, fingerprint = bag_signatures(lengths, hashes)
+        in_order = fingerprint.index_select(0, perm)
+        repeat = torch.zeros_like(start)
+        repeat[1:] = (in_order[1:] == in_order[:-1]) & ~start[1:]
+        keep = torch.empty_like(start).index_copy_(0, perm, ~repeat)
+        keep_value = torch.repeat_interleave(keep, lengths, output_size=hashes.numel())
+        owner = torch.repeat_interleave(group, lengths, output_size=hashes.numel())
+        pairs = torch.unique(((hashes & ~mask) | owner)[keep_value])
+        hi = pairs >> group_bits
+        new_key = torch.ones_like(pairs, dtype=torch.bool)
+        new_key[1:] = hi[1:] != hi[:-1]
+        keys.append(new_key.cumsum(0) - 1 + num_keys)
+        num_keys = int(keys[-1][-1]) + 1
+        groups.append(pairs & mask)
+        bytes_.append(torch.full_like(pairs, weights[f]))
+    if not keys:
+        return None
+    return torch.cat(keys), torch.cat(groups), torch.cat(bytes_), num_keys
+
+
+def refine_bins(
+    slices, perm, start, group, group_in_order, weights: list, num_micro_batches: int
+) -> torch.Tensor:
+    """Micro-batch (bin) of every group, int64 [G]: the sorted order's chunks, then
+    REFINE_ROUNDS rounds of moving groups to the bin where they add the fewest new keys.
+
+    A group in bin b moving to bin t saves the bytes of its keys that no other group of b holds
+    and costs those of its keys that no group of t holds. Each round computes that gain for
+    every group and bin at once, then moves groups in order of falling gain (ties: lower group
+    id) while the target bin stays within ceil(B / M) + B / (M * BALANCE_SLACK) samples; later
+    moves use gains of the round's start. The final cut at balanced offsets splits at most one
+    group per cut.
+    """
+    batch = group.numel()
+    m = num_micro_batches
+    num_groups = int(group_in_order[-1]) + 1
+    size = torch.bincount(group, minlength=num_groups)
+    first = torch.cumsum(size, 0) - size  # position of each group's first sample
+    bins = torch.searchsorted(
+        balanced_offsets(batch, m, group.device)[1:], first + size // 2, right=True
+    ).clamp_(max=m - 1)
+    found = group_key_pairs(slices, perm, start, group, weights, max(1, num_groups.bit_length()))
+    if found is None:
+        return bins
+    key, pair_group, pair_bytes, num_keys = found
+    capacity = -(-batch // m) + batch // (m * BALANCE_SLACK)
+    size_list = size.tolist()
+    for _ in range(REFINE_ROUNDS):
+        here = bins.index_select(0, pair_group)
+        count = torch.bincount(key * m + here, minlength=num_keys * m).view(num_keys, m)
+        per_key = count.index_select(0, key)  # [P, M]
+        alone = per_key.gather(1, here[:, None]).squeeze(1) == 1
+        gain = torch.zeros(num_groups, m, dtype=torch.int64, device=group.device)
+        gain.index_add_(0, pair_group, (alone[:, None].to(torch.int64) - (per_key == 0).to(torch.int64)) * pair_bytes[:, None])
+        gain.scatter_(1, bins[:, None], 0)  # staying gains nothing
+        best_gain, target = gain[:, 0].clone(), torch.zeros_like(bins)
+        for t in range(1, m):
+            better = gain[:, t] > best_gain
+            best_gain = torch.where(better, gain[:, t], best_gain)
+            target = torch.where(better, t, target)
+        order = torch.sort(-best_gain, stable=True).indices
+        movers = order[: int((best_gain > 0).sum())].tolist()
+        if not movers:
+            break
+        load = torch.bincount(bins, weights=size, minlength=m).to(torch.int64).tolist()
+        bin_list, target_list = bins.tolist(), target.tolist()
+        for g in movers:
+            t = target_list[g]
+            if load[t] + size_list[g] <= capacity:
+                load[t] += size_list[g]
+                load[bin_list[g]] -= size_list[g]
+                bin_list[g] = t
+        bins = torch.tensor(bin_list, dtype=torch.int64, device=group.device)
+    return bins
 
 
 def random_split(

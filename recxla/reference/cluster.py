@@ -86,7 +86,76 @@ def cluster_samples_ref(
             [(mh & ~C._LOW32) | ((fp >> 32) & C._LOW32) for mh, fp in zip(min_hash, fingerprint)]
         )
     order.sort(key=lambda i: tuple(key[i] for key in sort_keys))
+    if sort_keys:
+        order = _refine_ref(order, sort_keys[0], hashed, weights, batch, m, offsets)
     return torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+
+
+def _refine_ref(order, primary, hashed, weights, batch, m, offsets) -> List[int]:
+    """Groups (runs of equal primary key in `order`) moved between bins as in
+    clustering.refine_bins, one group and one key at a time; returns the new order."""
+    group_of = {}
+    groups = []  # groups[g]: samples of group g in order
+    for pos, i in enumerate(order):
+        if pos == 0 or primary[i] != primary[order[pos - 1]]:
+            groups.append([])
+        groups[-1].append(i)
+        group_of[i] = len(groups) - 1
+    num_groups = len(groups)
+    sizes = [len(g) for g in groups]
+    bins, first = [], 0
+    for size in sizes:
+        middle = first + size // 2
+        bins.append(min(sum(1 for o in offsets[1:] if o <= middle), m - 1))
+        first += size
+    top = max(weights) if weights else 0.0
+    int_w = [int(round(w / top * C.WEIGHT_SCALE)) if top > 0 else 0 for w in weights]
+    bits = max(1, num_groups.bit_length())
+    holders = {}  # (feature, key) -> groups holding it
+    for f, feature in enumerate(hashed):
+        if int_w[f] == 0:
+            continue
+        for i, bag in enumerate(feature):
+            for h in bag:
+                holders.setdefault((f, h >> bits), set()).add(group_of[i])
+    keys_of = [[] for _ in range(num_groups)]
+    for key, gs in holders.items():
+        for g in gs:
+            keys_of[g].append(key)
+    capacity = -(-batch // m) + batch // (m * C.BALANCE_SLACK)
+    for _ in range(C.REFINE_ROUNDS):
+        count = {key: [0] * m for key in holders}
+        for key, gs in holders.items():
+            for g in gs:
+                count[key][bins[g]] += 1
+        best = []
+        for g in range(num_groups):
+            gains = []
+            for t in range(m):
+                gain = 0
+                if t != bins[g]:
+                    for key in keys_of[g]:
+                        w = int_w[key[0]]
+                        gain += w * ((count[key][bins[g]] == 1) - (count[key][t] == 0))
+                gains.append(gain)
+            t_best = 0
+            for t in range(1, m):
+                if gains[t] > gains[t_best]:
+                    t_best = t
+            best.append((gains[t_best], t_best))
+        movers = sorted((g for g in range(num_groups) if best[g][0] > 0), key=lambda g: -best[g][0])
+        if not movers:
+            break
+        load = [0] * m
+        for g in range(num_groups):
+            load[bins[g]] += sizes[g]
+        for g in movers:
+            t = best[g][1]
+            if load[t] + sizes[g] <= capacity:
+                load[t] += sizes[g]
+                load[bins[g]] -= sizes[g]
+                bins[g] = t
+    return sorted(order, key=lambda i: bins[group_of[i]])
 
 
 def micro_batch_unique_keys_ref(kjt, permutation, offsets, key_bytes=None) -> torch.Tensor:
