@@ -213,3 +213,54 @@ def test_bad_arguments_raise():
         micro_batch_unique_keys(kjt, torch.arange(9), torch.tensor([0, 10]))
     with pytest.raises(ValueError, match=f"{cost}: offsets must rise from 0 to 10"):
         micro_batch_unique_keys(kjt, torch.arange(10), torch.tensor([0, 6, 4, 10]))
+
+
+def permute_samples_ref(kjt, permutation):
+    """(lengths, values, weights) of the permuted batch, one bag at a time."""
+    batch, lengths, out_l, out_v, out_w = kjt.stride(), kjt.lengths().tolist(), [], [], []
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    weights = kjt.weights_or_none()
+    for f in range(len(kjt.keys())):
+        for i in permutation.tolist():
+            bag = f * batch + i
+            out_l.append(lengths[bag])
+            out_v += kjt.values()[starts[bag]:starts[bag + 1]].tolist()
+            if weights is not None:
+                out_w += weights[starts[bag]:starts[bag + 1]].tolist()
+    return out_l, out_v, out_w
+
+
+@pytest.mark.parametrize("batch,num_features", [(1, 1), (23, 3), (40, 0), (64, 4)])
+def test_permute_samples_matches_per_sample_reference(batch, num_features):
+    kjt = random_kjt(batch, num_features, key_range=1000)
+    weighted = KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+        weights=torch.rand(kjt.values().numel()), stride=batch,
+    )  # fmt: skip
+    perm = torch.randperm(batch)
+    for k in (kjt, weighted):
+        got = clustering.permute_samples(k, perm)
+        lengths, values, weights = permute_samples_ref(k, perm)
+        assert got.keys() == k.keys() and got.stride() == batch
+        assert got.lengths().tolist() == lengths and got.values().tolist() == values
+        assert got.lengths().dtype == k.lengths().dtype and got.values().dtype == k.values().dtype
+        if k.weights_or_none() is not None:
+            assert got.weights().tolist() == weights
+    if num_features and batch >= 4:  # the clustered order, then its inverse: the batch back
+        perm, _ = recxla.cluster_samples(kjt, 4)
+        back = clustering.permute_samples(clustering.permute_samples(kjt, perm), perm.argsort())
+        assert torch.equal(back.values(), kjt.values())
+        assert torch.equal(back.lengths(), kjt.lengths())
+
+
+def test_permute_samples_bad_arguments():
+    kjt = random_kjt(10, 2)
+    op = "permute_samples"
+    with pytest.raises(ValueError, match=rf"{op}: permutation must have shape \(10,\)"):
+        clustering.permute_samples(kjt, torch.arange(9))
+    with pytest.raises(TypeError, match=f"{op}: permutation must be an int64 tensor"):
+        clustering.permute_samples(kjt, torch.arange(10).int())
+    with pytest.raises(ValueError, match=f"{op}: kjt must be a torchrec KeyedJaggedTensor"):
+        clustering.permute_samples(torch.zeros(10), torch.arange(10))
