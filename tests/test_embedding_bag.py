@@ -14,6 +14,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 
 import recxla
 from recxla.ops import embedding_bag as ops
+from recxla.ops.dedup import segmented_unique
 from recxla.reference import embedding_bag as ref
 
 
@@ -146,6 +147,36 @@ def test_ops_empty_and_non_contiguous():
     grad = torch.randn(out.shape[1], out.shape[0]).t()  # non-contiguous
     assert_lists_close(ops.unique_grad(grad, *op_args(a)),
                        ref.embedding_bag_unique_grad_ref(grad, *op_args(a)))
+
+
+def test_ops_one_table_holding_most_ids():
+    """A long multi-hot feature (over 2^16 ids) is split over threads inside its table: the
+    gradient sums and the updates stay those of the reference, in the same order."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batch, rows = 1024, 5000
+        weights = [torch.randn(rows, 16), torch.randn(40, 16)]
+        lengths = torch.cat([torch.randint(100, 160, (batch,)), torch.randint(0, 3, (batch,))])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        n0 = int(lengths[:batch].sum())
+        values = torch.cat([zipf_ids(rows, n0, 1.05), zipf_ids(40, int(lengths[batch:].sum()), 0)])
+        bounds = torch.tensor([0, n0, values.numel()])
+        uv, uo, inv = segmented_unique(values, bounds)
+        a = dict(weights=weights, unique_values=uv, unique_offsets=uo, inverse=inv,
+                 offsets=offsets, per_sample_weights=torch.rand(values.numel()),
+                 feature_table=[0, 1], pooling=[ops.MEAN, ops.SUM], batch_size=batch)
+        grad = torch.randn(batch, 32)
+        assert_lists_close(ops.unique_grad(grad, *op_args(a)),
+                           ref.embedding_bag_unique_grad_ref(grad, *op_args(a)), rtol=0, atol=0)
+        got = fused_args(a, ops.ROWWISE_ADAGRAD, grad)
+        want = list(got)
+        want[1], want[2] = [w.clone() for w in got[1]], [s.clone() for s in got[2]]
+        ops.backward_update(*got)
+        ref.embedding_bag_backward_update_ref(*want)
+        assert_lists_close(got[1], want[1], rtol=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_ops_opcheck():

@@ -138,64 +138,108 @@ RECXLA_EB_UPDATE(int64_t, i64)
 #undef RECXLA_EB_UPDATE
 
 // Groups the ids by unique row (see IdsByRow); `sign[t]` multiplies table t's gradients.
+//
+// A parallel counting sort. One table can hold most ids of a batch (a long history feature), so
+// a table's bags are cut into parts, one task each, with a count per unique row of the table per
+// part: count, then scan (row by row, parts in order, so a row's ids stay in batch order),
+// then place. Tasks are taken largest first from a shared counter.
 IdsByRow group_ids(const char* op, const Call& c, const std::vector<float>& sign) {
   const Layout& l = c.l;
   const Args& a = c.args;
   const int64_t B = l.batch_size;
   std::vector<std::vector<int64_t>> features(l.num_tables);
-  std::vector<int64_t> base(l.num_tables + 1, 0);
+  std::vector<int64_t> ids_of(l.num_tables, 0);
   for (int64_t f = 0; f < l.num_features; ++f) {
     features[l.feature_table[f]].push_back(f);
-    base[l.feature_table[f] + 1] += a.offsets[(f + 1) * B] - a.offsets[f * B];
+    ids_of[l.feature_table[f]] += a.offsets[(f + 1) * B] - a.offsets[f * B];
   }
-  for (int64_t t = 0; t < l.num_tables; ++t) base[t + 1] += base[t];
+  struct Task {
+    int64_t table, first, last;     // bags [first, last) of the table's features, in order
+    int64_t ids;                    // how many ids they hold
+    std::vector<int64_t> cursor;    // per unique row of the table: count, then next place
+  };
+  const int64_t threads = at::get_num_threads();
+  constexpr int64_t kIdsPerPart = 1 << 16;
+  std::vector<Task> tasks;
+  std::vector<std::vector<int64_t>> parts_of(l.num_tables);
+  for (int64_t t = 0; t < l.num_tables; ++t) {
+    const int64_t bags = static_cast<int64_t>(features[t].size()) * B;
+    const int64_t parts = std::max<int64_t>(1, std::min({threads, ids_of[t] / kIdsPerPart, bags}));
+    for (int64_t p = 0; p < parts; ++p) {
+      parts_of[t].push_back(static_cast<int64_t>(tasks.size()));
+      tasks.push_back({t, bags * p / parts, bags * (p + 1) / parts, 0, {}});
+    }
+  }
+  // Calls body(f, b, i) for every id i (of bag b of feature f) of a task.
+  auto for_ids = [&](const Task& task, auto&& body) {
+    if (task.first == task.last) return;  // also covers B == 0
+    int64_t slot = task.first / B, b = task.first % B;
+    for (int64_t k = task.first; k < task.last; ++k) {
+      const int64_t f = features[task.table][slot];
+      const int64_t* bag = a.offsets + f * B + b;
+      for (int64_t i = bag[0]; i < bag[1]; ++i) body(f, b, i);
+      if (++b == B) {
+        b = 0;
+        ++slot;
+      }
+    }
+  };
+  auto run_tasks = [&](auto&& run) {
+    std::vector<int64_t> order(tasks.size());
+    for (size_t k = 0; k < tasks.size(); ++k) order[k] = static_cast<int64_t>(k);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+      return tasks[x].last - tasks[x].first > tasks[y].last - tasks[y].first;
+    });
+    std::atomic<int64_t> next{0};
+    const int64_t n = static_cast<int64_t>(order.size());
+    at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+      for (int64_t k = next++; k < n; k = next++) run(tasks[order[k]]);
+    });
+  };
+  std::atomic<bool> bad{false};
+  run_tasks([&](Task& task) {
+    const int64_t lo = l.unique_offsets[task.table], hi = l.unique_offsets[task.table + 1];
+    task.cursor.assign(hi - lo, 0);
+    int64_t* count = task.cursor.data() - lo;
+    bool ok = true;
+    for_ids(task, [&](int64_t, int64_t, int64_t i) {
+      const int64_t u = a.inverse[i];
+      const bool inside = u >= lo && u < hi;
+      ok &= inside;
+      if (inside) ++count[u];
+    });
+    if (!ok) bad.store(true);
+  });
+  TORCH_CHECK_INDEX(!bad.load(), op,
+                    ": inverse holds an index outside the unique_values segment of its table");
   IdsByRow ids;
   ids.start.assign(l.num_unique + 1, 0);
   ids.grad_offset.reset(new int64_t[std::max<int64_t>(l.num_ids, 1)]);
   ids.scale.reset(new float[std::max<int64_t>(l.num_ids, 1)]);
-  std::vector<int64_t> cursor(l.num_unique, 0);
-  std::atomic<bool> bad{false};
-  at::parallel_for(0, l.num_tables, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t lo = l.unique_offsets[t], hi = l.unique_offsets[t + 1];
-      bool ok = true;
-      for (int64_t f : features[t]) {
-        for (int64_t i = a.offsets[f * B]; i < a.offsets[(f + 1) * B]; ++i) {
-          const int64_t u = a.inverse[i];
-          const bool inside = u >= lo && u < hi;
-          ok &= inside;
-          if (inside) ++cursor[u];
-        }
-      }
-      if (!ok) bad.store(true);
-      int64_t running = base[t];
-      for (int64_t u = lo; u < hi; ++u) {
-        const int64_t n = cursor[u];
-        ids.start[u] = cursor[u] = running;
+  int64_t running = 0;  // entries follow the unique rows: table by table, row by row
+  for (int64_t t = 0; t < l.num_tables; ++t) {
+    const int64_t lo = l.unique_offsets[t], hi = l.unique_offsets[t + 1];
+    for (int64_t u = lo; u < hi; ++u) {
+      ids.start[u] = running;
+      for (int64_t p : parts_of[t]) {
+        const int64_t n = tasks[p].cursor[u - lo];
+        tasks[p].cursor[u - lo] = running;
         running += n;
       }
     }
-  });
-  TORCH_CHECK_INDEX(!bad.load(), op,
-                    ": inverse holds an index outside the unique_values segment of its table");
-  ids.start[l.num_unique] = l.num_ids;
-  at::parallel_for(0, l.num_tables, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const bool mean = l.pooling[t] == static_cast<int64_t>(emb::Pooling::Mean);
-      for (int64_t f : features[t]) {
-        for (int64_t b = 0; b < B; ++b) {
-          const int64_t k = f * B + b, first = a.offsets[k], last = a.offsets[k + 1];
-          const float bag_scale =
-              mean && last > first ? sign[t] * (1.0f / static_cast<float>(last - first)) : sign[t];
-          const int64_t goff = b * l.total_dim + l.feature_column[f];
-          for (int64_t i = first; i < last; ++i) {
-            const int64_t e = cursor[a.inverse[i]]++;
-            ids.grad_offset[e] = goff;
-            ids.scale[e] = a.psw != nullptr ? a.psw[i] * bag_scale : bag_scale;
-          }
-        }
-      }
-    }
+  }
+  ids.start[l.num_unique] = running;
+  run_tasks([&](Task& task) {
+    const int64_t t = task.table;
+    const bool mean = l.pooling[t] == static_cast<int64_t>(emb::Pooling::Mean);
+    int64_t* cursor = task.cursor.data() - l.unique_offsets[t];
+    for_ids(task, [&](int64_t f, int64_t b, int64_t i) {
+      const int64_t len = a.offsets[f * B + b + 1] - a.offsets[f * B + b];
+      const float bag_scale = mean ? sign[t] * (1.0f / static_cast<float>(len)) : sign[t];
+      const int64_t e = cursor[a.inverse[i]]++;
+      ids.grad_offset[e] = b * l.total_dim + l.feature_column[f];
+      ids.scale[e] = a.psw != nullptr ? a.psw[i] * bag_scale : bag_scale;
+    });
   });
   return ids;
 }

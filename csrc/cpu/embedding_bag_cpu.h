@@ -25,6 +25,11 @@
 // instruction set; a call would run them as baseline x86-64 code.
 #define RECXLA_INLINE inline __attribute__((always_inline))
 
+// vec16 values never cross a call (everything that uses them is inlined), so the ABI note that
+// GCC gives for 64-byte vectors in the non-AVX-512 clones does not apply.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 namespace recxla {
 namespace emb_cpu {
 
@@ -64,14 +69,11 @@ RECXLA_INLINE void prefetch_row(const float* row, int64_t dim) {
 // generic path, summing in place in a caller's buffer of the runtime width.
 typedef float vec16 __attribute__((vector_size(64)));
 
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"  // vec16 never crosses a call: everything here is inlined
 RECXLA_INLINE vec16 load16(const float* p) {
   vec16 v;
   std::memcpy(&v, p, sizeof(v));  // unaligned load
   return v;
 }
-#pragma GCC diagnostic pop
 
 template <int64_t kDim>
 struct RowSum {
@@ -202,3 +204,5 @@ struct Call {
 
 }  // namespace emb_cpu
 }  // namespace recxla
+
+#pragma GCC diagnostic pop
