@@ -1,6 +1,6 @@
 // Pooled embedding lookup on CPU: what the forward (embedding_bag.cpp) and the fused backward
 // (embedding_bag_backward.cpp) share: the raw-pointer view of a call, the data checks that run
-// before anything is written, and the register-resident row sum.
+// before anything is written, and register-resident rows (RowSum, GradRow).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -63,10 +63,11 @@ RECXLA_INLINE void prefetch_row(const float* row, int64_t dim) {
   for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d);  // one 64-byte line each
 }
 
-// A sum of rows. For a width kDim known at compile time (a multiple of 16) it lives in
-// 64-byte vectors (GCC vector extensions: zmm registers in the AVX-512 clone, split in the
-// others), so a bag's or a gradient row's sum never goes through memory; kDim == 0 is the
-// generic path, summing in place in a caller's buffer of the runtime width.
+// Rows held in registers. For a width kDim known at compile time (a multiple of 16) a row lives
+// in 64-byte vectors (GCC vector extensions: zmm registers in the AVX-512 clone, split in the
+// others); kDim == 0 is the generic path over memory of the runtime width.
+//
+// RowSum: a bag's sum in the forward, which never goes through memory until it is stored.
 typedef float vec16 __attribute__((vector_size(64)));
 
 RECXLA_INLINE vec16 load16(const float* p) {
@@ -117,6 +118,32 @@ struct RowSum<0> {
   }
   RECXLA_INLINE void store(float* __restrict__ out, float s) const {
     for (int64_t i = 0; i < dim; ++i) out[i] = p[i] * s;
+  }
+};
+
+// One output-gradient row, read once per bag and added to the accumulators of the bag's ids.
+template <int64_t kDim>
+struct GradRow {
+  static constexpr int64_t kVecs = kDim / 16;
+  vec16 v[kVecs];
+  RECXLA_INLINE GradRow(const float* __restrict__ src, int64_t) {
+    for (int64_t j = 0; j < kVecs; ++j) v[j] = load16(src + 16 * j);
+  }
+  RECXLA_INLINE void add_to(float* __restrict__ acc, float s) const {
+    for (int64_t j = 0; j < kVecs; ++j) {
+      const vec16 x = load16(acc + 16 * j) + s * v[j];
+      std::memcpy(acc + 16 * j, &x, sizeof(x));
+    }
+  }
+};
+
+template <>
+struct GradRow<0> {
+  const float* __restrict__ src;
+  int64_t dim;
+  RECXLA_INLINE GradRow(const float* __restrict__ p, int64_t d) : src(p), dim(d) {}
+  RECXLA_INLINE void add_to(float* __restrict__ acc, float s) const {
+    for (int64_t d = 0; d < dim; ++d) acc[d] += s * src[d];
   }
 };
 
