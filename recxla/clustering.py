@@ -222,7 +222,11 @@ def bag_sort_key(lengths: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
     of two. It differs from the exact pair order only where two bags agree on 32 bits of a
     hash and not on all 64 (about 2**-32 per pair of bags), which moves a sample, not a group.
     """
-    min_hash, fingerprint = bag_signatures(lengths, hashes)
+    return signature_sort_key(*bag_signatures(lengths, hashes))
+
+
+def signature_sort_key(min_hash: torch.Tensor, fingerprint: torch.Tensor) -> torch.Tensor:
+    """`bag_sort_key` from the two signatures of `bag_signatures`."""
     return (min_hash & ~_LOW32) | ((fingerprint >> 32) & _LOW32)
 
 
@@ -262,10 +266,19 @@ def cluster_samples(
     hashes = [h for _, h in slices]
     gains = clustering_gains(hashes, weights, batch, num_micro_batches).tolist()
     best = sorted((-g, f) for f, g in enumerate(gains) if g > 0)[:SORT_FEATURES]
+    signatures = {}
+
+    def fingerprints(f: int) -> torch.Tensor:
+        if f not in signatures:
+            signatures[f] = bag_signatures(*slices[f])
+        return signatures[f][1]
+
     # Lexicographic order over the best features: stable sorts, least significant key first.
     primary = None
     for _, f in reversed(best):
-        primary, order = torch.sort(bag_sort_key(*slices[f]).index_select(0, perm), stable=True)
+        fingerprints(f)
+        sort_key = signature_sort_key(*signatures[f])
+        primary, order = torch.sort(sort_key.index_select(0, perm), stable=True)
         perm = perm.index_select(0, order)
     if primary is None:
         return perm, offsets
@@ -275,7 +288,8 @@ def cluster_samples(
     group_in_order = start.cumsum(0) - 1
     group = torch.empty_like(group_in_order).index_copy_(0, perm, group_in_order)
     bins = refine_bins(
-        slices, perm, start, group, group_in_order, integer_weights(weights), num_micro_batches
+        slices, fingerprints, perm, start, group, group_in_order, integer_weights(weights),
+        num_micro_batches,
     )
     perm = perm.index_select(0, torch.sort(bins.index_select(0, group_in_order), stable=True).indices)
     return perm, offsets
@@ -290,30 +304,40 @@ def integer_weights(weights: torch.Tensor) -> list:
     return torch.round(weights / top * WEIGHT_SCALE).to(torch.int64).tolist()
 
 
-def group_key_pairs(slices, perm, start, group, weights: list, group_bits: int):
-    """The distinct (key, group) pairs of every weighted feature: (key ids int64 [P], groups
-    int64 [P], bytes per pair int64 [P], number of keys). A key is a feature's value, known by
-    the top 64 - group_bits bits of its hash (a collision merges two keys: a cost estimate,
-    not a result, changes).
+def group_key_pairs(slices, fingerprints, perm, start, group, weights: list, group_bits: int):
+    """The distinct (key, group) pairs of every weighted feature whose key more than one group
+    holds: (key ids int64 [P], groups int64 [P], bytes per pair int64 [P], number of key ids).
+    A key is a feature's value, known by the top 64 - group_bits bits of its hash (a collision
+    merges two keys: a cost estimate, not a result, changes).
 
-    perm: the sorted order, int64 [B]; start: bool [B], True where a group starts in it.
+    fingerprints: f -> int64 [B] bag fingerprints of feature f (`bag_signatures`); perm: the
+    sorted order, int64 [B]; start: bool [B], True where a group starts in it.
     A bag equal (same fingerprint) to the bag of the sample before it in its group adds no
-    pair and is dropped before the sort that finds distinct pairs: that leaves one bag per
-    group of a user-side feature (a tenth of the ids).
+    pair: only the other bags' values are gathered (one bag per group of a user-side feature,
+    a tenth of the ids). A key only one group holds adds the same bytes to the gain of leaving
+    its bin as it costs in any target (it is new there): it never changes a gain, so its pair
+    is dropped, which leaves the move rounds a third of the pairs.
     """
     mask = (1 << group_bits) - 1
     keys, groups, bytes_, num_keys = [], [], [], 0
     for f, (lengths, hashes) in enumerate(slices):
         if weights[f] == 0 or hashes.numel() == 0:
             continue
-        _, fingerprint = bag_signatures(lengths, hashes)
-        in_order = fingerprint.index_select(0, perm)
-        repeat = torch.zeros_like(start)
-        repeat[1:] = (in_order[1:] == in_order[:-1]) & ~start[1:]
-        keep = torch.empty_like(start).index_copy_(0, perm, ~repeat)
-        keep_value = torch.repeat_interleave(keep, lengths, output_size=hashes.numel())
-        owner = torch.repeat_interleave(group, lengths, output_size=hashes.numel())
-        pairs = torch.unique(((hashes & ~mask) | owner)[keep_value])
+        in_order = fingerprints(f).index_select(0, perm)
+        new_bag = start.clone()
+        new_bag[1:] |= in_order[1:] != in_order[:-1]
+        kept = perm[new_bag]  # samples whose bag differs from the one before in their group
+        kept_lengths = lengths.index_select(0, kept)
+        ends = kept_lengths.cumsum(0)
+        total = int(ends[-1])
+        if total == 0:
+            continue
+        # Index of every gathered value: its bag's start in `hashes` plus its rank in the bag.
+        shift = (lengths.cumsum(0) - lengths).index_select(0, kept) - (ends - kept_lengths)
+        index = torch.repeat_interleave(shift, kept_lengths, output_size=total)
+        index += torch.arange(total, device=index.device)
+        owner = torch.repeat_interleave(group.index_select(0, kept), kept_lengths, output_size=total)
+        pairs = torch.unique((hashes.index_select(0, index) & ~mask) | owner)
         hi = pairs >> group_bits
         new_key = torch.ones_like(pairs, dtype=torch.bool)
         new_key[1:] = hi[1:] != hi[:-1]
@@ -323,11 +347,13 @@ def group_key_pairs(slices, perm, start, group, weights: list, group_bits: int):
         bytes_.append(torch.full_like(pairs, weights[f]))
     if not keys:
         return None
-    return torch.cat(keys), torch.cat(groups), torch.cat(bytes_), num_keys
+    key = torch.cat(keys)
+    shared = torch.bincount(key, minlength=num_keys).index_select(0, key) > 1
+    return key[shared], torch.cat(groups)[shared], torch.cat(bytes_)[shared], num_keys
 
 
 def refine_bins(
-    slices, perm, start, group, group_in_order, weights: list, num_micro_batches: int
+    slices, fingerprints, perm, start, group, group_in_order, weights: list, num_micro_batches: int
 ) -> torch.Tensor:
     """Micro-batch (bin) of every group, int64 [G]: the sorted order's chunks, then
     REFINE_ROUNDS rounds of moving groups to the bin where they add the fewest new keys.
@@ -347,7 +373,9 @@ def refine_bins(
     bins = torch.searchsorted(
         balanced_offsets(batch, m, group.device)[1:], first + size // 2, right=True
     ).clamp_(max=m - 1)
-    found = group_key_pairs(slices, perm, start, group, weights, max(1, num_groups.bit_length()))
+    found = group_key_pairs(
+        slices, fingerprints, perm, start, group, weights, max(1, num_groups.bit_length())
+    )
     if found is None:
         return bins
     key, pair_group, pair_bytes, num_keys = found
