@@ -16,7 +16,8 @@ Algorithm (hashes, scans and sorts: O(N log N) for N keys, plain torch, CPU or G
 2. Two signatures of every bag of the best `SORT_FEATURES` features, from a 64-bit hash of its
    keys: the min-hash (the smallest hash; bags that overlap share it with probability equal to
    their Jaccard similarity, so users with similar histories come close) and the fingerprint
-   (the sum of the hashes: equal bags, e.g. the samples of one request, tie exactly), packed
+   (the sum of a nonlinear mix of the hashes: equal bags, e.g. the samples of one request,
+   tie exactly, different ones but with probability 2**-64), packed
    into one int64 sort key.
 3. Sort the samples by the key of the best feature, ties by the next (stable sorts; ties keep
    batch order). Runs of samples with equal best-feature key are groups (a user's requests).
@@ -50,6 +51,7 @@ _LOW32 = (1 << 32) - 1
 # Features are scored on a hash sample of their keys of about this many values.
 SAMPLE_VALUES = 8192
 _HASH_MULTIPLIER = 0x2545F4914F6CDD1D  # odd: multiplication by it is a bijection mod 2**64
+_MIX_MULTIPLIER = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as an int64, odd
 EMPTY_SIGNATURE = torch.iinfo(torch.int64).max
 # Rounds of moving whole groups between micro-batches (see refine_bins), and how far above
 # ceil(B / M) a micro-batch may grow: B / (M * BALANCE_SLACK) samples.
@@ -195,24 +197,47 @@ def clustering_gains(
     return per_feature.to(torch.float64) * torch.tensor(rates, dtype=torch.float64) * weights
 
 
+def fingerprint_mix(hashes: torch.Tensor) -> torch.Tensor:
+    """(h ^ (h >> 32)) * odd constant mod 2**64, int64 like `hashes`: what a fingerprint sums.
+
+    `key_hash` is nearly linear in small keys (key ^ salt only flips low bits), so a plain sum
+    of hashes ties bags like {0, 3} and {1, 2}; folding the high bits into the low ones before
+    a second multiplication leaves no such structure.
+    """
+    return (hashes ^ (hashes >> 32)) * _MIX_MULTIPLIER
+
+
+def bag_fingerprints(lengths: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+    """The wrapping sum of `fingerprint_mix` over each bag's hashes, int64 [L] for lengths
+    int64 [L] and hashes int64 [N] (N = lengths.sum()): equal exactly for equal bags (as
+    multisets), different otherwise but with probability about 2**-64. Differences of a
+    running sum (wrapping mod 2**64, like the sum itself): one scan, no scatter, so every
+    feature of a batch costs one call."""
+    ends = lengths.cumsum(0)
+    running = torch.zeros(hashes.numel() + 1, dtype=torch.int64, device=hashes.device)
+    torch.cumsum(fingerprint_mix(hashes), 0, out=running[1:])
+    return running.index_select(0, ends) - running.index_select(0, ends - lengths)
+
+
 def bag_signatures(lengths: torch.Tensor, hashes: torch.Tensor):
     """Two signatures of every bag, int64 [B] each, from the `key_hash` of its keys.
 
     min_hash: the smallest hash (EMPTY_SIGNATURE for an empty bag). Bags that overlap share
         it with probability equal to their Jaccard similarity.
-    fingerprint: the wrapping sum of the hashes, equal exactly for equal bags (as multisets)
-        and different otherwise but with probability 2**-64.
+    fingerprint: `bag_fingerprints`.
     lengths: int64 [B] bag lengths; hashes: int64 [N].
     """
+    return bag_min_hash(lengths, hashes), bag_fingerprints(lengths, hashes)
+
+
+def bag_min_hash(lengths: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
+    """The min_hash of `bag_signatures`: int64 [B]."""
     batch = lengths.numel()
     owner = torch.repeat_interleave(
         torch.arange(batch, device=hashes.device), lengths, output_size=hashes.numel()
     )
     min_hash = torch.full((batch,), EMPTY_SIGNATURE, dtype=torch.int64, device=hashes.device)
-    min_hash.scatter_reduce_(0, owner, hashes, reduce="amin", include_self=True)
-    fingerprint = torch.zeros(batch, dtype=torch.int64, device=hashes.device)
-    fingerprint.index_add_(0, owner, hashes)
-    return min_hash, fingerprint
+    return min_hash.scatter_reduce_(0, owner, hashes, reduce="amin", include_self=True)
 
 
 def bag_sort_key(lengths: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
@@ -266,18 +291,15 @@ def cluster_samples(
     hashes = [h for _, h in slices]
     gains = clustering_gains(hashes, weights, batch, num_micro_batches).tolist()
     best = sorted((-g, f) for f, g in enumerate(gains) if g > 0)[:SORT_FEATURES]
-    signatures = {}
-
-    def fingerprints(f: int) -> torch.Tensor:
-        if f not in signatures:
-            signatures[f] = bag_signatures(*slices[f])
-        return signatures[f][1]
-
+    # Fingerprints of every bag of every feature in one scan: [F, B].
+    lengths = torch.cat([n for n, _ in slices])
+    all_hashes = hashes[0] if len(hashes) == 1 else torch.cat(hashes)
+    fingerprints = bag_fingerprints(lengths, all_hashes).view(len(slices), batch)
     # Lexicographic order over the best features: stable sorts, least significant key first.
     primary = None
     for _, f in reversed(best):
-        fingerprints(f)
-        sort_key = signature_sort_key(*signatures[f])
+        min_hash = bag_min_hash(*slices[f])
+        sort_key = signature_sort_key(min_hash, fingerprints[f])
         primary, order = torch.sort(sort_key.index_select(0, perm), stable=True)
         perm = perm.index_select(0, order)
     if primary is None:
@@ -288,8 +310,8 @@ def cluster_samples(
     group_in_order = start.cumsum(0) - 1
     group = torch.empty_like(group_in_order).index_copy_(0, perm, group_in_order)
     bins = refine_bins(
-        slices, fingerprints, perm, start, group, group_in_order, integer_weights(weights),
-        num_micro_batches,
+        (lengths, all_hashes, fingerprints), perm, start, group, group_in_order,
+        integer_weights(weights), num_micro_batches,
     )
     perm = perm.index_select(0, torch.sort(bins.index_select(0, group_in_order), stable=True).indices)
     return perm, offsets
@@ -304,56 +326,60 @@ def integer_weights(weights: torch.Tensor) -> list:
     return torch.round(weights / top * WEIGHT_SCALE).to(torch.int64).tolist()
 
 
-def group_key_pairs(slices, fingerprints, perm, start, group, weights: list, group_bits: int):
+def group_key_pairs(bags, perm, start, group, weights: list, group_bits: int):
     """The distinct (key, group) pairs of every weighted feature whose key more than one group
     holds: (key ids int64 [P], groups int64 [P], bytes per pair int64 [P], number of key ids).
-    A key is a feature's value, known by the top 64 - group_bits bits of its hash (a collision
-    merges two keys: a cost estimate, not a result, changes).
 
-    fingerprints: f -> int64 [B] bag fingerprints of feature f (`bag_signatures`); perm: the
-    sorted order, int64 [B]; start: bool [B], True where a group starts in it.
+    bags: (lengths int64 [F * B], key hashes int64 [N], fingerprints int64 [F, B]) of all
+    features, feature-major; perm: the sorted order, int64 [B]; start: bool [B], True where a
+    group starts in it; group: int64 [B], each sample's group (< 2**group_bits).
+    A key is (feature, top 64 - group_bits - feature_bits bits of its hash): the three fit one
+    int64, so one sort of all features finds the distinct pairs (a hash collision merges two
+    keys: a cost estimate, not a result, changes).
     A bag equal (same fingerprint) to the bag of the sample before it in its group adds no
     pair: only the other bags' values are gathered (one bag per group of a user-side feature,
     a tenth of the ids). A key only one group holds adds the same bytes to the gain of leaving
     its bin as it costs in any target (it is new there): it never changes a gain, so its pair
     is dropped, which leaves the move rounds a third of the pairs.
     """
-    mask = (1 << group_bits) - 1
-    keys, groups, bytes_, num_keys = [], [], [], 0
-    for f, (lengths, hashes) in enumerate(slices):
-        if weights[f] == 0 or hashes.numel() == 0:
-            continue
-        in_order = fingerprints(f).index_select(0, perm)
-        new_bag = start.clone()
-        new_bag[1:] |= in_order[1:] != in_order[:-1]
-        kept = perm[new_bag]  # samples whose bag differs from the one before in their group
-        kept_lengths = lengths.index_select(0, kept)
-        ends = kept_lengths.cumsum(0)
-        total = int(ends[-1])
-        if total == 0:
-            continue
-        # Index of every gathered value: its bag's start in `hashes` plus its rank in the bag.
-        shift = (lengths.cumsum(0) - lengths).index_select(0, kept) - (ends - kept_lengths)
-        index = torch.repeat_interleave(shift, kept_lengths, output_size=total)
-        index += torch.arange(total, device=index.device)
-        owner = torch.repeat_interleave(group.index_select(0, kept), kept_lengths, output_size=total)
-        pairs = torch.unique((hashes.index_select(0, index) & ~mask) | owner)
-        hi = pairs >> group_bits
-        new_key = torch.ones_like(pairs, dtype=torch.bool)
-        new_key[1:] = hi[1:] != hi[:-1]
-        keys.append(new_key.cumsum(0) - 1 + num_keys)
-        num_keys = int(keys[-1][-1]) + 1
-        groups.append(pairs & mask)
-        bytes_.append(torch.full_like(pairs, weights[f]))
-    if not keys:
+    lengths, hashes, fingerprints = bags
+    num_features, batch = fingerprints.shape
+    device = hashes.device
+    feature_bits = (num_features - 1).bit_length()
+    in_order = fingerprints.index_select(1, perm)
+    new_bag = start.expand(num_features, batch).clone()
+    new_bag[:, 1:] |= in_order[:, 1:] != in_order[:, :-1]
+    new_bag &= torch.tensor(weights, device=device)[:, None] > 0
+    kept_feature, kept_pos = new_bag.nonzero(as_tuple=True)  # feature-major, sorted order
+    kept_sample = perm.index_select(0, kept_pos)
+    rows = kept_feature * batch + kept_sample
+    kept_lengths = lengths.index_select(0, rows)
+    ends = kept_lengths.cumsum(0)
+    total = int(ends[-1]) if ends.numel() else 0
+    if total == 0:
         return None
-    key = torch.cat(keys)
+    # Index of every gathered value: its bag's start in `hashes` plus its rank in the bag.
+    shift = (lengths.cumsum(0) - lengths).index_select(0, rows) - (ends - kept_lengths)
+    index = torch.repeat_interleave(shift, kept_lengths, output_size=total)
+    index += torch.arange(total, device=device)
+    tag = (kept_feature << group_bits) | group.index_select(0, kept_sample)
+    owner = torch.repeat_interleave(tag, kept_lengths, output_size=total)
+    low = (1 << (group_bits + feature_bits)) - 1
+    pairs = torch.unique((hashes.index_select(0, index) & ~low) | owner)
+    feature_key = pairs >> group_bits
+    new_key = torch.ones_like(pairs, dtype=torch.bool)
+    new_key[1:] = feature_key[1:] != feature_key[:-1]
+    key = new_key.cumsum(0) - 1
+    num_keys = int(key[-1]) + 1
     shared = torch.bincount(key, minlength=num_keys).index_select(0, key) > 1
-    return key[shared], torch.cat(groups)[shared], torch.cat(bytes_)[shared], num_keys
+    pairs, key = pairs[shared], key[shared]
+    feature = (pairs >> group_bits) & ((1 << feature_bits) - 1)
+    pair_bytes = torch.tensor(weights, dtype=torch.int64, device=device).index_select(0, feature)
+    return key, pairs & ((1 << group_bits) - 1), pair_bytes, num_keys
 
 
 def refine_bins(
-    slices, fingerprints, perm, start, group, group_in_order, weights: list, num_micro_batches: int
+    bags, perm, start, group, group_in_order, weights: list, num_micro_batches: int
 ) -> torch.Tensor:
     """Micro-batch (bin) of every group, int64 [G]: the sorted order's chunks, then
     REFINE_ROUNDS rounds of moving groups to the bin where they add the fewest new keys.
@@ -373,9 +399,7 @@ def refine_bins(
     bins = torch.searchsorted(
         balanced_offsets(batch, m, group.device)[1:], first + size // 2, right=True
     ).clamp_(max=m - 1)
-    found = group_key_pairs(
-        slices, fingerprints, perm, start, group, weights, max(1, num_groups.bit_length())
-    )
+    found = group_key_pairs(bags, perm, start, group, weights, max(1, num_groups.bit_length()))
     if found is None:
         return bins
     key, pair_group, pair_bytes, num_keys = found

@@ -24,6 +24,11 @@ def key_hash_ref(key: int) -> int:
     return _signed(((key ^ C._HASH_SALT) * C._HASH_MULTIPLIER) & _MASK64)
 
 
+def _mix_ref(h: int) -> int:
+    """What a bag's fingerprint sums for a key hash h: (h ^ (h >> 32)) * odd constant."""
+    return (h ^ (h >> 32)) * C._MIX_MULTIPLIER
+
+
 def _bags(kjt) -> List[List[List[int]]]:
     """bags[f][i]: the keys of sample i in feature f, as Python ints."""
     batch = kjt.stride()
@@ -81,7 +86,7 @@ def cluster_samples_ref(
     for _, f in sorted(scores)[: C.SORT_FEATURES]:
         # The min-hash's top 32 bits, then the fingerprint's (see clustering.bag_sort_key).
         min_hash = [min(bag) if bag else C.EMPTY_SIGNATURE for bag in hashed[f]]
-        fingerprint = [_signed(sum(bag) & _MASK64) for bag in hashed[f]]
+        fingerprint = [_signed(sum(_mix_ref(h) for h in bag) & _MASK64) for bag in hashed[f]]
         sort_keys.append(
             [(mh & ~C._LOW32) | ((fp >> 32) & C._LOW32) for mh, fp in zip(min_hash, fingerprint)]
         )
@@ -110,7 +115,8 @@ def _refine_ref(order, primary, hashed, weights, batch, m, offsets) -> List[int]
         first += size
     top = max(weights) if weights else 0.0
     int_w = [int(round(w / top * C.WEIGHT_SCALE)) if top > 0 else 0 for w in weights]
-    bits = max(1, num_groups.bit_length())
+    # A key: its feature and the hash bits above those that hold a group and a feature id.
+    bits = max(1, num_groups.bit_length()) + (len(hashed) - 1).bit_length()
     holders = {}  # (feature, key) -> groups holding it
     for f, feature in enumerate(hashed):
         if int_w[f] == 0:
