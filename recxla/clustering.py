@@ -137,7 +137,7 @@ def key_hash(values: torch.Tensor) -> torch.Tensor:
     bag is a min-hash and the top bits index a counting table. One function serves every
     feature: signatures and counts are only ever compared within a feature.
     """
-    return (values ^ _HASH_SALT) * _HASH_MULTIPLIER
+    return (values ^ _HASH_SALT).mul_(_HASH_MULTIPLIER)
 
 
 def sample_bits(num_values: int) -> int:
@@ -171,27 +171,31 @@ def clustering_gains(
     gains = torch.zeros(num_features, dtype=torch.float64)
     if m == 1:
         return gains
-    parts, bounds, rates = [], [0], []
+    # Every value's slot, written in place into one buffer: feature f owns 2**bits + 2 slots
+    # from bounds[f], the first and last for the values of unsampled keys (dropped below).
+    total = sum(h.numel() for h in hashes)
+    slots = torch.empty(total, dtype=torch.int64, device=hashes[0].device)
+    bounds, rates, pos = [0], [], 0
     for h in hashes:
         r_bits = sample_bits(h.numel())
         bits = table_bits(max(h.numel() >> r_bits, 1))  # ~N / R values are sampled
-        slot = h >> (64 - r_bits - bits)  # arithmetic: the sign and top r_bits stay above
-        if r_bits:
-            # Values of unsampled keys (top r_bits not all zero) go to one extra slot, dropped
-            # below; cheaper than selecting the sampled values.
-            slot = torch.where((slot >> bits) == 0, slot, 1 << bits)
-        else:
-            slot = slot & ((1 << bits) - 1)
-        parts.append(slot + bounds[-1])
-        bounds.append(bounds[-1] + (1 << bits) + 1)
+        slot = slots[pos:pos + h.numel()]
+        pos += h.numel()
+        # Arithmetic shift: the top r_bits and the sign stay above the table's bits.
+        torch.bitwise_right_shift(h, 64 - r_bits - bits, out=slot)
+        if r_bits:  # a key is sampled iff its slot is in [0, 2**bits): clamp the rest out
+            slot.clamp_(-1, 1 << bits).add_(bounds[-1] + 1)
+        else:  # every key: the top `bits` bits, signed, moved to [0, 2**bits)
+            slot.add_(bounds[-1] + 1 + (1 << (bits - 1)))
+        bounds.append(bounds[-1] + (1 << bits) + 2)
         rates.append(float(1 << r_bits))
-    counts = torch.bincount(torch.cat(parts), minlength=bounds[-1])
+    counts = torch.bincount(slots, minlength=bounds[-1])
     c = torch.arange(b + 1, device=counts.device)
     gain_of_count = c.clamp(max=m) - (c * m + b - 1) // b
     saved = gain_of_count.index_select(0, counts.clamp(max=b))
-    dropped = torch.tensor(bounds[1:], device=saved.device) - 1  # the extra slots
-    saved = saved.index_fill_(0, dropped, 0).cumsum(0)
-    ends = dropped
+    ends = torch.tensor(bounds[1:], device=saved.device) - 1  # each feature's last slot
+    dropped = torch.tensor(bounds[:-1], device=saved.device)  # and its first
+    saved = saved.index_fill_(0, torch.cat([dropped, ends]), 0).cumsum(0)
     per_feature = saved.index_select(0, ends).cpu()
     per_feature = per_feature.diff(prepend=torch.zeros(1, dtype=per_feature.dtype))
     return per_feature.to(torch.float64) * torch.tensor(rates, dtype=torch.float64) * weights
@@ -204,7 +208,8 @@ def fingerprint_mix(hashes: torch.Tensor) -> torch.Tensor:
     of hashes ties bags like {0, 3} and {1, 2}; folding the high bits into the low ones before
     a second multiplication leaves no such structure.
     """
-    return (hashes ^ (hashes >> 32)) * _MIX_MULTIPLIER
+    mixed = hashes >> 32
+    return mixed.bitwise_xor_(hashes).mul_(_MIX_MULTIPLIER)
 
 
 def bag_fingerprints(lengths: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:
@@ -214,7 +219,8 @@ def bag_fingerprints(lengths: torch.Tensor, hashes: torch.Tensor) -> torch.Tenso
     running sum (wrapping mod 2**64, like the sum itself): one scan, no scatter, so every
     feature of a batch costs one call."""
     ends = lengths.cumsum(0)
-    running = torch.zeros(hashes.numel() + 1, dtype=torch.int64, device=hashes.device)
+    running = torch.empty(hashes.numel() + 1, dtype=torch.int64, device=hashes.device)
+    running[0] = 0
     torch.cumsum(fingerprint_mix(hashes), 0, out=running[1:])
     return running.index_select(0, ends) - running.index_select(0, ends - lengths)
 
@@ -405,19 +411,24 @@ def refine_bins(
     key, pair_group, pair_bytes, num_keys = found
     capacity = -(-batch // m) + batch // (m * BALANCE_SLACK)
     size_list = size.tolist()
+    # Bytes of each key (one feature each), and each pair's slot in a [K, M] count table.
+    key_bytes = torch.zeros(num_keys, dtype=torch.int64, device=key.device)
+    key_bytes.index_copy_(0, key, pair_bytes)
+    key_slot = key * m
     for _ in range(REFINE_ROUNDS):
-        here = bins.index_select(0, pair_group)
-        count = torch.bincount(key * m + here, minlength=num_keys * m).view(num_keys, m)
-        per_key = count.index_select(0, key)  # [P, M]
-        alone = per_key.gather(1, here[:, None]).squeeze(1) == 1
-        gain = torch.zeros(num_groups, m, dtype=torch.int64, device=group.device)
-        gain.index_add_(0, pair_group, (alone[:, None].to(torch.int64) - (per_key == 0).to(torch.int64)) * pair_bytes[:, None])
+        slot = key_slot + bins.index_select(0, pair_group)
+        count = torch.bincount(slot, minlength=num_keys * m)
+        # Leaving: the bytes of the group's keys no other group of its bin holds (all targets).
+        alone = (count.index_select(0, slot) == 1).to(torch.int64) * pair_bytes
+        leave = torch.zeros(num_groups, dtype=torch.int64, device=group.device)
+        leave.index_add_(0, pair_group, alone)
+        # Joining t: the bytes of its keys no group of t holds.
+        new_bytes = (count.view(num_keys, m) == 0).to(torch.int64) * key_bytes[:, None]
+        join = torch.zeros(num_groups, m, dtype=torch.int64, device=group.device)
+        join.index_add_(0, pair_group, new_bytes.index_select(0, key))
+        gain = leave[:, None] - join
         gain.scatter_(1, bins[:, None], 0)  # staying gains nothing
-        best_gain, target = gain[:, 0].clone(), torch.zeros_like(bins)
-        for t in range(1, m):
-            better = gain[:, t] > best_gain
-            best_gain = torch.where(better, gain[:, t], best_gain)
-            target = torch.where(better, t, target)
+        best_gain, target = gain.max(1)  # ties: the lowest bin
         order = torch.sort(-best_gain, stable=True).indices
         movers = order[: int((best_gain > 0).sum())].tolist()
         if not movers:
