@@ -56,6 +56,9 @@ EMPTY_SIGNATURE = torch.iinfo(torch.int64).max
 # Rounds of moving whole groups between micro-batches (see refine_bins), and how far above
 # ceil(B / M) a micro-batch may grow: B / (M * BALANCE_SLACK) samples.
 REFINE_ROUNDS = 4
+# Features whose keys the moves count: the ones with the largest clustering gain. Counting all
+# 26 of the default profile gains 0.2 points of the 41% and triples the cost of the moves.
+REFINE_FEATURES = 4
 BALANCE_SLACK = 32
 WEIGHT_SCALE = 1 << 20
 
@@ -296,28 +299,33 @@ def cluster_samples(
     slices = _feature_slices(kjt, hashed=True)
     hashes = [h for _, h in slices]
     gains = clustering_gains(hashes, weights, batch, num_micro_batches).tolist()
-    best = sorted((-g, f) for f, g in enumerate(gains) if g > 0)[:SORT_FEATURES]
-    # Fingerprints of every bag of every feature in one scan: [F, B].
-    lengths = torch.cat([n for n, _ in slices])
-    all_hashes = hashes[0] if len(hashes) == 1 else torch.cat(hashes)
-    fingerprints = bag_fingerprints(lengths, all_hashes).view(len(slices), batch)
+    # The features that clustering can save most on, best first: the first SORT_FEATURES
+    # order the samples, the first REFINE_FEATURES guide the group moves.
+    ranked = [f for _, f in sorted((-g, f) for f, g in enumerate(gains) if g > 0)]
+    ranked = ranked[:max(SORT_FEATURES, REFINE_FEATURES)]
+    if not ranked:
+        return perm, offsets
+    # Fingerprints of every bag of those features in one scan: [R, B].
+    lengths = torch.cat([slices[f][0] for f in ranked])
+    ranked_hashes = torch.cat([hashes[f] for f in ranked])
+    fingerprints = bag_fingerprints(lengths, ranked_hashes).view(len(ranked), batch)
     # Lexicographic order over the best features: stable sorts, least significant key first.
     primary = None
-    for _, f in reversed(best):
-        min_hash = bag_min_hash(*slices[f])
-        sort_key = signature_sort_key(min_hash, fingerprints[f])
+    for i in reversed(range(min(SORT_FEATURES, len(ranked)))):
+        min_hash = bag_min_hash(*slices[ranked[i]])
+        sort_key = signature_sort_key(min_hash, fingerprints[i])
         primary, order = torch.sort(sort_key.index_select(0, perm), stable=True)
         perm = perm.index_select(0, order)
-    if primary is None:
-        return perm, offsets
     # Groups: runs of samples that tie on the best feature's signature (a user's requests).
     start = torch.ones(batch, dtype=torch.bool, device=device)
     start[1:] = primary[1:] != primary[:-1]
     group_in_order = start.cumsum(0) - 1
     group = torch.empty_like(group_in_order).index_copy_(0, perm, group_in_order)
+    int_weights = integer_weights(weights)
+    refine = ranked[:REFINE_FEATURES]
     bins = refine_bins(
-        (lengths, all_hashes, fingerprints), perm, start, group, group_in_order,
-        integer_weights(weights), num_micro_batches,
+        (lengths, ranked_hashes, fingerprints[:len(refine)]), perm, start, group, group_in_order,
+        [int_weights[f] for f in refine], num_micro_batches,
     )
     perm = perm.index_select(0, torch.sort(bins.index_select(0, group_in_order), stable=True).indices)
     return perm, offsets

@@ -82,8 +82,9 @@ def cluster_samples_ref(
         gain = float(_gain_ref(flat, batch, m)) * weights[f]
         if gain > 0:
             scores.append((-gain, f))
+    ranked = [f for _, f in sorted(scores)]
     sort_keys = []
-    for _, f in sorted(scores)[: C.SORT_FEATURES]:
+    for f in ranked[: C.SORT_FEATURES]:
         # The min-hash's top 32 bits, then the fingerprint's (see clustering.bag_sort_key).
         min_hash = [min(bag) if bag else C.EMPTY_SIGNATURE for bag in hashed[f]]
         fingerprint = [_signed(sum(_mix_ref(h) for h in bag) & _MASK64) for bag in hashed[f]]
@@ -92,13 +93,15 @@ def cluster_samples_ref(
         )
     order.sort(key=lambda i: tuple(key[i] for key in sort_keys))
     if sort_keys:
-        order = _refine_ref(order, sort_keys[0], hashed, weights, batch, m, offsets)
+        refine = ranked[: C.REFINE_FEATURES]
+        order = _refine_ref(order, sort_keys[0], hashed, weights, refine, batch, m, offsets)
     return torch.tensor(order, dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
 
 
-def _refine_ref(order, primary, hashed, weights, batch, m, offsets) -> List[int]:
+def _refine_ref(order, primary, hashed, weights, refine, batch, m, offsets) -> List[int]:
     """Groups (runs of equal primary key in `order`) moved between bins as in
-    clustering.refine_bins, one group and one key at a time; returns the new order."""
+    clustering.refine_bins, one group and one key (of the features in `refine`) at a time;
+    returns the new order."""
     group_of = {}
     groups = []  # groups[g]: samples of group g in order
     for pos, i in enumerate(order):
@@ -116,12 +119,12 @@ def _refine_ref(order, primary, hashed, weights, batch, m, offsets) -> List[int]
     top = max(weights) if weights else 0.0
     int_w = [int(round(w / top * C.WEIGHT_SCALE)) if top > 0 else 0 for w in weights]
     # A key: its feature and the hash bits above those that hold a group and a feature id.
-    bits = max(1, num_groups.bit_length()) + (len(hashed) - 1).bit_length()
+    bits = max(1, num_groups.bit_length()) + (len(refine) - 1).bit_length()
     holders = {}  # (feature, key) -> groups holding it
-    for f, feature in enumerate(hashed):
+    for f in refine:
         if int_w[f] == 0:
             continue
-        for i, bag in enumerate(feature):
+        for i, bag in enumerate(hashed[f]):
             for h in bag:
                 holders.setdefault((f, h >> bits), set()).add(group_of[i])
     keys_of = [[] for _ in range(num_groups)]
