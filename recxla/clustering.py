@@ -385,8 +385,11 @@ def group_key_pairs(bags, perm, start, group, weights: list, group_bits: int):
     new_key[1:] = feature_key[1:] != feature_key[:-1]
     key = new_key.cumsum(0) - 1
     num_keys = int(key[-1]) + 1
-    shared = torch.bincount(key, minlength=num_keys).index_select(0, key) > 1
-    pairs, key = pairs[shared], key[shared]
+    # Keep the keys of two groups or more, renumbered 0..K-1 (smaller count tables).
+    shared_key = torch.bincount(key, minlength=num_keys) > 1
+    shared = shared_key.index_select(0, key)
+    pairs, key = pairs[shared], (shared_key.cumsum(0) - 1).index_select(0, key[shared])
+    num_keys = int(key[-1]) + 1 if key.numel() else 0
     feature = (pairs >> group_bits) & ((1 << feature_bits) - 1)
     pair_bytes = torch.tensor(weights, dtype=torch.int64, device=device).index_select(0, feature)
     return key, pairs & ((1 << group_bits) - 1), pair_bytes, num_keys
