@@ -205,14 +205,16 @@ def clustering_gains(
 
 
 def fingerprint_mix(hashes: torch.Tensor) -> torch.Tensor:
-    """(h ^ (h >> 32)) * odd constant mod 2**64, int64 like `hashes`: what a fingerprint sums.
+    """What a fingerprint sums for each key hash h, int64 like `hashes`:
+    x = (h ^ (h >> 29)) * odd constant mod 2**64, then x ^ (x >> 32).
 
     `key_hash` is nearly linear in small keys (key ^ salt only flips low bits), so a plain sum
-    of hashes ties bags like {0, 3} and {1, 2}; folding the high bits into the low ones before
-    a second multiplication leaves no such structure.
+    of hashes ties bags like {0, 3} and {1, 2}; one fold and multiplication still tied some
+    bags of four small keys; with the second fold none of 300,000 random small-key bags tie.
     """
-    mixed = hashes >> 32
-    return mixed.bitwise_xor_(hashes).mul_(_MIX_MULTIPLIER)
+    mixed = hashes >> 29
+    mixed.bitwise_xor_(hashes).mul_(_MIX_MULTIPLIER)
+    return mixed.bitwise_xor_(mixed >> 32)
 
 
 def bag_fingerprints(lengths: torch.Tensor, hashes: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,20 @@ def test_gain_estimate_ranks_like_exact_counts(seed):
     assert torch.allclose(est[big], exact[big], rtol=0.25)
 
 
+def test_fingerprints_tie_exactly_the_equal_bags():
+    """Bags of small keys: a plain sum of hashes ties e.g. {0, 3} and {1, 2} (key_hash is
+    nearly linear there); a fingerprint must tie bags iff they are equal as multisets."""
+    lengths = torch.randint(0, 5, (3000,))
+    values = torch.randint(-4, 5, (int(lengths.sum()),))
+    fp = clustering.bag_fingerprints(lengths, clustering.key_hash(values)).tolist()
+    bags = [tuple(sorted(b.tolist())) for b in values.split(lengths.tolist())]
+    bag_of = {}
+    for f, bag in zip(fp, bags):
+        assert bag_of.setdefault(f, bag) == bag  # one multiset per fingerprint
+    assert len(bag_of) == len(set(bags))
+    assert bag_of[0] == ()  # an empty bag sums nothing
+
+
 def conflicting_pairs_kjt(batch=64):
     """Feature a pairs samples (0,1), (2,3), ...; feature b pairs (1,2), (3,4), ..., (B-1, 0)."""
     i = torch.arange(batch)

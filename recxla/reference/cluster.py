@@ -25,8 +25,9 @@ def key_hash_ref(key: int) -> int:
 
 
 def _mix_ref(h: int) -> int:
-    """What a bag's fingerprint sums for a key hash h: (h ^ (h >> 32)) * odd constant."""
-    return (h ^ (h >> 32)) * C._MIX_MULTIPLIER
+    """What a bag's fingerprint sums for a key hash h (see clustering.fingerprint_mix)."""
+    x = _signed(((h ^ (h >> 29)) * C._MIX_MULTIPLIER) & _MASK64)
+    return x ^ (x >> 32)
 
 
 def _bags(kjt) -> List[List[List[int]]]:
