@@ -61,8 +61,8 @@ EMPTY_SIGNATURE = torch.iinfo(torch.int64).max
 # ceil(B / M) a micro-batch may grow: B / (M * BALANCE_SLACK) samples.
 REFINE_ROUNDS = 4
 # Features whose keys the moves count: the ones with the largest clustering gain. Counting all
-# 26 of the default profile adds 0.1-0.2 points to the 41% and doubles the cost of the moves
-# (and of the whole call); 4 lose 0.1 point more, and some batches fall to 40.3%.
+# 26 of the default profile adds 0.2 points to the 41% and makes the whole call 1.4x slower;
+# 4 lose 0.1 point, and some batches fall to 40.3%.
 REFINE_FEATURES = 6
 BALANCE_SLACK = 32
 WEIGHT_SCALE = 1 << 20
