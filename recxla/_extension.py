@@ -56,3 +56,11 @@ def gpu_backend() -> str:
     if choice == "cuda" and not built_with_cuda():
         raise RuntimeError("RECXLA_BACKEND=cuda, but this build of recxla has no CUDA kernels")
     return choice
+
+
+def backend_for(t: torch.Tensor) -> str:
+    """Which implementation runs an op on `t`: "cuda" or "triton" for CUDA tensors (see
+    `gpu_backend`), "cpu" for the C++ kernels, "reference" when the extension is missing."""
+    if t.is_cuda:
+        return gpu_backend()
+    return "cpu" if extension_available() else "reference"

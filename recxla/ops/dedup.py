@@ -87,12 +87,13 @@ def segmented_unique(values: torch.Tensor, offsets: torch.Tensor):
             f"{offsets.device}"
         )
     offsets = offsets.to(torch.int64)
-    if values.is_cuda and _extension.gpu_backend() == "triton":
+    backend = _extension.backend_for(values)
+    if backend == "triton":
         from recxla.triton_kernels.dedup import segmented_unique_triton
 
         _check_offsets_values(op, offsets, values.numel())
         return segmented_unique_triton(values, offsets)
-    if not _extension.extension_available():
+    if backend == "reference":
         _check_offsets_values(op, offsets, values.numel())
         return reference.segmented_unique_ref(values, offsets)
     return torch.ops.recxla.segmented_unique(values, offsets)

@@ -43,12 +43,6 @@ def _backward_update_fake(grad_output, weights, states, unique_values, unique_of
     return None
 
 
-def _backend(t: torch.Tensor) -> str:
-    if t.is_cuda:
-        return _extension.gpu_backend()
-    return "cpu" if _extension.extension_available() else "reference"
-
-
 def pooled_forward(
     weights: Sequence[torch.Tensor],
     unique_values: torch.Tensor,
@@ -69,7 +63,7 @@ def pooled_forward(
     """
     args = (list(weights), unique_values, unique_offsets, inverse, offsets, per_sample_weights,
             list(feature_table), list(pooling), batch_size)
-    backend = _backend(unique_values)
+    backend = _extension.backend_for(unique_values)
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_forward_triton
 
@@ -95,7 +89,7 @@ def unique_grad(
     table at its unique rows (a dense gradient is zero elsewhere)."""
     args = (grad_output, list(weights), unique_values, unique_offsets, inverse, offsets,
             per_sample_weights, list(feature_table), list(pooling), batch_size)
-    backend = _backend(unique_values)
+    backend = _extension.backend_for(unique_values)
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_unique_grad_triton
 
@@ -129,7 +123,7 @@ def backward_update(
     args = (grad_output, list(weights), list(states), unique_values, unique_offsets, inverse,
             offsets, per_sample_weights, list(feature_table), list(pooling), batch_size,
             list(optim), [float(h) for h in hparams])
-    backend = _backend(unique_values)
+    backend = _extension.backend_for(unique_values)
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_backward_update_triton
 

@@ -24,10 +24,6 @@ def _dequantize_fp8_rows_fake(packed, dim, fmt, dtype):
     return packed.new_empty((packed.shape[0], dim), dtype=dtype)
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and _extension.gpu_backend() == "triton"
-
-
 def quantize_rows(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
     """Quantize each row of `x` into its wire bytes.
 
@@ -50,11 +46,12 @@ def quantize_rows(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
         raise TypeError(f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
     if not f.is_fp8:
         return reference.quantize_rows_ref(x, fmt)
-    if _use_triton(x):
+    backend = _extension.backend_for(x)
+    if backend == "triton":
         from recxla.triton_kernels.fp8_rows import quantize_fp8_rows_triton
 
         return quantize_fp8_rows_triton(x, fmt)
-    if not _extension.extension_available():
+    if backend == "reference":
         return reference.quantize_rows_ref(x, fmt)
     return torch.ops.recxla.quantize_fp8_rows(x, fmt)
 
@@ -91,10 +88,11 @@ def dequantize_rows(
         raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype}")
     if not f.is_fp8:
         return reference.dequantize_rows_ref(packed, dim, fmt, dtype)
-    if _use_triton(packed):
+    backend = _extension.backend_for(packed)
+    if backend == "triton":
         from recxla.triton_kernels.fp8_rows import dequantize_fp8_rows_triton
 
         return dequantize_fp8_rows_triton(packed, dim, fmt, dtype)
-    if not _extension.extension_available():
+    if backend == "reference":
         return reference.dequantize_rows_ref(packed, dim, fmt, dtype)
     return torch.ops.recxla.dequantize_fp8_rows(packed, dim, fmt, dtype)
