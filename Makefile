@@ -20,8 +20,8 @@ $(STAMPS)/venv:
 	$(PYTHON_SYSTEM) -m venv $(VENV)
 	touch $@
 
-$(STAMPS)/deps: $(STAMPS)/venv requirements/base.txt requirements/test.txt
-	$(PIP) install -q -r requirements/base.txt -r requirements/test.txt
+$(STAMPS)/deps: $(STAMPS)/venv requirements/base.txt requirements/test.txt requirements/ray.txt
+	$(PIP) install -q -r requirements/base.txt -r requirements/test.txt -r requirements/ray.txt
 	# torchrec names fbgemm-gpu as a dependency: install it alone, next to the FBGEMM variant
 	# this machine can load.
 	$(PIP) install -q --no-deps $(FBGEMM) torchrec==1.9.2
