@@ -1,6 +1,12 @@
-"""TorchRec integration: recxla's quantized communication as a drop-in QComms registry.
+"""TorchRec integration.
 
-Importing this package does not import torchrec; `qcomm_codecs_registry` does, when called.
+- `EmbeddingBagCollectionSharder` (and `sharders`): shards TorchRec's (and recxla.nn's)
+  EmbeddingBagCollection onto recxla's kernels: deduplicated input dist, recxla's lookup with a
+  fused optimizer, FP8 quantized output all-to-all, every sharding type including row-wise on
+  CPU. Its sharded module is `ShardedEmbeddingBagCollection`; `CommStats` counts its bytes.
+- `qcomm_codecs_registry`: recxla's row codec as a QComms registry for TorchRec's own sharders.
+
+Importing this package does not import torchrec; the names load it on first use.
 """
 
 from recxla.torchrec.qcomm_codec import (
@@ -10,4 +16,20 @@ from recxla.torchrec.qcomm_codec import (
     qcomm_codecs_registry,
 )
 
-__all__ = ["CodecStats", "RecxlaQuantizedCommCodec", "RowCodecContext", "qcomm_codecs_registry"]
+_LAZY = {
+    "CommStats": "recxla.torchrec.comm_stats",
+    "EmbeddingBagCollectionSharder": "recxla.torchrec.sharder",
+    "sharders": "recxla.torchrec.sharder",
+    "ShardedEmbeddingBagCollection": "recxla.torchrec.sharded_embedding_bag",
+}
+
+__all__ = ["CodecStats", "RecxlaQuantizedCommCodec", "RowCodecContext", "qcomm_codecs_registry",
+           *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'recxla.torchrec' has no attribute {name!r}")

@@ -1,0 +1,421 @@
+"""recxla's sharded EmbeddingBagCollection: TorchRec's model parallelism on recxla's kernels.
+
+A subclass of TorchRec's `ShardedEmbeddingBagCollection`, so DistributedModelParallel, the
+planner, `TrainPipelineSparseDist`, state_dict and torch.distributed.checkpoint treat it as
+theirs, built on recxla's pieces instead of FBGEMM's:
+
+    input_dist   ids to their owners, deduplicated per (destination, table)   (input_dist.py)
+    compute      the owner's pooled lookup over unique rows, fused optimizer   (ops.embedding_bag)
+    output_dist  pooled rows back through recxla.quantized_all_to_all          (output_dist.py)
+
+Every sharding type is placed from the plan's shard metadata (shard_layout.py): table-wise,
+column-wise, table-column-wise, row-wise and table-row-wise, on CPU (gloo) as on GPU; row-wise
+pooled sums come back through the same all-to-all and are added by the receiver, so no
+reduce-scatter is needed (gloo has none). The output is the unsharded module's: the same
+KeyedTensor keys, order and columns.
+
+Weights: each rank holds, per table, its shards merged into one float32 [rows, cols] Parameter
+`embedding_bags.<table>.weight` (an empty one where it holds none). They start as copies of the
+unsharded module's weights when those exist (a module built on CPU), else from each table's
+init_fn. state_dict gives one ShardedTensor per table (TorchRec's layout), and load_state_dict
+takes ShardedTensors or full unsharded tensors.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torch.distributed._shard.metadata import ShardMetadata
+from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
+from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
+from torchrec.distributed.embeddingbag import (
+    ShardedEmbeddingBagCollection as TorchRecShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.types import (
+    LazyAwaitable,
+    Multistreamable,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.modules.embedding_configs import DataType, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from recxla.formats import get_format
+from recxla.ops.embedding_bag import ADAGRAD, MEAN, NONE, ROWWISE_ADAGRAD, SUM, FusedPooledLookup, LookupPlan
+from recxla.torchrec.comm_stats import CommStats
+from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer, table_update
+from recxla.torchrec.input_dist import IdRouter, LookupInput
+from recxla.torchrec.output_dist import OutputDist
+from recxla.torchrec.shard_layout import OWNER, Shard, ShardLayout, TableInfo
+
+SUPPORTED_SHARDING_TYPES = [
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+]
+_SHARDING_NAME = "recxla"
+
+
+@dataclass
+class ShardedEmbeddingBagContext(Multistreamable):
+    """Per-batch state between input_dist and the output: this rank's batch size, the
+    sources' batch sizes at the owner, and the bag lengths of row-sharded MEAN features."""
+
+    batch_size: int = 0
+    source_batches: List[int] = field(default_factory=list)
+    bag_lengths: Optional[torch.Tensor] = None
+    # TorchRec's input-dist awaitables look for per-sharding contexts; recxla keeps none.
+    sharding_contexts: List[Any] = field(default_factory=list)
+
+    def record_stream(self, stream) -> None:
+        if self.bag_lengths is not None and self.bag_lengths.is_cuda:
+            self.bag_lengths.record_stream(stream)
+
+
+class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
+    """EmbeddingBagCollection sharded by recxla (see the module docstring).
+
+    Args:
+        module: torchrec EmbeddingBagCollection or recxla.nn.EmbeddingBagCollection (FP32
+            tables, SUM or MEAN pooling).
+        table_name_to_parameter_sharding: the plan for this module (TorchRec's planner).
+        env: ShardingEnv (its process group carries the all-to-alls).
+        fused_params: TorchRec's fused_params ({"optimizer": EmbOptimType, "learning_rate",
+            "eps", "weight_decay", ...}); an optimizer attached to a table's weight wins.
+        device: where the shards live.
+        fwd_comm, bwd_comm: wire formats of pooled embeddings and of their gradients.
+        dedup_ids: let the input dist send unique ids (it picks, per destination, whichever
+            is smaller; False: always raw ids).
+        module_fqn: the module's path in the model.
+    forward(features: KeyedJaggedTensor) -> LazyAwaitable[KeyedTensor], values float32
+    [B, sum of dims] as the unsharded module's. `comm_stats` counts the bytes.
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        fused_params: Optional[Dict[str, Any]] = None,
+        device: Optional[torch.device] = None,
+        fwd_comm: str = "e4m3",
+        bwd_comm: str = "bf16",
+        dedup_ids: bool = True,
+        module_fqn: Optional[str] = None,
+    ) -> None:
+        # TorchRec's constructor builds FBGEMM lookups and its own dists; recxla builds its own.
+        ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=None)
+        get_format(fwd_comm, OWNER, "fwd_comm")
+        get_format(bwd_comm, OWNER, "bwd_comm")
+        self._module_fqn = module_fqn
+        self._env = env
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        if self._device.type == "meta":
+            raise ValueError(f"{OWNER}: shards must live on a real device, got meta")
+        self._fwd_comm, self._bwd_comm = fwd_comm, bwd_comm
+        configs = module.embedding_bag_configs()
+        self._embedding_bag_configs = configs
+        self._table_names = [c.name for c in configs]
+        self._is_weighted = module.is_weighted()
+        self._sharding_types = [_SHARDING_NAME]
+        self.module_sharding_plan = {}
+        tables, shards = [], []
+        for t, config in enumerate(configs):
+            _check_config(config)
+            if config.name not in table_name_to_parameter_sharding:
+                raise ValueError(f"{OWNER}: the plan has no entry for table '{config.name}'")
+            sharding = table_name_to_parameter_sharding[config.name]
+            self.module_sharding_plan[config.name] = sharding
+            tables.append(TableInfo(config.name, config.num_embeddings, config.embedding_dim,
+                                    list(config.feature_names),
+                                    MEAN if config.pooling == PoolingType.MEAN else SUM))
+            shards.append(_plan_shards(t, config.name, sharding))
+        group = env.process_group
+        self._layout = ShardLayout.build(tables, shards, env.rank, env.world_size)
+        self.comm_stats = CommStats()
+
+        unsharded = {c.name: module.embedding_bags[c.name].weight for c in configs}
+        updates = [table_update(c.name, unsharded[c.name], fused_params) for c in configs]
+        me = env.rank
+        local_tables = self._layout.local_tables[me]
+        local_of_table = {local.table: lt for lt, local in enumerate(local_tables)}
+        self.embedding_bags = nn.ModuleDict()
+        self._local_weights: List[nn.Parameter] = []
+        states: List[Optional[torch.Tensor]] = []
+        for t, config in enumerate(configs):
+            holder = nn.Module()
+            if t in local_of_table:
+                local = local_tables[local_of_table[t]]
+                weight = nn.Parameter(self._initial_weight(local, unsharded[config.name],
+                                                           config))
+                self._local_weights.append(weight)
+                kind, hyper = updates[t].kind, updates[t].hyperparameters
+                if kind == ADAGRAD:
+                    states.append(torch.full((local.rows, local.cols),
+                                             float(hyper["initial_accumulator_value"]),
+                                             device=self._device))
+                elif kind == ROWWISE_ADAGRAD:
+                    states.append(torch.full((local.rows,),
+                                             float(hyper["initial_accumulator_value"]),
+                                             device=self._device))
+                else:
+                    states.append(None)
+            else:
+                weight = nn.Parameter(torch.empty(0, device=self._device))
+            holder.register_parameter("weight", weight)
+            self.embedding_bags[config.name] = holder
+
+        # ShardedTensor views of the weights and optimizer states (same memory).
+        self._sharded_weights = []
+        sharded_states = []
+        for t, config in enumerate(configs):
+            local = local_tables[local_of_table[t]] if t in local_of_table else None
+            weight = self.embedding_bags[config.name].weight.detach()
+            self._sharded_weights.append(self._sharded_tensor(t, local, weight, column_state=False))
+            kind = updates[t].kind
+            if kind in (ADAGRAD, ROWWISE_ADAGRAD):
+                state = states[local_of_table[t]] if local is not None else None
+                sharded_states.append(self._sharded_tensor(t, local, state,
+                                                           column_state=kind == ROWWISE_ADAGRAD))
+            else:
+                sharded_states.append(None)
+        self._optim = ShardedFusedOptimizer(
+            [f"embedding_bags.{c.name}.weight" for c in configs], self._sharded_weights, updates,
+            [local.table for local in local_tables], states, sharded_states)
+        for t, config in enumerate(configs):
+            if updates[t].kind != NONE:
+                # TorchRec's in_backward_optimizer_filter keeps these out of dense optimizers.
+                self.embedding_bags[config.name].weight._in_backward_optimizers = [self._optim]
+        self._has_fused_update = any(updates[local.table].kind != NONE for local in local_tables)
+
+        self._router = IdRouter(self._layout, group, self._device, self._is_weighted, dedup_ids,
+                                self.comm_stats)
+        self._output = OutputDist(self._layout, group, fwd_comm, bwd_comm, self.comm_stats)
+        self._slot_table = [lt for lt, _ in self._layout.slots[me]]
+        self._owner_pooling = self._layout.owner_pooling(me)
+        self._embedding_names = list(self._layout.embedding_names)
+        self._embedding_dims = list(self._layout.embedding_dims)
+        self._register_state_dict_hook(ShardedEmbeddingBagCollection._state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _initial_weight(self, local, unsharded: torch.Tensor, config) -> torch.Tensor:
+        weight = torch.empty((local.rows, local.cols), dtype=torch.float32, device=self._device)
+        column = 0
+        with torch.no_grad():
+            for s in local.shards:
+                block = weight[:, column: column + s.cols]
+                if unsharded.device.type != "meta":
+                    block.copy_(unsharded[s.row_offset: s.row_offset + s.rows,
+                                          s.col_offset: s.col_offset + s.cols])
+                else:
+                    config.init_fn(block)
+                column += s.cols
+        return weight
+
+    def _sharded_tensor(self, t: int, local, tensor: Optional[torch.Tensor],
+                        column_state: bool) -> ShardedTensor:
+        """ShardedTensor over this rank's part of table t's weight (or of its optimizer state:
+        Adagrad's has the weight's shape; row-wise Adagrad's is [rows, column blocks], one
+        value per row of each column block)."""
+        table = self._layout.tables[t]
+        plan_shards = self.module_sharding_plan[table.name].sharding_spec.shards
+        all_shards = self._layout.shards[t]
+        column_blocks = sorted({s.col_offset for s in all_shards})
+        metadata = []
+        for s in all_shards:
+            md = plan_shards[s.index]
+            if column_state:
+                md = ShardMetadata(shard_offsets=[s.row_offset, column_blocks.index(s.col_offset)],
+                                   shard_sizes=[s.rows, 1], placement=md.placement)
+            metadata.append(md)
+        size = [table.num_embeddings, len(column_blocks) if column_state else table.embedding_dim]
+        global_metadata = ShardedTensorMetadata(
+            shards_metadata=metadata, size=torch.Size(size),
+            tensor_properties=TensorProperties(dtype=torch.float32, layout=torch.strided,
+                                               requires_grad=False,
+                                               memory_format=torch.contiguous_format,
+                                               pin_memory=False))
+        local_shards = []
+        if local is not None:
+            column = 0
+            for s in local.shards:
+                if column_state:
+                    view = tensor.view(-1, 1)
+                else:
+                    view = tensor[:, column: column + s.cols]
+                local_shards.append(LocalShard(tensor=view, metadata=metadata[all_shards.index(s)]))
+                column += s.cols
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local_shards=local_shards, sharded_tensor_metadata=global_metadata,
+            process_group=self._env.process_group)
+
+    # ------------------------------------------------------------------ TorchRec interface
+
+    def create_context(self) -> ShardedEmbeddingBagContext:
+        return ShardedEmbeddingBagContext()
+
+    def input_dist(self, ctx: ShardedEmbeddingBagContext, features: KeyedJaggedTensor):
+        """Checks the batch and starts the id all-to-alls. -> Awaitable[Awaitable[KJTList]]
+        whose KJTList holds one LookupInput (TorchRec's pipelines wait on it in two steps)."""
+        awaitable = self._router.start(features)
+        self.comm_stats.steps += 1
+        lengths = awaitable.input_lengths
+        if lengths is not None:
+            ctx.batch_size = lengths.shape[1]
+            if self._output.mean_slots:
+                ctx.bag_lengths = lengths[self._output.mean_slots].t().to(torch.float32) \
+                    .clamp(min=1.0).contiguous()
+        return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
+
+    def compute(self, ctx: ShardedEmbeddingBagContext, dist_input: KJTList) -> torch.Tensor:
+        """The owner's lookup. -> float32 [sum of the sources' batches, D_owner]."""
+        lookup_input: LookupInput = dist_input[0]
+        ctx.source_batches = lookup_input.batch_sizes
+        if not self._local_weights:
+            # Nothing to look up; still part of the graph, so this rank takes part in the
+            # gradient all-to-all of backward.
+            return torch.zeros((lookup_input.batch_size, 0), device=self._device,
+                               requires_grad=torch.is_grad_enabled())
+        plan = LookupPlan(
+            feature_table=self._slot_table,
+            pooling=self._owner_pooling,
+            batch_size=lookup_input.batch_size,
+            optimizer_step=self._optim.step_arguments if self._has_fused_update else None,
+        )
+        return FusedPooledLookup.apply(
+            plan, lookup_input.unique_values, lookup_input.unique_offsets, lookup_input.inverse,
+            lookup_input.offsets, lookup_input.per_sample_weights, *self._local_weights)
+
+    def output_dist(self, ctx: ShardedEmbeddingBagContext,
+                    output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
+        """Starts the pooled rows' all-to-all. -> LazyAwaitable[KeyedTensor]."""
+        handle, send, recv = self._output.start(output, ctx.source_batches, ctx.batch_size)
+        return _PooledEmbeddingsAwaitable(self, handle, send, recv, ctx)
+
+    def compute_and_output_dist(self, ctx: ShardedEmbeddingBagContext,
+                                input: KJTList) -> LazyAwaitable[KeyedTensor]:
+        return self.output_dist(ctx, self.compute(ctx, input))
+
+    @property
+    def fused_optimizer(self) -> ShardedFusedOptimizer:
+        return self._optim
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self._layout
+
+    def reset_parameters(self) -> None:
+        """Re-initializes every local shard with its table's init_fn."""
+        with torch.no_grad():
+            for local, weight in zip(self._layout.local_tables[self._env.rank],
+                                     self._local_weights):
+                config = self._embedding_bag_configs[local.table]
+                column = 0
+                for s in local.shards:
+                    config.init_fn(weight[:, column: column + s.cols])
+                    column += s.cols
+
+    def update_shards(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{OWNER}: resharding a live module is not supported; "
+                                  "save a checkpoint and load it into a module sharded the new way")
+
+    def extra_repr(self) -> str:
+        return (f"tables={self._table_names}, fwd_comm={self._fwd_comm!r}, "
+                f"bwd_comm={self._bwd_comm!r}, local tables="
+                f"{[self._table_names[l.table] for l in self._layout.local_tables[self._env.rank]]}")
+
+    # ------------------------------------------------------------------ state_dict
+
+    @staticmethod
+    def _state_dict_hook(module: "ShardedEmbeddingBagCollection", destination, prefix,
+                         local_metadata) -> None:
+        for name, sharded in zip(module._table_names, module._sharded_weights):
+            destination[f"{prefix}embedding_bags.{name}.weight"] = sharded
+
+    def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
+                                  missing_keys, unexpected_keys, error_msgs) -> None:
+        me = self._env.rank
+        local_of_table = {l.table: l for l in self._layout.local_tables[me]}
+        for t, name in enumerate(self._table_names):
+            key = f"{prefix}embedding_bags.{name}.weight"
+            if key not in state_dict:
+                continue
+            state_dict[key] = self._local_value(key, state_dict[key], local_of_table.get(t),
+                                                self.embedding_bags[name].weight)
+
+    def _local_value(self, key: str, value, local, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a table, from a ShardedTensor (same plan) or a full tensor."""
+        if local is None:
+            return weight.detach()
+        table = self._layout.tables[local.table]
+        out = torch.empty_like(weight)
+        column = 0
+        for s in local.shards:
+            target = out[:, column: column + s.cols]
+            column += s.cols
+            if isinstance(value, ShardedTensor):
+                match = [sh.tensor for sh in value.local_shards()
+                         if list(sh.metadata.shard_offsets) == [s.row_offset, s.col_offset]
+                         and list(sh.metadata.shard_sizes) == [s.rows, s.cols]]
+                if not match:
+                    raise ValueError(f"{OWNER}: {key} holds no shard at rows {s.row_offset}+"
+                                     f"{s.rows}, columns {s.col_offset}+{s.cols} on rank "
+                                     f"{self._env.rank}: it was saved with another plan")
+                target.copy_(match[0])
+            elif isinstance(value, torch.Tensor) and tuple(value.shape) == \
+                    (table.num_embeddings, table.embedding_dim):
+                target.copy_(value[s.row_offset: s.row_offset + s.rows,
+                                   s.col_offset: s.col_offset + s.cols])
+            else:
+                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
+                raise ValueError(f"{OWNER}: {key} must be a ShardedTensor or a full "
+                                 f"[{table.num_embeddings}, {table.embedding_dim}] tensor, "
+                                 f"got {shape}")
+        return out
+
+
+class _PooledEmbeddingsAwaitable(LazyAwaitable[KeyedTensor]):
+    def __init__(self, module: ShardedEmbeddingBagCollection, handle, send, recv,
+                 ctx: ShardedEmbeddingBagContext):
+        super().__init__()
+        self._module, self._handle, self._send, self._recv, self._ctx = \
+            module, handle, send, recv, ctx
+
+    def _wait_impl(self) -> KeyedTensor:
+        module = self._module
+        values = module._output.finish(self._handle, self._send, self._recv,
+                                       self._ctx.batch_size, self._ctx.bag_lengths,
+                                       module._optim.count_step)
+        self._handle = None
+        return KeyedTensor(keys=module._embedding_names,
+                           length_per_key=module._embedding_dims, values=values)
+
+
+def _check_config(config) -> None:
+    if config.data_type != DataType.FP32:
+        raise TypeError(f"{OWNER}: table '{config.name}' must be FP32, got {config.data_type}")
+    if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+        raise ValueError(f"{OWNER}: table '{config.name}' pooling must be SUM or MEAN, got "
+                         f"{config.pooling}")
+
+
+def _plan_shards(t: int, name: str, sharding: ParameterSharding) -> List[Shard]:
+    if sharding.sharding_type not in SUPPORTED_SHARDING_TYPES:
+        raise ValueError(f"{OWNER}: table '{name}' is planned {sharding.sharding_type}; recxla "
+                         f"shards {SUPPORTED_SHARDING_TYPES}")
+    if sharding.sharding_spec is None:
+        raise ValueError(f"{OWNER}: the plan for table '{name}' has no sharding_spec")
+    return [Shard(t, k, md.placement.rank(), md.shard_offsets[0], md.shard_sizes[0],
+                  md.shard_offsets[1], md.shard_sizes[1])
+            for k, md in enumerate(sharding.sharding_spec.shards)]

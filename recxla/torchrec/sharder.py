@@ -1,0 +1,102 @@
+"""recxla's sharder: the one line that moves a TorchRec model's embeddings onto recxla.
+
+    sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.05},
+        fwd_comm="e4m3", bwd_comm="bf16")
+    plan = EmbeddingShardingPlanner(topology).collective_plan(model, [sharder], pg)
+    model = DistributedModelParallel(model, env, device, sharders=[sharder], plan=plan)
+
+It is TorchRec's EmbeddingBagCollectionSharder with recxla's sharded module
+(`recxla.torchrec.ShardedEmbeddingBagCollection`), and it offers row-wise sharding on CPU as
+well (TorchRec's CPU sharder cannot: gloo has no reduce-scatter). DistributedModelParallel picks
+a sharder by the module's exact type, so one sharder serves one module type: TorchRec's
+EmbeddingBagCollection by default, `recxla.nn.EmbeddingBagCollection` with
+`module_type=recxla.nn.EmbeddingBagCollection`; `sharders(...)` returns both.
+"""
+
+from typing import Any, Dict, List, Optional, Type
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder as TorchRecEmbeddingBagCollectionSharder,
+)
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from recxla.formats import get_format
+from recxla.torchrec.sharded_embedding_bag import (
+    SUPPORTED_SHARDING_TYPES,
+    ShardedEmbeddingBagCollection,
+)
+
+NAME = "recxla.torchrec.EmbeddingBagCollectionSharder"
+
+
+class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
+    """Shards EmbeddingBagCollections onto recxla's kernels and quantized all-to-alls.
+
+    Args:
+        fused_params: as for TorchRec's sharder: {"optimizer": EmbOptimType.EXACT_SGD |
+            EXACT_ADAGRAD | EXACT_ROWWISE_ADAGRAD, "learning_rate": float, "eps": float,
+            "weight_decay": float}. An optimizer attached to a table with
+            `apply_optimizer_in_backward` takes precedence. None and nothing attached: the
+            shards get ordinary gradients.
+        fwd_comm: wire format of the pooled embeddings: "e4m3" (default), "e5m2", "bf16",
+            "fp16" or "fp32".
+        bwd_comm: wire format of their gradients (default "bf16").
+        dedup_ids: the input dist may send unique ids plus an inverse index (default True).
+        module_type: the module class to shard: torchrec's EmbeddingBagCollection (default)
+            or a subclass such as recxla.nn.EmbeddingBagCollection.
+    """
+
+    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, fwd_comm: str = "e4m3",
+                 bwd_comm: str = "bf16", dedup_ids: bool = True,
+                 module_type: Optional[Type[EmbeddingBagCollection]] = None) -> None:
+        super().__init__(fused_params=fused_params)
+        get_format(fwd_comm, NAME, "fwd_comm")
+        get_format(bwd_comm, NAME, "bwd_comm")
+        if not isinstance(dedup_ids, bool):
+            raise TypeError(f"{NAME}: dedup_ids must be a bool, got {dedup_ids!r}")
+        module_type = EmbeddingBagCollection if module_type is None else module_type
+        if not (isinstance(module_type, type) and issubclass(module_type, EmbeddingBagCollection)):
+            raise TypeError(f"{NAME}: module_type must be torchrec's EmbeddingBagCollection or a "
+                            f"subclass, got {module_type!r}")
+        self._fwd_comm, self._bwd_comm, self._dedup_ids = fwd_comm, bwd_comm, dedup_ids
+        self._module_type = module_type
+
+    def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding],
+              env: ShardingEnv, device: Optional[torch.device] = None,
+              module_fqn: Optional[str] = None) -> ShardedEmbeddingBagCollection:
+        return ShardedEmbeddingBagCollection(
+            module, params, env, fused_params=self.fused_params, device=device,
+            fwd_comm=self._fwd_comm, bwd_comm=self._bwd_comm, dedup_ids=self._dedup_ids,
+            module_fqn=module_fqn)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(SUPPORTED_SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        # recxla's lookup (the planner's estimates treat it as TorchRec's fused kernel).
+        return [EmbeddingComputeKernel.FUSED.value]
+
+    def reshard(self, *args, **kwargs):
+        raise NotImplementedError(f"{NAME}: resharding a live module is not supported; save a "
+                                  "checkpoint and load it into a module sharded the new way")
+
+    @property
+    def module_type(self) -> Type[EmbeddingBagCollection]:
+        return self._module_type
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedEmbeddingBagCollection]:
+        return ShardedEmbeddingBagCollection
+
+
+def sharders(**kwargs) -> List[EmbeddingBagCollectionSharder]:
+    """One recxla sharder for torchrec's EmbeddingBagCollection and one for
+    recxla.nn.EmbeddingBagCollection, with the same arguments (those of the sharder)."""
+    from recxla.nn import EmbeddingBagCollection as RecxlaEmbeddingBagCollection
+
+    return [EmbeddingBagCollectionSharder(**kwargs),
+            EmbeddingBagCollectionSharder(module_type=RecxlaEmbeddingBagCollection, **kwargs)]
