@@ -1,0 +1,206 @@
+"""`recxla-train` / `python -m recxla.train`: the trainer's entry point.
+
+    torchrun --nproc-per-node 2 -m recxla.train --steps 100 --metrics recxla.json
+    torchrun --nproc-per-node 2 -m recxla.train --steps 100 --baseline torchrec \\
+        --metrics torchrec.json
+    recxla-train --compare recxla.json torchrec.json --chart compare.png
+
+A run: options checked (exit 2 on a bad one, before any process group) -> process group and
+watchdog -> model (TorchRec's DLRM or DLRM_DCN), plan, DMP with this path's sharder, seeded
+tables -> optional resume -> TorchRec's TrainPipelineSparseDist for --steps steps, measured ->
+final checkpoint -> AUC on the held-out split -> summary on rank 0 (printed; JSON with
+--metrics). Exit status: 0 done; 1 this rank failed; 2 bad options; 3 another rank died, hung
+or failed (the message names it); 4 this rank made no progress for --timeout seconds.
+"""
+
+import os
+import sys
+import time
+import traceback
+from typing import List, Optional, Sequence
+
+EXIT_BAD_OPTIONS = 2
+_COMM_ERROR_WORDS = ("connection", "peer", "timed out", "timeout", "gloo", "nccl", "closed",
+                     "reset", "broken pipe")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--compare" in argv:
+        from recxla.train.compare import main as compare_main
+
+        return compare_main(argv)
+    from recxla.train.config import parse_config
+
+    config = parse_config(argv)  # exits 2 with the option's name on a bad one
+    from recxla.train import checkpoint
+    from recxla.train.rendezvous import place_from_env
+
+    try:
+        place = place_from_env()
+        if config.resume:
+            checkpoint.check_compatible(
+                config, place.world_size,
+                checkpoint.read_train_state(checkpoint.latest_checkpoint(config.checkpoint_dir)[1]))
+    except ValueError as e:
+        print(f"recxla-train: error: {e}", file=sys.stderr)
+        return EXIT_BAD_OPTIONS
+    run(config, place)
+    return 0
+
+
+def _is_comm_error(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return isinstance(e, RuntimeError) and any(w in text for w in _COMM_ERROR_WORDS)
+
+
+def run(config, place) -> dict:
+    """Train on this rank (a collective over the job); returns the summary (every rank).
+
+    On failure this process exits (os._exit) with the status of the module docstring, after
+    telling its peers through the store: a failed rank cannot leave a process group cleanly.
+    """
+    import torch
+
+    from recxla.train.comm_meter import CommMeter
+    from recxla.train.memory import keep_freed_memory
+    from recxla.train.rendezvous import connect
+    from recxla.train.watchdog import EXIT_FAILED, EXIT_PEER_FAILED, Watchdog
+
+    if config.allocator == "keep":
+        keep_freed_memory()
+    torch.set_num_threads(config.threads)
+    conn = connect(place, config.device, config.timeout)
+    watchdog = Watchdog(conn.watchdog_store, place.rank, place.world_size, config.timeout)
+    watchdog.start()
+    meter = CommMeter(ranks_per_node=place.local_world_size)
+    try:
+        with meter.installed():
+            summary = _train(config, conn, watchdog, meter)
+    except BaseException as e:  # noqa: B902 (KeyboardInterrupt too: peers must hear of it)
+        culprit = watchdog.culprit(wait=_is_comm_error(e))
+        if culprit is not None:
+            print(f"recxla-train: rank {place.rank}: exiting: {culprit} (this rank saw: "
+                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                  file=sys.stderr, flush=True)
+            os._exit(EXIT_PEER_FAILED)
+        watchdog.report_failure(f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
+    watchdog.stop()
+    conn.close()
+    return summary
+
+
+def _train(config, conn, watchdog, meter) -> dict:
+    import torch.distributed as dist
+
+    from recxla.train import checkpoint
+    from recxla.train.data import TrainData
+    from recxla.train.loop import MeteredPipeline, Progress, StepLog, run_steps
+    from recxla.train.metrics import (
+        evaluate, format_summary, local_figures, machine, summarize, write_metrics)
+    from recxla.train.models import build_model, init_embedding_tables
+    from recxla.train.sharding import (
+        build_optimizer, build_sharder, codec_row_dim, embedding_tables, plan_sharding,
+        plan_summary, shard_model, sharder_description)
+
+    place, device = conn.place, conn.device
+    world = place.world_size
+    data = TrainData(config, place.rank, world)
+    tables = data.tables(config.embedding_dim)
+    model = build_model(config, tables, data.num_dense, device)
+    watchdog.progress("planning")
+    with meter.phase("setup"):
+        plan = plan_sharding(model, config, tables, world, place.local_world_size, device)
+        row_dim = codec_row_dim(plan, config.embedding_dim)
+        watchdog.progress("sharding")
+        dmp = shard_model(model, build_sharder(config, row_dim), plan, device)
+        init_embedding_tables(embedding_tables(dmp), tables, config.seed)
+        optimizer = build_optimizer(dmp, config)
+        start = 0
+        if config.resume:
+            watchdog.progress("loading the checkpoint")
+            start = checkpoint.load(checkpoint.latest_checkpoint(config.checkpoint_dir)[1],
+                                    dmp, optimizer)
+    pipeline = MeteredPipeline(dmp, optimizer, device, meter)
+    progress = Progress(place.rank == 0 and config.progress, config.steps, start,
+                        config.batch_size * world)
+    log = StepLog(first=start)
+    warmup = min(config.warmup_steps, max(config.steps - start - 1, 0))
+    stats_modules = [m for m in dmp.modules() if hasattr(m, "comm_stats")]
+
+    def on_step_done(done: int) -> None:
+        watchdog.progress(f"step {done}")
+        if done == start + warmup:
+            for m in stats_modules:
+                m.comm_stats.reset()
+        every = config.checkpoint_every
+        if config.checkpoint_dir and every and done % every == 0 and done < config.steps:
+            _checkpoint(done)
+
+    def _checkpoint(done: int) -> None:
+        began = time.perf_counter()
+        watchdog.progress(f"checkpoint at step {done}")
+        with meter.phase("checkpoint"):
+            checkpoint.save(config.checkpoint_dir, done, dmp, optimizer, config, world)
+        log.checkpoint_s += time.perf_counter() - began
+        watchdog.progress(f"step {done}, checkpoint written")
+
+    watchdog.progress(f"step {start}")
+    run_steps(pipeline, data.train(start, config.steps), start, config.steps, meter, progress,
+              on_step_done, log)
+    progress.close()
+    if config.checkpoint_dir:
+        _checkpoint(config.steps)
+    watchdog.progress("evaluation")
+    pipeline.detach()
+    with meter.phase("eval"):
+        evaluation = evaluate(dmp, data.held_out(), device)
+        watchdog.progress("summary")
+        figures = local_figures(log, meter, warmup)
+        figures["sharder_comm_stats"] = _comm_stats(stats_modules)
+        gathered: List[Optional[dict]] = [None] * world
+        dist.all_gather_object(gathered, figures)
+    summary = {
+        "name": config.display_name, "path": config.path,
+        "sharder": sharder_description(config), "world_size": world,
+        "nodes": world // place.local_world_size, "device": str(device),
+        "resumed_from_step": start if config.resume else None, "codec_row_dim": row_dim,
+        **summarize(config, gathered, world), **evaluation,
+        "sharder_comm_stats_per_step": _sum_stats([g["sharder_comm_stats"] for g in gathered],
+                                                  max(config.steps - start - warmup, 1)),
+        "plan": plan_summary(plan), "config": config.asdict(), "machine": machine(),
+    }
+    if place.rank == 0:
+        print(format_summary(summary), flush=True)
+        if config.metrics:
+            write_metrics(config.metrics, summary)
+            print(f"wrote {config.metrics}", flush=True)
+    return summary
+
+
+def _comm_stats(modules) -> dict:
+    """The sharded modules' own counters (recxla's sharder keeps them), summed."""
+    out = {}
+    for m in modules:
+        stats = m.comm_stats
+        for name in ("id_bytes_sent", "id_bytes_received", "id_bytes_without_dedup",
+                     "embedding_bytes_sent", "embedding_bytes_received", "gradient_bytes_sent",
+                     "gradient_bytes_received"):
+            if hasattr(stats, name):
+                out[name] = out.get(name, 0) + int(getattr(stats, name))
+    return out
+
+
+def _sum_stats(per_rank: List[dict], steps: int) -> Optional[dict]:
+    total = {}
+    for stats in per_rank:
+        for k, v in stats.items():
+            total[k] = total.get(k, 0) + v
+    return {k: v / steps for k, v in total.items()} if total else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""The trainer's options: one argparse parser, one TrainConfig, every check done before any
+process group exists (a bad option costs no rendezvous and no peer's time).
+
+`parse_config(argv)` returns a TrainConfig or exits with status 2 and a message naming the
+option and its limit (argparse's convention). Option names are fixed (scripts rely on them):
+`--steps --batch-size --fwd-comm --bwd-comm --sharding --micro-batches --checkpoint-dir --resume
+--metrics --baseline torchrec --baseline-comms --seed --timeout --device`.
+"""
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+PROG = "recxla-train"
+WIRE_FORMATS = ("e4m3", "e5m2", "bf16", "fp16", "fp32")
+BASELINE_COMMS = ("fp32", "fp16", "bf16")
+SHARDINGS = ("auto", "table_wise", "column_wise", "table_column_wise", "row_wise")
+# TorchRec's own sharders offer these on CPU (gloo lacks the reduce-scatter row-wise needs).
+TORCHREC_CPU_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")
+PROFILES = ("criteo", "small")
+# Backward wire format of the recxla path: measured in bench/results/training.md
+# (convergence section), where e4m3 forward with this backward stays within 0.002 AUC of fp32.
+DEFAULT_BWD_COMM = "bf16"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run depends on; `asdict()` goes into the metrics JSON."""
+
+    model: str = "dlrm"
+    embedding_dim: int = 64
+    dense_arch: Tuple[int, ...] = (512, 256)
+    over_arch: Tuple[int, ...] = (512, 256)
+    dcn_layers: int = 3
+    dcn_low_rank: int = 64
+    batch_size: int = 1024
+    steps: int = 100
+    epochs: int = 1
+    train_batches: int = 100
+    eval_batches: int = 8
+    warmup_steps: int = 5
+    dense_lr: float = 0.01
+    sparse_lr: float = 0.05
+    dense_optimizer: str = "adagrad"
+    sparse_optimizer: str = "rowwise_adagrad"
+    fwd_comm: str = "e4m3"
+    bwd_comm: str = DEFAULT_BWD_COMM
+    dedup_ids: bool = True
+    sharding: str = "auto"
+    micro_batches: int = 1
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    metrics: Optional[str] = None
+    baseline: Optional[str] = None
+    baseline_comms: str = "fp32"
+    seed: int = 0
+    timeout: float = 120.0
+    device: str = "cpu"
+    profile: str = "criteo"
+    max_rows: int = 100_000
+    zipf: float = 1.05
+    allocator: str = "keep"
+    threads: int = 1
+    progress: bool = True
+    label: Optional[str] = None
+
+    @property
+    def path(self) -> str:
+        """"torchrec" (the baseline) or "recxla"."""
+        return "torchrec" if self.baseline else "recxla"
+
+    @property
+    def comms(self) -> Tuple[str, str]:
+        """(forward, backward) wire formats of the pooled-embedding all-to-all."""
+        if self.baseline:
+            return self.baseline_comms, self.baseline_comms
+        return self.fwd_comm, self.bwd_comm
+
+    @property
+    def display_name(self) -> str:
+        if self.label:
+            return self.label
+        fwd, bwd = self.comms
+        dedup = "" if self.baseline or self.dedup_ids else ", no dedup"
+        return f"{self.path} {fwd}/{bwd}{dedup}"
+
+    def asdict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
+    return value
+
+
+def _layer_sizes(text: str) -> Tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}")
+    return sizes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Train TorchRec's DLRM (or DLRM_DCN) on synthetic ranking logs across "
+        "ranks with recxla's communication, or with plain TorchRec (--baseline torchrec). "
+        "Launch with torchrun (gloo on CPU, NCCL on GPU). `recxla-train --compare A.json "
+        "B.json ...` compares metrics files instead.",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=("dlrm", "dcn"), default=d.model,
+                   help="dlrm: torchrec.models.dlrm.DLRM; dcn: DLRM_DCN")
+    m.add_argument("--embedding-dim", type=_int_at_least(1), default=d.embedding_dim)
+    m.add_argument("--dense-arch", type=_layer_sizes, default=d.dense_arch,
+                   help="bottom MLP hidden sizes; the embedding dim is appended")
+    m.add_argument("--over-arch", type=_layer_sizes, default=d.over_arch,
+                   help="top MLP hidden sizes; the output size 1 is appended")
+    m.add_argument("--dcn-layers", type=_int_at_least(1), default=d.dcn_layers)
+    m.add_argument("--dcn-low-rank", type=_int_at_least(1), default=d.dcn_low_rank)
+
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=_int_at_least(1), default=d.batch_size,
+                   help="samples per rank per step")
+    t.add_argument("--steps", type=_int_at_least(1), default=None,
+                   help="total steps (default: epochs x train batches)")
+    t.add_argument("--epochs", type=_int_at_least(1), default=d.epochs)
+    t.add_argument("--train-batches", type=_int_at_least(1), default=d.train_batches,
+                   help="batches per rank in one epoch of the synthetic training split")
+    t.add_argument("--eval-batches", type=_int_at_least(1), default=d.eval_batches,
+                   help="held-out batches per rank for the final AUC")
+    t.add_argument("--warmup-steps", type=_int_at_least(0), default=d.warmup_steps,
+                   help="first steps left out of the throughput figures")
+    t.add_argument("--dense-lr", type=_positive_float, default=d.dense_lr)
+    t.add_argument("--sparse-lr", type=_positive_float, default=d.sparse_lr)
+    t.add_argument("--dense-optimizer", choices=("adagrad", "sgd"), default=d.dense_optimizer)
+    t.add_argument("--sparse-optimizer", choices=("rowwise_adagrad", "sgd"),
+                   default=d.sparse_optimizer, help="fused into the embedding backward")
+    t.add_argument("--seed", type=_int_at_least(0), default=d.seed)
+
+    c = p.add_argument_group("communication and sharding")
+    c.add_argument("--fwd-comm", choices=WIRE_FORMATS, default=None,
+                   help=f"recxla: wire format of the forward embeddings (default {d.fwd_comm})")
+    c.add_argument("--bwd-comm", choices=WIRE_FORMATS, default=None,
+                   help=f"recxla: wire format of the backward gradients (default {d.bwd_comm})")
+    c.add_argument("--dedup-ids", action=argparse.BooleanOptionalAction, default=None,
+                   help="recxla: the input dist sends unique ids (default on)")
+    c.add_argument("--sharding", choices=SHARDINGS, default=d.sharding,
+                   help="one sharding type for every table, or auto (TorchRec's planner)")
+    c.add_argument("--micro-batches", type=_int_at_least(1), default=d.micro_batches)
+    c.add_argument("--baseline", choices=("torchrec",), default=None,
+                   help="train with plain TorchRec (DMP + TrainPipelineSparseDist) instead")
+    c.add_argument("--baseline-comms", choices=BASELINE_COMMS, default=None,
+                   help="TorchRec's own codecs for the baseline (default fp32)")
+
+    data = p.add_argument_group("data")
+    data.add_argument("--profile", choices=PROFILES, default=d.profile,
+                      help="criteo: the 26 Criteo Kaggle tables; small: the same, tables of "
+                      "at most 2000 rows and short history bags (tests, demos)")
+    data.add_argument("--max-rows", type=_int_at_least(1), default=None,
+                      help=f"cap on table rows (criteo default {d.max_rows})")
+    data.add_argument("--zipf", type=float, default=d.zipf, help="key skew, 0 = uniform")
+    data.add_argument("--data", default=None, help="training files (recxla.data.make_loader)")
+    data.add_argument("--loader", choices=("local", "ray"), default="local")
+
+    r = p.add_argument_group("run")
+    r.add_argument("--checkpoint-dir", default=None)
+    r.add_argument("--checkpoint-every", type=_int_at_least(0), default=d.checkpoint_every,
+                   help="steps between checkpoints (0: only at the end)")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir")
+    r.add_argument("--metrics", default=None, help="write the summary as JSON here")
+    r.add_argument("--label", default=None, help="this run's name in --compare tables")
+    r.add_argument("--timeout", type=_positive_float, default=d.timeout,
+                   help="seconds without progress after which every rank exits, naming the "
+                   "rank that stopped")
+    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    r.add_argument("--threads", type=_int_at_least(1), default=None,
+                   help="compute threads per rank (default: cores / ranks on this node)")
+    r.add_argument("--allocator", choices=("keep", "default"), default=d.allocator,
+                   help="keep: freed memory stays in the process (no page faults per step); "
+                   "default: glibc's defaults")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="rank 0's progress bar")
+    return p
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible on this machine")
+    return requested
+
+
+def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
+    """Cross-option checks; returns the TrainConfig fields. Calls parser.error on a bad mix."""
+    err = parser.error
+    if ns.baseline:
+        for flag, value in (("--fwd-comm", ns.fwd_comm), ("--bwd-comm", ns.bwd_comm),
+                            ("--dedup-ids", ns.dedup_ids)):
+            if value is not None:
+                err(f"{flag} sets the recxla path; with --baseline torchrec use --baseline-comms")
+    elif ns.baseline_comms is not None:
+        err("--baseline-comms needs --baseline torchrec (the recxla path takes --fwd-comm and "
+            "--bwd-comm)")
+    if ns.micro_batches != 1:
+        err(f"--micro-batches {ns.micro_batches}: only 1 is supported for now; splitting a batch "
+            "into micro-batches needs the overlap pipeline, which comes in a later issue")
+    try:
+        device = resolve_device(ns.device)
+    except ValueError as e:
+        err(str(e))
+    if ns.baseline and device == "cpu" and ns.sharding == "row_wise":
+        err("--sharding row_wise with --baseline torchrec: TorchRec's sharders offer no row-wise "
+            "sharding on CPU (gloo lacks the reduce-scatter it needs); use one of "
+            f"{', '.join(TORCHREC_CPU_SHARDINGS)} or auto, or the recxla path")
+    steps = ns.steps if ns.steps is not None else ns.epochs * ns.train_batches
+    if ns.steps is not None and ns.steps > ns.epochs * ns.train_batches and ns.epochs > 1:
+        err(f"--steps {ns.steps} is more than --epochs {ns.epochs} x --train-batches "
+            f"{ns.train_batches}; give one or the other")
+    if ns.warmup_steps >= steps:
+        err(f"--warmup-steps {ns.warmup_steps} must be less than the {steps} steps, or no step "
+            "is left to measure")
+    if (ns.resume or ns.checkpoint_every) and not ns.checkpoint_dir:
+        err("--resume and --checkpoint-every need --checkpoint-dir")
+    if ns.resume:
+        from recxla.train.checkpoint import latest_checkpoint
+
+        if latest_checkpoint(ns.checkpoint_dir) is None:
+            err(f"--resume: no checkpoint in --checkpoint-dir {ns.checkpoint_dir!r}")
+    for flag, path in (("--metrics", ns.metrics), ("--checkpoint-dir", ns.checkpoint_dir)):
+        parent = os.path.dirname(os.path.abspath(path)) if path else None
+        if parent and not os.path.isdir(parent):
+            err(f"{flag} {path!r}: the folder {parent!r} does not exist")
+    if ns.checkpoint_dir and os.path.exists(ns.checkpoint_dir) and \
+            not os.path.isdir(ns.checkpoint_dir):
+        err(f"--checkpoint-dir {ns.checkpoint_dir!r} is a file, not a folder")
+    if ns.data is not None:
+        err(f"--data {ns.data!r}: training from files needs recxla.data.make_loader, which is "
+            "not available yet; omit --data to train on the synthetic logs")
+    if not ns.zipf >= 0:
+        err(f"--zipf must be >= 0, got {ns.zipf}")
+    max_rows = ns.max_rows if ns.max_rows is not None else (
+        2000 if ns.profile == "small" else TrainConfig.max_rows)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    threads = ns.threads or max(1, (os.cpu_count() or 1) // max(local_ranks, 1))
+    d = TrainConfig()
+    return dict(
+        model=ns.model, embedding_dim=ns.embedding_dim, dense_arch=tuple(ns.dense_arch),
+        over_arch=tuple(ns.over_arch), dcn_layers=ns.dcn_layers, dcn_low_rank=ns.dcn_low_rank,
+        batch_size=ns.batch_size, steps=steps, epochs=ns.epochs, train_batches=ns.train_batches,
+        eval_batches=ns.eval_batches, warmup_steps=ns.warmup_steps, dense_lr=ns.dense_lr,
+        sparse_lr=ns.sparse_lr, dense_optimizer=ns.dense_optimizer,
+        sparse_optimizer=ns.sparse_optimizer, fwd_comm=ns.fwd_comm or d.fwd_comm,
+        bwd_comm=ns.bwd_comm or d.bwd_comm,
+        dedup_ids=False if ns.baseline else (ns.dedup_ids is not False),
+        sharding=ns.sharding, micro_batches=ns.micro_batches,
+        checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
+        resume=ns.resume, metrics=ns.metrics, baseline=ns.baseline,
+        baseline_comms=ns.baseline_comms or "fp32", seed=ns.seed, timeout=ns.timeout,
+        device=device, profile=ns.profile, max_rows=max_rows, zipf=ns.zipf,
+        allocator=ns.allocator, threads=threads, progress=ns.progress, label=ns.label,
+    )
+
+
+def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
+    """TrainConfig from command-line arguments; exits with status 2 on a bad option."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return TrainConfig(**_check(parser, ns))
+
+
+def split_compare(argv: Sequence[str]) -> Optional[List[str]]:
+    """The arguments after --compare when this is a comparison run, else None."""
+    argv = list(argv)
+    return argv[argv.index("--compare") + 1:] if "--compare" in argv else None

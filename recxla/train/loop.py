@@ -1,0 +1,146 @@
+"""The training loop: TorchRec's TrainPipelineSparseDist, step by step, measured.
+
+Both paths run the same pipeline (TorchRec's, which overlaps the next batch's id all-to-all
+with the current step), so the comparison is of the sharded modules and their communication,
+not of two loops. `MeteredPipeline` only tells the CommMeter which phase each collective belongs
+to: "input" (the id all-to-alls of the input dist), "forward", "backward" (the embedding
+gradients' all-to-all and the dense all-reduce) and "optimizer".
+
+The dense all-reduce waits inside DDP's C++ finalize at the end of backward, where no Python
+wait() can time it: a callback queued when backward starts runs once the autograd graph is done
+and queues a second one behind DDP's finalize; the time between them is the caller blocked on
+the all-reduce (plus DDP's copy of the averaged buckets into .grad, microseconds).
+
+Per step (one `progress()` call) the loop records the wall time, the time spent producing the
+batch (`data_s`, part of the step), the loss, and the minor page faults; rank 0 shows a
+progress bar. Steps, checkpoints and the evaluation are reported to the watchdog as progress.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional
+
+import torch
+from torch.autograd import Variable
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from recxla.train.comm_meter import CommMeter
+from recxla.train.memory import minor_faults
+
+
+class MeteredPipeline(TrainPipelineSparseDist):
+    """TrainPipelineSparseDist that tags its collectives with phases for a CommMeter."""
+
+    def __init__(self, model, optimizer, device: torch.device, meter: CommMeter):
+        super().__init__(model, optimizer, device, execute_all_batches=True)
+        self.meter = meter
+
+    def start_sparse_data_dist(self, *args, **kwargs):
+        with self.meter.phase("input"):
+            return super().start_sparse_data_dist(*args, **kwargs)
+
+    def wait_sparse_data_dist(self, *args, **kwargs):
+        with self.meter.phase("input"):
+            return super().wait_sparse_data_dist(*args, **kwargs)
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        clock, marks = self.meter.clock, {}
+        engine = Variable._execution_engine
+
+        def graph_done():
+            marks["graph_done"] = clock()
+            engine.queue_callback(lambda: marks.__setitem__("finalized", clock()))
+
+        if losses.requires_grad:
+            losses.register_hook(lambda grad: engine.queue_callback(graph_done))
+        with self.meter.phase("backward"):
+            super()._backward(losses)
+            if len(marks) == 2:
+                self.meter.add_blocked(marks["finalized"] - marks["graph_done"])
+
+    def _optimizer_step(self) -> None:
+        with self.meter.phase("optimizer"):
+            super()._optimizer_step()
+
+
+class TimedIterator:
+    """Wraps a batch iterator; `take()` returns the seconds spent in next() since last take."""
+
+    def __init__(self, batches: Iterator, clock: Callable[[], float]):
+        self._batches, self._clock, self._spent = batches, clock, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = self._clock()
+        try:
+            return next(self._batches)
+        finally:
+            self._spent += self._clock() - start
+
+    def take(self) -> float:
+        spent, self._spent = self._spent, 0.0
+        return spent
+
+
+@dataclass
+class StepLog:
+    """What this rank measured, one entry per step run (index: step - first)."""
+
+    first: int = 0
+    seconds: List[float] = field(default_factory=list)
+    data_s: List[float] = field(default_factory=list)
+    loss: List[float] = field(default_factory=list)
+    faults: List[int] = field(default_factory=list)
+    checkpoint_s: float = 0.0
+
+
+class Progress:
+    """rank 0's tqdm bar with examples/s and loss; a no-op elsewhere."""
+
+    def __init__(self, enabled: bool, total: int, initial: int, examples_per_step: int):
+        self.bar = None
+        self.examples_per_step = examples_per_step
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                            desc="train")
+
+    def update(self, seconds: float, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"{self.examples_per_step / seconds:,.0f} ex/s, loss {loss:.4f}", refresh=False)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_steps(pipeline: MeteredPipeline, batches: Iterator, first: int, last: int,
+              meter: CommMeter, progress: Progress, on_step_done: Callable[[int], None],
+              log: Optional[StepLog] = None) -> StepLog:
+    """Train steps first .. last - 1 (`batches` yields exactly their batches).
+
+    on_step_done(steps_done) runs after each step (watchdog, checkpoints); its time is not
+    part of the step. Returns the StepLog.
+    """
+    log = log or StepLog(first=first)
+    timed = TimedIterator(batches, meter.clock)
+    for step in range(first, last):
+        faults = minor_faults()
+        meter.begin_step(step)
+        start = meter.clock()
+        with meter.phase("forward"):
+            loss, _, _ = pipeline.progress(timed)
+        seconds = meter.clock() - start
+        meter.end_step()
+        log.seconds.append(seconds)
+        log.data_s.append(timed.take())
+        log.faults.append(minor_faults() - faults)
+        log.loss.append(float(loss))
+        progress.update(seconds, log.loss[-1])
+        on_step_done(step + 1)
+    return log

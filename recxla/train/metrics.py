@@ -1,0 +1,209 @@
+"""The run's figures: throughput, the step's time split, bytes on the wire, loss and AUC.
+
+Every rank measures its own steps (recxla.train.loop) and communication (CommMeter); rank 0
+gathers them and builds the summary that is printed and written as JSON (--metrics):
+
+- examples_per_s: global examples per second over the steps after warm-up (each step lasts as
+  long as its slowest rank), and examples_per_s_p50 from the median step;
+- step_time_s: mean per step, split into data (making the batch), compute, and exposed
+  communication (the caller blocked on a collective); comm_s is the time collectives were in
+  flight, hidden or not, and exposed_comm_fraction = exposed / step time;
+- wire_bytes_per_step: bytes all ranks together send to other ranks per step (a rank's own
+  split never leaves it), by what they carry: ids (input dist), embeddings forward, embedding
+  gradients backward, dense all-reduce; cross_node_bytes_per_step: the part between nodes;
+- final_loss: mean training loss over the last steps, over all ranks; auc and eval_loss on the
+  held-out split (torchmetrics' exact BinaryAUROC, synced over the ranks).
+"""
+
+import json
+import math
+import os
+import platform
+import statistics
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from recxla.train.comm_meter import CommMeter
+from recxla.train.config import TrainConfig
+from recxla.train.loop import StepLog
+
+LAST_LOSS_STEPS = 20
+# What every metrics file holds (scripts and --compare rely on them).
+REQUIRED_KEYS = ("examples_per_s", "exposed_comm_fraction", "wire_bytes_per_step", "final_loss",
+                 "auc")
+# CommMeter "<phase>/<kind>" -> summary key
+BYTE_KEYS = {
+    "input/ids": "ids",
+    "forward/embeddings": "embeddings_fwd",
+    "backward/embeddings": "embeddings_bwd",
+    "backward/dense": "dense_allreduce",
+}
+
+
+@torch.no_grad()
+def evaluate(model, batches, device: torch.device) -> Dict[str, float]:
+    """AUC and BCE loss of `model` (DLRMTrain, sharded) over this rank's held-out `batches`,
+    combined over all ranks. Returns {"auc", "eval_loss", "eval_examples"}."""
+    from torchmetrics.classification import BinaryAUROC
+
+    auroc = BinaryAUROC().to(device)
+    loss_sum = torch.zeros(2, dtype=torch.float64)
+    model.eval()
+    try:
+        for batch in batches:
+            batch = batch.to(device)
+            _, (_, logits, labels) = model(batch)
+            auroc.update(logits.float(), labels.long())
+            loss_sum[0] += torch.nn.functional.binary_cross_entropy_with_logits(
+                logits.float(), labels.float(), reduction="sum").item()
+            loss_sum[1] += labels.numel()
+        auc = float(auroc.compute())  # gathers every rank's predictions
+    finally:
+        model.train()
+    dist.all_reduce(loss_sum)
+    return {"auc": auc, "eval_loss": float(loss_sum[0] / loss_sum[1]),
+            "eval_examples": int(loss_sum[1])}
+
+
+def local_figures(log: StepLog, meter: CommMeter, warmup: int) -> dict:
+    """This rank's measured steps (after warm-up) as plain lists, to gather on rank 0."""
+    steps = list(range(log.first + warmup, log.first + len(log.seconds)))
+    comm = [meter.step_comm(s) for s in steps]
+    keep = slice(warmup, None)
+    return {
+        "seconds": log.seconds[keep], "data_s": log.data_s[keep], "faults": log.faults[keep],
+        "loss": log.loss[-LAST_LOSS_STEPS:],
+        "exposed_s": [c.exposed_s for c in comm], "comm_s": [c.comm_s for c in comm],
+        "exposed_fwd_s": [sum(v for k, v in c.exposed_by_phase.items() if k != "backward")
+                          for c in comm],
+        "bytes": [c.bytes_sent for c in comm],
+        "cross_node": [c.cross_node_bytes_sent for c in comm],
+        "checkpoint_s": log.checkpoint_s,
+    }
+
+
+def _mean(xs) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def summarize(config: TrainConfig, ranks: List[dict], world_size: int) -> dict:
+    """The summary from every rank's `local_figures` (rank order)."""
+    n = min(len(r["seconds"]) for r in ranks)
+    step_s = [max(r["seconds"][i] for r in ranks) for i in range(n)]
+    examples = config.batch_size * world_size
+    per_rank = lambda key: _mean([_mean(r[key][:n]) for r in ranks])  # noqa: E731
+    mean_step = per_rank("seconds")
+    exposed, data = per_rank("exposed_s"), per_rank("data_s")
+    wire: Dict[str, float] = {}
+    for r in ranks:
+        for step_bytes in r["bytes"][:n]:
+            for key, b in step_bytes.items():
+                name = BYTE_KEYS.get(key, "other")
+                wire[name] = wire.get(name, 0.0) + b / n
+    faults = [f for r in ranks for f in r["faults"][:n]]
+    losses = [x for r in ranks for x in r["loss"]]
+    return {
+        "examples_per_s": examples * n / sum(step_s) if n else 0.0,
+        "examples_per_s_p50": examples / statistics.median(step_s) if n else 0.0,
+        "measured_steps": n,
+        "step_time_s": {
+            "mean": _mean(step_s), "p50": statistics.median(step_s) if n else 0.0,
+            "rank_mean": mean_step, "data": data,
+            "compute": mean_step - data - exposed, "exposed_comm": exposed,
+            "exposed_comm_forward": per_rank("exposed_fwd_s"), "comm_in_flight": per_rank("comm_s"),
+        },
+        "exposed_comm_fraction": exposed / mean_step if mean_step else 0.0,
+        "wire_bytes_per_step": sum(wire.values()),
+        "wire_bytes_per_step_by_kind": {k: wire[k] for k in sorted(wire)},
+        "cross_node_bytes_per_step": sum(_mean(r["cross_node"][:n]) for r in ranks),
+        "final_loss": _mean(losses),
+        "page_faults_per_step": {
+            "p50": statistics.median(faults) if faults else 0, "max": max(faults, default=0),
+            "mean": _mean(faults)},
+        "checkpoint_s": max(r["checkpoint_s"] for r in ranks),
+    }
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.0f} {unit}"
+
+
+def format_summary(s: dict) -> str:
+    """The end-of-run summary, as printed by rank 0."""
+    t = s["step_time_s"]
+    ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
+    pct = lambda x: f"{100 * x / t['rank_mean']:.0f}%" if t["rank_mean"] else "-"  # noqa: E731
+    lines = [
+        f"{s['name']}: {s['world_size']} ranks x {s['config']['batch_size']} samples, "
+        f"{s['config']['model']}, {s['sharder']}",
+        f"  examples/s      {s['examples_per_s']:,.0f} mean, {s['examples_per_s_p50']:,.0f} p50 "
+        f"({s['measured_steps']} steps after {s['config']['warmup_steps']} warm-up)",
+        f"  step time       {ms(t['mean'])} mean, {ms(t['p50'])} p50 (slowest rank)",
+        f"    compute       {ms(t['compute'])} ({pct(t['compute'])})",
+        f"    data          {ms(t['data'])} ({pct(t['data'])})",
+        f"    exposed comm  {ms(t['exposed_comm'])} ({pct(t['exposed_comm'])}; forward "
+        f"{ms(t['exposed_comm_forward'])})",
+        f"    comm in flight {ms(t['comm_in_flight'])} (hidden or not)",
+        f"  wire bytes/step {_si(s['wire_bytes_per_step'], 'B')} (all ranks; "
+        + ", ".join(f"{k} {_si(v, 'B')}" for k, v in s["wire_bytes_per_step_by_kind"].items())
+        + ")",
+    ]
+    if s.get("cross_node_bytes_per_step") and s["nodes"] > 1:
+        lines.append(f"    across nodes  {_si(s['cross_node_bytes_per_step'], 'B')}")
+    lines += [
+        f"  loss            {s['final_loss']:.4f} (train, last steps), eval {s['eval_loss']:.4f}",
+        f"  AUC             {s['auc']:.4f} ({s['eval_examples']:,} held-out examples)",
+        f"  page faults     {s['page_faults_per_step']['p50']:.0f} p50, "
+        f"{s['page_faults_per_step']['max']} max per step (allocator: {s['config']['allocator']})",
+    ]
+    return "\n".join(lines)
+
+
+def json_safe(value):
+    """`value` with non-finite floats as strings, so that the file is strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_metrics(path: str, summary: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(json_safe(summary), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str) -> dict:
+    """A metrics file written by `write_metrics`; ValueError when it is not one."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"recxla-train --compare: cannot read {path!r}: {e}") from None
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise ValueError(f"recxla-train --compare: {path!r} is not a recxla-train metrics file "
+                         f"(missing {', '.join(missing)})")
+    return data
+
+

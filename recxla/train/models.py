@@ -1,0 +1,70 @@
+"""The models the trainer trains: TorchRec's own DLRM and DLRM_DCN, unchanged, with a BCE loss.
+
+The model code is TorchRec's (`torchrec.models.dlrm`): recxla changes only the sharder passed
+to DMP. Its embedding tables are built on the meta device (DMP allocates each rank's shards),
+then `init_embedding_tables` fills every shard from a generator seeded per table, so that the
+initial weights are the same whatever the plan, and the same for the recxla path and for the
+TorchRec baseline. Dense layers are initialised from the run's seed on every rank alike.
+"""
+
+from typing import Iterable, List
+
+import torch
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from recxla.data import hashing
+from recxla.train.config import TrainConfig
+
+_TAG_INIT = 0x1A17
+
+
+def build_model(config: TrainConfig, tables: List[EmbeddingBagConfig],
+                num_dense: int, device: torch.device) -> DLRMTrain:
+    """DLRMTrain(DLRM or DLRM_DCN) on `tables` (meta-device embeddings, dense layers on
+    `device`). forward(torchrec Batch of B samples) -> (loss scalar, (loss, logits [B],
+    labels [B]))."""
+    torch.manual_seed(config.seed)
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    dense_arch = list(config.dense_arch) + [config.embedding_dim]
+    over_arch = list(config.over_arch) + [1]
+    if config.model == "dcn":
+        model = DLRM_DCN(ebc, num_dense, dense_arch, over_arch, dcn_num_layers=config.dcn_layers,
+                         dcn_low_rank_dim=config.dcn_low_rank, dense_device=device)
+    else:
+        model = DLRM(ebc, num_dense, dense_arch, over_arch, dense_device=device)
+    return DLRMTrain(model)
+
+
+def table_init(config: EmbeddingBagConfig, index: int, seed: int) -> torch.Tensor:
+    """Table number `index`'s full initial weights: float32 [rows, dim], uniform in
+    +-sqrt(1 / rows) (TorchRec's default bound), from a generator seeded by (seed, index)."""
+    gen = torch.Generator().manual_seed(hashing.mix_scalar(seed, index, _TAG_INIT))
+    bound = (1.0 / config.num_embeddings) ** 0.5
+    weights = torch.empty(config.num_embeddings, config.embedding_dim)
+    return weights.uniform_(-bound, bound, generator=gen)
+
+
+@torch.no_grad()
+def init_embedding_tables(sharded_tables: Iterable, tables: List[EmbeddingBagConfig],
+                          seed: int) -> None:
+    """Fill this rank's shards of every table with `table_init`'s values.
+
+    Args:
+        sharded_tables: (state_dict key ending in "<table name>.weight", ShardedTensor) pairs.
+        tables: the EmbeddingBagConfigs, in the model's order (their index seeds the values).
+    """
+    index = {t.name: i for i, t in enumerate(tables)}
+    for key, sharded in sharded_tables:
+        name = key.rsplit(".", 2)[-2]
+        if name not in index:
+            raise ValueError(f"recxla-train: state_dict key {key!r} names no table of the model")
+        shards = sharded.local_shards()
+        if not shards:
+            continue
+        full = table_init(tables[index[name]], index[name], seed)
+        for shard in shards:
+            r0, c0 = shard.metadata.shard_offsets
+            rows, cols = shard.metadata.shard_sizes
+            shard.tensor.copy_(full[r0:r0 + rows, c0:c0 + cols])

@@ -1,0 +1,111 @@
+"""Joining the job: this rank's place (from torchrun's variables), the store, the process group.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and hosts
+the store itself (TORCHELASTIC_USE_AGENT_STORE=True), so the store outlives any worker. Started
+any other way with those variables (the emulated-cluster benchmark does so), rank 0 hosts it.
+Without them, `python -m recxla.train` is a job of one rank on this machine.
+
+The process group is gloo on CPU and NCCL on GPU, with the run's --timeout, built on a client of
+that store. The watchdog gets a client of its own, so that its heartbeats never queue behind a
+call of the training loop.
+"""
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """This process's place in the job (torchrun's variables)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    agent_store: bool
+    restart: int
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def place_from_env(env=None) -> RankPlace:
+    """RankPlace from torchrun's environment variables; a one-rank job when they are absent.
+    Raises ValueError for inconsistent values (before anything connects)."""
+    env = os.environ if env is None else env
+    if "RANK" not in env:
+        return RankPlace(0, 1, 0, 1, "127.0.0.1", _free_port(), False, 0)
+    try:
+        place = RankPlace(
+            rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+            master_addr=env["MASTER_ADDR"], master_port=int(env["MASTER_PORT"]),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        )
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"recxla-train: incomplete or malformed launcher variables (RANK, "
+                         f"WORLD_SIZE, MASTER_ADDR, MASTER_PORT): {e}") from None
+    if not 0 <= place.rank < place.world_size or place.world_size % place.local_world_size:
+        raise ValueError(f"recxla-train: RANK={place.rank}, WORLD_SIZE={place.world_size}, "
+                         f"LOCAL_WORLD_SIZE={place.local_world_size} do not fit together")
+    return place
+
+
+def _store(place: RankPlace, timeout: datetime.timedelta, host: bool) -> dist.TCPStore:
+    return dist.TCPStore(
+        place.master_addr, place.master_port, place.world_size, is_master=host,
+        timeout=timeout, wait_for_workers=False,
+    )
+
+
+@dataclass
+class Connection:
+    """The job as this rank sees it: place, device, process group's store and the watchdog's."""
+
+    place: RankPlace
+    device: torch.device
+    backend: str
+    store: dist.Store
+    watchdog_store: dist.Store
+    _host: Optional[dist.TCPStore] = None
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def connect(place: RankPlace, device_type: str, timeout_s: float) -> Connection:
+    """Create the store clients and the process group of this rank."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        torch.cuda.set_device(place.local_rank)
+        device, backend = torch.device("cuda", place.local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    hosting = place.rank == 0 and not place.agent_store
+    store = _store(place, timeout, host=hosting)
+    watchdog_store = _store(place, timeout, host=False)
+    prefix = f"recxla/train/run{place.restart}/"
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(prefix + "pg", store), rank=place.rank,
+        world_size=place.world_size, timeout=timeout,
+    )
+    return Connection(place, device, backend, store, dist.PrefixStore(prefix, watchdog_store),
+                      store if hosting else None)

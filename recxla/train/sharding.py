@@ -1,0 +1,163 @@
+"""How the model is spread over the ranks: the sharder, the plan, DMP and the optimizers.
+
+Both paths share everything here except the sharder (`build_sharder`): the same tables, the
+same plan (`plan_sharding` plans with TorchRec's own sharder unless only recxla's can shard the
+asked type), the same DMP wrapping, the same dense optimizer, and the same embedding optimizer
+through `fused_params`, exactly as TorchRec's sharder takes them.
+
+The recxla sharder: until `recxla.torchrec.EmbeddingBagCollectionSharder` exists, the recxla
+path is TorchRec's own sharder carrying recxla's row codec in its all-to-all
+(`qcomm_codecs_registry`): FP8 communication that runs on CPU, but no deduplicated input dist
+and no row-wise sharding on CPU. `build_sharder` is the one place that changes when it lands.
+"""
+
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from recxla.train.config import TORCHREC_CPU_SHARDINGS, TrainConfig
+
+SPARSE_OPTIMIZERS = {
+    "sgd": EmbOptimType.EXACT_SGD,
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+}
+# What the recxla stand-in cannot do yet (recorded in the metrics, so no figure claims it).
+STANDIN_LIMITS = "TorchRec's sharder + recxla codecs: no dedup'd input dist"
+
+
+def fused_params(config: TrainConfig) -> dict:
+    """The embedding optimizer as TorchRec's sharders take it (FBGEMM's fused TBE update)."""
+    return {"optimizer": SPARSE_OPTIMIZERS[config.sparse_optimizer],
+            "learning_rate": config.sparse_lr}
+
+
+def _baseline_codecs(comms: str) -> Optional[dict]:
+    """TorchRec's own QComms codecs (FBGEMM's) in `comms` both ways; None for fp32. Built per
+    op with get_qcomm_codecs: TorchRec's registry helper would turn bf16 into fp16 on CPU,
+    while gloo carries bf16 all-to-alls fine."""
+    if comms == "fp32":
+        return None
+    precision = CommType(comms)
+    codecs = get_qcomm_codecs(QCommsConfig(forward_precision=precision,
+                                           backward_precision=precision))
+    return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs}
+
+
+def build_sharder(config: TrainConfig, row_dim: int):
+    """The EmbeddingBagCollection sharder of this run's path.
+
+    Args:
+        row_dim: values per FP8 row of the recxla codec: must divide every shard's width
+            (`codec_row_dim`).
+    Returns: a TorchRec EmbeddingBagCollectionSharder (or subclass) for DMP and the planner.
+    """
+    if config.baseline:
+        return EmbeddingBagCollectionSharder(
+            fused_params=fused_params(config),
+            qcomm_codecs_registry=_baseline_codecs(config.baseline_comms))
+    from recxla.torchrec import qcomm_codecs_registry
+
+    # The one line to change when recxla's sharder lands:
+    #   return recxla.torchrec.EmbeddingBagCollectionSharder(fused_params=fused_params(config),
+    #       fwd_comm=config.fwd_comm, bwd_comm=config.bwd_comm, dedup_ids=config.dedup_ids)
+    return EmbeddingBagCollectionSharder(
+        fused_params=fused_params(config),
+        qcomm_codecs_registry=qcomm_codecs_registry(
+            config.fwd_comm, config.bwd_comm, row_dim=row_dim,
+            comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL]))
+
+
+def sharder_description(config: TrainConfig) -> str:
+    if config.baseline:
+        return f"torchrec EmbeddingBagCollectionSharder, {config.baseline_comms} comms"
+    return STANDIN_LIMITS
+
+
+def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_size: int,
+                  local_world_size: int, device: torch.device) -> ShardingPlan:
+    """One plan for both paths: TorchRec's planner (collectively, so every rank agrees) with
+    TorchRec's sharder, every table restricted to `config.sharding` (auto: the types both
+    sharders offer on this device)."""
+    if config.sharding == "auto":
+        types = list(TORCHREC_CPU_SHARDINGS) if device.type == "cpu" else None
+    else:
+        types = [config.sharding]
+    constraints = {t.name: ParameterConstraints(sharding_types=types) for t in tables}
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device=device.type,
+                          local_world_size=local_world_size),
+        batch_size=config.batch_size, constraints=constraints)
+    if config.sharding == "row_wise" and device.type == "cpu":
+        sharder = build_sharder(config, row_dim=config.embedding_dim)  # only recxla's has it
+    else:
+        sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(config))
+    return planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+
+
+def shard_widths(plan: ShardingPlan) -> List[int]:
+    """Column widths of every shard of every table in the plan."""
+    widths = []
+    for module_plan in plan.plan.values():
+        for param in module_plan.values():
+            spec = param.sharding_spec
+            for shard in getattr(spec, "shards", []) or []:
+                widths.append(int(shard.shard_sizes[1]))
+    return widths
+
+
+def codec_row_dim(plan: ShardingPlan, embedding_dim: int) -> int:
+    """Values per FP8 row: the gcd of the shard widths (a row never straddles two shards)."""
+    widths = shard_widths(plan) or [embedding_dim]
+    return math.gcd(*widths)
+
+
+def plan_summary(plan: ShardingPlan) -> Dict[str, dict]:
+    """{table: {"sharding": type, "ranks": [...]}} for the metrics file."""
+    out = {}
+    for module_plan in plan.plan.values():
+        for name, param in module_plan.items():
+            out[name] = {"sharding": param.sharding_type, "kernel": param.compute_kernel,
+                         "ranks": list(param.ranks or [])}
+    return out
+
+
+def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan,
+                device: torch.device) -> DistributedModelParallel:
+    """DMP of `model` with `sharder` and `plan`. The dense part's gradient all-reduce goes
+    through torch's Python all-reduce hook (the same math as DDP's built-in one), so that the
+    communication meter sees it."""
+    dmp = DistributedModelParallel(
+        model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), device=device,
+        sharders=[sharder], plan=plan)
+    ddp = dmp._dmp_wrapped_module
+    if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    return dmp
+
+
+def build_optimizer(dmp: DistributedModelParallel, config: TrainConfig) -> KeyedOptimizer:
+    """The embedding tables' fused optimizer (DMP's) combined with the dense one."""
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    if config.dense_optimizer == "adagrad":
+        make = lambda params: torch.optim.Adagrad(params, lr=config.dense_lr)  # noqa: E731
+    else:
+        make = lambda params: torch.optim.SGD(params, lr=config.dense_lr)  # noqa: E731
+    return CombinedOptimizer([dmp.fused_optimizer, KeyedOptimizerWrapper(dense, make)])
+
+
+def embedding_tables(dmp: DistributedModelParallel) -> List[Tuple[str, object]]:
+    """(state_dict key, ShardedTensor) of every sharded embedding table."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return [(k, v) for k, v in dmp.state_dict().items() if isinstance(v, ShardedTensor)]
