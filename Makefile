@@ -13,7 +13,13 @@ FBGEMM := $(if $(HAVE_NVIDIA_DRIVER),fbgemm-gpu==1.9.0,fbgemm-gpu-cpu==1.9.0)
 export MAX_JOBS ?= $(shell nproc)
 NPROC ?= 2
 
-.PHONY: setup build run test bench bench-cluster gpu-check clean
+# `make run`: the trainer on NPROC ranks, recxla then the TorchRec baseline on the same model,
+# data and plan, then the two side by side (figures and chart under RUN_DIR).
+RUN_DIR ?= build/run
+RUN_ARGS ?= --steps 50 --warmup-steps 10 --batch-size 1024 --eval-batches 4
+TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
+
+.PHONY: setup build run demo test bench bench-cluster gpu-check clean
 
 $(STAMPS)/venv:
 	mkdir -p $(STAMPS)
@@ -44,6 +50,14 @@ setup: $(STAMPS)/build
 build: setup
 
 run: setup
+	mkdir -p $(RUN_DIR)
+	$(TORCHRUN) -m recxla.train $(RUN_ARGS) --metrics $(RUN_DIR)/recxla.json
+	$(TORCHRUN) -m recxla.train $(RUN_ARGS) --baseline torchrec --metrics $(RUN_DIR)/torchrec.json
+	$(PY) -m recxla.train --compare $(RUN_DIR)/torchrec.json $(RUN_DIR)/recxla.json \
+	  --chart $(RUN_DIR)/compare.png
+
+# The quantized all-to-all alone on 2 gloo ranks (recxla/demo.py).
+demo: setup
 	$(PY) -m recxla.demo
 
 test: setup

@@ -49,6 +49,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _quiet_upstream_notices() -> None:
+    """TorchRec's planner and DDP warn on every run about their own internals (dry-run storage
+    estimates, a deprecated DDP argument TorchRec passes, topology construction): nothing a
+    user of the trainer can act on, so they are kept out of its output."""
+    import logging
+    import warnings
+
+    for name in ("torchrec.distributed.planner", "torch.fx._symbolic_trace"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.distributed")
+
+
 def _is_comm_error(e: BaseException) -> bool:
     text = f"{type(e).__name__} {e}".lower()
     return isinstance(e, RuntimeError) and any(w in text for w in _COMM_ERROR_WORDS)
@@ -67,6 +79,7 @@ def run(config, place) -> dict:
     from recxla.train.rendezvous import connect
     from recxla.train.watchdog import EXIT_FAILED, EXIT_PEER_FAILED, Watchdog
 
+    _quiet_upstream_notices()
     if config.allocator == "keep":
         keep_freed_memory()
     torch.set_num_threads(config.threads)
@@ -103,8 +116,8 @@ def _train(config, conn, watchdog, meter) -> dict:
         evaluate, format_summary, local_figures, machine, summarize, write_metrics)
     from recxla.train.models import build_model, init_embedding_tables
     from recxla.train.sharding import (
-        build_optimizer, build_sharder, codec_row_dim, embedding_tables, plan_sharding,
-        plan_summary, shard_model, sharder_description)
+        build_optimizer, build_sharder, embedding_tables, plan_sharding, plan_summary,
+        shard_model, sharder_description)
 
     place, device = conn.place, conn.device
     world = place.world_size
@@ -114,9 +127,8 @@ def _train(config, conn, watchdog, meter) -> dict:
     watchdog.progress("planning")
     with meter.phase("setup"):
         plan = plan_sharding(model, config, tables, world, place.local_world_size, device)
-        row_dim = codec_row_dim(plan, config.embedding_dim)
         watchdog.progress("sharding")
-        dmp = shard_model(model, build_sharder(config, row_dim), plan, device)
+        dmp = shard_model(model, build_sharder(config), plan, device)
         init_embedding_tables(embedding_tables(dmp), tables, config.seed)
         optimizer = build_optimizer(dmp, config)
         start = 0
@@ -149,9 +161,13 @@ def _train(config, conn, watchdog, meter) -> dict:
         watchdog.progress(f"step {done}, checkpoint written")
 
     watchdog.progress(f"step {start}")
+    if place.rank == 0:
+        print(f"recxla-train: {config.display_name}: steps {start}..{config.steps} on {world} "
+              f"ranks ({device})", file=sys.stderr, flush=True)
     run_steps(pipeline, data.train(start, config.steps), start, config.steps, meter, progress,
               on_step_done, log)
     progress.close()
+    sharder_stats = _comm_stats(stats_modules)  # before the evaluation's forwards add to them
     if config.checkpoint_dir:
         _checkpoint(config.steps)
     watchdog.progress("evaluation")
@@ -160,14 +176,14 @@ def _train(config, conn, watchdog, meter) -> dict:
         evaluation = evaluate(dmp, data.held_out(), device)
         watchdog.progress("summary")
         figures = local_figures(log, meter, warmup)
-        figures["sharder_comm_stats"] = _comm_stats(stats_modules)
+        figures["sharder_comm_stats"] = sharder_stats
         gathered: List[Optional[dict]] = [None] * world
         dist.all_gather_object(gathered, figures)
     summary = {
         "name": config.display_name, "path": config.path,
         "sharder": sharder_description(config), "world_size": world,
         "nodes": world // place.local_world_size, "device": str(device),
-        "resumed_from_step": start if config.resume else None, "codec_row_dim": row_dim,
+        "resumed_from_step": start if config.resume else None,
         **summarize(config, gathered, world), **evaluation,
         "sharder_comm_stats_per_step": _sum_stats([g["sharder_comm_stats"] for g in gathered],
                                                   max(config.steps - start - warmup, 1)),

@@ -89,11 +89,14 @@ class StepComm:
         return sum(self.bytes_sent.values())
 
 
-def kind_of(op: str, tensor: Optional[torch.Tensor]) -> str:
-    """What a collective carries: "ids" (integer tensors: ids, lengths, splits), "embeddings"
-    (float or packed uint8 rows through an all-to-all; with the phase this is the pooled
-    embeddings forward or their gradients backward), "dense" (all-reduce of float tensors, the
-    data-parallel gradients), else the op's name."""
+def kind_of(op: str, phase: str, tensor: Optional[torch.Tensor]) -> str:
+    """What a collective carries: "ids" (the input dist's phase, or integer tensors: ids,
+    lengths, splits; recxla packs its ids as uint8), "embeddings" (float or packed uint8 rows
+    through an all-to-all: with the phase, the pooled embeddings forward or their gradients
+    backward), "dense" (all-reduce of float tensors: the data-parallel gradients), else the
+    op's name."""
+    if phase == "input":
+        return "ids"
     if tensor is not None and not tensor.is_floating_point() and tensor.dtype != torch.uint8:
         return "ids"
     if op in _ALL_TO_ALL:
@@ -341,7 +344,7 @@ class CommMeter:
             my_node = self._node(dist.get_rank())
             cross = sum(b for i, b in enumerate(sent) if b and self._node(to_global(i)) != my_node)
         return CollectiveRecord(
-            op=name, phase=phase, kind=kind_of(name, tensor), step=self.step,
+            op=name, phase=phase, kind=kind_of(name, phase, tensor), step=self.step,
             bytes_sent=sum(sent), bytes_received=received, cross_node_bytes_sent=cross,
             issued=0.0,
         )

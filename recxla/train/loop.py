@@ -103,10 +103,15 @@ class Progress:
         self.bar = None
         self.examples_per_step = examples_per_step
         if enabled:
+            import sys
+
             from tqdm import tqdm
 
+            # Not a terminal (a log file, make's output): a line every few seconds, not a
+            # carriage-return redraw every step.
+            interval = 0.1 if sys.stderr.isatty() else 5.0
             self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
-                            desc="train")
+                            desc="train", mininterval=interval, file=sys.stderr)
 
     def update(self, seconds: float, loss: float) -> None:
         if self.bar is not None:

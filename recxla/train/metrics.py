@@ -20,22 +20,25 @@ import math
 import os
 import platform
 import statistics
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
 import torch
 import torch.distributed as dist
 
-from recxla.train.comm_meter import CommMeter
 from recxla.train.config import TrainConfig
-from recxla.train.loop import StepLog
+
+if TYPE_CHECKING:  # --compare reads metrics files without loading TorchRec
+    from recxla.train.comm_meter import CommMeter
+    from recxla.train.loop import StepLog
 
 LAST_LOSS_STEPS = 20
 # What every metrics file holds (scripts and --compare rely on them).
 REQUIRED_KEYS = ("examples_per_s", "exposed_comm_fraction", "wire_bytes_per_step", "final_loss",
                  "auc")
-# CommMeter "<phase>/<kind>" -> summary key
+# CommMeter "<phase>/<kind>" -> summary key; anything else is "other".
 BYTE_KEYS = {
     "input/ids": "ids",
+    "forward/ids": "ids",
     "forward/embeddings": "embeddings_fwd",
     "backward/embeddings": "embeddings_bwd",
     "backward/dense": "dense_allreduce",
@@ -67,7 +70,7 @@ def evaluate(model, batches, device: torch.device) -> Dict[str, float]:
             "eval_examples": int(loss_sum[1])}
 
 
-def local_figures(log: StepLog, meter: CommMeter, warmup: int) -> dict:
+def local_figures(log: "StepLog", meter: "CommMeter", warmup: int) -> dict:
     """This rank's measured steps (after warm-up) as plain lists, to gather on rank 0."""
     steps = list(range(log.first + warmup, log.first + len(log.seconds)))
     comm = [meter.step_comm(s) for s in steps]

@@ -3,15 +3,12 @@
 Both paths share everything here except the sharder (`build_sharder`): the same tables, the
 same plan (`plan_sharding` plans with TorchRec's own sharder unless only recxla's can shard the
 asked type), the same DMP wrapping, the same dense optimizer, and the same embedding optimizer
-through `fused_params`, exactly as TorchRec's sharder takes them.
-
-The recxla sharder: until `recxla.torchrec.EmbeddingBagCollectionSharder` exists, the recxla
-path is TorchRec's own sharder carrying recxla's row codec in its all-to-all
-(`qcomm_codecs_registry`): FP8 communication that runs on CPU, but no deduplicated input dist
-and no row-wise sharding on CPU. `build_sharder` is the one place that changes when it lands.
+through `fused_params`, exactly as TorchRec's sharder takes them. The recxla path's sharder is
+`recxla.torchrec.EmbeddingBagCollectionSharder` (dedup'd input dist, recxla's lookup and fused
+optimizer, quantized output all-to-all); the baseline's is TorchRec's own, with FBGEMM's CPU
+codecs for --baseline-comms fp16/bf16.
 """
 
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -32,8 +29,6 @@ SPARSE_OPTIMIZERS = {
     "sgd": EmbOptimType.EXACT_SGD,
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
 }
-# What the recxla stand-in cannot do yet (recorded in the metrics, so no figure claims it).
-STANDIN_LIMITS = "TorchRec's sharder + recxla codecs: no dedup'd input dist"
 
 
 def fused_params(config: TrainConfig) -> dict:
@@ -54,34 +49,26 @@ def _baseline_codecs(comms: str) -> Optional[dict]:
     return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs}
 
 
-def build_sharder(config: TrainConfig, row_dim: int):
-    """The EmbeddingBagCollection sharder of this run's path.
-
-    Args:
-        row_dim: values per FP8 row of the recxla codec: must divide every shard's width
-            (`codec_row_dim`).
-    Returns: a TorchRec EmbeddingBagCollectionSharder (or subclass) for DMP and the planner.
-    """
+def build_sharder(config: TrainConfig):
+    """The EmbeddingBagCollection sharder of this run's path: a TorchRec
+    EmbeddingBagCollectionSharder (the baseline) or recxla's subclass, for DMP and the
+    planner."""
     if config.baseline:
         return EmbeddingBagCollectionSharder(
             fused_params=fused_params(config),
             qcomm_codecs_registry=_baseline_codecs(config.baseline_comms))
-    from recxla.torchrec import qcomm_codecs_registry
+    from recxla.torchrec import EmbeddingBagCollectionSharder as RecxlaSharder
 
-    # The one line to change when recxla's sharder lands:
-    #   return recxla.torchrec.EmbeddingBagCollectionSharder(fused_params=fused_params(config),
-    #       fwd_comm=config.fwd_comm, bwd_comm=config.bwd_comm, dedup_ids=config.dedup_ids)
-    return EmbeddingBagCollectionSharder(
-        fused_params=fused_params(config),
-        qcomm_codecs_registry=qcomm_codecs_registry(
-            config.fwd_comm, config.bwd_comm, row_dim=row_dim,
-            comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL]))
+    return RecxlaSharder(fused_params=fused_params(config), fwd_comm=config.fwd_comm,
+                         bwd_comm=config.bwd_comm, dedup_ids=config.dedup_ids)
 
 
 def sharder_description(config: TrainConfig) -> str:
     if config.baseline:
         return f"torchrec EmbeddingBagCollectionSharder, {config.baseline_comms} comms"
-    return STANDIN_LIMITS
+    dedup = "dedup'd ids" if config.dedup_ids else "ids not dedup'd"
+    return (f"recxla EmbeddingBagCollectionSharder, {config.fwd_comm}/{config.bwd_comm} comms, "
+            f"{dedup}")
 
 
 def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_size: int,
@@ -99,27 +86,10 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
                           local_world_size=local_world_size),
         batch_size=config.batch_size, constraints=constraints)
     if config.sharding == "row_wise" and device.type == "cpu":
-        sharder = build_sharder(config, row_dim=config.embedding_dim)  # only recxla's has it
+        sharder = build_sharder(config)  # only recxla's offers it
     else:
         sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(config))
     return planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-
-
-def shard_widths(plan: ShardingPlan) -> List[int]:
-    """Column widths of every shard of every table in the plan."""
-    widths = []
-    for module_plan in plan.plan.values():
-        for param in module_plan.values():
-            spec = param.sharding_spec
-            for shard in getattr(spec, "shards", []) or []:
-                widths.append(int(shard.shard_sizes[1]))
-    return widths
-
-
-def codec_row_dim(plan: ShardingPlan, embedding_dim: int) -> int:
-    """Values per FP8 row: the gcd of the shard widths (a row never straddles two shards)."""
-    widths = shard_widths(plan) or [embedding_dim]
-    return math.gcd(*widths)
 
 
 def plan_summary(plan: ShardingPlan) -> Dict[str, dict]:

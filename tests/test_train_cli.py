@@ -1,0 +1,214 @@
+"""recxla-train end to end: 2 gloo ranks for a few steps, recxla and the TorchRec baseline, the
+metrics file, --compare, and options rejected before any process group exists.
+
+`launch_ranks` (used by the other tests/test_train_*.py files too) starts the ranks the way
+torchrun does, by environment variables, but as plain processes: a test can then kill or stop
+one of them.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A model small enough for a few steps in seconds on 2 shared cores.
+SMALL = ["--profile", "small", "--batch-size", "128", "--embedding-dim", "16",
+         "--dense-arch", "32", "--over-arch", "32", "--eval-batches", "2", "--no-progress"]
+REQUIRED = ("examples_per_s", "exposed_comm_fraction", "wire_bytes_per_step", "final_loss", "auc")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Rank:
+    proc: subprocess.Popen
+    log: str
+
+    def output(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+
+def start_ranks(args: Sequence[str], tmp_path, world_size: int = 2,
+                env: Optional[Dict[str, str]] = None) -> List[Rank]:
+    """Start `python -m recxla.train ARGS` as `world_size` ranks of one node (rank 0 hosts
+    the store); each rank's stdout and stderr go to tmp_path/rank<r>.log."""
+    port = _free_port()
+    ranks = []
+    for r in range(world_size):
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
+                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), PYTHONPATH=REPO, **(env or {}))
+        log = str(tmp_path / f"rank{r}.log")
+        with open(log, "w") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "recxla.train", *args], env=e,
+                                    cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+        ranks.append(Rank(proc, log))
+    return ranks
+
+
+def wait_ranks(ranks: List[Rank], timeout: float) -> List[int]:
+    """Exit codes of `ranks`; kills them all and fails the test past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [r.proc.wait(timeout=max(deadline - time.monotonic(), 0.1)) for r in ranks]
+    except subprocess.TimeoutExpired:
+        pytest.fail("ranks did not finish in time:\n" + "\n".join(r.output()[-2000:]
+                                                                   for r in ranks))
+    finally:
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+
+
+def launch_ranks(args: Sequence[str], tmp_path, world_size: int = 2, timeout: float = 150.0,
+                 env=None) -> List[Rank]:
+    """Run the trainer on `world_size` ranks to the end; fails the test unless all exit 0."""
+    ranks = start_ranks(args, tmp_path, world_size, env)
+    codes = wait_ranks(ranks, timeout)
+    if any(codes):
+        pytest.fail(f"exit codes {codes}:\n" + "\n".join(r.output()[-3000:] for r in ranks))
+    return ranks
+
+
+def check_metrics(path, world_size: int, steps: int, warmup: int) -> dict:
+    with open(path) as f:
+        m = json.load(f)
+    for key in REQUIRED:
+        assert key in m, key
+    assert m["world_size"] == world_size
+    assert m["measured_steps"] == steps - warmup
+    assert m["examples_per_s"] > 0 and m["examples_per_s_p50"] > 0
+    t = m["step_time_s"]
+    assert t["mean"] > 0 and 0 <= t["exposed_comm"] <= t["rank_mean"]
+    assert t["compute"] + t["data"] + t["exposed_comm"] == pytest.approx(t["rank_mean"])
+    assert 0 <= m["exposed_comm_fraction"] < 1
+    assert 0.3 < m["final_loss"] < 1.5  # BCE of a ~25%-positive task
+    assert 0.0 <= m["auc"] <= 1.0 and m["eval_examples"] == world_size * 2 * 128
+    return m
+
+
+def wire_bytes_expected(m: dict, fwd_bytes_per_value: float, bwd_bytes_per_value: float,
+                        row_overhead: int = 0):
+    """Embedding bytes each way for table-wise sharding on 2 ranks: every rank sends the other
+    rank's B samples of the tables it owns (rows of dim values, + a scale for FP8)."""
+    dim, batch = m["config"]["embedding_dim"], m["config"]["batch_size"]
+    rows = sum(batch for table in m["plan"].values() for _ in table["ranks"])  # both ranks
+    return (rows * (dim * fwd_bytes_per_value + row_overhead),
+            rows * dim * bwd_bytes_per_value)
+
+
+def test_recxla_and_baseline_end_to_end(tmp_path):
+    steps, warmup = 6, 2
+    common = [*SMALL, "--steps", str(steps), "--warmup-steps", str(warmup),
+              "--sharding", "table_wise"]
+    # The recxla path through torchrun itself (its store, its variables).
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "recxla.train", *common, "--metrics", str(tmp_path / "recxla.json")],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+        timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "examples/s" in proc.stdout and "AUC" in proc.stdout
+    ranks = launch_ranks([*common, "--baseline", "torchrec", "--baseline-comms", "bf16",
+                          "--metrics", str(tmp_path / "torchrec.json")], tmp_path)
+    assert "exposed comm" in ranks[0].output()
+
+    rx = check_metrics(tmp_path / "recxla.json", 2, steps, warmup)
+    tr = check_metrics(tmp_path / "torchrec.json", 2, steps, warmup)
+    assert rx["path"] == "recxla" and tr["path"] == "torchrec"
+    assert rx["plan"] == tr["plan"]  # the same plan for both paths
+    assert all(t["sharding"] == "table_wise" for t in rx["plan"].values())
+    # Bytes on the wire, counted by the meter, against the layout's arithmetic.
+    fwd, bwd = wire_bytes_expected(rx, 1, 2, row_overhead=4)  # e4m3 rows + scale, bf16 back
+    assert rx["wire_bytes_per_step_by_kind"]["embeddings_fwd"] == pytest.approx(fwd)
+    assert rx["wire_bytes_per_step_by_kind"]["embeddings_bwd"] == pytest.approx(bwd)
+    fwd, bwd = wire_bytes_expected(tr, 2, 2)  # TorchRec's bf16 codec both ways
+    assert tr["wire_bytes_per_step_by_kind"]["embeddings_fwd"] == pytest.approx(fwd)
+    assert tr["wire_bytes_per_step_by_kind"]["embeddings_bwd"] == pytest.approx(bwd)
+    # The dense all-reduce: the same replicated MLPs on both paths.
+    assert rx["wire_bytes_per_step_by_kind"]["dense_allreduce"] == \
+        tr["wire_bytes_per_step_by_kind"]["dense_allreduce"] > 0
+    # recxla's own counters agree with the meter, and dedup sent fewer id bytes.
+    stats = rx["sharder_comm_stats_per_step"]
+    assert stats["embedding_bytes_sent"] == pytest.approx(
+        rx["wire_bytes_per_step_by_kind"]["embeddings_fwd"])
+    assert stats["id_bytes_sent"] < stats["id_bytes_without_dedup"]
+
+    out = subprocess.run(
+        [sys.executable, "-m", "recxla.train", "--compare", str(tmp_path / "torchrec.json"),
+         str(tmp_path / "recxla.json"), "--chart", str(tmp_path / "c.png")],
+        cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "torchrec bf16/bf16" in out.stdout and "recxla e4m3/bf16" in out.stdout
+    with open(tmp_path / "c.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _parse_error(capsys, argv) -> str:
+    from recxla.train.config import parse_config
+
+    with pytest.raises(SystemExit) as e:
+        parse_config(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "--batch-size: must be an int >= 1, got 0"),
+    (["--micro-batches", "2"], "only 1 is supported for now"),
+    (["--baseline", "torchrec", "--sharding", "row_wise"], "no row-wise sharding on CPU"),
+    (["--baseline", "torchrec", "--fwd-comm", "e4m3"], "--fwd-comm sets the recxla path"),
+    (["--baseline-comms", "bf16"], "--baseline-comms needs --baseline torchrec"),
+    (["--fwd-comm", "int8"], "invalid choice: 'int8'"),
+    (["--steps", "4", "--warmup-steps", "4"], "--warmup-steps 4 must be less than"),
+    (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
+    (["--timeout", "0"], "--timeout: must be a number > 0"),
+    (["--data", "/nonexistent/x.parquet"], "not available yet"),
+    (["--device", "cuda"], "no CUDA device"),
+])
+def test_bad_options(capsys, argv, message):
+    if argv == ["--device", "cuda"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("a CUDA device is visible")
+    assert message in _parse_error(capsys, argv)
+
+
+def test_resume_needs_a_checkpoint(capsys, tmp_path):
+    err = _parse_error(capsys, ["--resume", "--checkpoint-dir", str(tmp_path)])
+    assert "no checkpoint in --checkpoint-dir" in err
+
+
+def test_bad_options_exit_before_any_process_group(tmp_path):
+    # Rank 1 of a job whose rank 0 never comes: joining the group would wait for the timeout.
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=REPO)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "recxla.train", "--micro-batches", "4",
+                           "--timeout", "60"], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--micro-batches 4" in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+def test_compare_rejects_a_file_that_is_not_metrics(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"examples_per_s": 1.0}))
+    from recxla.train.compare import main
+
+    assert main(["--compare", str(bad)]) == 2
