@@ -6,10 +6,9 @@ sharding type is the same thing here: a table cut into blocks of rows and column
 on one rank. Table-wise is one block, column-wise and table-column-wise cut columns, row-wise
 and table-row-wise cut rows. What follows from that:
 
-- A *local table* is what one rank holds of one table: its shards of that table, which must
-  share one row range (row-wise gives each rank one range; column-wise may give a rank several
-  column blocks, which are merged side by side). The rank's lookup sees each local table as one
-  weight [rows, cols].
+- A *local table* is one shard as a rank's lookup sees it: one weight [rows, cols]. A rank may
+  hold several shards of one table (column-wise may put two column blocks on one rank); each is
+  a local table of its own, and the ids of their table go to each of them.
 - A *slot* is (local table, feature of that table) on a rank, in a fixed order. The input dist
   sends, per destination rank, the bags of its slots; the owner pools them into a [B, cols]
   column block per slot, and the output all-to-all sends those blocks back.
@@ -47,16 +46,22 @@ class Shard:
 
 @dataclass
 class LocalTable:
-    """The shards of one table that one rank holds, merged along columns (one row range)."""
+    """One shard as the owner's lookup sees it: a weight [rows, cols]."""
 
     table: int
-    row_offset: int
-    rows: int
-    shards: List[Shard]
+    shard: Shard
+
+    @property
+    def row_offset(self) -> int:
+        return self.shard.row_offset
+
+    @property
+    def rows(self) -> int:
+        return self.shard.rows
 
     @property
     def cols(self) -> int:
-        return sum(s.cols for s in self.shards)
+        return self.shard.cols
 
 
 @dataclass
@@ -126,19 +131,8 @@ class ShardLayout:
         _check_shards(tables, shards, world_size)
         local_tables: List[List[LocalTable]] = [[] for _ in range(world_size)]
         for t, table_shards in enumerate(shards):
-            by_rank: Dict[int, List[Shard]] = {}
-            for s in table_shards:
-                by_rank.setdefault(s.rank, []).append(s)
-            for r, mine in sorted(by_rank.items()):
-                ranges = {(s.row_offset, s.rows) for s in mine}
-                if len(ranges) != 1:
-                    raise ValueError(
-                        f"{OWNER}: table '{tables[t].name}' has shards of {len(ranges)} "
-                        f"different row ranges on rank {r} ({sorted(ranges)}); recxla holds at "
-                        "most one row range of a table per rank"
-                    )
-                (row_offset, rows), = ranges
-                local_tables[r].append(LocalTable(t, row_offset, rows, mine))
+            for s in sorted(table_shards, key=lambda s: (s.row_offset, s.col_offset)):
+                local_tables[s.rank].append(LocalTable(t, s))
         slots = [
             [(lt, f) for lt, local in enumerate(local_tables[r])
              for f in tables[local.table].feature_names]
@@ -165,7 +159,7 @@ class ShardLayout:
             {(lt, f): j for j, (lt, f) in enumerate(rank_slots)} for rank_slots in self.slots
         ]
         local_of = [
-            {(local.table, local.row_offset): lt for lt, local in enumerate(rank_tables)}
+            {local.shard: lt for lt, local in enumerate(rank_tables)}
             for rank_tables in self.local_tables
         ]
         for t, table in enumerate(self.tables):
@@ -178,11 +172,10 @@ class ShardLayout:
                 self.block_starts.append(starts)
                 routes = []
                 for start in starts:
-                    dests = sorted({s.rank for s in self.shards[t] if s.row_offset == start})
-                    routes.append([
-                        Route(d, slot_index[d][(local_of[d][(t, start)], f)], start)
-                        for d in dests
-                    ])
+                    block = sorted((s for s in self.shards[t] if s.row_offset == start),
+                                   key=lambda s: (s.rank, s.col_offset))
+                    routes.append([Route(s.rank, slot_index[s.rank][(local_of[s.rank][s], f)],
+                                         start) for s in block])
                 self.block_routes.append(routes)
 
     def owner_pooling(self, rank: int) -> List[int]:
@@ -195,7 +188,7 @@ class ShardLayout:
 
     def output_columns(self, rank: int) -> torch.Tensor:
         """For each column of the received blocks, from owner 0, 1, ... in turn (each owner's
-        slots in order, each slot's shards in order): the module output column it lands in.
+        slots in order): the module output column it lands in.
         int64 [sum over owners of output_dim(owner)]."""
         name_offset, offset = {}, 0
         for t, f, dim in zip(self.input_slot_table, self.input_slot_feature,
@@ -205,10 +198,9 @@ class ShardLayout:
         columns: List[int] = []
         for owner in range(self.world_size):
             for lt, f in self.slots[owner]:
-                local = self.local_tables[owner][lt]
-                base = name_offset[(local.table, f)]
-                for s in local.shards:
-                    columns.extend(range(base + s.col_offset, base + s.col_offset + s.cols))
+                s = self.local_tables[owner][lt].shard
+                base = name_offset[(s.table, f)]
+                columns.extend(range(base + s.col_offset, base + s.col_offset + s.cols))
         return torch.tensor(columns, dtype=torch.int64)
 
 

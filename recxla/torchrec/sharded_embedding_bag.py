@@ -130,7 +130,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         self.module_sharding_plan = {}
         tables, shards = [], []
         for t, config in enumerate(configs):
-            _check_config(config)
+            _check_config(config, self._is_weighted)
             if config.name not in table_name_to_parameter_sharding:
                 raise ValueError(f"{OWNER}: the plan has no entry for table '{config.name}'")
             sharding = table_name_to_parameter_sharding[config.name]
@@ -147,45 +147,44 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         updates = [table_update(c.name, unsharded[c.name], fused_params) for c in configs]
         me = env.rank
         local_tables = self._layout.local_tables[me]
-        local_of_table = {local.table: lt for lt, local in enumerate(local_tables)}
+        self._local_of_table: Dict[int, List[int]] = {}
+        for lt, local in enumerate(local_tables):
+            self._local_of_table.setdefault(local.table, []).append(lt)
+        # Per table one Parameter per local shard: `weight`, then `weight_1`, ... (state_dict
+        # shows them as the one ShardedTensor `weight`).
         self.embedding_bags = nn.ModuleDict()
-        self._local_weights: List[nn.Parameter] = []
-        states: List[Optional[torch.Tensor]] = []
+        self._local_weights: List[nn.Parameter] = [None] * len(local_tables)
+        states: List[Optional[torch.Tensor]] = [None] * len(local_tables)
         for t, config in enumerate(configs):
             holder = nn.Module()
-            if t in local_of_table:
-                local = local_tables[local_of_table[t]]
-                weight = nn.Parameter(self._initial_weight(local, unsharded[config.name],
-                                                           config))
-                self._local_weights.append(weight)
+            mine = self._local_of_table.get(t, [])
+            if not mine:
+                holder.register_parameter("weight", nn.Parameter(torch.empty(0, device=self._device)))
+            for k, lt in enumerate(mine):
+                shard = local_tables[lt].shard
+                weight = nn.Parameter(self._initial_weight(shard, unsharded[config.name], config))
+                holder.register_parameter(_weight_name(k), weight)
+                self._local_weights[lt] = weight
                 kind, hyper = updates[t].kind, updates[t].hyperparameters
-                if kind == ADAGRAD:
-                    states.append(torch.full((local.rows, local.cols),
-                                             float(hyper["initial_accumulator_value"]),
-                                             device=self._device))
-                elif kind == ROWWISE_ADAGRAD:
-                    states.append(torch.full((local.rows,),
-                                             float(hyper["initial_accumulator_value"]),
-                                             device=self._device))
-                else:
-                    states.append(None)
-            else:
-                weight = nn.Parameter(torch.empty(0, device=self._device))
-            holder.register_parameter("weight", weight)
+                if kind in (ADAGRAD, ROWWISE_ADAGRAD):
+                    shape = (shard.rows, shard.cols) if kind == ADAGRAD else (shard.rows,)
+                    states[lt] = torch.full(shape, float(hyper["initial_accumulator_value"]),
+                                            device=self._device)
             self.embedding_bags[config.name] = holder
 
         # ShardedTensor views of the weights and optimizer states (same memory).
         self._sharded_weights = []
         sharded_states = []
         for t, config in enumerate(configs):
-            local = local_tables[local_of_table[t]] if t in local_of_table else None
-            weight = self.embedding_bags[config.name].weight.detach()
-            self._sharded_weights.append(self._sharded_tensor(t, local, weight, column_state=False))
+            mine = self._local_of_table.get(t, [])
+            self._sharded_weights.append(self._sharded_tensor(
+                t, [(local_tables[lt].shard, self._local_weights[lt].detach()) for lt in mine],
+                column_state=False))
             kind = updates[t].kind
             if kind in (ADAGRAD, ROWWISE_ADAGRAD):
-                state = states[local_of_table[t]] if local is not None else None
-                sharded_states.append(self._sharded_tensor(t, local, state,
-                                                           column_state=kind == ROWWISE_ADAGRAD))
+                sharded_states.append(self._sharded_tensor(
+                    t, [(local_tables[lt].shard, states[lt]) for lt in mine],
+                    column_state=kind == ROWWISE_ADAGRAD))
             else:
                 sharded_states.append(None)
         self._optim = ShardedFusedOptimizer(
@@ -194,7 +193,8 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         for t, config in enumerate(configs):
             if updates[t].kind != NONE:
                 # TorchRec's in_backward_optimizer_filter keeps these out of dense optimizers.
-                self.embedding_bags[config.name].weight._in_backward_optimizers = [self._optim]
+                for param in self.embedding_bags[config.name].parameters():
+                    param._in_backward_optimizers = [self._optim]
         self._has_fused_update = any(updates[local.table].kind != NONE for local in local_tables)
 
         self._router = IdRouter(self._layout, group, self._device, self._is_weighted, dedup_ids,
@@ -209,25 +209,20 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _initial_weight(self, local, unsharded: torch.Tensor, config) -> torch.Tensor:
-        weight = torch.empty((local.rows, local.cols), dtype=torch.float32, device=self._device)
-        column = 0
+    def _initial_weight(self, shard: Shard, unsharded: torch.Tensor, config) -> torch.Tensor:
+        weight = torch.empty((shard.rows, shard.cols), dtype=torch.float32, device=self._device)
         with torch.no_grad():
-            for s in local.shards:
-                block = weight[:, column: column + s.cols]
-                if unsharded.device.type != "meta":
-                    block.copy_(unsharded[s.row_offset: s.row_offset + s.rows,
-                                          s.col_offset: s.col_offset + s.cols])
-                else:
-                    config.init_fn(block)
-                column += s.cols
+            if unsharded.device.type != "meta":
+                weight.copy_(unsharded[shard.row_offset: shard.row_offset + shard.rows,
+                                       shard.col_offset: shard.col_offset + shard.cols])
+            else:
+                config.init_fn(weight)
         return weight
 
-    def _sharded_tensor(self, t: int, local, tensor: Optional[torch.Tensor],
-                        column_state: bool) -> ShardedTensor:
-        """ShardedTensor over this rank's part of table t's weight (or of its optimizer state:
-        Adagrad's has the weight's shape; row-wise Adagrad's is [rows, column blocks], one
-        value per row of each column block)."""
+    def _sharded_tensor(self, t: int, local, column_state: bool) -> ShardedTensor:
+        """ShardedTensor over table t's weight (or optimizer state: Adagrad's has the weight's
+        shape; row-wise Adagrad's is [rows, column blocks], one value per row of each column
+        block), from this rank's (shard, tensor) pairs."""
         table = self._layout.tables[t]
         plan_shards = self.module_sharding_plan[table.name].sharding_spec.shards
         all_shards = self._layout.shards[t]
@@ -246,16 +241,11 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                                                requires_grad=False,
                                                memory_format=torch.contiguous_format,
                                                pin_memory=False))
-        local_shards = []
-        if local is not None:
-            column = 0
-            for s in local.shards:
-                if column_state:
-                    view = tensor.view(-1, 1)
-                else:
-                    view = tensor[:, column: column + s.cols]
-                local_shards.append(LocalShard(tensor=view, metadata=metadata[all_shards.index(s)]))
-                column += s.cols
+        local_shards = [
+            LocalShard(tensor=tensor.view(-1, 1) if column_state else tensor,
+                       metadata=metadata[all_shards.index(shard)])
+            for shard, tensor in local
+        ]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             local_shards=local_shards, sharded_tensor_metadata=global_metadata,
             process_group=self._env.process_group)
@@ -320,11 +310,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         with torch.no_grad():
             for local, weight in zip(self._layout.local_tables[self._env.rank],
                                      self._local_weights):
-                config = self._embedding_bag_configs[local.table]
-                column = 0
-                for s in local.shards:
-                    config.init_fn(weight[:, column: column + s.cols])
-                    column += s.cols
+                self._embedding_bag_configs[local.table].init_fn(weight)
 
     def update_shards(self, *args, **kwargs) -> None:
         raise NotImplementedError(f"{OWNER}: resharding a live module is not supported; "
@@ -333,56 +319,51 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
     def extra_repr(self) -> str:
         return (f"tables={self._table_names}, fwd_comm={self._fwd_comm!r}, "
                 f"bwd_comm={self._bwd_comm!r}, local tables="
-                f"{[self._table_names[l.table] for l in self._layout.local_tables[self._env.rank]]}")
+                f"{[self._table_names[lt.table] for lt in self._layout.local_tables[self._env.rank]]}")
 
     # ------------------------------------------------------------------ state_dict
 
     @staticmethod
     def _state_dict_hook(module: "ShardedEmbeddingBagCollection", destination, prefix,
                          local_metadata) -> None:
-        for name, sharded in zip(module._table_names, module._sharded_weights):
+        for t, (name, sharded) in enumerate(zip(module._table_names, module._sharded_weights)):
             destination[f"{prefix}embedding_bags.{name}.weight"] = sharded
+            for k in range(1, len(module._local_of_table.get(t, []))):
+                destination.pop(f"{prefix}embedding_bags.{name}.{_weight_name(k)}", None)
 
     def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
                                   missing_keys, unexpected_keys, error_msgs) -> None:
-        me = self._env.rank
-        local_of_table = {l.table: l for l in self._layout.local_tables[me]}
+        local_tables = self._layout.local_tables[self._env.rank]
         for t, name in enumerate(self._table_names):
             key = f"{prefix}embedding_bags.{name}.weight"
             if key not in state_dict:
                 continue
-            state_dict[key] = self._local_value(key, state_dict[key], local_of_table.get(t),
-                                                self.embedding_bags[name].weight)
+            value = state_dict[key]
+            mine = self._local_of_table.get(t, [])
+            if not mine:
+                state_dict[key] = self.embedding_bags[name].weight.detach()
+            for k, lt in enumerate(mine):
+                state_dict[f"{prefix}embedding_bags.{name}.{_weight_name(k)}"] = \
+                    self._local_value(key, value, local_tables[lt].shard)
 
-    def _local_value(self, key: str, value, local, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a table, from a ShardedTensor (same plan) or a full tensor."""
-        if local is None:
-            return weight.detach()
-        table = self._layout.tables[local.table]
-        out = torch.empty_like(weight)
-        column = 0
-        for s in local.shards:
-            target = out[:, column: column + s.cols]
-            column += s.cols
-            if isinstance(value, ShardedTensor):
-                match = [sh.tensor for sh in value.local_shards()
-                         if list(sh.metadata.shard_offsets) == [s.row_offset, s.col_offset]
-                         and list(sh.metadata.shard_sizes) == [s.rows, s.cols]]
-                if not match:
-                    raise ValueError(f"{OWNER}: {key} holds no shard at rows {s.row_offset}+"
-                                     f"{s.rows}, columns {s.col_offset}+{s.cols} on rank "
-                                     f"{self._env.rank}: it was saved with another plan")
-                target.copy_(match[0])
-            elif isinstance(value, torch.Tensor) and tuple(value.shape) == \
-                    (table.num_embeddings, table.embedding_dim):
-                target.copy_(value[s.row_offset: s.row_offset + s.rows,
-                                   s.col_offset: s.col_offset + s.cols])
-            else:
-                shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value)
-                raise ValueError(f"{OWNER}: {key} must be a ShardedTensor or a full "
-                                 f"[{table.num_embeddings}, {table.embedding_dim}] tensor, "
-                                 f"got {shape}")
-        return out
+    def _local_value(self, key: str, value, shard: Shard) -> torch.Tensor:
+        """One local shard of a table, from a ShardedTensor (same plan) or a full tensor."""
+        table = self._layout.tables[shard.table]
+        if isinstance(value, ShardedTensor):
+            for local in value.local_shards():
+                if list(local.metadata.shard_offsets) == [shard.row_offset, shard.col_offset] \
+                        and list(local.metadata.shard_sizes) == [shard.rows, shard.cols]:
+                    return local.tensor
+            raise ValueError(f"{OWNER}: {key} holds no shard at rows {shard.row_offset}+"
+                             f"{shard.rows}, columns {shard.col_offset}+{shard.cols} on rank "
+                             f"{self._env.rank}: it was saved with another plan")
+        if isinstance(value, torch.Tensor) and \
+                tuple(value.shape) == (table.num_embeddings, table.embedding_dim):
+            return value[shard.row_offset: shard.row_offset + shard.rows,
+                         shard.col_offset: shard.col_offset + shard.cols]
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{OWNER}: {key} must be a ShardedTensor or a full "
+                         f"[{table.num_embeddings}, {table.embedding_dim}] tensor, got {shape}")
 
 
 class _PooledEmbeddingsAwaitable(LazyAwaitable[KeyedTensor]):
@@ -402,12 +383,20 @@ class _PooledEmbeddingsAwaitable(LazyAwaitable[KeyedTensor]):
                            length_per_key=module._embedding_dims, values=values)
 
 
-def _check_config(config) -> None:
+def _weight_name(k: int) -> str:
+    return "weight" if k == 0 else f"weight_{k}"
+
+
+def _check_config(config, weighted: bool) -> None:
     if config.data_type != DataType.FP32:
         raise TypeError(f"{OWNER}: table '{config.name}' must be FP32, got {config.data_type}")
     if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
         raise ValueError(f"{OWNER}: table '{config.name}' pooling must be SUM or MEAN, got "
                          f"{config.pooling}")
+    if weighted and config.pooling == PoolingType.MEAN:
+        # As TorchRec's EmbeddingBagCollection (torch's embedding_bag raises for it).
+        raise ValueError(f"{OWNER}: table '{config.name}': per-sample weights need SUM pooling, "
+                         "got MEAN")
 
 
 def _plan_shards(t: int, name: str, sharding: ParameterSharding) -> List[Shard]:
