@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -300,16 +301,22 @@ int64_t dedup_segment(
   return dedup_hashed(v, n, lo, range, uniq, inv, scratch, workers);
 }
 
+// Per-thread buffers live as long as the thread (at::parallel_for's pool keeps its threads):
+// a training loop dedups a batch of the same shape every step, and fresh buffers would cost
+// first-touch page faults every time.
 template <typename key_t>
-at::Tensor dedup_all(
-    const at::Tensor& values, const int64_t* off, int64_t segments, at::Tensor& inverse,
-    at::Tensor& unique_offsets) {
-  const int64_t n = values.numel();
-  const key_t* v = values.const_data_ptr<key_t>();
-  int64_t* inv = inverse.data_ptr<int64_t>();
-  // Each segment's uniques are staged where its keys sit (there are never more of them).
-  at::Tensor staging = at::empty({n}, values.options());
-  key_t* stage = staging.data_ptr<key_t>();
+Scratch<key_t>& thread_scratch() {
+  static thread_local Scratch<key_t> scratch;
+  return scratch;
+}
+
+// Dedups every segment: segment s's uniques go, ascending, to stage[off[s]:off[s] + counts[s]]
+// (there are never more of them than keys), and inv[i] = rank of v[i] within its segment.
+// Returns counts [S].
+template <typename key_t>
+std::vector<int64_t> dedup_segments(
+    const key_t* v, const int64_t* off, int64_t segments, int64_t n, key_t* stage,
+    int64_t* inv) {
   std::vector<int64_t> counts(segments, 0);
   std::vector<int64_t> order;
   order.reserve(segments);
@@ -323,42 +330,61 @@ at::Tensor dedup_all(
   // Big segments first, one at a time, each split over all threads (the pool below would give
   // one of them a single thread); the rest share the threads segment by segment.
   size_t first_small = 0;
-  {
-    Scratch<key_t> scratch;
-    for (; first_small < order.size(); ++first_small) {
-      const int64_t s = order[first_small], len = off[s + 1] - off[s];
-      if (len < kBigSegmentKeys) break;
-      counts[s] = dedup_segment(v + off[s], len, stage + off[s], inv + off[s], scratch, threads);
-    }
+  for (; first_small < order.size(); ++first_small) {
+    const int64_t s = order[first_small], len = off[s + 1] - off[s];
+    if (len < kBigSegmentKeys) break;
+    counts[s] = dedup_segment(
+        v + off[s], len, stage + off[s], inv + off[s], thread_scratch<key_t>(), threads);
   }
   const int64_t workers =
       std::min<int64_t>(threads, static_cast<int64_t>(order.size() - first_small));
   std::atomic<size_t> next{first_small};
   at::parallel_for(0, std::max<int64_t>(workers, 1), 1, [&](int64_t, int64_t) {
-    Scratch<key_t> scratch;
+    Scratch<key_t>& scratch = thread_scratch<key_t>();
     for (size_t t = next.fetch_add(1); t < order.size(); t = next.fetch_add(1)) {
       const int64_t s = order[t];
       counts[s] = dedup_segment(
           v + off[s], off[s + 1] - off[s], stage + off[s], inv + off[s], scratch, 1);
     }
   });
+  return counts;
+}
 
-  int64_t* uo = unique_offsets.data_ptr<int64_t>();
+// Segment bounds of the uniques (uo [S + 1]) from the counts, and each segment's global base
+// added to its inverse entries.
+void number_globally(
+    const int64_t* off, int64_t segments, int64_t n, const std::vector<int64_t>& counts,
+    int64_t* uo, int64_t* inv) {
   uo[0] = 0;
   for (int64_t s = 0; s < segments; ++s) uo[s + 1] = uo[s] + counts[s];
-  at::Tensor unique_values = at::empty({uo[segments]}, values.options());
-  key_t* out = unique_values.data_ptr<key_t>();
   const int64_t grain = n < kParallelMinKeys ? segments : 1;
   at::parallel_for(0, segments, grain, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
-      std::copy(stage + off[s], stage + off[s] + counts[s], out + uo[s]);
       const int64_t base = uo[s];
       int64_t* seg_inv = inv + off[s];
       const int64_t len = off[s + 1] - off[s];
       for (int64_t i = 0; i < len; ++i) seg_inv[i] += base;
     }
   });
-  return unique_values;
+}
+
+// Dedups all segments into stage [N] (segment s's uniques end up at stage[uo[s]:uo[s + 1]]),
+// inv [N] and uo [S + 1]. Returns U.
+template <typename key_t>
+int64_t dedup_all(
+    const at::Tensor& values, const int64_t* off, int64_t segments, key_t* stage, int64_t* inv,
+    int64_t* uo) {
+  const int64_t n = values.numel();
+  const std::vector<int64_t> counts =
+      dedup_segments(values.const_data_ptr<key_t>(), off, segments, n, stage, inv);
+  number_globally(off, segments, n, counts, uo, inv);
+  // Segment s moves left from off[s] to uo[s] <= off[s]. In segment order a move never
+  // overwrites a segment not yet moved, so they run one after another (U keys in all: little
+  // next to the dedup itself).
+  for (int64_t s = 0; s < segments; ++s) {
+    if (uo[s] != off[s]) std::memmove(stage + uo[s], stage + off[s], counts[s] * sizeof(key_t));
+  }
+  return uo[segments];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> segmented_unique_cpu(
@@ -374,15 +400,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segmented_unique_cpu(
   at::Tensor inverse = at::empty({n}, values.options().dtype(at::kLong));
   at::Tensor unique_offsets = at::zeros({count}, offsets.options());
   if (n == 0) return {at::empty({0}, values.options()), unique_offsets, inverse};
-  at::Tensor unique_values =
-      values.scalar_type() == at::kInt
-          ? dedup_all<int32_t>(values, off, count - 1, inverse, unique_offsets)
-          : dedup_all<int64_t>(values, off, count - 1, inverse, unique_offsets);
+  // Uniques are staged where their segment's keys sit, then copied out at their final size
+  // (a result of N keys would hold memory for nothing once U is known).
+  at::Tensor staging = at::empty({n}, values.options());
+  at::Tensor unique_values;
+  AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "segmented_unique_cpu", [&] {
+    const int64_t u = dedup_all<index_t>(values, off, count - 1, staging.data_ptr<index_t>(),
+                                         inverse.data_ptr<int64_t>(),
+                                         unique_offsets.data_ptr<int64_t>());
+    unique_values = staging.narrow(0, 0, u).clone();
+  });
   return {unique_values, unique_offsets, inverse};
+}
+
+// The same into caller-owned tensors, resized as torch's out= arguments are (a storage that is
+// large enough is kept): a loop that passes the same buffers every step allocates nothing.
+// unique_values is staged in place, so it is first resized to N, then to U. Returns U.
+int64_t segmented_unique_out_cpu(
+    const at::Tensor& values_in, const at::Tensor& offsets_in, at::Tensor& unique_values,
+    at::Tensor& unique_offsets, at::Tensor& inverse) {
+  constexpr const char* op = "recxla::segmented_unique_out";
+  dedup::check_dedup_args(op, values_in, offsets_in);
+  dedup::check_dedup_out(op, values_in, unique_values, unique_offsets, inverse);
+  const at::Tensor offsets = offsets_in.contiguous();
+  const int64_t count = offsets.numel();
+  const int64_t n = values_in.numel();
+  const int64_t* off = offsets.const_data_ptr<int64_t>();
+  dedup::check_dedup_offsets(op, off, count, n);
+  const at::Tensor values = values_in.contiguous();
+  inverse.resize_({n});
+  unique_offsets.resize_({count});
+  unique_values.resize_({n});
+  if (n == 0) {
+    unique_offsets.zero_();
+    return 0;
+  }
+  int64_t u = 0;
+  AT_DISPATCH_INDEX_TYPES(values.scalar_type(), "segmented_unique_out_cpu", [&] {
+    index_t* stage = unique_values.data_ptr<index_t>();
+    u = dedup_all<index_t>(values, off, count - 1, stage, inverse.data_ptr<int64_t>(),
+                           unique_offsets.data_ptr<int64_t>());
+  });
+  unique_values.resize_({u});
+  return u;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(recxla, CPU, m) { m.impl("segmented_unique", &segmented_unique_cpu); }
+TORCH_LIBRARY_IMPL(recxla, CPU, m) {
+  m.impl("segmented_unique", &segmented_unique_cpu);
+  m.impl("segmented_unique_out", &segmented_unique_out_cpu);
+}
 
 }  // namespace recxla

@@ -80,6 +80,27 @@ int64_t number_runs(
 // Keys per bucket of the partitioned sort: a bucket's two word arrays stay in L1/L2.
 constexpr int64_t kBucketKeys = 4096;
 
+// The partitioned sort's buffers, kept by the calling thread from call to call (a training loop
+// dedups a batch of the same size every step; fresh arrays would cost first-touch page faults).
+struct PartitionScratch {
+  std::vector<uint64_t> packed, split;
+  std::vector<int64_t> cursor, bucket_start, runs;
+  std::vector<uint8_t> sorted_in_packed;
+};
+
+inline PartitionScratch& partition_scratch() {
+  static thread_local PartitionScratch scratch;
+  return scratch;
+}
+
+// Room for n elements (contents undefined); grows with headroom, so batches whose size varies a
+// little from step to step do not reallocate every time.
+template <typename T>
+T* reserve_for(std::vector<T>& buffer, int64_t n) {
+  if (buffer.size() < static_cast<size_t>(n)) buffer.resize(n + n / 8);
+  return buffer.data();
+}
+
 // Dedups one big segment on `workers` threads: one parallel counting pass splits the packed
 // words into 2^b buckets by their top key bits (bucket order is key order), then threads take
 // buckets, radix sort each on the remaining key bits in cache, count its runs, and after a
@@ -94,13 +115,15 @@ int64_t dedup_partitioned(
   const int64_t buckets = int64_t{1} << bucket_bits;
   const int low_bits = key_bits - bucket_bits;
   const int digit_shift = pos_bits + low_bits;
-  std::unique_ptr<uint64_t[]> packed(new uint64_t[n]);
-  std::unique_ptr<uint64_t[]> split(new uint64_t[n]);
+  PartitionScratch& scratch = partition_scratch();
+  uint64_t* packed = reserve_for(scratch.packed, n);
+  uint64_t* split = reserve_for(scratch.split, n);
   const int64_t chunks = std::max<int64_t>(1, workers);
   auto chunk_begin = [&](int64_t c) { return n * c / chunks; };
 
   // Per-chunk bucket counts become per-chunk write cursors: a stable, race-free split.
-  std::vector<int64_t> cursor(chunks * buckets, 0);
+  std::vector<int64_t>& cursor = scratch.cursor;
+  cursor.assign(chunks * buckets, 0);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* count = cursor.data() + c * buckets;
@@ -111,7 +134,8 @@ int64_t dedup_partitioned(
       }
     }
   });
-  std::vector<int64_t> bucket_start(buckets + 1);
+  std::vector<int64_t>& bucket_start = scratch.bucket_start;
+  bucket_start.resize(buckets + 1);
   int64_t total = 0;
   for (int64_t b = 0; b < buckets; ++b) {
     bucket_start[b] = total;
@@ -129,8 +153,10 @@ int64_t dedup_partitioned(
   });
 
   // Buckets differ in size (skewed keys crowd some), so threads take them one at a time.
-  std::vector<int64_t> runs(buckets + 1, 0);
-  std::vector<uint8_t> sorted_in_packed(buckets, 0);
+  std::vector<int64_t>& runs = scratch.runs;
+  runs.assign(buckets + 1, 0);
+  std::vector<uint8_t>& sorted_in_packed = scratch.sorted_in_packed;
+  sorted_in_packed.assign(buckets, 0);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, chunks, 1, [&](int64_t, int64_t) {
     std::vector<uint32_t> hist;
@@ -138,8 +164,8 @@ int64_t dedup_partitioned(
       const int64_t s = bucket_start[b], len = bucket_start[b + 1] - s;
       if (len == 0) continue;
       const uint64_t* sorted =
-          radix_sort(split.get() + s, packed.get() + s, len, pos_bits, digit_shift, hist);
-      sorted_in_packed[b] = sorted != split.get() + s;
+          radix_sort(split + s, packed + s, len, pos_bits, digit_shift, hist);
+      sorted_in_packed[b] = sorted != split + s;
       runs[b + 1] = count_runs(sorted, len, pos_bits);
     }
   });
@@ -148,7 +174,7 @@ int64_t dedup_partitioned(
   at::parallel_for(0, chunks, 1, [&](int64_t, int64_t) {
     for (int64_t b = next.fetch_add(1); b < buckets; b = next.fetch_add(1)) {
       const int64_t s = bucket_start[b], len = bucket_start[b + 1] - s;
-      const uint64_t* sorted = (sorted_in_packed[b] ? packed.get() : split.get()) + s;
+      const uint64_t* sorted = (sorted_in_packed[b] ? packed : split) + s;
       number_runs(sorted, len, pos_bits, lo, runs[b], uniq, inv);
     }
   });

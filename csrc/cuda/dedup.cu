@@ -166,8 +166,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> segmented_unique_cuda(
   return {unique_values, unique_offsets, inverse};
 }
 
+// Into caller-owned tensors (resized as out= arguments are). The caching allocator already
+// reuses device memory, so this computes as above and copies: the out= form exists on CUDA for
+// callers that keep one code path for both devices.
+int64_t segmented_unique_out_cuda(
+    const at::Tensor& values, const at::Tensor& offsets, at::Tensor& unique_values,
+    at::Tensor& unique_offsets, at::Tensor& inverse) {
+  dedup::check_dedup_out("recxla::segmented_unique_out", values, unique_values, unique_offsets,
+                         inverse);
+  const auto [u, uo, inv] = segmented_unique_cuda(values, offsets);
+  unique_values.resize_(u.sizes()).copy_(u);
+  unique_offsets.resize_(uo.sizes()).copy_(uo);
+  inverse.resize_(inv.sizes()).copy_(inv);
+  return u.numel();
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(recxla, CUDA, m) { m.impl("segmented_unique", &segmented_unique_cuda); }
+TORCH_LIBRARY_IMPL(recxla, CUDA, m) {
+  m.impl("segmented_unique", &segmented_unique_cuda);
+  m.impl("segmented_unique_out", &segmented_unique_out_cuda);
+}
 
 }  // namespace recxla

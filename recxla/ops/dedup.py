@@ -30,6 +30,11 @@ def _segmented_unique_fake(values, offsets):
     )
 
 
+@torch.library.register_fake("recxla::segmented_unique_out")
+def _segmented_unique_out_fake(values, offsets, unique_values, unique_offsets, inverse):
+    return torch.library.get_ctx().new_dynamic_size()
+
+
 def _check_tensor(op: str, name: str, t, dtypes, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -55,7 +60,7 @@ def _check_offsets_values(op: str, offsets: torch.Tensor, n: int) -> None:
         raise ValueError(f"{op}: offsets[-1] must equal values.numel()={n}, got {int(offsets[-1])}")
 
 
-def segmented_unique(values: torch.Tensor, offsets: torch.Tensor):
+def segmented_unique(values: torch.Tensor, offsets: torch.Tensor, *, out=None):
     """Distinct keys per segment, ascending, with the inverse index.
 
     Args:
@@ -87,16 +92,38 @@ def segmented_unique(values: torch.Tensor, offsets: torch.Tensor):
             f"{offsets.device}"
         )
     offsets = offsets.to(torch.int64)
+    if out is not None:
+        _check_out(op, values, out)
     backend = _extension.backend_for(values)
+    if backend in ("cpu", "cuda"):
+        if out is None:
+            return torch.ops.recxla.segmented_unique(values, offsets)
+        torch.ops.recxla.segmented_unique_out(values, offsets, *out)  # resizes out[0] to U
+        return tuple(out)
+    _check_offsets_values(op, offsets, values.numel())
     if backend == "triton":
         from recxla.triton_kernels.dedup import segmented_unique_triton
 
-        _check_offsets_values(op, offsets, values.numel())
-        return segmented_unique_triton(values, offsets)
-    if backend == "reference":
-        _check_offsets_values(op, offsets, values.numel())
-        return reference.segmented_unique_ref(values, offsets)
-    return torch.ops.recxla.segmented_unique(values, offsets)
+        result = segmented_unique_triton(values, offsets)
+    else:
+        result = reference.segmented_unique_ref(values, offsets)
+    if out is None:
+        return result
+    return tuple(o.resize_(r.shape).copy_(r) for o, r in zip(out, result))
+
+
+def _check_out(op: str, values: torch.Tensor, out) -> None:
+    """The out= tuple of segmented_unique (the C++ op checks the same again)."""
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise TypeError(f"{op}: out must be a tuple (unique_values, unique_offsets, inverse)")
+    for name, t, dtype in zip(("unique_values", "unique_offsets", "inverse"), out,
+                              (values.dtype, torch.int64, torch.int64)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+            raise TypeError(f"{op}: out {name} must be a {dtype} tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if t.device != values.device or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"{op}: out {name} must be a contiguous 1-D tensor on "
+                             f"{values.device}, got shape {tuple(t.shape)} on {t.device}")
 
 
 # The public name (recxla.unique_keys).

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define RECXLA_DEDUP_HD __host__ __device__ __forceinline__
@@ -72,6 +73,31 @@ inline void check_dedup_args(const char* op, const at::Tensor& values, const at:
   TORCH_CHECK_VALUE(
       values.device() == offsets.device(), op, ": values and offsets must be on one device, got ",
       values.device(), " and ", offsets.device());
+}
+
+// The out= tensors of segmented_unique_out: dtypes, device and layout (they are resized by the
+// op; a storage that is large enough is kept).
+inline void check_dedup_out(
+    const char* op, const at::Tensor& values, const at::Tensor& unique_values,
+    const at::Tensor& unique_offsets, const at::Tensor& inverse) {
+  const std::pair<const char*, const at::Tensor*> outs[] = {
+      {"unique_values", &unique_values}, {"unique_offsets", &unique_offsets},
+      {"inverse", &inverse}};
+  for (const auto& [name, t] : outs) {
+    TORCH_CHECK_VALUE(t->device() == values.device(), op, ": ", name, " must be on ",
+                      values.device(), " like values, got ", t->device());
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->is_contiguous(), op, ": ", name,
+                      " must be a contiguous 1-D tensor, got shape ", t->sizes(), " strides ",
+                      t->strides());
+    TORCH_CHECK_VALUE(!t->is_same(values), op, ": ", name, " must not be values itself");
+  }
+  TORCH_CHECK_TYPE(unique_values.scalar_type() == values.scalar_type(), op,
+                   ": unique_values must have values' dtype ", values.scalar_type(), ", got ",
+                   unique_values.scalar_type());
+  TORCH_CHECK_TYPE(unique_offsets.scalar_type() == at::kLong, op,
+                   ": unique_offsets must be int64, got ", unique_offsets.scalar_type());
+  TORCH_CHECK_TYPE(inverse.scalar_type() == at::kLong, op, ": inverse must be int64, got ",
+                   inverse.scalar_type());
 }
 
 // offsets: a contiguous host array of S + 1 entries. Checked before any work: a bad offset
