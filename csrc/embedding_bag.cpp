@@ -12,7 +12,16 @@
 //                  feature f, and feature f's ids all belong to table feature_table[f]
 //   per_sample_weights  float32 [N] or None
 //   feature_table  F ints: the table of each feature; output columns follow feature order
-//   pooling        T ints: 0 = sum, 1 = mean (sum / bag length; empty bags give zeros)
+//   pooling        T ints: 0 = sum, 1 = mean (sum / bag length; empty bags give zeros). With
+//                  per-sample weights, mean is sum(w * row) / bag length (FBGEMM's TBE does the
+//                  same; torch.nn.EmbeddingBag and so TorchRec reject weights with mean, and so
+//                  does recxla.nn.EmbeddingBagCollection).
+//
+// Data checks (ids inside their table's segment, rows in range and, for the update, strictly
+// increasing per table, offsets monotone): the CPU kernels make them before writing anything.
+// The CUDA kernels check shapes and dtypes only: their callers in recxla.ops.embedding_bag check
+// the data on the device first (`check_lookup_data`, one flag read per step), so these ops are
+// internal on CUDA.
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(recxla, m) {
@@ -21,6 +30,12 @@ TORCH_LIBRARY_FRAGMENT(recxla, m) {
       "embedding_bag_forward(Tensor[] weights, Tensor unique_values, Tensor unique_offsets, "
       "Tensor inverse, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
       "int[] pooling, int batch_size) -> Tensor");
+  // The same into a caller-owned float32 [B, sum_f D_{feature_table[f]}] contiguous tensor: a
+  // training loop that hands in a free buffer every step allocates nothing.
+  m.def(
+      "embedding_bag_forward_out(Tensor[] weights, Tensor unique_values, Tensor unique_offsets, "
+      "Tensor inverse, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
+      "int[] pooling, int batch_size, Tensor(a!) out) -> ()");
   // -> T float32 tensors [U_t, D_t]: the gradient of every unique row, summed over its ids
   //    (what a dense weight gradient holds at those rows; it is zero everywhere else).
   m.def(
@@ -30,7 +45,8 @@ TORCH_LIBRARY_FRAGMENT(recxla, m) {
   // Reduces the gradient per unique row as above and applies each table's optimizer to those rows
   // in place. optim: T ints (0 none, 1 SGD, 2 Adagrad, 3 row-wise Adagrad); states: T float32
   // tensors (SGD: any, unused; Adagrad: [E_t, D_t]; row-wise Adagrad: E_t values); hparams:
-  // 4 * T floats, per table (lr, eps, weight_decay, grad_sign).
+  // 4 * T floats, per table (lr, eps, weight_decay, grad_sign): lr, eps, weight_decay finite and
+  // >= 0, grad_sign 1 or -1.
   m.def(
       "embedding_bag_backward_update(Tensor grad_output, Tensor(a!)[] weights, "
       "Tensor(b!)[] states, Tensor unique_values, Tensor unique_offsets, Tensor inverse, "

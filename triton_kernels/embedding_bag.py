@@ -10,8 +10,10 @@ GPU path when RECXLA_BACKEND=triton; argument layout in csrc/embedding_bag.cpp).
 
 The per-row formulas are those of csrc/include/recxla/embedding_bag.h. The kernels take plain
 pointers and run under TRITON_INTERPRET=1 on CPU tensors, which is how they are tested without
-a GPU. Argument checks that need the data (ids inside their table) are the caller's: the module
-(recxla.nn.EmbeddingBagCollection) makes them before any kernel runs.
+a GPU. They trust their arguments: the launchers here are internal, and every public entry
+(recxla.ops.embedding_bag's functions, FusedPooledLookup) checks the layout and the data on the
+device first (`check_lookup_data`: rows in range and strictly increasing, ids inside their
+table's segment, offsets monotone).
 """
 
 from typing import List, Optional, Sequence
@@ -105,10 +107,13 @@ def _columns(weights, feature_table) -> List[int]:
 
 
 def embedding_bag_forward_triton(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                                 feature_table, pooling, batch_size) -> torch.Tensor:
-    """-> float32 [B, total_dim]; arguments as recxla.ops.embedding_bag.pooled_forward."""
+                                 feature_table, pooling, batch_size, out=None) -> torch.Tensor:
+    """-> float32 [B, total_dim] (written into `out` when given); arguments as
+    recxla.ops.embedding_bag.pooled_forward."""
     columns = _columns(weights, feature_table)
-    out = torch.empty(batch_size, columns[-1], dtype=torch.float32, device=unique_values.device)
+    if out is None:
+        out = torch.empty(batch_size, columns[-1], dtype=torch.float32,
+                          device=unique_values.device)
     if out.numel() == 0:
         return out
     for f, t in enumerate(feature_table):

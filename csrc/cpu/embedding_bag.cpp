@@ -97,16 +97,10 @@ RECXLA_EB_FORWARD(int32_t, i32)
 RECXLA_EB_FORWARD(int64_t, i64)
 #undef RECXLA_EB_FORWARD
 
-at::Tensor embedding_bag_forward_cpu(
-    at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
-    const at::Tensor& inverse, const at::Tensor& offsets,
-    const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
-    at::IntArrayRef pooling, int64_t batch_size) {
-  constexpr const char* op = "recxla::embedding_bag_forward";
-  Call c(op, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
-         feature_table, pooling, batch_size, /*increasing=*/false);
-  at::Tensor out = at::empty({batch_size, c.l.total_dim}, unique_values.options().dtype(at::kFloat));
-  if (out.numel() == 0) return out;
+// Pools every bag of the call into out [B, total_dim] (float32, contiguous).
+void forward_into(const char* op, const Call& c, at::Tensor& out) {
+  const int64_t batch_size = c.l.batch_size;
+  if (out.numel() == 0) return;
   std::atomic<bool> bad{false};
   float* out_ptr = out.data_ptr<float>();
   // Tiles of 64 samples: 64 output rows per feature stay within the TLB's reach.
@@ -123,7 +117,31 @@ at::Tensor embedding_bag_forward_cpu(
   });
   TORCH_CHECK_INDEX(!bad.load(), op,
                     ": inverse holds an index outside the unique_values segment of its table");
+}
+
+at::Tensor embedding_bag_forward_cpu(
+    at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
+    const at::Tensor& inverse, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
+    at::IntArrayRef pooling, int64_t batch_size) {
+  constexpr const char* op = "recxla::embedding_bag_forward";
+  Call c(op, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
+         feature_table, pooling, batch_size, /*increasing=*/false);
+  at::Tensor out = at::empty({batch_size, c.l.total_dim}, unique_values.options().dtype(at::kFloat));
+  forward_into(op, c, out);
   return out;
+}
+
+void embedding_bag_forward_out_cpu(
+    at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
+    const at::Tensor& inverse, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
+    at::IntArrayRef pooling, int64_t batch_size, at::Tensor& out) {
+  constexpr const char* op = "recxla::embedding_bag_forward_out";
+  Call c(op, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
+         feature_table, pooling, batch_size, /*increasing=*/false);
+  emb::check_forward_out(op, out, c.l, unique_values.device());
+  forward_into(op, c, out);
 }
 
 }  // namespace
@@ -131,6 +149,7 @@ at::Tensor embedding_bag_forward_cpu(
 
 TORCH_LIBRARY_IMPL(recxla, CPU, m) {
   m.impl("embedding_bag_forward", &emb_cpu::embedding_bag_forward_cpu);
+  m.impl("embedding_bag_forward_out", &emb_cpu::embedding_bag_forward_out_cpu);
 }
 
 }  // namespace recxla

@@ -191,12 +191,15 @@ void run_backward(
   const int64_t n = static_cast<int64_t>(parts.size());
   at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
     // Accumulators stay with the thread between calls: fresh pages every step would cost more
-    // than the sums (first-touch faults).
+    // than the sums (first-touch faults). They grow with headroom, so that batches whose
+    // unique count varies a little from step to step do not reallocate every time.
     thread_local std::vector<float> acc;
     for (int64_t k = next++; k < n; k = next++) {
       const Part& p = parts[k];
       const int64_t t = p.table;
-      acc.assign((p.hi - p.lo) * l.table_dim[t], 0.0f);
+      const size_t size = (p.hi - p.lo) * l.table_dim[t];
+      if (acc.capacity() < size) acc.reserve(size + size / 8);
+      acc.assign(size, 0.0f);
       const auto kind = static_cast<Optim>(optim[t]);
       if (c.rows.scalar_type() == at::kInt) {
         run_part_i32(c.args, p, c.rows.const_data_ptr<int32_t>(), grad, kind, hparams[t], sign[t],

@@ -10,8 +10,12 @@
 // reduces the row's squares with warp shuffles.
 //
 // The per-element math is recxla/embedding_bag.h, shared with the CPU kernel. Shape and dtype
-// checks are the host-side ones of the CPU kernel (recxla/embedding_bag_checks.h); ids outside
-// their table's segment are device asserts (the module checks ids before calling).
+// checks are the host-side ones of the CPU kernel (recxla/embedding_bag_checks.h). The data
+// checks (rows in range and strictly increasing, ids inside their table's segment, offsets
+// monotone) are not made here: these ops are internal on CUDA, and every public entry
+// (recxla.ops.embedding_bag's functions, FusedPooledLookup, recxla.nn) runs
+// `check_lookup_data` on the device first and reads its one flag tensor before a kernel
+// launches. A device assert stays on the forward's ids as a last guard.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -188,18 +192,12 @@ int64_t shared_dim(const char* op, const Layout& l) {
   return dim;
 }
 
-at::Tensor embedding_bag_forward_cuda(
-    at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
-    const at::Tensor& inverse, const at::Tensor& offsets,
-    const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
-    at::IntArrayRef pooling, int64_t batch_size) {
-  constexpr const char* op = "recxla::embedding_bag_forward";
-  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
-                                     per_sample_weights, feature_table, pooling, batch_size);
-  const c10::cuda::CUDAGuard guard(unique_values.device());
-  at::Tensor out = at::empty({batch_size, l.total_dim}, unique_values.options().dtype(at::kFloat));
-  const int64_t bags = l.num_features * batch_size;
-  if (out.numel() == 0) return out;
+void forward_into(const char* op, const Layout& l, at::TensorList weights,
+                  const at::Tensor& unique_values, const at::Tensor& inverse,
+                  const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
+                  at::Tensor& out) {
+  const int64_t bags = l.num_features * l.batch_size;
+  if (out.numel() == 0) return;
   const int64_t smem_dim = shared_dim(op, l);
   const DeviceMeta meta = make_meta(l, weights, {}, {}, unique_values.device());
   const at::Tensor rows = unique_values.contiguous(), inv = inverse.contiguous();
@@ -211,10 +209,36 @@ at::Tensor embedding_bag_forward_cuda(
     forward_kernel<index_t><<<blocks_for(bags), kThreads, smem, stream>>>(
         meta.meta, rows.const_data_ptr<index_t>(), inv.const_data_ptr<int64_t>(),
         offs.const_data_ptr<int64_t>(), psw.defined() ? psw.const_data_ptr<float>() : nullptr,
-        bags, batch_size, l.total_dim, smem_dim, out.data_ptr<float>());
+        bags, l.batch_size, l.total_dim, smem_dim, out.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor embedding_bag_forward_cuda(
+    at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
+    const at::Tensor& inverse, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
+    at::IntArrayRef pooling, int64_t batch_size) {
+  constexpr const char* op = "recxla::embedding_bag_forward";
+  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
+                                     per_sample_weights, feature_table, pooling, batch_size);
+  const c10::cuda::CUDAGuard guard(unique_values.device());
+  at::Tensor out = at::empty({batch_size, l.total_dim}, unique_values.options().dtype(at::kFloat));
+  forward_into(op, l, weights, unique_values, inverse, offsets, per_sample_weights, out);
   return out;
+}
+
+void embedding_bag_forward_out_cuda(
+    at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
+    const at::Tensor& inverse, const at::Tensor& offsets,
+    const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
+    at::IntArrayRef pooling, int64_t batch_size, at::Tensor& out) {
+  constexpr const char* op = "recxla::embedding_bag_forward_out";
+  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
+                                     per_sample_weights, feature_table, pooling, batch_size);
+  emb::check_forward_out(op, out, l, unique_values.device());
+  const c10::cuda::CUDAGuard guard(unique_values.device());
+  forward_into(op, l, weights, unique_values, inverse, offsets, per_sample_weights, out);
 }
 
 // The ids of every unique row (start [U + 1], grad_offset [N], scale [N]), in ATen ops; the
@@ -326,6 +350,7 @@ void embedding_bag_backward_update_cuda(
 
 TORCH_LIBRARY_IMPL(recxla, CUDA, m) {
   m.impl("embedding_bag_forward", &embedding_bag_forward_cuda);
+  m.impl("embedding_bag_forward_out", &embedding_bag_forward_out_cuda);
   m.impl("embedding_bag_unique_grad", &embedding_bag_unique_grad_cuda);
   m.impl("embedding_bag_backward_update", &embedding_bag_backward_update_cuda);
 }

@@ -13,6 +13,10 @@ between the two), and replaces the forward:
 3. the backward reduces the output gradient per unique row and, for tables with an optimizer,
    updates those rows and their optimizer state in place (weight.grad stays None, as with FBGEMM's
    fused TBE); tables without one get an ordinary dense gradient.
+
+The large tensors of a step (bag offsets, the dedup outputs, the pooled output) come from a
+recxla.nn.workspace.Workspace, so that a steady-state training step on CPU allocates no new
+large blocks (the buffers of a step are reused once nothing refers to them any more).
 """
 
 from typing import Dict, List, Optional
@@ -25,6 +29,7 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.nn import optimizers
+from recxla.nn.workspace import Workspace
 from recxla.ops.dedup import segmented_unique
 from recxla.ops.embedding_bag import MEAN, SUM, FusedPooledLookup, LookupPlan
 
@@ -37,6 +42,8 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
     Args:
         tables: torchrec EmbeddingBagConfig list (FP32 tables; SUM or MEAN pooling).
         is_weighted: the input carries per-sample weights (kjt.weights(), float, one per id).
+            Only with SUM pooling: TorchRec's module (torch.nn.EmbeddingBag) raises
+            NotImplementedError for weights with MEAN, and so does this one, at construction.
         device: where the tables live.
         optimizer: None, "sgd", "adagrad", "rowwise_adagrad", torch.optim.SGD,
             torch.optim.Adagrad or torchrec.optim.RowWiseAdagrad: the update applied in backward
@@ -49,6 +56,7 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
     float32 [B, sum of the features' dims], keys and columns as TorchRec's module gives.
     Raises ValueError for a feature that no table lists or that is missing, lengths that do not
     match the values, and IndexError for ids outside [0, num_embeddings), before any row changes.
+    On CPU the output's storage is reused by a later step once nothing refers to it any more.
     """
 
     def __init__(
@@ -66,6 +74,10 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
             if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"{OWNER}: table '{config.name}' pooling must be SUM or MEAN, "
                                  f"got {config.pooling}")
+            if is_weighted and config.pooling == PoolingType.MEAN:
+                raise NotImplementedError(
+                    f"{OWNER}: table '{config.name}' has MEAN pooling, which per-sample weights "
+                    "(is_weighted=True) do not support, as in TorchRec's EmbeddingBagCollection")
         if optimizer is None and optimizer_kwargs:
             raise TypeError(f"{OWNER}: optimizer keyword arguments {sorted(optimizer_kwargs)} "
                             "given without an optimizer")
@@ -81,6 +93,7 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
                 self._table_of_feature.setdefault(name, config.name)
         if optimizer is not None:
             optimizers.attach_optimizer(self._weights(), optimizer, optimizer_kwargs)
+        self._workspace = Workspace()
 
     def _weights(self) -> List[torch.nn.Parameter]:
         return [bag.weight for bag in self.embedding_bags.values()]
@@ -92,8 +105,14 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
         Every input check and the optimizer lookup run here, before the autograd graph exists,
         so a bad batch leaves the rows and optimizer states as they were."""
         values, offsets, psw, table_bounds = self._table_major_ids(features)
+        n, ws = values.numel(), self._workspace
+        dedup_out = (ws.empty("unique_values", (n,), values.dtype, values.device),
+                     ws.empty("unique_offsets", (table_bounds.numel(),), torch.int64,
+                              values.device),
+                     ws.empty("inverse", (n,), torch.int64, values.device))
         try:
-            unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
+            unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds,
+                                                                      out=dedup_out)
         except ValueError:
             self._negative_length(features)  # a clearer message when that is the cause
             raise
@@ -107,6 +126,7 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
                 [optimizers.table_optimizer(w, c.name)
                  for w, c in zip(weights, self._embedding_bag_configs)]
             ),
+            workspace=ws,
         )
         try:
             out = FusedPooledLookup.apply(
@@ -164,21 +184,29 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
                 raise ValueError(f"{OWNER}: is_weighted=True but the input has no weights")
             psw = psw.to(torch.float32)
         if keys != self._flat_features:
+            # Feature order of the tables (a feature read by two tables appears twice).
             order = [position[f] for f in self._flat_features]
-            values = torch.cat([values[bounds[i] : bounds[i + 1]] for i in order])
+            total, ws = sum(per_key[i] for i in order), self._workspace
+            values = torch.cat([values[bounds[i] : bounds[i + 1]] for i in order],
+                               out=ws.empty("values", (total,), values.dtype, values.device))
             if psw is not None:
-                psw = torch.cat([psw[bounds[i] : bounds[i + 1]] for i in order])
-            offsets = self._offsets(lengths.view(len(keys), batch)[order].reshape(-1))
+                psw = torch.cat([psw[bounds[i] : bounds[i + 1]] for i in order],
+                                out=ws.empty("weights", (total,), psw.dtype, psw.device))
+            reordered = torch.index_select(
+                lengths.view(len(keys), batch), 0, torch.tensor(order, device=lengths.device),
+                out=ws.empty("lengths", (len(order), batch), lengths.dtype, lengths.device))
+            offsets = self._offsets(reordered.view(-1))
         first_feature = [0]
         for names in self._feature_names:
             first_feature.append(first_feature[-1] + len(names))
         table_bounds = offsets[torch.tensor(first_feature, device=values.device) * batch]
         return values, offsets, psw, table_bounds
 
-    @staticmethod
-    def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    def _offsets(self, lengths: torch.Tensor) -> torch.Tensor:
+        """lengths [K] -> int64 [K + 1], 0 then their running sum."""
         # empty + one zero rather than zeros: a fill of the whole buffer is a pass for nothing.
-        offsets = torch.empty(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        offsets = self._workspace.empty("offsets", (lengths.numel() + 1,), torch.int64,
+                                        lengths.device)
         offsets[:1] = 0
         torch.cumsum(lengths, 0, dtype=torch.int64, out=offsets[1:])
         return offsets

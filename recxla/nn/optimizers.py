@@ -15,6 +15,7 @@ decay included; see csrc/include/recxla/embedding_bag.h):
     (FBGEMM EXACT_ROWWISE_ADAGRAD), also named "sgd", "adagrad", "rowwise_adagrad".
 """
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
@@ -63,7 +64,8 @@ def resolve_optimizer(optimizer: Union[str, Type[torch.optim.Optimizer]]) -> Tup
 
 
 def check_hyperparameters(kind: int, params: Dict[str, Any], where: str) -> None:
-    """ValueError for a hyperparameter that the fused update of `kind` cannot honour."""
+    """ValueError for a hyperparameter that the fused update of `kind` cannot honour, and for
+    lr, eps, weight_decay, lr_decay, initial_accumulator_value that are not finite and >= 0."""
     if kind == SGD:
         if params.get("momentum", 0.0) != 0.0 or params.get("nesterov", False):
             raise ValueError(
@@ -75,12 +77,14 @@ def check_hyperparameters(kind: int, params: Dict[str, Any], where: str) -> None
             continue
         raise ValueError(f"{where}: hyperparameter {name}={value!r} is not supported by the "
                          f"fused update (supported: {sorted(_HONOURED[kind])})")
-    for name in ("lr", "eps", "weight_decay", "lr_decay"):
+    # NaN passes a `< 0` test and Inf is a number: either would turn every touched row into NaN.
+    for name in ("lr", "eps", "weight_decay", "lr_decay", "initial_accumulator_value"):
         value = params.get(name, 0.0)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = float(value)
-        if not isinstance(value, (int, float)) or value < 0:
-            raise ValueError(f"{where}: {name} must be a number >= 0, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
 
 
 def attach_optimizer(params: Sequence[torch.nn.Parameter], optimizer, kwargs: Dict[str, Any]) -> None:

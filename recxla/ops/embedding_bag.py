@@ -1,15 +1,23 @@
 """Pooled embedding lookup over deduplicated ids with a fused sparse optimizer.
 
-The three ops of csrc/embedding_bag.cpp (argument layout documented there and in
+The ops of csrc/embedding_bag.cpp (argument layout documented there and in
 recxla.reference.embedding_bag) get their fake kernels here, a dispatcher per op (C++ on CPU, CUDA
 or Triton on GPU following RECXLA_BACKEND, the reference when the extension is missing), and the
 autograd Function `FusedPooledLookup` that joins them: its forward pools the rows, its backward
 either updates the rows in place (the weights get no .grad, as in FBGEMM's TBE) or, for tables
 without an optimizer, returns an ordinary dense gradient.
+
+Data checks. The CPU kernels check the data themselves (rows in range and, for the update,
+strictly increasing per table; ids inside their table's segment; offsets monotone) before they
+write anything. The CUDA and Triton kernels do not: on those paths `check_lookup_data` runs the
+same checks as torch ops on the device, without a host sync, into one small flag tensor, and
+`raise_for_lookup_flags` reads it once before any kernel launches and raises what the CPU kernel
+would. The functions below do that on every call; `FusedPooledLookup` once per step (in its
+forward: the backward reuses the tensors autograd saved, which cannot change in between).
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,6 +29,7 @@ NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD = (
     reference.NONE, reference.SGD, reference.ADAGRAD, reference.ROWWISE_ADAGRAD,
 )
 NUM_HPARAMS = reference.NUM_HPARAMS
+_NO_ERROR = 2**62  # "no bad index" in the flag tensor (above any index)
 
 
 @torch.library.register_fake("recxla::embedding_bag_forward")
@@ -28,6 +37,12 @@ def _forward_fake(weights, unique_values, unique_offsets, inverse, offsets, psw,
                   pooling, batch_size):
     total_dim = sum(weights[t].shape[1] for t in feature_table)
     return unique_values.new_empty((batch_size, total_dim), dtype=torch.float32)
+
+
+@torch.library.register_fake("recxla::embedding_bag_forward_out")
+def _forward_out_fake(weights, unique_values, unique_offsets, inverse, offsets, psw,
+                      feature_table, pooling, batch_size, out):
+    return None
 
 
 @torch.library.register_fake("recxla::embedding_bag_unique_grad")
@@ -43,6 +58,181 @@ def _backward_update_fake(grad_output, weights, states, unique_values, unique_of
     return None
 
 
+# ---------------------------------------------------------------------------------------------
+# Checks for the kernels that do not check the data themselves (CUDA, Triton, the reference)
+
+
+def _check_layout(op, weights, unique_values, unique_offsets, inverse, offsets, psw,
+                  feature_table, pooling, batch_size) -> None:
+    """Shapes, dtypes and devices (host only), as csrc/include/recxla/embedding_bag_checks.h."""
+    device = unique_values.device
+    if batch_size < 0:
+        raise ValueError(f"{op}: batch_size must be >= 0, got {batch_size}")
+    if len(pooling) != len(weights):
+        raise ValueError(f"{op}: pooling must have one entry per table ({len(weights)}), got "
+                         f"{len(pooling)}")
+    for t, w in enumerate(weights):
+        if w.dim() != 2 or w.dtype != torch.float32 or not w.is_contiguous():
+            raise TypeError(f"{op}: weights[{t}] must be a contiguous 2-D float32 tensor, got "
+                            f"{w.dtype} {tuple(w.shape)}")
+        if w.device != device:
+            raise ValueError(f"{op}: weights[{t}] is on {w.device} but unique_values is on "
+                             f"{device}")
+        if pooling[t] not in (SUM, MEAN):
+            raise ValueError(f"{op}: pooling[{t}] must be 0 (sum) or 1 (mean), got {pooling[t]}")
+    for f, t in enumerate(feature_table):
+        if not 0 <= t < len(weights):
+            raise ValueError(f"{op}: feature_table[{f}] = {t} is not a table index in "
+                             f"[0, {len(weights)})")
+    num_features, num_tables = len(feature_table), len(weights)
+    wanted = [("unique_values", unique_values, (torch.int32, torch.int64), None, ""),
+              ("unique_offsets", unique_offsets, (torch.int64,), num_tables + 1,
+               f"num_tables + 1 = {num_tables + 1} entries"),
+              ("inverse", inverse, (torch.int64,), None, ""),
+              ("offsets", offsets, (torch.int64,), num_features * batch_size + 1,
+               f"num_features * batch_size + 1 = {num_features * batch_size + 1} entries")]
+    if psw is not None:
+        wanted.append(("per_sample_weights", psw, (torch.float32,), inverse.numel(),
+                       f"one weight per id ({inverse.numel()})"))
+    for name, x, dtypes, numel, what in wanted:
+        if x.dtype not in dtypes:
+            names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{op}: {name} must be {names}, got {x.dtype}")
+        if x.dim() != 1 or (numel is not None and x.numel() != numel):
+            raise ValueError(f"{op}: {name} must be 1-D" + (f" with {what}" if what else "")
+                             + f", got shape {list(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{op}: all tensors must be on {device}, got {name} on {x.device}")
+
+
+def check_lookup_data(weights, unique_values, unique_offsets, inverse, offsets, feature_table,
+                      batch_size, increasing: bool) -> torch.Tensor:
+    """The CPU kernels' data checks as torch ops on the inputs' device, with no host sync.
+
+    Arguments as `pooled_forward` (layout already checked); increasing: also require each
+    table's unique_values to be strictly increasing (what the fused update needs: a row listed
+    twice would be updated twice, by racing threads on GPU). Returns int64 [7]: offsets[0],
+    offsets[-1], then the first bad index of each check or 2**62: unique_offsets (0 when bad),
+    offsets decreasing (bag), rows out of range (table), rows not increasing (table), ids outside
+    their table's segment (feature). Every index used is clamped, so bad data reads nothing out
+    of bounds.
+    """
+    device, n, u = unique_values.device, inverse.numel(), unique_values.numel()
+    num_tables, num_features = len(weights), len(feature_table)
+    big = torch.full((), _NO_ERROR, dtype=torch.int64, device=device)
+    first = lambda bad, index: torch.where(bad, index, big).min() if bad.numel() else big  # noqa
+    uo = unique_offsets
+    uo_bad = (uo[0] != 0) | (uo[-1] != u) | (uo[1:] < uo[:-1]).any()
+    decreasing = first(offsets[1:] < offsets[:-1], torch.arange(offsets.numel() - 1, device=device))
+    rows = _constant([w.shape[0] for w in weights] + [0], device)
+    positions = torch.arange(u, device=device)
+    table = (torch.searchsorted(uo, positions, right=True) - 1).clamp(0, max(num_tables - 1, 0))
+    values = unique_values.long()
+    out_of_range = first((values < 0) | (values >= rows[table]), table)
+    unsorted = big
+    if increasing and u > 1:
+        repeat = (table[1:] == table[:-1]) & (values[1:] <= values[:-1])
+        unsorted = first(repeat, table[1:])
+    outside = big
+    if n and num_features:
+        bounds = offsets[(torch.arange(num_features + 1, device=device) * batch_size)
+                         .clamp(max=offsets.numel() - 1)]
+        feature = (torch.searchsorted(bounds, torch.arange(n, device=device), right=True) - 1) \
+            .clamp(0, num_features - 1)
+        t = _constant(list(feature_table), device)[feature]
+        ends = uo.clamp(0, u)
+        outside = first((inverse < ends[t]) | (inverse >= ends[t + 1]), feature)
+    return torch.stack([offsets[0], offsets[-1], torch.where(uo_bad, 0, big), decreasing,
+                        out_of_range, unsorted, outside])
+
+
+def _constant(values: List[int], device: torch.device) -> torch.Tensor:
+    """A small int64 tensor on `device`; from pinned memory without blocking on GPU, since a
+    plain host-to-device copy waits for the stream (a host sync)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def raise_for_lookup_flags(op: str, flags: torch.Tensor, weights, num_ids: int) -> None:
+    """Reads the flags of `check_lookup_data` (one host sync) and raises what the CPU kernel
+    raises for the same data: ValueError for offsets and order, IndexError for ranges."""
+    start, end, uo_bad, decreasing, out_of_range, unsorted, outside = flags.tolist()
+    if uo_bad < _NO_ERROR:
+        raise ValueError(f"{op}: unique_offsets must start at 0, be non-decreasing and end at "
+                         "len(unique_values)")
+    if start != 0 or end != num_ids:
+        raise ValueError(f"{op}: offsets must start at 0 and end at the number of ids "
+                         f"({num_ids}), got {start} and {end}")
+    if decreasing < _NO_ERROR:
+        raise ValueError(f"{op}: offsets must be non-decreasing (bag lengths >= 0)")
+    if min(out_of_range, unsorted) < _NO_ERROR:
+        if out_of_range <= unsorted:
+            raise IndexError(f"{op}: unique_values of table {out_of_range} must lie in "
+                             f"[0, {weights[out_of_range].shape[0]})")
+        raise ValueError(f"{op}: unique_values must be strictly increasing within each table's "
+                         f"segment, but table {unsorted}'s are not")
+    if outside < _NO_ERROR:
+        raise IndexError(f"{op}: inverse holds an index outside the unique_values segment of its "
+                         f"table (feature {outside})")
+
+
+def _check(op, args, increasing: bool) -> None:
+    """Layout and data checks of `args` (weights, unique_values, unique_offsets, inverse,
+    offsets, psw, feature_table, pooling, batch_size) for a backend whose kernels trust them."""
+    weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size = args
+    _check_layout(op, weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size)
+    flags = check_lookup_data(weights, uv, uo, inv, offsets, feature_table, batch_size, increasing)
+    raise_for_lookup_flags(op, flags, weights, inv.numel())
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _forward(args, out: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+    if backend == "triton":
+        from recxla.triton_kernels.embedding_bag import embedding_bag_forward_triton
+
+        return embedding_bag_forward_triton(*args, out=out)
+    if backend == "reference":
+        result = reference.embedding_bag_forward_ref(*args)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        return torch.ops.recxla.embedding_bag_forward(*args)
+    torch.ops.recxla.embedding_bag_forward_out(*args, out)
+    return out
+
+
+def _unique_grad(grad_output, args, backend: str) -> List[torch.Tensor]:
+    if backend == "triton":
+        from recxla.triton_kernels.embedding_bag import embedding_bag_unique_grad_triton
+
+        return embedding_bag_unique_grad_triton(grad_output, *args)
+    if backend == "reference":
+        return reference.embedding_bag_unique_grad_ref(grad_output, *args)
+    return list(torch.ops.recxla.embedding_bag_unique_grad(grad_output, *args))
+
+
+def _backward_update(grad_output, states, args, optim, hparams, backend: str) -> None:
+    weights, rest = args[0], args[1:]
+    full = (grad_output, weights, list(states), *rest, list(optim), [float(h) for h in hparams])
+    if backend == "triton":
+        from recxla.triton_kernels.embedding_bag import embedding_bag_backward_update_triton
+
+        return embedding_bag_backward_update_triton(*full)
+    if backend == "reference":
+        return reference.embedding_bag_backward_update_ref(*full)
+    torch.ops.recxla.embedding_bag_backward_update(*full)
+
+
+def _args(weights, unique_values, unique_offsets, inverse, offsets, psw, feature_table, pooling,
+          batch_size):
+    return (list(weights), unique_values, unique_offsets, inverse, offsets, psw,
+            list(feature_table), list(pooling), batch_size)
+
+
 def pooled_forward(
     weights: Sequence[torch.Tensor],
     unique_values: torch.Tensor,
@@ -53,24 +243,23 @@ def pooled_forward(
     feature_table: Sequence[int],
     pooling: Sequence[int],
     batch_size: int,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Pool the rows of every bag. -> float32 [B, sum_f D_{feature_table[f]}].
 
     weights: T float32 [E_t, D_t]; unique_values: int32/int64 [U] (table by table, segment bounds
     unique_offsets int64 [T + 1]); inverse: int64 [N] into unique_values; offsets: int64
-    [F * B + 1] bag bounds; per_sample_weights: float32 [N] or None; feature_table: F table
-    indices; pooling: T ints (0 sum, 1 mean).
+    [F * B + 1] bag bounds; per_sample_weights: float32 [N] or None (with mean pooling the bag
+    gives sum(w * row) / length, as FBGEMM's TBE); feature_table: F table indices; pooling: T
+    ints (0 sum, 1 mean); out: optional float32 [B, total_dim] contiguous tensor to write into
+    (returned), so that a loop can reuse one buffer.
     """
-    args = (list(weights), unique_values, unique_offsets, inverse, offsets, per_sample_weights,
-            list(feature_table), list(pooling), batch_size)
+    args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
+                 feature_table, pooling, batch_size)
     backend = _extension.backend_for(unique_values)
-    if backend == "triton":
-        from recxla.triton_kernels.embedding_bag import embedding_bag_forward_triton
-
-        return embedding_bag_forward_triton(*args)
-    if backend == "reference":
-        return reference.embedding_bag_forward_ref(*args)
-    return torch.ops.recxla.embedding_bag_forward(*args)
+    if backend != "cpu":
+        _check("recxla::embedding_bag_forward", args, increasing=False)
+    return _forward(args, out, backend)
 
 
 def unique_grad(
@@ -87,16 +276,12 @@ def unique_grad(
 ) -> List[torch.Tensor]:
     """grad_output float32 [B, total_dim] -> T float32 [U_t, D_t]: the weight gradient of each
     table at its unique rows (a dense gradient is zero elsewhere)."""
-    args = (grad_output, list(weights), unique_values, unique_offsets, inverse, offsets,
-            per_sample_weights, list(feature_table), list(pooling), batch_size)
+    args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
+                 feature_table, pooling, batch_size)
     backend = _extension.backend_for(unique_values)
-    if backend == "triton":
-        from recxla.triton_kernels.embedding_bag import embedding_bag_unique_grad_triton
-
-        return embedding_bag_unique_grad_triton(*args)
-    if backend == "reference":
-        return reference.embedding_bag_unique_grad_ref(*args)
-    return list(torch.ops.recxla.embedding_bag_unique_grad(*args))
+    if backend != "cpu":
+        _check("recxla::embedding_bag_unique_grad", args, increasing=False)
+    return _unique_grad(grad_output, args, backend)
 
 
 def backward_update(
@@ -120,17 +305,12 @@ def backward_update(
     [E_t, D_t], row-wise Adagrad E_t values, else unused); hparams: 4 * T floats, per table
     (lr, eps, weight_decay, grad_sign). unique_values must be strictly increasing per table.
     """
-    args = (grad_output, list(weights), list(states), unique_values, unique_offsets, inverse,
-            offsets, per_sample_weights, list(feature_table), list(pooling), batch_size,
-            list(optim), [float(h) for h in hparams])
+    args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
+                 feature_table, pooling, batch_size)
     backend = _extension.backend_for(unique_values)
-    if backend == "triton":
-        from recxla.triton_kernels.embedding_bag import embedding_bag_backward_update_triton
-
-        return embedding_bag_backward_update_triton(*args)
-    if backend == "reference":
-        return reference.embedding_bag_backward_update_ref(*args)
-    torch.ops.recxla.embedding_bag_backward_update(*args)
+    if backend != "cpu":
+        _check("recxla::embedding_bag_backward_update", args, increasing=True)
+    _backward_update(grad_output, states, args, optim, hparams, backend)
 
 
 # What the backward asks for, once per step: per table its optimizer kind, state tensor and
@@ -140,13 +320,16 @@ OptimizerStep = Callable[[], Tuple[List[int], List[torch.Tensor], List[float]]]
 
 @dataclass
 class LookupPlan:
-    """The static part of one lookup: feature_table (F ints), pooling (T ints), batch_size, and
-    the optimizer callback (None: every table gets a dense gradient)."""
+    """The static part of one lookup: feature_table (F ints), pooling (T ints), batch_size, the
+    optimizer callback (None: every table gets a dense gradient), and an optional workspace
+    (recxla.nn.workspace.Workspace, or anything with its `empty(name, shape, dtype, device)`)
+    that provides the pooled output's buffer, reused across steps on CPU."""
 
     feature_table: List[int]
     pooling: List[int]
     batch_size: int
     optimizer_step: Optional[OptimizerStep] = None
+    workspace: Optional[Any] = None
 
 
 class FusedPooledLookup(torch.autograd.Function):
@@ -154,13 +337,26 @@ class FusedPooledLookup(torch.autograd.Function):
 
     Inputs: plan, unique_values, unique_offsets, inverse, offsets, per_sample_weights, *weights.
     Per-sample weights get a gradient when they require one (computed before any row moves).
+    On GPU the data are checked once, in the forward (strictly increasing rows too when the plan
+    has an optimizer), before any kernel runs.
     """
 
     @staticmethod
     def forward(ctx, plan, unique_values, unique_offsets, inverse, offsets, psw, *weights):
-        out = pooled_forward(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                             plan.feature_table, plan.pooling, plan.batch_size)
+        args = _args(weights, unique_values, unique_offsets, inverse, offsets, psw,
+                     plan.feature_table, plan.pooling, plan.batch_size)
+        backend = _extension.backend_for(unique_values)
+        if backend != "cpu":
+            _check("recxla.ops.embedding_bag.FusedPooledLookup", args,
+                   increasing=plan.optimizer_step is not None)
+        out = None
+        if plan.workspace is not None:
+            total_dim = sum(weights[t].shape[1] for t in plan.feature_table)
+            out = plan.workspace.empty("pooled", (plan.batch_size, total_dim), torch.float32,
+                                       unique_values.device)
+        out = _forward(args, out, backend)
         ctx.plan = plan
+        ctx.backend = backend
         # The weights are kept as objects, not saved tensors: the fused update changes them in
         # place, and an earlier lookup's backward in the same step may already have done so.
         ctx.weights = weights
@@ -169,15 +365,15 @@ class FusedPooledLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        plan = ctx.plan
+        plan, backend = ctx.plan, ctx.backend
         unique_values, unique_offsets, inverse, offsets, psw = ctx.saved_tensors
         weights = [w.detach() for w in ctx.weights]
         grad_output = grad_output.contiguous().float()
-        common = (unique_values, unique_offsets, inverse, offsets, psw, plan.feature_table,
-                  plan.pooling, plan.batch_size)
+        args = _args(weights, unique_values, unique_offsets, inverse, offsets, psw,
+                     plan.feature_table, plan.pooling, plan.batch_size)
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[5]:
-            grad_psw = _per_sample_weight_grad(grad_output, weights, *common)
+            grad_psw = _per_sample_weight_grad(grad_output, *args)
         num_tables = len(weights)
         optim, states, hparams = (
             plan.optimizer_step() if plan.optimizer_step is not None
@@ -186,11 +382,11 @@ class FusedPooledLookup(torch.autograd.Function):
         if any(k != NONE for k in optim):
             states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
             with torch.no_grad():
-                backward_update(grad_output, weights, states, *common, optim, hparams)
+                _backward_update(grad_output, states, args, optim, hparams, backend)
         grads = [None] * num_tables
         need = [t for t, k in enumerate(optim) if k == NONE and ctx.needs_input_grad[6 + t]]
         if need:
-            rows = unique_grad(grad_output, weights, *common)
+            rows = _unique_grad(grad_output, args, backend)
             uoff = unique_offsets.tolist()
             for t in need:
                 grads[t] = torch.zeros_like(weights[t]).index_add_(
@@ -201,7 +397,8 @@ class FusedPooledLookup(torch.autograd.Function):
 
 def _per_sample_weight_grad(grad_output, weights, unique_values, unique_offsets, inverse, offsets,
                             psw, feature_table, pooling, batch_size):
-    """d out / d psw[i] = <row of id i, output gradient of its bag> (/ bag length for mean)."""
+    """d out / d psw[i] = <row of id i, output gradient of its bag> (/ bag length for mean).
+    -> float32 [N]."""
     ids = unique_values[inverse].long()
     lengths = offsets.diff()
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)

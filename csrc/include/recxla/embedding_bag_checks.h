@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -123,6 +124,21 @@ inline void check_grad_output(const char* op, const at::Tensor& grad_output, con
                    ": grad_output must be float32, got ", grad_output.scalar_type());
 }
 
+// The out= tensor of embedding_bag_forward_out: float32 [B, total_dim], contiguous, on the
+// inputs' device (it is written whole, so its contents do not matter).
+inline void check_forward_out(
+    const char* op, const at::Tensor& out, const Layout& l, const at::Device& device) {
+  TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, op, ": out must be float32, got ",
+                   out.scalar_type());
+  TORCH_CHECK_VALUE(
+      out.dim() == 2 && out.size(0) == l.batch_size && out.size(1) == l.total_dim, op,
+      ": out must be [batch_size, total_dim] = [", l.batch_size, ", ", l.total_dim, "], got ",
+      out.sizes());
+  TORCH_CHECK_VALUE(out.is_contiguous(), op, ": out must be contiguous");
+  TORCH_CHECK_VALUE(out.device() == device, op, ": out is on ", out.device(),
+                    " but unique_values is on ", device);
+}
+
 // Reads the per-table optimizer arguments of embedding_bag_backward_update.
 inline std::vector<Hparams> check_optimizer(
     const char* op, const Layout& l, const at::Device& device, at::TensorList states,
@@ -156,6 +172,14 @@ inline std::vector<Hparams> check_optimizer(
                         " but the weights are on ", device);
     }
     const double* h = hparams.data() + kNumHparams * t;
+    // A NaN or Inf here would silently turn every touched row into NaN.
+    const char* names[] = {"lr", "eps", "weight_decay"};
+    for (int k = 0; k < 3; ++k) {
+      TORCH_CHECK_VALUE(std::isfinite(h[k]) && h[k] >= 0.0, op, ": hparams[", kNumHparams * t + k,
+                        "] (", names[k], " of table ", t, ") must be finite and >= 0, got ", h[k]);
+    }
+    TORCH_CHECK_VALUE(h[3] == 1.0 || h[3] == -1.0, op, ": hparams[", kNumHparams * t + 3,
+                      "] (grad_sign of table ", t, ") must be 1 or -1, got ", h[3]);
     out.push_back(Hparams{static_cast<float>(h[0]), static_cast<float>(h[1]),
                           static_cast<float>(h[2]), static_cast<float>(h[3])});
   }
