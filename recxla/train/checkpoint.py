@@ -20,6 +20,7 @@ import re
 import shutil
 from typing import Optional, Tuple
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -89,7 +90,7 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "train": {"steps_done": steps_done}}
+             "train": {"steps_done": torch.tensor(steps_done, dtype=torch.int64)}}
     dcp.save(state, checkpoint_id=partial)
     dist.barrier()  # every rank's shards are on disk
     if rank == 0:
@@ -110,7 +111,7 @@ def load(path: str, model, optimizer) -> int:
     """Load checkpoint folder `path` into `model` and `optimizer` in place (a collective).
     Returns the steps it had done."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "train": {"steps_done": -1}}
+             "train": {"steps_done": torch.tensor(-1, dtype=torch.int64)}}
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

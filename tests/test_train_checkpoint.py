@@ -1,0 +1,85 @@
+"""Checkpoint and resume: a run stopped after a checkpoint and resumed ends bit for bit where an
+uninterrupted run ends (CPU, fp32 communication): tables, dense layers, the fused embedding
+optimizer's state, the dense optimizer's state."""
+
+import shutil
+
+import pytest
+import torch
+from test_train_cli import SMALL, launch_ranks
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from recxla.train import checkpoint
+from recxla.train.config import parse_config
+
+FP32 = [*SMALL, "--fwd-comm", "fp32", "--bwd-comm", "fp32", "--warmup-steps", "1",
+        "--sparse-optimizer", "rowwise_adagrad", "--dense-optimizer", "adagrad"]
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _load(folder, tmp_path, name):
+    path = str(tmp_path / f"{name}.pt")
+    dcp_to_torch_save(folder, path)
+    return _flat(torch.load(path, weights_only=False))
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    # One run of 8 steps, checkpointing after 4 and 8 ...
+    launch_ranks([*FP32, "--steps", "8", "--checkpoint-every", "4", "--checkpoint-dir", str(a)],
+                 tmp_path)
+    assert checkpoint.latest_checkpoint(str(a))[0] == 8
+    # ... and a run that stopped after step 4's checkpoint, resumed to 8.
+    b.mkdir()
+    shutil.copytree(checkpoint.checkpoint_path(str(a), 4), checkpoint.checkpoint_path(str(b), 4))
+    ranks = launch_ranks([*FP32, "--steps", "8", "--checkpoint-dir", str(b), "--resume"],
+                         tmp_path)
+    assert "steps 4..8" in ranks[0].output()
+
+    at4 = _load(checkpoint.checkpoint_path(str(a), 4), tmp_path, "a4")
+    end_a = _load(checkpoint.checkpoint_path(str(a), 8), tmp_path, "a8")
+    end_b = _load(checkpoint.checkpoint_path(str(b), 8), tmp_path, "b8")
+    assert end_a.keys() == end_b.keys()
+    tensors = [k for k, v in end_a.items() if torch.is_tensor(v)]
+    tables = [k for k in tensors if k.startswith("model.") and "embedding_bags" in k]
+    fused_state = [k for k in tensors if k.startswith("optimizer.state.") and
+                   "embedding_bags" in k]
+    dense_state = [k for k in tensors if k.startswith("optimizer.state.") and "dense_arch" in k]
+    assert len(tables) == 26 and len(fused_state) >= 26 and dense_state
+    for k in tensors:
+        assert torch.equal(end_a[k], end_b[k]), k
+    # Steps 4..8 did change every table and optimizer state (the equality above is not vacuous).
+    for k in tables + fused_state + dense_state:
+        assert not torch.equal(at4[k], end_a[k]), k
+    assert int(end_a["train.steps_done"]) == 8 and int(at4["train.steps_done"]) == 4
+
+
+def test_resume_rejects_other_options(tmp_path):
+    config = parse_config([*FP32, "--steps", "8"])
+    state = {"steps_done": 4, "data_position": 4, "world_size": 2, "path": "recxla",
+             "config": config.asdict()}
+    checkpoint.check_compatible(config, 2, state)  # the same run: fine
+    other = parse_config([*FP32, "--steps", "8", "--batch-size", "64"])
+    with pytest.raises(ValueError, match=r"--batch-size 128 \(now 64\)"):
+        checkpoint.check_compatible(other, 2, state)
+    with pytest.raises(ValueError, match=r"world size 2 \(now 4\)"):
+        checkpoint.check_compatible(config, 4, state)
+    with pytest.raises(ValueError, match="nothing left to train"):
+        checkpoint.check_compatible(parse_config([*FP32, "--steps", "4"]), 2, state)
+
+
+def test_partial_checkpoint_is_not_resumed_from(tmp_path):
+    (tmp_path / "step_00000004").mkdir()  # DCP files but no train_state.json: unfinished
+    (tmp_path / "step_00000002").mkdir()
+    (tmp_path / "step_00000002" / checkpoint.STATE_FILE).write_text("{}")
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == (
+        2, checkpoint.checkpoint_path(str(tmp_path), 2))
