@@ -179,6 +179,53 @@ def test_ops_one_table_holding_most_ids():
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("fused", [False, True])
+def test_per_sample_weight_grad_matches_reference_autograd(dtype, fused):
+    """d out / d psw through FusedPooledLookup (sum and mean tables) equals autograd through the
+    reference forward; with a fused update it is taken from the weights before they move."""
+    a = op_inputs(dtype, weighted=True, batch=8)
+    psw = a["per_sample_weights"].clone().requires_grad_()
+    ref_psw = a["per_sample_weights"].clone().requires_grad_()
+    weights = [w.clone().requires_grad_() for w in a["weights"]]
+
+    def sgd():
+        return [ops.SGD] * 3, [None] * 3, [0.5, 0.0, 0.0, 1.0] * 3
+
+    plan = ops.LookupPlan(a["feature_table"], a["pooling"], 8, optimizer_step=sgd if fused else None)
+    rest = [a[k] for k in ("unique_values", "unique_offsets", "inverse", "offsets")]
+    out = ops.FusedPooledLookup.apply(plan, *rest, psw, *weights)
+    want = ref.embedding_bag_forward_ref(a["weights"], *rest, ref_psw, a["feature_table"],
+                                         a["pooling"], 8)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want.backward(grad)
+    torch.testing.assert_close(psw.grad, ref_psw.grad)
+    assert fused == any(not torch.equal(w, w0) for w, w0 in zip(weights, a["weights"]))
+
+
+def test_weighted_mean_is_weighted_sum_over_length():
+    """The ops' documented choice (FBGEMM's TBE gives the same; torch.nn.EmbeddingBag and
+    TorchRec reject weights with mean, and so does recxla.nn): sum(w * row) / bag length, an
+    empty bag giving zeros. Checked against torch's weighted-sum EmbeddingBag per feature."""
+    a = op_inputs(weighted=True, batch=10)
+    out = ops.pooled_forward(*op_args(a))
+    ids = a["unique_values"][a["inverse"]].long()
+    offsets, b, column = a["offsets"], a["batch_size"], 0
+    for f, t in enumerate(a["feature_table"]):
+        bags = offsets[f * b : (f + 1) * b + 1]
+        first, last = int(bags[0]), int(bags[-1])
+        want = torch.nn.functional.embedding_bag(
+            ids[first:last], a["weights"][t], bags - first, mode="sum",
+            per_sample_weights=a["per_sample_weights"][first:last], include_last_offset=True)
+        if a["pooling"][t] == ops.MEAN:
+            want = want / bags.diff().clamp(min=1)[:, None]
+        dim = a["weights"][t].shape[1]
+        torch.testing.assert_close(out[:, column : column + dim], want)
+        column += dim
+    assert ops.MEAN in a["pooling"]
+
+
 def test_ops_opcheck():
     a = op_inputs(weighted=True)
     torch.library.opcheck(torch.ops.recxla.embedding_bag_forward, op_args(a))

@@ -189,6 +189,34 @@ def test_bad_input_raises_before_any_row_changes():
     assert all(float(s.abs().sum()) == 0 for s in state)
 
 
+def test_weighted_mean_raises_as_in_torchrec():
+    tables = make_tables(mean=True)
+    kjt = make_kjt(tables, ["f0", "f1", "f2", "f3"], 3, weighted=True)
+    with pytest.raises(NotImplementedError, match="per_sample_weights"):
+        TorchRecEBC(tables, is_weighted=True)(kjt)
+    with pytest.raises(NotImplementedError, match=r"table 't0' has MEAN pooling, which "
+                                                  r"per-sample weights \(is_weighted=True\)"):
+        EmbeddingBagCollection(tables, is_weighted=True)
+    EmbeddingBagCollection(tables)  # unweighted MEAN is fine
+    EmbeddingBagCollection(make_tables(), is_weighted=True)  # weighted SUM too
+
+
+def test_per_sample_weight_grad_matches_torchrec():
+    tables = make_tables()
+    module = EmbeddingBagCollection(tables, is_weighted=True, optimizer="sgd", lr=0.1)
+    twin = twin_of(module, tables, weighted=True)
+    kjt = make_kjt(tables, ["f3", "f0", "f2", "f1"], 12, weighted=True)
+    grads = []
+    for m in (module, twin):
+        weights = kjt.weights().detach().clone().requires_grad_()
+        k = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                              weights=weights)
+        out = m(k).values()
+        out.backward(torch.arange(out.numel(), dtype=torch.float32).view(out.shape).cos())
+        grads.append(weights.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+
+
 def test_unsupported_configurations_raise():
     tables = make_tables()
     with pytest.raises(ValueError, match=r"optimizer must be one of 'sgd', 'adagrad'"):

@@ -189,9 +189,10 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
             total, ws = sum(per_key[i] for i in order), self._workspace
             values = torch.cat([values[bounds[i] : bounds[i + 1]] for i in order],
                                out=ws.empty("values", (total,), values.dtype, values.device))
-            if psw is not None:
+            if psw is not None:  # (cat's out= has no autograd: not for weights that need grad)
                 psw = torch.cat([psw[bounds[i] : bounds[i + 1]] for i in order],
-                                out=ws.empty("weights", (total,), psw.dtype, psw.device))
+                                out=None if psw.requires_grad else
+                                ws.empty("weights", (total,), psw.dtype, psw.device))
             reordered = torch.index_select(
                 lengths.view(len(keys), batch), 0, torch.tensor(order, device=lengths.device),
                 out=ws.empty("lengths", (len(order), batch), lengths.dtype, lengths.device))
