@@ -141,7 +141,7 @@ class Watchdog:
             elif now - since > self.dead_after:
                 silent.append((r, now - since, old))
         if silent:
-            parts = [f"rank {r} stopped responding (no heartbeat for {age:.1f} s; last seen "
+            parts = [f"rank {r} stopped responding (no heartbeat for {age:.1f} s; it was at: "
                      f"{_where(value)})" for r, age, value in silent]
             return "; ".join(parts)
         return None
@@ -156,8 +156,8 @@ class Watchdog:
             low = min(progress.values())
             if low < self._progress:
                 ranks = sorted(r for r, p in progress.items() if p == low)
-                behind = (f"; furthest behind: rank {', rank '.join(map(str, ranks))} (last "
-                          f"seen {_where(self._seen[ranks[0]][0])})")
+                behind = (f"; furthest behind: rank {', rank '.join(map(str, ranks))} (it was "
+                          f"at: {_where(self._seen[ranks[0]][0])})")
             else:
                 behind = "; every rank stopped at the same point (a deadlock, or this rank)"
         return (f"rank {self.rank} made no progress for {idle:.1f} s (limit: --timeout "
@@ -188,6 +188,5 @@ class Watchdog:
 
 def _where(value: Optional[bytes]) -> str:
     if value is None:
-        return "never (it did not start)"
-    beats, progress, where = value.decode().split(" ", 2)
-    return f"in {where}"
+        return "nowhere (it never sent a heartbeat)"
+    return value.decode().split(" ", 2)[2]
