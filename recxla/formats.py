@@ -5,6 +5,7 @@ Every precision travels through the same API (`quantize_rows` / `dequantize_rows
 - "bf16", "fp16", "fp32": plain casts, 2 or 4 bytes a value, no scale.
 """
 
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,12 +50,31 @@ def get_format(fmt: str, op: str, arg: str = "fmt") -> WireFormat:
     return FORMATS[fmt]
 
 
+def as_count(value, op: str, arg: str) -> int:
+    """`value` as a Python int >= 0: sizes, dims and split lengths may be any integer (int, a
+    numpy integer, a 0-d integer tensor), never a bool or a float.
+
+    Raises TypeError (not an integer) or ValueError (negative), naming `op` and `arg`.
+    """
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{op}: {arg} must be an int >= 0, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{op}: {arg} must be an int >= 0, got {value!r} ({type(value).__name__})"
+        ) from None
+    if n < 0:
+        raise ValueError(f"{op}: {arg} must be an int >= 0, got {n}")
+    return n
+
+
 def row_bytes(dim: int, fmt: str = "e4m3") -> int:
     """Bytes one row of `dim` values takes on the wire in format `fmt`.
 
     FP8 formats: `dim` one-byte codes plus a 4-byte fp32 scale (never more than FBGEMM's FP8
     row-wise layout, which pads the codes to 4 bytes and adds 8 bytes of scale).
+    dim: any integer >= 0 (int, numpy integer).
     """
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-        raise ValueError(f"recxla.row_bytes: dim must be an int >= 0, got {dim!r}")
+    dim = as_count(dim, "recxla.row_bytes", "dim")
     return get_format(fmt, "recxla.row_bytes").row_bytes(dim)

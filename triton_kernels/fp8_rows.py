@@ -199,7 +199,9 @@ def _blocks(n_rows: int, dim: int, block_d):
     return block_rows, block_d
 
 
-def quantize_fp8_rows_triton(x: torch.Tensor, fmt: str = "e4m3", block_d=None) -> torch.Tensor:
+def quantize_fp8_rows_triton(
+    x: torch.Tensor, fmt: str = "e4m3", block_d=None, out=None
+) -> torch.Tensor:
     """Quantize each row of `x` to FP8 codes plus the row's fp32 scale.
 
     Args:
@@ -208,8 +210,11 @@ def quantize_fp8_rows_triton(x: torch.Tensor, fmt: str = "e4m3", block_d=None) -
         fmt: "e4m3" or "e5m2".
         block_d: column block (a power of two); None picks one. Tests use small blocks to walk
             the multi-block path.
+        out: optional uint8 [N, D + 4] to write into, contiguous, on x's device (checked by the
+            public recxla.quantize_rows).
     Returns:
-        uint8 [N, D + 4]: D codes, then the scale's 4 bytes (little-endian fp32).
+        uint8 [N, D + 4] (`out` when given): D codes, then the scale's 4 bytes (little-endian
+        fp32).
     """
     op = "recxla.triton_kernels.quantize_fp8_rows_triton"
     f = get_format(fmt, op)
@@ -222,7 +227,8 @@ def quantize_fp8_rows_triton(x: torch.Tensor, fmt: str = "e4m3", block_d=None) -
     if x.shape[1] > 1 and x.stride(1) != 1:
         x = x.contiguous()
     n_rows, dim = x.shape
-    out = torch.empty((n_rows, dim + FP8_SCALE_BYTES), dtype=torch.uint8, device=x.device)
+    if out is None:
+        out = torch.empty((n_rows, dim + FP8_SCALE_BYTES), dtype=torch.uint8, device=x.device)
     if n_rows == 0:
         return out
     block_rows, block_d = _blocks(n_rows, dim, block_d)
@@ -239,7 +245,7 @@ def quantize_fp8_rows_triton(x: torch.Tensor, fmt: str = "e4m3", block_d=None) -
 
 def dequantize_fp8_rows_triton(
     packed: torch.Tensor, dim: int, fmt: str = "e4m3", dtype: torch.dtype = torch.float32,
-    block_d=None,
+    block_d=None, out=None,
 ) -> torch.Tensor:
     """Decode rows written by `quantize_fp8_rows_triton` (or any recxla FP8 backend).
 
@@ -249,8 +255,11 @@ def dequantize_fp8_rows_triton(
         fmt: "e4m3" or "e5m2".
         dtype: float32, bfloat16 or float16, the dtype of the result.
         block_d: column block (a power of two); None picks one.
+        out: optional [N, dim] of `dtype` to write into, contiguous, on packed's device (checked
+            by the public recxla.dequantize_rows).
     Returns:
-        [N, dim] of `dtype`: code value times the row's scale in fp32, then rounded to `dtype`.
+        [N, dim] of `dtype` (`out` when given): code value times the row's scale in fp32, then
+        rounded to `dtype`.
     """
     op = "recxla.triton_kernels.dequantize_fp8_rows_triton"
     f = get_format(fmt, op)
@@ -268,7 +277,7 @@ def dequantize_fp8_rows_triton(
         raise TypeError(f"{op}: dtype must be float32, bfloat16 or float16, got {dtype}")
     packed = packed.contiguous()
     n_rows = packed.shape[0]
-    y = torch.empty((n_rows, dim), dtype=dtype, device=packed.device)
+    y = torch.empty((n_rows, dim), dtype=dtype, device=packed.device) if out is None else out
     if n_rows == 0 or dim == 0:
         return y
     block_rows, block_d = _blocks(n_rows, dim, block_d)

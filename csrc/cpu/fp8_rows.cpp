@@ -21,6 +21,7 @@
 // this flag (no fp32 exception is ever observed), so it is dropped for the kernels below.
 #pragma GCC optimize("no-trapping-math")
 
+#include "fp8_rows_buffers.h"
 #include "fp8_rows_cpu.h"
 #include "recxla/checks.h"
 #include "recxla/fp8.h"
@@ -109,9 +110,9 @@ RECXLA_ROW_KERNELS(c10::Half, f16)
   }                                                                                           \
   void dequantize_rows(                                                                       \
       const uint8_t* in, int64_t begin, int64_t end, int64_t dim, Format fmt, scalar_t* y,    \
-      bool avx512) {                                                                          \
+      bool avx512, bool stream) {                                                             \
     if (avx512) {                                                                             \
-      cpu::dequantize_rows_avx512(in, begin, end, dim, fmt, y);                               \
+      cpu::dequantize_rows_avx512(in, begin, end, dim, fmt, y, stream);                       \
     } else {                                                                                  \
       dequantize_rows_##name(in, begin, end, dim, fmt, y);                                    \
     }                                                                                         \
@@ -133,15 +134,22 @@ bool use_avx512() {
 // Rows per task: enough bytes that a thread's share outweighs the cost of handing it out.
 int64_t grain_rows(int64_t dim) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(dim, 1)); }
 
-at::Tensor quantize_fp8_rows_cpu(const at::Tensor& x_in, c10::string_view fmt_name) {
-  constexpr const char* op = "recxla::quantize_fp8_rows";
+// Outputs at least this large are written with non-temporal stores: they cannot stay in cache
+// anyway (half of the 32 MiB L3 of the AMD EPYC machines here; on a CPU with a much larger L3 a
+// result this size would stay cached), and skipping the read-for-ownership of every line saves
+// a third of the traffic: 65536 x 128 float32 in 0.85 ms instead of 1.1 ms on one thread.
+constexpr int64_t kStreamingStoreBytes = int64_t{16} << 20;
+
+// The kernel behind both forms of the op; `op` names the form in error messages.
+void quantize_rows_into(
+    const char* op, const at::Tensor& x_in, c10::string_view fmt_name, const at::Tensor& out) {
   check_quantize_input(op, x_in);
+  check_quantize_out(op, x_in, out);
   const Format fmt = parse_fp8_format(op, std::string(fmt_name));
   // Rows may be strided (a slice of a larger buffer); only the elements of a row must be dense.
   const at::Tensor x = x_in.stride(1) == 1 || x_in.size(1) <= 1 ? x_in : x_in.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1), x_stride = x.stride(0);
-  at::Tensor out = at::empty({rows, fp8::row_bytes(dim)}, x.options().dtype(at::kByte));
-  if (rows == 0) return out;
+  if (rows == 0) return;
   uint8_t* out_ptr = out.data_ptr<uint8_t>();
   const bool avx512 = use_avx512();
   at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
@@ -158,32 +166,60 @@ at::Tensor quantize_fp8_rows_cpu(const at::Tensor& x_in, c10::string_view fmt_na
             x.const_data_ptr<c10::Half>(), x_stride, begin, end, dim, fmt, out_ptr, avx512);
     }
   });
+}
+
+void quantize_fp8_rows_out_cpu(const at::Tensor& x, c10::string_view fmt_name, at::Tensor& out) {
+  quantize_rows_into("recxla::quantize_fp8_rows_out", x, fmt_name, out);
+}
+
+at::Tensor quantize_fp8_rows_cpu(const at::Tensor& x, c10::string_view fmt_name) {
+  constexpr const char* op = "recxla::quantize_fp8_rows";
+  check_quantize_input(op, x);
+  at::Tensor out = cpu::empty_reusable({x.size(0), fp8::row_bytes(x.size(1))}, at::kByte);
+  quantize_rows_into(op, x, fmt_name, out);
   return out;
 }
 
-at::Tensor dequantize_fp8_rows_cpu(
-    const at::Tensor& packed_in, int64_t dim, c10::string_view fmt_name, at::ScalarType dtype) {
-  constexpr const char* op = "recxla::dequantize_fp8_rows";
-  check_dequantize_input(op, packed_in, dim, dtype);
+// The kernel behind both forms of the op; `op` names the form in error messages.
+void dequantize_rows_into(
+    const char* op, const at::Tensor& packed_in, int64_t dim, c10::string_view fmt_name,
+    const at::Tensor& y) {
+  check_dequantize_out(op, packed_in, dim, y);
+  check_dequantize_input(op, packed_in, dim, y.scalar_type());
   const Format fmt = parse_fp8_format(op, std::string(fmt_name));
   const at::Tensor packed = packed_in.contiguous();
   const int64_t rows = packed.size(0);
-  at::Tensor y = at::empty({rows, dim}, packed.options().dtype(dtype));
-  if (rows == 0 || dim == 0) return y;
+  if (rows == 0 || dim == 0) return;
   const uint8_t* in = packed.const_data_ptr<uint8_t>();
   const bool avx512 = use_avx512();
+  const int64_t row_out_bytes = dim * static_cast<int64_t>(y.element_size());
+  const bool stream = rows * row_out_bytes >= kStreamingStoreBytes && row_out_bytes % 64 == 0 &&
+                      reinterpret_cast<uintptr_t>(y.data_ptr()) % 64 == 0;
   at::parallel_for(0, rows, grain_rows(dim), [&](int64_t begin, int64_t end) {
-    switch (dtype) {
+    switch (y.scalar_type()) {
       case at::kFloat:
-        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<float>(), avx512);
+        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<float>(), avx512, stream);
         break;
       case at::kBFloat16:
-        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<c10::BFloat16>(), avx512);
+        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<c10::BFloat16>(), avx512, stream);
         break;
       default:
-        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<c10::Half>(), avx512);
+        dequantize_rows(in, begin, end, dim, fmt, y.data_ptr<c10::Half>(), avx512, stream);
     }
   });
+}
+
+void dequantize_fp8_rows_out_cpu(
+    const at::Tensor& packed, int64_t dim, c10::string_view fmt_name, at::Tensor& y) {
+  dequantize_rows_into("recxla::dequantize_fp8_rows_out", packed, dim, fmt_name, y);
+}
+
+at::Tensor dequantize_fp8_rows_cpu(
+    const at::Tensor& packed, int64_t dim, c10::string_view fmt_name, at::ScalarType dtype) {
+  constexpr const char* op = "recxla::dequantize_fp8_rows";
+  check_dequantize_input(op, packed, dim, dtype);
+  at::Tensor y = cpu::empty_reusable({packed.size(0), dim}, dtype);
+  dequantize_rows_into(op, packed, dim, fmt_name, y);
   return y;
 }
 
@@ -191,7 +227,9 @@ at::Tensor dequantize_fp8_rows_cpu(
 
 TORCH_LIBRARY_IMPL(recxla, CPU, m) {
   m.impl("quantize_fp8_rows", &quantize_fp8_rows_cpu);
+  m.impl("quantize_fp8_rows_out", &quantize_fp8_rows_out_cpu);
   m.impl("dequantize_fp8_rows", &dequantize_fp8_rows_cpu);
+  m.impl("dequantize_fp8_rows_out", &dequantize_fp8_rows_out_cpu);
 }
 
 }  // namespace recxla

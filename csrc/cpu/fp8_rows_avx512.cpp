@@ -104,6 +104,16 @@ RECXLA_AVX512 inline void store16(c10::Half* p, __m512 v) {
 RECXLA_AVX512 inline void store16(c10::Half* p, __mmask16 k, __m512 v) {
   _mm256_mask_storeu_epi16(p, k, f32_to_f16(v));
 }
+// Non-temporal stores of 16 values to a 64-byte (fp32) or 32-byte (16-bit) aligned address: the
+// line goes to memory without being read first (no read-for-ownership), which saves a third of a
+// large dequantize's memory traffic.
+RECXLA_AVX512 inline void stream16(float* p, __m512 v) { _mm512_stream_ps(p, v); }
+RECXLA_AVX512 inline void stream16(c10::BFloat16* p, __m512 v) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(f32_to_bf16(v)));
+}
+RECXLA_AVX512 inline void stream16(c10::Half* p, __m512 v) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), f32_to_f16(v));
+}
 
 // The anchor and code offset of fp8.h for every clamped fp32 exponent a row can reach, in slot
 // (biased exponent mod 32): e4m3 needs exponents 121..135 and e5m2 113..142 (15 and 30 slots),
@@ -266,7 +276,9 @@ RECXLA_AVX512 __m512 decode16(__m128i codes, __m512 scale) {
   return _mm512_mul_ps(_mm512_castsi512_ps(signed_v), scale);
 }
 
-template <Format F, typename scalar_t>
+// kStream: every row of y starts on a cache line and holds whole lines (the caller checks), so
+// every 16-value store is aligned and non-temporal.
+template <Format F, bool kStream, typename scalar_t>
 RECXLA_AVX512 void dequantize_rows_fmt(
     const uint8_t* in, int64_t begin, int64_t end, int64_t dim, scalar_t* y) {
   const int64_t in_stride = fp8::row_bytes(dim);
@@ -279,13 +291,19 @@ RECXLA_AVX512 void dequantize_rows_fmt(
     int64_t j = 0;
     for (; j + 16 <= dim; j += 16) {
       const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
-      store16(y_row + j, decode16<F>(codes, scale));
+      if constexpr (kStream) {
+        stream16(y_row + j, decode16<F>(codes, scale));
+      } else {
+        store16(y_row + j, decode16<F>(codes, scale));
+      }
     }
     if (j < dim) {
       const __mmask16 k = first_lanes(dim - j);
       store16(y_row + j, k, decode16<F>(_mm_maskz_loadu_epi8(k, row + j), scale));
     }
   }
+  // Non-temporal stores are weakly ordered: make them visible before the thread reports done.
+  if constexpr (kStream) _mm_sfence();
 }
 
 }  // namespace
@@ -303,11 +321,20 @@ void quantize_rows_avx512(
 
 template <typename scalar_t>
 void dequantize_rows_avx512(
-    const uint8_t* in, int64_t begin, int64_t end, int64_t dim, Format fmt, scalar_t* y) {
+    const uint8_t* in, int64_t begin, int64_t end, int64_t dim, Format fmt, scalar_t* y,
+    bool stream) {
   if (fmt == Format::E4M3) {
-    dequantize_rows_fmt<Format::E4M3>(in, begin, end, dim, y);
+    if (stream) {
+      dequantize_rows_fmt<Format::E4M3, true>(in, begin, end, dim, y);
+    } else {
+      dequantize_rows_fmt<Format::E4M3, false>(in, begin, end, dim, y);
+    }
   } else {
-    dequantize_rows_fmt<Format::E5M2>(in, begin, end, dim, y);
+    if (stream) {
+      dequantize_rows_fmt<Format::E5M2, true>(in, begin, end, dim, y);
+    } else {
+      dequantize_rows_fmt<Format::E5M2, false>(in, begin, end, dim, y);
+    }
   }
 }
 
@@ -320,7 +347,8 @@ void quantize_rows_avx512(
     const scalar_t*, int64_t, int64_t, int64_t, int64_t, fp8::Format, uint8_t*) {}
 
 template <typename scalar_t>
-void dequantize_rows_avx512(const uint8_t*, int64_t, int64_t, int64_t, fp8::Format, scalar_t*) {}
+void dequantize_rows_avx512(
+    const uint8_t*, int64_t, int64_t, int64_t, fp8::Format, scalar_t*, bool) {}
 
 #endif
 
@@ -331,11 +359,11 @@ template void quantize_rows_avx512<c10::BFloat16>(
 template void quantize_rows_avx512<c10::Half>(
     const c10::Half*, int64_t, int64_t, int64_t, int64_t, fp8::Format, uint8_t*);
 template void dequantize_rows_avx512<float>(
-    const uint8_t*, int64_t, int64_t, int64_t, fp8::Format, float*);
+    const uint8_t*, int64_t, int64_t, int64_t, fp8::Format, float*, bool);
 template void dequantize_rows_avx512<c10::BFloat16>(
-    const uint8_t*, int64_t, int64_t, int64_t, fp8::Format, c10::BFloat16*);
+    const uint8_t*, int64_t, int64_t, int64_t, fp8::Format, c10::BFloat16*, bool);
 template void dequantize_rows_avx512<c10::Half>(
-    const uint8_t*, int64_t, int64_t, int64_t, fp8::Format, c10::Half*);
+    const uint8_t*, int64_t, int64_t, int64_t, fp8::Format, c10::Half*, bool);
 
 }  // namespace cpu
 }  // namespace recxla

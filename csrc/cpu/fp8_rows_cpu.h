@@ -21,9 +21,12 @@ void quantize_rows_avx512(
     const scalar_t* x, int64_t x_stride, int64_t begin, int64_t end, int64_t dim, fp8::Format fmt,
     uint8_t* out);
 
+// stream: store with non-temporal stores; only when every row of y is whole, aligned cache lines
+// (dim * sizeof(scalar_t) a multiple of 64 and y 64-byte aligned).
 template <typename scalar_t>
 void dequantize_rows_avx512(
-    const uint8_t* in, int64_t begin, int64_t end, int64_t dim, fp8::Format fmt, scalar_t* y);
+    const uint8_t* in, int64_t begin, int64_t end, int64_t dim, fp8::Format fmt, scalar_t* y,
+    bool stream);
 
 }  // namespace cpu
 }  // namespace recxla

@@ -101,15 +101,16 @@ int blocks_for(int64_t rows) {
   return static_cast<int>(std::max<int64_t>(1, std::min(wanted, cap)));
 }
 
-at::Tensor quantize_fp8_rows_cuda(const at::Tensor& x_in, c10::string_view fmt_name) {
-  constexpr const char* op = "recxla::quantize_fp8_rows";
+// The kernel behind both forms of the op; `op` names the form in error messages.
+void quantize_rows_into(
+    const char* op, const at::Tensor& x_in, c10::string_view fmt_name, const at::Tensor& out) {
   check_quantize_input(op, x_in);
+  check_quantize_out(op, x_in, out);
   const Format fmt = parse_fp8_format(op, std::string(fmt_name));
   const c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.stride(1) == 1 || x_in.size(1) <= 1 ? x_in : x_in.contiguous();
   const int64_t rows = x.size(0), dim = x.size(1);
-  at::Tensor out = at::empty({rows, fp8::row_bytes(dim)}, x.options().dtype(at::kByte));
-  if (rows == 0) return out;
+  if (rows == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_float_type(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -117,26 +118,51 @@ at::Tensor quantize_fp8_rows_cuda(const at::Tensor& x_in, c10::string_view fmt_n
         x.const_data_ptr<scalar_t>(), x.stride(0), rows, dim, fmt, out.data_ptr<uint8_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void quantize_fp8_rows_out_cuda(const at::Tensor& x, c10::string_view fmt_name, at::Tensor& out) {
+  quantize_rows_into("recxla::quantize_fp8_rows_out", x, fmt_name, out);
+}
+
+at::Tensor quantize_fp8_rows_cuda(const at::Tensor& x, c10::string_view fmt_name) {
+  constexpr const char* op = "recxla::quantize_fp8_rows";
+  check_quantize_input(op, x);
+  at::Tensor out = at::empty({x.size(0), fp8::row_bytes(x.size(1))}, x.options().dtype(at::kByte));
+  quantize_rows_into(op, x, fmt_name, out);
   return out;
 }
 
-at::Tensor dequantize_fp8_rows_cuda(
-    const at::Tensor& packed_in, int64_t dim, c10::string_view fmt_name, at::ScalarType dtype) {
-  constexpr const char* op = "recxla::dequantize_fp8_rows";
-  check_dequantize_input(op, packed_in, dim, dtype);
+// The kernel behind both forms of the op; `op` names the form in error messages.
+void dequantize_rows_into(
+    const char* op, const at::Tensor& packed_in, int64_t dim, c10::string_view fmt_name,
+    const at::Tensor& y) {
+  check_dequantize_out(op, packed_in, dim, y);
+  check_dequantize_input(op, packed_in, dim, y.scalar_type());
   const Format fmt = parse_fp8_format(op, std::string(fmt_name));
   const c10::cuda::CUDAGuard guard(packed_in.device());
   const at::Tensor packed = packed_in.contiguous();
   const int64_t rows = packed.size(0);
-  at::Tensor y = at::empty({rows, dim}, packed.options().dtype(dtype));
-  if (rows == 0 || dim == 0) return y;
+  if (rows == 0 || dim == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_float_type(dtype, [&](auto tag) {
+  dispatch_float_type(y.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     dequantize_rows_kernel<scalar_t><<<blocks_for(rows), kThreads, 0, stream>>>(
         packed.const_data_ptr<uint8_t>(), rows, dim, fmt, y.data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void dequantize_fp8_rows_out_cuda(
+    const at::Tensor& packed, int64_t dim, c10::string_view fmt_name, at::Tensor& y) {
+  dequantize_rows_into("recxla::dequantize_fp8_rows_out", packed, dim, fmt_name, y);
+}
+
+at::Tensor dequantize_fp8_rows_cuda(
+    const at::Tensor& packed, int64_t dim, c10::string_view fmt_name, at::ScalarType dtype) {
+  constexpr const char* op = "recxla::dequantize_fp8_rows";
+  check_dequantize_input(op, packed, dim, dtype);
+  at::Tensor y = at::empty({packed.size(0), dim}, packed.options().dtype(dtype));
+  dequantize_rows_into(op, packed, dim, fmt_name, y);
   return y;
 }
 
@@ -144,7 +170,9 @@ at::Tensor dequantize_fp8_rows_cuda(
 
 TORCH_LIBRARY_IMPL(recxla, CUDA, m) {
   m.impl("quantize_fp8_rows", &quantize_fp8_rows_cuda);
+  m.impl("quantize_fp8_rows_out", &quantize_fp8_rows_out_cuda);
   m.impl("dequantize_fp8_rows", &dequantize_fp8_rows_cuda);
+  m.impl("dequantize_fp8_rows_out", &dequantize_fp8_rows_out_cuda);
 }
 
 }  // namespace recxla

@@ -10,6 +10,15 @@ The op is two autograd Functions, as in TorchRec's Req/Wait pair: `_Launch` quan
 the collective, `_Finish` waits and dequantizes. In backward the order flips: `_Finish.backward`
 starts the gradient's exchange and `_Launch.backward` waits for it, so autograd can run other
 nodes while the bytes travel. The synchronous call is launch + finish back to back.
+
+Buffers: on CPU, the send buffer, the receive buffer and the decoded output of every exchange
+(forward and backward) come from recxla's reusable buffers (recxla.ops.fp8_rows.empty_buffer):
+a buffer is reused by a later call that needs the same bytes (same rows, width, format) once
+nothing references it any more. The exchange holds its send and receive buffers until its data
+has arrived and been decoded, so a buffer of an exchange still in flight (an async handle not yet
+waited on, a gradient still travelling) is never handed to another call; the output is the
+caller's until the caller lets it go. A training loop with steady shapes therefore allocates no
+new large blocks after its first step. On CUDA the caching allocator does the same.
 """
 
 from dataclasses import dataclass, field
@@ -19,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from recxla.distributed.split_validation import exchange_splits
-from recxla.formats import FLOAT_DTYPES, get_format
-from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
+from recxla.formats import FLOAT_DTYPES, as_count, get_format
+from recxla.ops.fp8_rows import dequantize_rows, empty_buffer, quantize_rows
 
 OP = "recxla.quantized_all_to_all"
 
@@ -43,13 +52,8 @@ class _Exchange:
     buffers: List[torch.Tensor] = field(default_factory=list)
 
     def start(self, rows: torch.Tensor, fmt: str, send_splits, recv_splits) -> None:
-        if rows.shape[0] == 0:
-            # Nothing to encode; the plain-cast codec path cannot reshape 0 rows.
-            width = get_format(fmt, OP).row_bytes(self.dim)
-            send = torch.empty((0, width), dtype=torch.uint8, device=rows.device)
-        else:
-            send = quantize_rows(rows, fmt)
-        recv = send.new_empty((sum(recv_splits), send.shape[1]))
+        send = quantize_rows(rows, fmt)
+        recv = empty_buffer((sum(recv_splits), send.shape[1]), torch.uint8, rows.device)
         self.work = dist.all_to_all_single(
             recv, send, recv_splits, send_splits, group=self.group, async_op=True
         )
@@ -58,10 +62,10 @@ class _Exchange:
     def finish(self, fmt: str) -> torch.Tensor:
         self.work.wait()
         recv = self.buffers[1]
+        out = dequantize_rows(recv, self.dim, fmt, self.dtype)
+        # Only now may the send and receive buffers serve another exchange.
         self.work, self.buffers = None, []
-        if recv.numel() == 0:  # no rows, or D = 0 in a cast format: nothing to decode
-            return recv.new_empty((recv.shape[0], self.dim), dtype=self.dtype)
-        return dequantize_rows(recv, self.dim, fmt, self.dtype)
+        return out
 
 
 class _Launch(torch.autograd.Function):
@@ -124,9 +128,16 @@ class QuantizedAllToAllHandle:
 
 
 def _as_splits(splits: Splits, name: str, world: int) -> List[int]:
+    """A list of W Python ints >= 0 from a list/tuple of integers (Python ints, numpy integers,
+    0-d integer tensors), a 1-D integer tensor or a 1-D integer numpy array."""
     if isinstance(splits, torch.Tensor):
         if splits.dim() != 1 or splits.is_floating_point() or splits.is_complex():
             raise TypeError(f"{OP}: {name} must be a 1-D integer tensor or a list of ints")
+        splits = splits.tolist()
+    elif type(splits).__module__ == "numpy" and hasattr(splits, "tolist"):
+        if getattr(splits, "ndim", 0) != 1 or splits.dtype.kind not in "iu":
+            raise TypeError(f"{OP}: {name} must be a 1-D integer array or a list of ints, got "
+                            f"{splits.ndim}-D {splits.dtype}")
         splits = splits.tolist()
     if not isinstance(splits, (list, tuple)):
         raise TypeError(f"{OP}: {name} must be a list of ints, got {type(splits).__name__}")
@@ -134,12 +145,17 @@ def _as_splits(splits: Splits, name: str, world: int) -> List[int]:
         raise ValueError(
             f"{OP}: {name} must have one entry per rank of the group ({world}), got {len(splits)}"
         )
-    for s in splits:
-        if not isinstance(s, int) or isinstance(s, bool):
-            raise TypeError(f"{OP}: {name} must hold ints, got {s!r} ({type(s).__name__})")
-        if s < 0:
-            raise ValueError(f"{OP}: {name} must be >= 0, got {list(splits)}")
-    return [int(s) for s in splits]
+    out = []
+    for i, s in enumerate(splits):
+        try:
+            out.append(as_count(s, OP, f"{name}[{i}]"))
+        except TypeError:
+            raise TypeError(
+                f"{OP}: {name} must hold ints (Python or numpy integers), got {s!r} "
+                f"({type(s).__name__}) at index {i}") from None
+        except ValueError:
+            raise ValueError(f"{OP}: {name} must be >= 0, got {list(splits)}") from None
+    return out
 
 
 def quantized_all_to_all(

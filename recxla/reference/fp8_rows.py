@@ -9,7 +9,10 @@ def quantize_rows_ref(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
     """x: [N, D] float -> uint8 [N, row_bytes(D, fmt)]."""
     f = get_format(fmt, "quantize_rows_ref")
     if not f.is_fp8:
-        return x.to(f.wire_dtype).contiguous().view(torch.uint8).reshape(x.shape[0], -1)
+        out = torch.empty((x.shape[0], f.row_bytes(x.shape[1])), dtype=torch.uint8, device=x.device)
+        if out.numel():  # a dtype view of a tensor without elements may fail on its strides
+            out.view(f.wire_dtype).copy_(x)
+        return out
     xf = x.float()
     # amax over finite values only: a NaN or Inf must not ruin the rest of its row.
     finite_abs = torch.where(torch.isfinite(xf), xf.abs(), torch.zeros_like(xf))
@@ -45,7 +48,10 @@ def dequantize_rows_ref(
     """packed: uint8 [N, row_bytes(dim, fmt)] -> [N, dim] of `dtype`."""
     f = get_format(fmt, "dequantize_rows_ref")
     if not f.is_fp8:
-        return packed.contiguous().view(f.wire_dtype).to(dtype)
+        y = torch.empty((packed.shape[0], dim), dtype=dtype, device=packed.device)
+        if y.numel():
+            y.copy_(packed.contiguous().view(f.wire_dtype))
+        return y
     codes = packed[:, :dim].contiguous().view(f.wire_dtype).float()
     # A copy: a slice of an empty tensor keeps a storage offset that a dtype view rejects.
     scale = packed[:, dim:].clone(memory_format=torch.contiguous_format).view(torch.float32)

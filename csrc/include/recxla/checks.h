@@ -3,7 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdlib>
 #include <string>
+#include <utility>
 
 #include "recxla/fp8.h"
 
@@ -37,6 +39,52 @@ inline void check_dequantize_input(
   TORCH_CHECK_TYPE(
       dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op,
       ": dtype must be float32, bfloat16 or float16, got ", dtype);
+}
+
+// True when the byte ranges that a and b span intersect (conservative for strided tensors, whose
+// gaps count as theirs; at::get_overlap_status gives up on those). Tensors without elements read
+// and write nothing.
+inline bool spans_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto span = [](const at::Tensor& t) {
+    int64_t extent = 1;
+    for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * std::abs(t.stride(d));
+    const auto* begin = static_cast<const char*>(t.const_data_ptr());
+    return std::make_pair(begin, begin + extent * static_cast<int64_t>(t.element_size()));
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+// `out` of an op that writes `rows` x `width` elements of `dtype` next to its input `in`: the shape
+// and dtype it needs, on in's device, dense, and sharing no memory with `in`.
+inline void check_out(
+    const char* op, const at::Tensor& in, const at::Tensor& out, int64_t rows, int64_t width,
+    at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(
+      out.dim() == 2 && out.size(0) == rows && out.size(1) == width, op, ": out must have shape [",
+      rows, ", ", width, "], got ", out.sizes());
+  TORCH_CHECK_TYPE(
+      out.scalar_type() == dtype, op, ": out must be ", dtype, ", got ", out.scalar_type());
+  TORCH_CHECK_VALUE(
+      out.device() == in.device(), op, ": out must be on ", in.device(), " like the input, got ",
+      out.device());
+  TORCH_CHECK_VALUE(out.is_contiguous(), op, ": out must be contiguous");
+  TORCH_CHECK_VALUE(!spans_overlap(in, out), op, ": out must not share memory with the input");
+}
+
+inline void check_quantize_out(const char* op, const at::Tensor& x, const at::Tensor& out) {
+  check_out(op, x, out, x.size(0), fp8::row_bytes(x.size(1)), at::kByte);
+}
+
+inline void check_dequantize_out(
+    const char* op, const at::Tensor& packed, int64_t dim, const at::Tensor& out) {
+  TORCH_CHECK_TYPE(
+      out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16 ||
+          out.scalar_type() == at::kHalf,
+      op, ": out must be float32, bfloat16 or float16, got ", out.scalar_type());
+  check_out(op, packed, out, packed.size(0), dim, out.scalar_type());
 }
 
 }  // namespace recxla
