@@ -1,0 +1,226 @@
+"""Balanced sharding planner: the load counter against a brute-force count, estimates against
+counts, placement, plan validity (TorchRec plan, DMP on 2 gloo ranks) and balance."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+from distributed_utils import run_distributed
+from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.types import (
+    EnumerableShardingSpec,
+    ParameterSharding,
+    ShardingPlan,
+    ShardMetadata,
+)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recxla.formats import row_bytes
+from recxla.planner import (
+    BalancedShardingPlanner,
+    CostModel,
+    RowWiseEverywhereSharder,
+    TableLoads,
+    TableSplit,
+    count_rank_loads,
+    place_shards,
+    plan_shards,
+    torchrec_imbalance_stats,
+)
+from recxla.planner.loads import COLLECTIVES, ID_BYTES, INDEX_BYTES, LENGTH_BYTES
+
+FIELDS = ["ids_received", "lookups"] + [
+    f"{c}_bytes_{d}" for c in COLLECTIVES for d in ("sent", "received")
+]
+
+
+@pytest.fixture(autouse=True)
+def quiet_torchrec():
+    """TorchRec's planner logs and warns about storage estimates on every plan."""
+    logging.disable(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    logging.disable(logging.NOTSET)
+
+
+# ---- random tables, batches and plans ---------------------------------------------------------
+
+
+def random_tables(num_tables: int, max_rows: int = 5000, dims=(8, 16, 32, 64)):
+    tables = []
+    for t in range(num_tables):
+        rows = int(torch.randint(20, max_rows, ()))
+        dim = dims[int(torch.randint(0, len(dims), ()))]
+        # Some tables take two features (ids of both are looked up in the same table).
+        features = [f"f{t}"] + ([f"f{t}b"] if torch.rand(()) < 0.25 else [])
+        tables.append(EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim,
+                                         name=f"t{t}", feature_names=features))
+    return tables
+
+
+def random_batch(tables, batch_size: int, pooling: dict) -> KeyedJaggedTensor:
+    """Skewed ids (a power of a uniform, so low rows are hot), bag lengths around the
+    table's pooling factor, empty bags included."""
+    keys, lengths, values = [], [], []
+    for config in tables:
+        for feature in config.feature_names:
+            mean = pooling[config.name]
+            length = torch.randint(0, 2 * mean + 1, (batch_size,))
+            ids = (torch.rand(int(length.sum())) ** 3 * config.num_embeddings).long()
+            keys.append(feature)
+            lengths.append(length)
+            values.append(ids)
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values),
+                             lengths=torch.cat(lengths).int(), stride=batch_size)
+
+
+def random_pooling(tables):
+    return {c.name: int(torch.randint(1, 12, ())) for c in tables}
+
+
+def _placement(rank: int) -> str:
+    return f"rank:{rank}/cpu"
+
+
+def random_plan(tables, world_size: int) -> ShardingPlan:
+    """Table-wise, column-wise and uneven row-range shards on random ranks."""
+    module_plan = {}
+    for config in tables:
+        rows, dim = config.num_embeddings, config.embedding_dim
+        kind = int(torch.randint(0, 3, ()))
+        if kind == 0:
+            metas = [ShardMetadata([0, 0], [rows, dim], _placement(int(torch.randint(0, world_size, ()))))]
+            sharding_type = "table_wise"
+        elif kind == 1:
+            cuts = [0] + sorted(torch.randperm(dim // 4 - 1)[: int(torch.randint(0, 3, ()))]
+                                .add(1).mul(4).tolist()) + [dim]
+            metas = [ShardMetadata([0, a], [rows, b - a], _placement(int(torch.randint(0, world_size, ()))))
+                     for a, b in zip(cuts, cuts[1:])]
+            sharding_type = "column_wise"
+        else:
+            cuts = [0] + sorted(torch.randperm(rows - 1)[: world_size - 1].add(1).tolist()) + [rows]
+            metas = [ShardMetadata([a, 0], [b - a, dim], _placement(r))
+                     for r, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+            sharding_type = "row_wise"
+        module_plan[config.name] = ParameterSharding(
+            sharding_type=sharding_type, compute_kernel="fused",
+            ranks=[m.placement.rank() for m in metas], sharding_spec=EnumerableShardingSpec(metas))
+    return ShardingPlan({"": module_plan})
+
+
+def brute_force(plan, tables, batches, fwd_fmt, bwd_fmt):
+    """The same count with Python sets, shard by shard, source by source."""
+    world_size = len(batches)
+    out = {name: [0] * world_size for name in FIELDS}
+    for s, kjt in enumerate(batches):
+        b = kjt.stride()
+        for config in tables:
+            ids = [i for f in config.feature_names for i in kjt[f].values().tolist()]
+            for meta in plan.plan[""][config.name].sharding_spec.shards:
+                (row, _), (rows, cols) = meta.shard_offsets, meta.shard_sizes
+                r = meta.placement.rank()
+                mine = [i for i in ids if row <= i < row + rows]
+                u = len(set(mine))
+                out["lookups"][r] += u
+                if s == r:
+                    continue
+                out["ids_received"][r] += u
+                for collective, nbytes, to_owner in (
+                    ("ids", u * ID_BYTES + len(mine) * INDEX_BYTES + b * LENGTH_BYTES, True),
+                    ("fwd", b * row_bytes(cols, fwd_fmt), False),
+                    ("bwd", b * row_bytes(cols, bwd_fmt), True),
+                ):
+                    out[f"{collective}_bytes_{'received' if to_owner else 'sent'}"][r] += nbytes
+                    out[f"{collective}_bytes_{'sent' if to_owner else 'received'}"][s] += nbytes
+    return out
+
+
+# ---- the load counter -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("fmts", [("e4m3", "bf16"), ("fp32", "e5m2")])
+def test_count_rank_loads_matches_brute_force(world_size, fmts):
+    tables = random_tables(6)
+    pooling = random_pooling(tables)
+    plan = random_plan(tables, world_size)
+    batches = [random_batch(tables, int(torch.randint(1, 40, ())), pooling)
+               for _ in range(world_size)]
+    got = count_rank_loads(plan, tables, batches, *fmts)
+    want = brute_force(plan, tables, batches, *fmts)
+    for name in FIELDS:
+        assert getattr(got, name).tolist() == want[name], name
+    assert got.wire_bytes.tolist() == [
+        sum(want[f][r] for f in FIELDS[2:]) for r in range(world_size)
+    ]
+
+
+def table_wise_plan(tables, rank: int) -> ShardingPlan:
+    return ShardingPlan({"": {c.name: ParameterSharding(
+        "table_wise", "fused", [rank], EnumerableShardingSpec([ShardMetadata(
+            [0, 0], [c.num_embeddings, c.embedding_dim], _placement(rank))]))
+        for c in tables}})
+
+
+def test_count_rank_loads_rejects_bad_input():
+    tables = random_tables(2)
+    pooling = random_pooling(tables)
+    plan = random_plan(tables, 2)
+    batches = [random_batch(tables, 8, pooling) for _ in range(2)]
+    with pytest.raises(ValueError, match="count_rank_loads: fwd_fmt must be one of"):
+        count_rank_loads(plan, tables, batches, fwd_fmt="int4")
+    with pytest.raises(ValueError, match="on rank 1, outside the 1 ranks"):
+        count_rank_loads(table_wise_plan(tables, 1), tables, batches[:1])
+    with pytest.raises(ValueError, match="one batch per rank"):
+        count_rank_loads(plan, tables, [])
+    features = [f for c in tables for f in c.feature_names]
+    bad = KeyedJaggedTensor(keys=features, values=torch.full((2,), tables[0].num_embeddings),
+                            lengths=torch.tensor([2] + [0] * (len(features) - 1)).int(),
+                            stride=1)
+    with pytest.raises(ValueError, match=f"table {tables[0].name} has ids in"):
+        count_rank_loads(plan, tables, [bad, bad])
+    extra = tables + [EmbeddingBagConfig(num_embeddings=10, embedding_dim=8, name="extra",
+                                         feature_names=["absent"])]
+    with pytest.raises(ValueError, match="batch has no feature 'absent' of table extra"):
+        count_rank_loads(table_wise_plan(extra, 0), extra, batches)
+    half = ShardingPlan({"": {c.name: ParameterSharding(
+        "table_wise", "fused", [0], EnumerableShardingSpec([ShardMetadata(
+            [0, 0], [c.num_embeddings // 2, c.embedding_dim], _placement(0))]))
+        for c in tables}})
+    with pytest.raises(ValueError, match="cover"):
+        plan_shards(half, tables)
+
+
+def test_estimate_equals_count_when_every_rank_has_the_sample():
+    """With the sample batch as every rank's batch, a shard's estimated owner bytes and
+    lookups are exactly what the counter finds (whole tables, column blocks, row blocks)."""
+    world_size = 4
+    tables = random_tables(5)
+    batch = random_batch(tables, 32, random_pooling(tables))
+    loads = TableLoads.measure(tables, [batch], world_size, "e4m3", "e5m2")
+    for config in tables:
+        rows, dim = config.num_embeddings, config.embedding_dim
+        bounds = loads.bounds[loads.index[config.name]].tolist()
+        pieces = [(0, rows, 0, dim), (0, rows, 0, dim // 2)] + [
+            (bounds[r], bounds[r + 1], 0, dim) for r in range(world_size)
+        ]
+        for row, end, col, cols in pieces:
+            # The shard under test on rank 1, the rest of the table on rank 2.
+            metas = [ShardMetadata([row, col], [end - row, cols], _placement(1))]
+            rest = ([(0, row, 0, dim), (end, rows, 0, dim)] if cols == dim
+                    else [(0, rows, cols, dim - cols)])
+            metas += [ShardMetadata([a, c], [b - a, d], _placement(2))
+                      for a, b, c, d in rest if b > a]
+            plan = {config.name: ParameterSharding(
+                "row_wise", "fused", [m.placement.rank() for m in metas],
+                EnumerableShardingSpec(metas))}
+            counted = count_rank_loads(plan, [config], [batch] * world_size, "e4m3", "e5m2")
+            estimate = loads.shard_load(config.name, row, end, cols, CostModel())
+            owner = (float(counted.ids_bytes_received[1]), float(counted.fwd_bytes_sent[1]),
+                     float(counted.bwd_bytes_received[1]))
+            assert owner == pytest.approx(estimate.owner, rel=1e-12, abs=1e-6)
+            assert float(counted.lookups[1]) == pytest.approx(estimate.lookups, rel=1e-12)
