@@ -3,6 +3,7 @@ EmbeddingBagCollection trained on 2 gloo ranks against TorchRec's fp32 communica
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -65,8 +66,9 @@ def test_bad_arguments_raise_naming_the_limit():
         codec.calc_quantized_size(48, codec.create_context())
     with pytest.raises(ValueError, match="the tensor to encode of 40 values"):
         codec.encode(torch.randn(40))
+    strict = RecxlaQuantizedCommCodec("e4m3", row_dim=32, auto_row_dim=False)
     with pytest.raises(ValueError, match="rank 1's embedding-dim sum of 48 values"):
-        codec.padded_size(torch.randn(4, 64), [64, 48], 0, codec.create_context())
+        strict.padded_size(torch.randn(4, 64), [64, 48], 0, strict.create_context())
     assert RecxlaQuantizedCommCodec("bf16", row_dim=32).calc_quantized_size(48) == 48
     with pytest.raises(ValueError, match="row_dim must be an int >= 1, got 0"):
         RecxlaQuantizedCommCodec("e4m3", row_dim=0)
@@ -78,6 +80,62 @@ def test_bad_arguments_raise_naming_the_limit():
         qcomm_codecs_registry(bwd="int8")
     with pytest.raises(TypeError, match="comm_ops must hold torchrec CommOp members"):
         qcomm_codecs_registry(comm_ops=["POOLED_EMBEDDINGS_ALL_TO_ALL"])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_codec_defects(fmt):
+    """Each of these misbehaved before: a negative size gave a negative size (-4 -> -8), integer
+    values were cast silently, a buffer of partial rows gave a raw view error, and numpy integers
+    (TorchRec's splits can be) were not accepted everywhere."""
+    codec = RecxlaQuantizedCommCodec(fmt, row_dim=4)
+    with pytest.raises(ValueError, match=r"calc_quantized_size: input_len must be an int >= 0, "
+                                         r"got -4"):
+        codec.calc_quantized_size(-4)
+    with pytest.raises(TypeError, match=r"input_len must be an int >= 0, got 4.0"):
+        codec.calc_quantized_size(4.0)
+    assert codec.calc_quantized_size(np.int64(8)) == codec.calc_quantized_size(8)
+    for ints in (torch.arange(8), torch.ones(8, dtype=torch.int32), torch.ones(8, dtype=torch.bool)):
+        with pytest.raises(TypeError, match=r"encode takes float32, bfloat16 or float16 values, "
+                                            rf"got {ints.dtype}"):
+            codec.encode(ints)
+    wire = codec.encode(torch.randn(16))
+    with pytest.raises(TypeError, match=rf"decode of {fmt} takes {codec.quantized_dtype}"):
+        codec.decode(wire.float() if wire.dtype != torch.float32 else wire.half())
+    if FORMATS[fmt].is_fp8:
+        with pytest.raises(ValueError, match=r"decode got 7 bytes, not whole rows of row_dim=4 "
+                                             r"\(8 bytes each"):
+            codec.decode(wire[:7])
+    # Empty tensors encode and decode (no special case in between).
+    empty = codec.encode(torch.randn(0, 4)[:, :0])
+    assert empty.numel() == 0 and codec.decode(empty).shape == (0,)
+
+
+def test_auto_row_dim_is_the_largest_divisor_of_every_ranks_dims():
+    from recxla.torchrec.qcomm_codec import largest_divisor_up_to
+
+    for n in range(1, 80):
+        for limit in (1, 4, 32):
+            d = largest_divisor_up_to(n, limit)
+            assert n % d == 0 and d <= limit
+            assert all(n % e for e in range(d + 1, min(n, limit) + 1))
+    reg = qcomm_codecs_registry("e4m3", "e5m2", comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL])
+    fwd, bwd = reg[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward, reg[
+        CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].backward
+    assert bwd.create_context().row_dim == 32  # nothing seen yet: the requested row_dim
+    for dims, want in (([8, 8], 8), ([64, 96], 32), ([24, 0], 24), ([48, 80, 16], 16),
+                       ([6, 9], 3), ([0, 0], 32)):
+        ctx = fwd.create_context()
+        x = torch.randn(5, dims[0])
+        assert fwd.padded_size(x, dims, 0, ctx) == (dims[0], 0)
+        assert ctx.row_dim == want, dims
+        wire = fwd.encode(x, ctx)  # 5 x D values, whole rows of `want`
+        assert wire.numel() == sum(fwd.calc_quantized_size(5 * d, ctx) for d in dims[:1])
+        assert torch.equal(fwd.decode(wire, ctx), dequantize_rows_ref(
+            quantize_rows_ref(x.reshape(-1, want), "e4m3"), want, "e4m3").view(-1))
+    # The backward codec: the gcd of every dim its partner has seen (8, 64, 96, 24, 48, 80, 16, 6,
+    # 9 -> 1).
+    assert bwd.create_context().row_dim == 1
+    assert fwd.stats.row_dims == {8, 32, 24, 16, 3}
 
 
 def test_registry_has_torchrecs_keys_and_casts_for_the_reduce_scatter(caplog):
@@ -112,14 +170,19 @@ class _Model(nn.Module):
 
 
 STEPS, B_LOCAL, ROW_DIM = 4, 4, 8
+# Table-wise: t0 (dim 8) on rank 0, t1 (dim 16) on rank 1. Column-wise: t1's 16 columns split
+# over both ranks (8 each), t0 table-wise on rank 0 (two all-to-alls, dims [8, 8] and [8, 0]).
+LAYOUTS = {"table_wise": {"t0": ("tw", 0), "t1": ("tw", 1)},
+           "column_wise": {"t0": ("tw", 0), "t1": ("cw", [0, 1])}}
 
 
-def _train(rank, world, seed, registry, init):
-    """Table-wise sharded model (t0 on rank 0, t1 on rank 1), STEPS of SGD; returns the losses,
-    this rank's final weights and the initial weights (init: copy these in instead)."""
+def _train(rank, world, seed, registry, init, layout="table_wise"):
+    """The model sharded as LAYOUTS[layout] says, STEPS of SGD; returns the losses, this rank's
+    final weights and the initial weights (init: copy these in instead)."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.sharding_plan import (
+        column_wise, construct_module_sharding_plan, table_wise)
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.keyed import KeyedOptimizerWrapper
@@ -135,9 +198,11 @@ def _train(rank, world, seed, registry, init):
     model = _Model(tables)
     apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.5})
     sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=registry)
+    per_table = {name: table_wise(rank=where) if kind == "tw" else column_wise(ranks=where)
+                 for name, (kind, where) in LAYOUTS[layout].items()}
     plan = construct_module_sharding_plan(
-        model.ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)}, sharder=sharder,
-        local_size=world, world_size=world, device_type="cpu",
+        model.ebc, per_table, sharder=sharder, local_size=world, world_size=world,
+        device_type="cpu",
     )
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
@@ -176,11 +241,28 @@ def _train(rank, world, seed, registry, init):
     return losses, {k: w.clone() for k, w in local_weights().items()}, w0, dmp
 
 
+def _assert_trains_like_fp32(losses, w, losses_f, w_f, w0, report, fwd="e4m3", bwd="bf16"):
+    """Each update is a product of at most two quantized factors (error <= 2u to first order,
+    u = eps / 2 of the coarser of the two wire formats); doubled for what compounds over the
+    steps."""
+    u = max(torch.finfo(FORMATS[f].wire_dtype).eps / 2 for f in (fwd, bwd))
+    tol = 4 * u
+    for k in w:
+        delta, delta_f = w[k] - w0[k], w_f[k] - w0[k]
+        rel = float((delta - delta_f).norm() / delta_f.norm())
+        assert rel <= tol, f"{k}: update differs by {rel:.3g} (relative) from fp32's"
+        report[k] = rel
+    assert any(not torch.equal(w[k], w_f[k]) for k in w), "FP8 changed nothing"
+    for got, want in zip(losses, losses_f):
+        assert abs(got - want) <= tol * abs(want)
+
+
 def _training_body(rank, world, seed):
     losses_f, w_f, w0, _ = _train(rank, world, seed, None, None)  # TorchRec, fp32 on the wire
     report = {}
     for fwd, bwd in (("fp32", "fp32"), ("e4m3", "bf16")):
-        reg = qcomm_codecs_registry(fwd, bwd, row_dim=ROW_DIM)
+        # The default row_dim (32): each all-to-all picks rows of 8, the gcd of dims 8 and 16.
+        reg = qcomm_codecs_registry(fwd, bwd)
         losses, w, _, _ = _train(rank, world, seed, reg, w0)
         a2a = reg[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name]
         # recxla's codec carried every pooled all-to-all, forward and backward.
@@ -195,21 +277,13 @@ def _training_body(rank, world, seed):
             assert losses == losses_f
             assert all(torch.equal(w[k], w_f[k]) for k in w)
             continue
-        # Each update is a product of at most two quantized factors (error <= 2u to first
-        # order, u = e4m3's eps / 2); doubled for what compounds over the steps.
-        tol = 4 * torch.finfo(torch.float8_e4m3fn).eps / 2
-        for k in w:
-            delta, delta_f = w[k] - w0[k], w_f[k] - w0[k]
-            rel = float((delta - delta_f).norm() / delta_f.norm())
-            assert rel <= tol, f"{k}: update differs by {rel:.3g} (relative) from fp32's"
-            report[k] = rel
-        assert any(not torch.equal(w[k], w_f[k]) for k in w), "e4m3 changed nothing"
-        for got, want in zip(losses, losses_f):
-            assert abs(got - want) <= tol * abs(want)
+        assert a2a.forward.stats.row_dims == {ROW_DIM}
+        _assert_trains_like_fp32(losses, w, losses_f, w_f, w0, report)
 
-    # Tables whose dims (8, 16) row_dim=32 does not divide: a clear error, on every rank,
-    # from the first forward (the codec checks in padded_size, before any data moves).
-    bad = qcomm_codecs_registry("e4m3", "bf16", row_dim=32)
+    # Without auto_row_dim, tables whose dims (8, 16) row_dim=32 does not divide: a clear error,
+    # on every rank, from the first forward (the codec checks in padded_size, before any data
+    # moves).
+    bad = qcomm_codecs_registry("e4m3", "bf16", row_dim=32, auto_row_dim=False)
     try:
         _train(rank, world, seed, bad, None)
     except ValueError as e:
@@ -223,4 +297,25 @@ def _training_body(rank, world, seed):
 @pytest.mark.distributed
 def test_sharded_ebc_trains_like_fp32_comm_with_recxla_codec(seed):
     reports = run_distributed(_training_body, 2, args=(seed,), timeout=180)
+    assert all(reports)
+
+
+def _column_wise_body(rank, world, seed):
+    losses_f, w_f, w0, _ = _train(rank, world, seed, None, None, "column_wise")
+    # Every default (row_dim 32, auto), FP8 both ways: before auto_row_dim, the dim-16 table's
+    # 8-column shards failed with "not a multiple of row_dim=32".
+    reg = qcomm_codecs_registry("e4m3", "e5m2")
+    losses, w, _, _ = _train(rank, world, seed, reg, w0, "column_wise")
+    a2a = reg[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name]
+    # Two all-to-alls a step (the column-wise and the table-wise sharding), forward and backward.
+    assert a2a.forward.stats.encode_calls == 2 * STEPS == a2a.backward.stats.encode_calls
+    assert a2a.forward.stats.row_dims == {8} and a2a.backward.stats.row_dims == {8}
+    report = {}
+    _assert_trains_like_fp32(losses, w, losses_f, w_f, w0, report, "e4m3", "e5m2")
+    return report
+
+
+@pytest.mark.distributed
+def test_column_wise_shards_of_a_dim_16_table_pick_their_row_dim(seed):
+    reports = run_distributed(_column_wise_body, 2, args=(seed,), timeout=180)
     assert all(reports)

@@ -20,27 +20,42 @@ backward pass does the same with the gradient and the other codec.
 
 Rows (FP8 formats): like FBGEMM's FP8 row-wise codec, the flat input is viewed as rows of
 `row_dim` values (`ctx.row_dim`), each quantized with its own fp32 scale: row_dim + 4 bytes a
-row. A row must not straddle two ranks' splits, so row_dim must divide every split, which holds
-for any batch size when it divides every table's embedding dimension (choose row_dim = the
-common embedding dimension, or their gcd; smaller rows scale more finely and cost 4 bytes each).
-A split that is not a multiple raises ValueError naming row_dim. The plain casts (bf16, fp16,
-fp32) have no rows and no such constraint; their wire dtype is the cast dtype itself, so they
-also serve the reduce-scatter, which sums on the wire.
+row. A row must not straddle two ranks' splits. The pooled all-to-all's splits are B x (one rank's
+embedding-dim sum), and TorchRec passes those dim sums to `padded_size` before it encodes, so
+each call picks its own row_dim there: the largest divisor of every rank's dim sum that is at most
+the requested `row_dim` (auto_row_dim, the default). A column-wise shard of a dim-16 table over 2
+ranks (8 columns each) thus gets rows of 8 under the default row_dim of 32, and a table-wise
+all-to-all of dims 64 and 96 gets rows of 32. The backward codec of the same registry entry is not
+shown the dims (TorchRec calls no padded_size there): it uses the largest divisor, up to its own
+requested row_dim, of every dim sum its forward partner has seen, which every rank has seen alike
+since the all-to-alls are collective. Paths that call no padded_size at all (TorchRec's
+variable-batch all-to-all, a codec used on its own) use the requested row_dim as given. With
+auto_row_dim=False every call uses the requested row_dim, and a dim sum it does not divide raises
+ValueError naming row_dim, before any data moves. Smaller rows scale more finely and cost 4 bytes
+of scale each (rows of 8: 1.5 bytes a value; of 4: 2 bytes, no less than bf16, which is logged).
+The plain casts (bf16, fp16, fp32) have no rows and no such constraint; their wire dtype is the
+cast dtype itself, so they also serve the reduce-scatter, which sums on the wire.
 """
 
 import logging
+import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from recxla.formats import FLOAT_DTYPES, get_format
+from recxla.formats import FLOAT_DTYPES, as_count, get_format
 from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
 
 logger = logging.getLogger(__name__)
 
 NAME = "recxla.torchrec.qcomm_codecs_registry"
 DEFAULT_ROW_DIM = 32  # FBGEMM's ROW_DIM_DEFAULT: divides the usual embedding dimensions
+
+
+def largest_divisor_up_to(n: int, limit: int) -> int:
+    """The largest d <= limit that divides n (n, limit >= 1)."""
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
 @dataclass
@@ -54,12 +69,26 @@ class RowCodecContext:
 
 @dataclass
 class CodecStats:
-    """What a codec has done: counts for tests and for logging bytes saved."""
+    """What a codec has done: counts for tests and for logging bytes saved; `row_dims` holds every
+    FP8 row width a call has used."""
 
     encode_calls: int = 0
     decode_calls: int = 0
     values_encoded: int = 0
     bytes_encoded: int = 0
+    row_dims: Set[int] = field(default_factory=set)
+
+
+class SplitWidths:
+    """The embedding-dim sums per rank that the forward codec of a registry entry has been shown
+    (TorchRec's `padded_size`), kept as their gcd (0: none yet), for the backward codec."""
+
+    def __init__(self):
+        self.gcd = 0
+
+    def record(self, dims: Sequence[int]) -> None:
+        for d in dims:
+            self.gcd = math.gcd(self.gcd, d)
 
 
 class RecxlaQuantizedCommCodec:
@@ -68,28 +97,45 @@ class RecxlaQuantizedCommCodec:
     Args:
         fmt: wire format: "e4m3", "e5m2" (FP8 rows of row_dim values + an fp32 scale; wire dtype
             uint8), "bf16", "fp16" or "fp32" (plain casts; wire dtype the cast dtype).
-        row_dim: values per FP8 row (see the module docstring); ignored by the casts.
+        row_dim: values per FP8 row: with auto_row_dim the largest row a call may use, else the
+            row of every call (see the module docstring); ignored by the casts.
         output_dtype: dtype decode returns: float32 (TorchRec's assumption, FBGEMM's default),
             bfloat16 or float16.
-    encode takes any float tensor (float32/bfloat16/float16) of any shape and returns a 1-D
+        auto_row_dim: pick each call's row_dim from the dims TorchRec passes to padded_size.
+        widths: the SplitWidths this codec records into (forward) or picks from (backward);
+            qcomm_codecs_registry shares one between the two codecs of an entry.
+    encode takes a float tensor (float32/bfloat16/float16) of any shape and returns a 1-D
     tensor of the wire dtype (FP8: calc_quantized_size(x.numel()) bytes); decode returns 1-D.
     """
 
-    def __init__(self, fmt: str, row_dim: int = DEFAULT_ROW_DIM, output_dtype=torch.float32):
+    def __init__(
+        self,
+        fmt: str,
+        row_dim: int = DEFAULT_ROW_DIM,
+        output_dtype=torch.float32,
+        auto_row_dim: bool = True,
+        widths: Optional[SplitWidths] = None,
+    ):
         self.fmt = fmt
         self._format = get_format(fmt, NAME)
-        if not isinstance(row_dim, int) or isinstance(row_dim, bool) or row_dim < 1:
+        if isinstance(row_dim, bool) or not isinstance(row_dim, int) or row_dim < 1:
             raise ValueError(f"{NAME}: row_dim must be an int >= 1, got {row_dim!r}")
         if output_dtype not in FLOAT_DTYPES:
             raise TypeError(f"{NAME}: output_dtype must be float32, bfloat16 or float16, got "
                             f"{output_dtype}")
+        if not isinstance(auto_row_dim, bool):
+            raise TypeError(f"{NAME}: auto_row_dim must be a bool, got {auto_row_dim!r}")
         self.row_dim = row_dim
         self.output_dtype = output_dtype
+        self.auto_row_dim = auto_row_dim
+        self.widths = widths if widths is not None else SplitWidths()
         self.stats = CodecStats()
+        self._warned_row_dims: Set[int] = set()
 
     def __repr__(self) -> str:
         rows = f", row_dim={self.row_dim}" if self._format.is_fp8 else ""
-        return f"RecxlaQuantizedCommCodec({self.fmt!r}{rows})"
+        auto = ", auto_row_dim=False" if self._format.is_fp8 and not self.auto_row_dim else ""
+        return f"RecxlaQuantizedCommCodec({self.fmt!r}{rows}{auto})"
 
     @property
     def quantized_dtype(self) -> torch.dtype:
@@ -105,18 +151,35 @@ class RecxlaQuantizedCommCodec:
             return SparseType.FP8
         return {"bf16": SparseType.BF16, "fp16": SparseType.FP16}.get(self.fmt, SparseType.FP32)
 
+    def _pick_row_dim(self, gcd: int) -> int:
+        if not self.auto_row_dim or gcd == 0:
+            return self.row_dim
+        row_dim = largest_divisor_up_to(gcd, self.row_dim)
+        if row_dim <= 4 and row_dim not in self._warned_row_dims:
+            self._warned_row_dims.add(row_dim)
+            logger.warning(
+                "%s: %s rows of %d values (the embedding-dim sums per rank have gcd %d): %.2f "
+                "wire bytes a value, no fewer than bf16's 2", NAME, self.fmt, row_dim, gcd,
+                self._format.row_bytes(row_dim) / row_dim)
+        return row_dim
+
     def create_context(self) -> RowCodecContext:
-        return RowCodecContext(row_dim=self.row_dim if self._format.is_fp8 else -1)
+        """A fresh context; FP8: row_dim is the requested one (padded_size may lower it), or for a
+        backward codec the one its forward partner's dims allow."""
+        if not self._format.is_fp8:
+            return RowCodecContext(row_dim=-1)
+        return RowCodecContext(row_dim=self._pick_row_dim(self.widths.gcd))
 
     def _row_dim(self, ctx: Optional[RowCodecContext]) -> int:
         return ctx.row_dim if ctx is not None and ctx.row_dim > 0 else self.row_dim
 
     def _check_rows(self, n: int, row_dim: int, what: str) -> None:
         if n % row_dim:
+            hint = ("pass a row_dim that divides every table's embedding dimension" if not
+                    self.auto_row_dim else "only padded_size's dims choose row_dim by themselves")
             raise ValueError(
                 f"{NAME}: {what} of {n} values is not a multiple of row_dim={row_dim}: with "
-                f"{self.fmt} every split (batch x embedding-dim sum) must be whole rows; pass a "
-                "row_dim that divides every table's embedding dimension"
+                f"{self.fmt} every split (batch x embedding-dim sum) must be whole rows; {hint}"
             )
 
     def padded_size(
@@ -126,17 +189,26 @@ class RecxlaQuantizedCommCodec:
         my_rank: int,
         qcomm_ctx: Optional[RowCodecContext],
     ) -> Tuple[int, int]:
-        """(dim sum, 0): no padding; FP8 checks here, before encoding, that rows fit."""
+        """(dim sum, 0): no padding. FP8 picks this call's row_dim here from the dim sums of all
+        ranks (or, with auto_row_dim=False, checks that the requested one divides them), before
+        anything is encoded."""
         if input_tensor.dim() == 1:
             return input_tensor.shape[0], 0
         if self._format.is_fp8:
-            row_dim = self._row_dim(qcomm_ctx)
-            for rank, d in enumerate(dim_per_rank):
+            dims = [as_count(d, NAME, f"dim_per_rank[{r}]") for r, d in enumerate(dim_per_rank)]
+            self.widths.record(dims)
+            gcd = math.gcd(*dims) if dims else 0
+            row_dim = self._pick_row_dim(gcd)
+            for rank, d in enumerate(dims):
                 self._check_rows(d, row_dim, f"rank {rank}'s embedding-dim sum")
+            if qcomm_ctx is not None:
+                qcomm_ctx.row_dim = row_dim
         return input_tensor.shape[1], 0
 
     def calc_quantized_size(self, input_len: int, ctx: Optional[RowCodecContext] = None) -> int:
-        """Wire elements for a split of `input_len` values (bytes for FP8)."""
+        """Wire elements for a split of `input_len` values (bytes for FP8); input_len is any
+        integer >= 0."""
+        input_len = as_count(input_len, f"{NAME}: calc_quantized_size", "input_len")
         if not self._format.is_fp8:
             return input_len
         row_dim = self._row_dim(ctx)
@@ -145,6 +217,11 @@ class RecxlaQuantizedCommCodec:
 
     def encode(self, input_tensor: torch.Tensor, ctx: Optional[RowCodecContext] = None):
         x = input_tensor
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{NAME}: encode takes a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"{NAME}: encode takes float32, bfloat16 or float16 values, got {x.dtype}")
         self.stats.encode_calls += 1
         self.stats.values_encoded += x.numel()
         if not self._format.is_fp8:
@@ -152,24 +229,30 @@ class RecxlaQuantizedCommCodec:
         else:
             row_dim = self._row_dim(ctx)
             self._check_rows(x.numel(), row_dim, "the tensor to encode")
-            rows = x.reshape(-1, row_dim)
-            if rows.shape[0] == 0:
-                wire = x.new_empty(0, dtype=torch.uint8)
-            else:
-                wire = quantize_rows(rows, self.fmt).view(-1)
+            wire = quantize_rows(x.reshape(-1, row_dim), self.fmt).view(-1)
+            self.stats.row_dims.add(row_dim)
             if ctx is not None:
                 ctx.row_dim_quant = self._format.row_bytes(row_dim)
         self.stats.bytes_encoded += wire.numel() * wire.element_size()
         return wire
 
     def decode(self, input_tensor: torch.Tensor, ctx: Optional[RowCodecContext] = None):
+        wire = input_tensor
+        if not isinstance(wire, torch.Tensor):
+            raise TypeError(f"{NAME}: decode takes a torch.Tensor, got {type(wire).__name__}")
+        if wire.dtype != self.quantized_dtype:
+            raise TypeError(f"{NAME}: decode of {self.fmt} takes {self.quantized_dtype} wire "
+                            f"elements, got {wire.dtype}")
         self.stats.decode_calls += 1
         if not self._format.is_fp8:
-            return input_tensor.reshape(-1).to(self.output_dtype)
+            return wire.reshape(-1).to(self.output_dtype)
         row_dim = self._row_dim(ctx)
-        rows = input_tensor.view(-1, self._format.row_bytes(row_dim))
-        if rows.shape[0] == 0:
-            return input_tensor.new_empty(0, dtype=self.output_dtype)
+        row_bytes = self._format.row_bytes(row_dim)
+        if wire.numel() % row_bytes:
+            raise ValueError(
+                f"{NAME}: decode got {wire.numel()} bytes, not whole rows of row_dim={row_dim} "
+                f"({row_bytes} bytes each: {row_dim} codes + a 4-byte scale)")
+        rows = wire.reshape(-1, row_bytes)
         return dequantize_rows(rows, row_dim, self.fmt, self.output_dtype).view(-1)
 
 
@@ -186,15 +269,19 @@ def qcomm_codecs_registry(
     row_dim_bwd: Optional[int] = None,
     comm_ops: Optional[Sequence] = None,
     output_dtype: torch.dtype = torch.float32,
+    auto_row_dim: bool = True,
 ) -> Dict[str, "QuantizedCommCodecs"]:  # noqa: F821
     """A QComms registry for TorchRec sharders, backed by recxla's kernels (CPU, CUDA, Triton).
 
     Args:
         fwd: wire format of the forward embeddings: "e4m3", "e5m2", "bf16", "fp16", "fp32".
         bwd: wire format of the backward gradients (same names); bf16 or e5m2 keep the range.
-        row_dim: values per FP8 row in forward; must divide every table's embedding dimension
-            (see the module docstring). Ignored by the casts.
+        row_dim: values per FP8 row in forward: the largest row a call may use when
+            auto_row_dim, else the row of every call, which must then divide every rank's
+            embedding-dim sum (see the module docstring). Ignored by the casts.
         row_dim_bwd: the same for backward; None: row_dim.
+        auto_row_dim: each call picks its FP8 row_dim from the embedding-dim sums per rank (the
+            largest divisor of all of them up to row_dim); False: row_dim as given.
         comm_ops: torchrec CommOp members to register; None: the pooled all-to-all, the pooled
             reduce-scatter (FP8 falls back to fp16 forward / bf16 backward there, with a
             warning, since it sums on the wire) and the sequence all-to-all.
@@ -227,10 +314,13 @@ def qcomm_codecs_registry(
                         "%s: %s %s cannot be summed on the wire by a reduce-scatter; using %s",
                         NAME, direction, fmt, formats[direction],
                     )
+        # The backward codec picks its rows from the dims its forward partner was shown.
+        widths = SplitWidths()
         registry[op.name] = QuantizedCommCodecs(
-            forward=RecxlaQuantizedCommCodec(formats["fwd"], row_dim, output_dtype),
+            forward=RecxlaQuantizedCommCodec(
+                formats["fwd"], row_dim, output_dtype, auto_row_dim, widths),
             backward=RecxlaQuantizedCommCodec(
-                formats["bwd"], row_dim if row_dim_bwd is None else row_dim_bwd, output_dtype
-            ),
+                formats["bwd"], row_dim if row_dim_bwd is None else row_dim_bwd, output_dtype,
+                auto_row_dim, widths),
         )
     return registry
