@@ -113,7 +113,7 @@ def _train(config, conn, watchdog, meter) -> dict:
     from recxla.train.data import TrainData
     from recxla.train.loop import MeteredPipeline, Progress, StepLog, run_steps
     from recxla.train.metrics import (
-        evaluate, format_summary, local_figures, machine, summarize, write_metrics)
+        evaluate, format_summary, iface_bytes, local_figures, machine, summarize, write_metrics)
     from recxla.train.models import build_model, init_embedding_tables
     from recxla.train.sharding import (
         build_optimizer, build_sharder, embedding_tables, plan_sharding, plan_summary,
@@ -142,12 +142,17 @@ def _train(config, conn, watchdog, meter) -> dict:
     log = StepLog(first=start)
     warmup = min(config.warmup_steps, max(config.steps - start - 1, 0))
     stats_modules = [m for m in dmp.modules() if hasattr(m, "comm_stats")]
+    read_iface = config.net_iface is not None and place.local_rank == 0
+    iface_start = iface_bytes(config.net_iface) if read_iface and warmup == 0 else None
 
     def on_step_done(done: int) -> None:
         watchdog.progress(f"step {done}")
+        nonlocal iface_start
         if done == start + warmup:
             for m in stats_modules:
                 m.comm_stats.reset()
+            if read_iface:
+                iface_start = iface_bytes(config.net_iface)
         every = config.checkpoint_every
         if config.checkpoint_dir and every and done % every == 0 and done < config.steps:
             _checkpoint(done)
@@ -168,6 +173,10 @@ def _train(config, conn, watchdog, meter) -> dict:
               on_step_done, log)
     progress.close()
     sharder_stats = _comm_stats(stats_modules)  # before the evaluation's forwards add to them
+    iface = None
+    if read_iface:
+        end = iface_bytes(config.net_iface)
+        iface = {k: end[k] - iface_start[k] for k in end}
     if config.checkpoint_dir:
         _checkpoint(config.steps)
     watchdog.progress("evaluation")
@@ -177,6 +186,7 @@ def _train(config, conn, watchdog, meter) -> dict:
         watchdog.progress("summary")
         figures = local_figures(log, meter, warmup)
         figures["sharder_comm_stats"] = sharder_stats
+        figures["iface"] = iface
         gathered: List[Optional[dict]] = [None] * world
         dist.all_gather_object(gathered, figures)
     summary = {

@@ -23,6 +23,7 @@ PROFILES = ("criteo", "small")
 # Backward wire format of the recxla path: measured in bench/results/training.md
 # (convergence section), where e4m3 forward with this backward stays within 0.002 AUC of fp32.
 DEFAULT_BWD_COMM = "bf16"
+NET_SYSFS = "/sys/class/net"
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class TrainConfig:
     threads: int = 1
     progress: bool = True
     label: Optional[str] = None
+    net_iface: Optional[str] = None
 
     @property
     def path(self) -> str:
@@ -207,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: glibc's defaults")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="rank 0's progress bar")
+    r.add_argument("--net-iface", default=None, metavar="NAME",
+                   help="also report the bytes this network interface sent per measured step "
+                   "(each node's, read by its local rank 0 from /sys/class/net): the link's "
+                   "count, next to the collectives' own")
     return p
 
 
@@ -266,6 +272,9 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
     if ns.data is not None:
         err(f"--data {ns.data!r}: training from files needs recxla.data.make_loader, which is "
             "not available yet; omit --data to train on the synthetic logs")
+    if ns.net_iface is not None and not os.path.isdir(
+            os.path.join(NET_SYSFS, os.path.basename(ns.net_iface))):
+        err(f"--net-iface {ns.net_iface!r}: no such network interface here ({NET_SYSFS})")
     if not ns.zipf >= 0:
         err(f"--zipf must be >= 0, got {ns.zipf}")
     max_rows = ns.max_rows if ns.max_rows is not None else (
@@ -288,6 +297,7 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
         baseline_comms=ns.baseline_comms or "fp32", seed=ns.seed, timeout=ns.timeout,
         device=device, profile=ns.profile, max_rows=max_rows, zipf=ns.zipf,
         allocator=ns.allocator, threads=threads, progress=ns.progress, label=ns.label,
+        net_iface=ns.net_iface,
     )
 
 

@@ -70,6 +70,18 @@ def evaluate(model, batches, device: torch.device) -> Dict[str, float]:
             "eval_examples": int(loss_sum[1])}
 
 
+def iface_bytes(name: str) -> Dict[str, int]:
+    """{"tx": bytes, "rx": bytes} the network interface `name` has counted (this network
+    namespace's view of /sys/class/net)."""
+    from recxla.train.config import NET_SYSFS
+
+    out = {}
+    for key in ("tx", "rx"):
+        with open(os.path.join(NET_SYSFS, name, "statistics", f"{key}_bytes")) as f:
+            out[key] = int(f.read())
+    return out
+
+
 def local_figures(log: "StepLog", meter: "CommMeter", warmup: int) -> dict:
     """This rank's measured steps (after warm-up) as plain lists, to gather on rank 0."""
     steps = list(range(log.first + warmup, log.first + len(log.seconds)))
@@ -106,6 +118,8 @@ def summarize(config: TrainConfig, ranks: List[dict], world_size: int) -> dict:
                 name = BYTE_KEYS.get(key, "other")
                 wire[name] = wire.get(name, 0.0) + b / n
     faults = [f for r in ranks for f in r["faults"][:n]]
+    # The link's own count: one reader per node (its local rank 0), over the measured steps.
+    links = [r["iface"] for r in ranks if r.get("iface")]
     losses = [x for r in ranks for x in r["loss"]]
     return {
         "examples_per_s": examples * n / sum(step_s) if n else 0.0,
@@ -121,6 +135,7 @@ def summarize(config: TrainConfig, ranks: List[dict], world_size: int) -> dict:
         "wire_bytes_per_step": sum(wire.values()),
         "wire_bytes_per_step_by_kind": {k: wire[k] for k in sorted(wire)},
         "cross_node_bytes_per_step": sum(_mean(r["cross_node"][:n]) for r in ranks),
+        "iface_tx_bytes_per_step": sum(x["tx"] for x in links) / n if links and n else None,
         "final_loss": _mean(losses),
         "page_faults_per_step": {
             "p50": statistics.median(faults) if faults else 0, "max": max(faults, default=0),
@@ -169,6 +184,9 @@ def format_summary(s: dict) -> str:
     ]
     if s.get("cross_node_bytes_per_step") and s["nodes"] > 1:
         lines.append(f"    across nodes  {_si(s['cross_node_bytes_per_step'], 'B')}")
+    if s.get("iface_tx_bytes_per_step") is not None:
+        lines.append(f"    sent on {s['config']['net_iface']}  "
+                     f"{_si(s['iface_tx_bytes_per_step'], 'B')} (the interface's counters)")
     lines += [
         f"  loss            {s['final_loss']:.4f} (train, last steps), eval {s['eval_loss']:.4f}",
         f"  AUC             {s['auc']:.4f} ({s['eval_examples']:,} held-out examples)",

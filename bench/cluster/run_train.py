@@ -1,0 +1,158 @@
+"""The trainer across emulated nodes: recxla against the TorchRec baseline, link by link.
+
+`python -m bench.cluster.run_train` runs `recxla-train` (TorchRec's DLRM, Criteo-like synthetic
+data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbit/s and at
+200 Mbit/s, once per variant:
+
+    torchrec fp32        the baseline: DMP + TrainPipelineSparseDist, fp32 all-to-alls
+    torchrec bf16        the baseline with TorchRec's bf16 codec both ways (its best on CPU)
+    recxla               FP8 e4m3 forward, bf16 backward, dedup'd input dist
+    recxla no FP8        the same, fp32 all-to-alls (FP8 switched off)
+    recxla no dedup      the same, every id sent (dedup switched off)
+    recxla e5m2 bwd      e4m3 forward, e5m2 backward (half the gradient bytes of bf16)
+
+(Key-centric clustering needs micro-batches, which come with the overlap pipeline: not yet.)
+Each row gives examples/s, the step's exposed communication, and the bytes on the wire per
+step: counted by the trainer's collective meter (all ranks, and the part between nodes) and
+measured on the links themselves (each node's veth tx counter over the same steps). It prints
+one table per rate and writes everything to JSON (--json).
+
+Every variant of a rate runs on the same cluster, one after another; --repeats N runs the
+whole list N times, interleaved, so that load from other jobs hits every variant alike, and the
+table shows medians.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List
+
+from bench.cluster import netns
+from bench.cluster.launch import EmulatedCluster
+from bench.cluster.run_a2a import _machine, json_safe
+
+VARIANTS = {
+    "torchrec fp32": ["--baseline", "torchrec"],
+    "torchrec bf16": ["--baseline", "torchrec", "--baseline-comms", "bf16"],
+    "recxla": ["--fwd-comm", "e4m3", "--bwd-comm", "bf16"],
+    "recxla no FP8": ["--fwd-comm", "fp32", "--bwd-comm", "fp32"],
+    "recxla no dedup": ["--fwd-comm", "e4m3", "--bwd-comm", "bf16", "--no-dedup-ids"],
+    "recxla e5m2 bwd": ["--fwd-comm", "e4m3", "--bwd-comm", "e5m2"],
+}
+RATES = ("1gbit", "200mbit")
+# The issue's setting: batch 1024 per rank, dim 64, tables of at most 100k rows, FBGEMM's (and
+# recxla's) fused SGD, TorchRec's planner.
+TRAIN_ARGS = ["--batch-size", "1024", "--embedding-dim", "64", "--max-rows", "100000",
+              "--sparse-optimizer", "sgd", "--sharding", "auto", "--eval-batches", "2",
+              "--no-progress"]
+
+
+def rank_main(argv: List[str]) -> dict:
+    """One rank of `recxla-train ARGV` (the launcher set torchrun's variables); returns rank
+    0's summary ({} on the others)."""
+    from recxla.train.cli import run
+    from recxla.train.config import parse_config
+    from recxla.train.rendezvous import place_from_env
+
+    place = place_from_env()
+    summary = run(parse_config(argv), place)
+    return summary if place.rank == 0 else {}
+
+
+def run_variant(cluster: EmulatedCluster, label: str, args, timeout: float) -> dict:
+    iface = ["--net-iface", netns.IFACE] if cluster.mode == "netns" else []
+    argv = [*TRAIN_ARGS, *args.train_args, "--steps", str(args.steps), "--warmup-steps",
+            str(args.warmup), "--seed", str(args.seed), "--label", label,
+            "--timeout", str(args.rank_timeout), *iface, *VARIANTS[label]]
+    started = time.monotonic()
+    summary = cluster.run("bench.cluster.run_train:rank_main", {"argv": argv}, timeout=timeout,
+                          init_process_group=False)[0]
+    summary["wall_s"] = time.monotonic() - started
+    summary["argv"] = argv
+    return summary
+
+
+def _median(runs: List[dict], get) -> float:
+    values = [get(r) for r in runs]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
+    """One rate's table: medians over repeats, ratios against the fp32 baseline's medians."""
+    mb = lambda x: f"{x / 1e6:7.2f}"  # noqa: E731
+    base = rows.get("torchrec fp32")
+    base_eps = _median(base, lambda r: r["examples_per_s"]) if base else float("nan")
+    head = (f"{'variant':<17}{'ex/s':>9}{'vs fp32':>8}{'step ms':>9}{'exposed':>9}"
+            f"{'wire MB':>9}{'x-node MB':>10}{'link MB':>9}{'emb fwd':>8}{'emb bwd':>8}"
+            f"{'ids':>7}{'AUC':>7}")
+    lines = [f"{rate} ({mode}; medians of {max(len(v) for v in rows.values())} runs; MB per "
+             "step, all ranks)", head, "-" * len(head)]
+    for label, runs in rows.items():
+        eps = _median(runs, lambda r: r["examples_per_s"])
+        kind = lambda k: _median(runs, lambda r: r["wire_bytes_per_step_by_kind"].get(k, 0))  # noqa
+        link = _median(runs, lambda r: r.get("iface_tx_bytes_per_step"))
+        lines.append(
+            f"{label:<17}{eps:>9,.0f}{eps / base_eps:>7.2f}x"
+            f"{_median(runs, lambda r: r['step_time_s']['mean']) * 1e3:>9.0f}"
+            f"{_median(runs, lambda r: r['exposed_comm_fraction']):>9.0%}"
+            f"{mb(_median(runs, lambda r: r['wire_bytes_per_step']))}  "
+            f"{mb(_median(runs, lambda r: r['cross_node_bytes_per_step']))} "
+            f"{mb(link) if link == link else '      -'}"
+            f"{mb(kind('embeddings_fwd'))}{mb(kind('embeddings_bwd'))}"
+            f"{kind('ids') / 1e6:>7.2f}{_median(runs, lambda r: r['auc']):>7.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rates", default=",".join(RATES), help="tbf rates, comma-separated")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated, from: " + ", ".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per trainer run")
+    p.add_argument("--rank-timeout", type=float, default=120.0, help="the trainer's --timeout")
+    p.add_argument("--train-args", default="", help="extra recxla-train options")
+    p.add_argument("--json", default=os.path.join("bench", "results", "training.json"))
+    args = p.parse_args(argv)
+    args.train_args = args.train_args.split()
+    labels = [v for v in args.variants.split(",") if v]
+    for v in labels:
+        if v not in VARIANTS:
+            p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    load_before, t0 = os.getloadavg()[0], time.time()
+    results = []
+    for rate in [r for r in args.rates.split(",") if r]:
+        with EmulatedCluster(args.nodes, args.ranks_per_node, rate=rate, mode=args.mode) as c:
+            rows: Dict[str, List[dict]] = {v: [] for v in labels}
+            for _ in range(args.repeats):
+                for label in labels:
+                    rows[label].append(run_variant(c, label, args, args.timeout))
+                    print(f"{rate} {label}: {rows[label][-1]['examples_per_s']:,.0f} ex/s",
+                          file=sys.stderr, flush=True)
+            results.append({"rate": rate, "mode": c.mode, "fallback_reason": c.fallback_reason,
+                            "runs": rows})
+            print(table(rate, c.mode, rows), flush=True)
+    doc = {"command": " ".join(["python", "-m", "bench.cluster.run_train"]
+                               + (argv if argv is not None else sys.argv[1:])),
+           "machine": dict(_machine(), loadavg_1m_before=load_before),
+           "wall_s": time.time() - t0, "results": results}
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(json_safe(doc), f, indent=1, allow_nan=False)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
