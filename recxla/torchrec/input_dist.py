@@ -37,7 +37,7 @@ from recxla.torchrec.shard_layout import OWNER, ShardLayout
 
 # Encodings of one (source, destination) block of ids.
 RAW, DEDUP16, DEDUP32 = 0, 1, 2
-_META = 5  # status, batch size, ids, unique ids, encoding
+_META = 5  # status, batch size, ids, unique ids, encoding; then the micro-batch sizes
 _OK, _BAD_INPUT = 0, 1
 _ALIGN = 8
 _INT32_ROWS = 2**31
@@ -62,13 +62,15 @@ def _section_bytes(num_slots: int, batch: int, num_ids: int, num_unique: int, en
 
 @dataclass
 class LookupInput:
-    """What the owner's lookup needs, for its batch of B = sum(batch_sizes) samples (source
-    rank s's samples at offsets sum(batch_sizes[:s]) ...).
+    """What the owner's lookup needs, for its batch of B = sum(batch_sizes) samples, ordered
+    micro-batch by micro-batch and, inside one, source rank by source rank: sample b of source
+    s's micro-batch k is owner sample sum(micro_batch_sizes[:k] over all sources) +
+    sum(micro_batch_sizes[s'][k] for s' < s) + b. With one micro-batch that is source-major.
 
     unique_values: int64 [U] unique local row ids, local table by local table;
     unique_offsets: int64 [T_local + 1]; inverse: int64 [N] into unique_values;
     offsets: int64 [S * B + 1] bag bounds, slot-major (bag (j, b) = j * B + b);
-    per_sample_weights: float32 [N] or None; batch_sizes: W ints.
+    per_sample_weights: float32 [N] or None; micro_batch_sizes: [W][M] ints.
     """
 
     unique_values: torch.Tensor
@@ -76,11 +78,24 @@ class LookupInput:
     inverse: torch.Tensor
     offsets: torch.Tensor
     per_sample_weights: Optional[torch.Tensor]
-    batch_sizes: List[int]
+    micro_batch_sizes: List[List[int]]
+
+    @property
+    def batch_sizes(self) -> List[int]:
+        """Samples from each source rank."""
+        return [sum(m) for m in self.micro_batch_sizes]
 
     @property
     def batch_size(self) -> int:
         return sum(self.batch_sizes)
+
+    def micro_batch_rows(self, k: int) -> List[int]:
+        """Samples of micro-batch k from each source rank."""
+        return [m[k] for m in self.micro_batch_sizes]
+
+    def micro_batch_start(self, k: int) -> int:
+        """The owner's first sample of micro-batch k."""
+        return sum(sum(m[:k]) for m in self.micro_batch_sizes)
 
     def record_stream(self, stream) -> None:  # TorchRec's Multistreamable protocol
         for t in (self.unique_values, self.unique_offsets, self.inverse, self.offsets,
@@ -177,16 +192,29 @@ class IdRouter:
 
     # ---------------------------------------------------------------- sender
 
-    def start(self, features: KeyedJaggedTensor) -> "_MetaAwaitable":
+    def start(self, features: KeyedJaggedTensor,
+              micro_batch_sizes: Optional[Sequence[int]] = None) -> "_MetaAwaitable":
         """Check and route `features` and start the first all-to-all. Never raises for bad
-        input: the error is raised on every rank by the returned awaitable's wait()."""
+        input: the error is raised on every rank by the returned awaitable's wait().
+
+        micro_batch_sizes: M ints summing to the batch size: the batch's samples are M
+            micro-batches one after another, and the owner orders its batch micro-batch by
+            micro-batch (see LookupInput). None: one micro-batch. Every rank must pass the
+            same M.
+        """
         try:
             blocks = self._encode(features)
+            micro = [blocks.batch] if micro_batch_sizes is None else \
+                [int(m) for m in micro_batch_sizes]
+            if any(m < 0 for m in micro) or sum(micro) != blocks.batch:
+                raise ValueError(f"{OWNER}: micro_batch_sizes {micro} must be >= 0 and sum to "
+                                 f"the batch size {blocks.batch}")
             error = None
         except (ValueError, TypeError, IndexError) as e:
             blocks, error = None, e
+            micro = [0] * (1 if micro_batch_sizes is None else len(micro_batch_sizes))
         world = self.layout.world_size
-        meta = torch.zeros((world, _META), dtype=torch.int64)
+        meta = torch.zeros((world, _META + len(micro)), dtype=torch.int64)
         if blocks is None:
             meta[:, 0] = _BAD_INPUT
         else:
@@ -195,6 +223,10 @@ class IdRouter:
             meta[:, 2] = torch.tensor(blocks.num_ids)
             meta[:, 3] = torch.tensor(blocks.num_unique)
             meta[:, 4] = torch.tensor(blocks.encoding)
+            meta[:, _META:] = torch.tensor(micro)
+        # The sizes cross the links too: one row to and from each other rank.
+        self.stats.id_bytes_sent += (world - 1) * meta.shape[1] * 8
+        self.stats.id_bytes_received += (world - 1) * meta.shape[1] * 8
         meta = meta.to(self.device)
         received = torch.empty_like(meta)
         work = dist.all_to_all_single(received, meta, group=self.group, async_op=True)
@@ -340,7 +372,7 @@ class IdRouter:
             blocks.encoding.append(encoding)
             blocks.nbytes.append(sum(sizes))
             if d != me:
-                self.stats.id_bytes_sent += sum(sizes) + _META * 8
+                self.stats.id_bytes_sent += sum(sizes)
                 self.stats.id_bytes_without_dedup += (
                     lengths_d.numel() * length_bytes + n * value_bytes
                     + (n * 4 if weights is not None else 0))
@@ -351,14 +383,16 @@ class IdRouter:
     # ---------------------------------------------------------------- owner
 
     def _decode(self, received: torch.Tensor, meta: List[List[int]]) -> LookupInput:
-        layout, me = self.layout, self.layout.rank
+        me = self.layout.rank
         num_slots = self.num_slots[me]
         id_dtype = torch.int32 if self.id_bytes[me] == 4 else torch.int64
-        batch_sizes = [row[1] for row in meta]
-        total_batch = sum(batch_sizes)
+        micro = [row[_META:] for row in meta]
+        num_micro = len(micro[0])
+        total_batch = sum(row[1] for row in meta)
         lengths, ids, weights, counts = [], [], [], []
         start = 0
-        for s, (_, batch, n, u, encoding) in enumerate(meta):
+        for s, row in enumerate(meta):
+            _, batch, n, u, encoding = row[:_META]
             sizes = _section_bytes(num_slots, batch, n, u, encoding, self.id_bytes[me],
                                    self.is_weighted)
             bounds = [start]
@@ -368,7 +402,12 @@ class IdRouter:
             block_lengths = received[bounds[0]: bounds[0] + num_slots * batch * 4] \
                 .view(torch.int32).view(num_slots, batch)
             lengths.append(block_lengths)
-            counts.append(block_lengths.sum(1, dtype=torch.int64))
+            # ids of each (slot, micro-batch) of this source
+            edges = torch.tensor([0] + list(_cumsum(micro[s])), device=self.device)
+            cumulative = torch.nn.functional.pad(
+                torch.cumsum(block_lengths, 1, dtype=torch.int64), (1, 0))
+            at_edges = cumulative[:, edges]
+            counts.append((at_edges[:, 1:] - at_edges[:, :-1]).flatten())
             if encoding == RAW:
                 ids.append(received[bounds[1]: bounds[1] + n * self.id_bytes[me]].view(id_dtype))
             else:
@@ -381,20 +420,23 @@ class IdRouter:
                 ids.append(unique[index.to(torch.int64)])
             if self.is_weighted:
                 weights.append(received[bounds[3]: bounds[3] + n * 4].view(torch.float32))
-        all_lengths = torch.cat(lengths, dim=1) if lengths else \
-            torch.zeros((num_slots, 0), dtype=torch.int32, device=self.device)
         values = torch.cat([i.to(torch.int64) for i in ids]) if ids else \
             torch.zeros(0, dtype=torch.int64, device=self.device)
         psw = torch.cat(weights) if self.is_weighted else None
-        if len(meta) > 1 and num_slots > 1 and values.numel():
-            # Source-major (s, slot) segments -> slot-major (slot, s).
-            sizes = torch.stack(counts)  # [W, S]
-            src_start = (torch.cumsum(sizes.flatten(), 0) - sizes.flatten()).view_as(sizes)
-            target_sizes = sizes.t().flatten()
-            target_start = torch.cumsum(target_sizes, 0) - target_sizes
-            shift = torch.repeat_interleave(src_start.t().flatten() - target_start,
-                                            target_sizes, output_size=values.numel())
-            gather = torch.arange(values.numel(), device=values.device) + shift
+        world = len(meta)
+        all_lengths = torch.cat(lengths, dim=1) if lengths else \
+            torch.zeros((num_slots, 0), dtype=torch.int32, device=self.device)
+        if num_micro > 1 and world > 1:
+            # Columns (source, sample) -> (micro-batch, source, sample).
+            source_start = list(_cumsum([0] + [row[1] for row in meta]))[:-1]
+            columns = [torch.arange(source_start[s] + sum(micro[s][:k]),
+                                    source_start[s] + sum(micro[s][:k + 1]))
+                       for k in range(num_micro) for s in range(world)]
+            all_lengths = all_lengths[:, torch.cat(columns).to(self.device)]
+        if values.numel() and (world > 1 or num_micro > 1) and num_slots > 0:
+            # ids in segments (source, slot, micro-batch) -> (slot, micro-batch, source)
+            sizes = torch.stack(counts).view(world, num_slots, num_micro)
+            gather = _segment_gather(sizes, (1, 2, 0), values.numel())
             values = values[gather]
             if psw is not None:
                 psw = psw[gather]
@@ -404,7 +446,27 @@ class IdRouter:
         table_bounds = offsets[torch.tensor(self.my_table_first_slot, device=self.device)
                                * total_batch]
         unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
-        return LookupInput(unique_values, unique_offsets, inverse, offsets, psw, batch_sizes)
+        return LookupInput(unique_values, unique_offsets, inverse, offsets, psw, micro)
+
+
+def _cumsum(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def _segment_gather(sizes: torch.Tensor, dims: Sequence[int], total: int) -> torch.Tensor:
+    """Gather index that reorders segments: they lie in the row-major order of `sizes` (an
+    int64 tensor of segment lengths, one dim per level) and go to the order of
+    sizes.permute(dims). total: the sum of sizes."""
+    flat = sizes.flatten()
+    start = (torch.cumsum(flat, 0) - flat).view(sizes.shape)
+    target_sizes = sizes.permute(*dims).flatten()
+    target_start = torch.cumsum(target_sizes, 0) - target_sizes
+    shift = torch.repeat_interleave(start.permute(*dims).flatten() - target_start, target_sizes,
+                                    output_size=total)
+    return torch.arange(total, device=sizes.device) + shift
 
 
 @dataclass
@@ -449,11 +511,11 @@ class _MetaAwaitable(Awaitable["_DataAwaitable"]):
         num_slots = router.num_slots[me]
         recv_sizes = [
             sum(_section_bytes(num_slots, b, n, u, e, router.id_bytes[me], router.is_weighted))
-            for _, b, n, u, e in meta
+            for _, b, n, u, e in (row[:_META] for row in meta)
         ]
         for r, size in enumerate(recv_sizes):
             if r != me:
-                router.stats.id_bytes_received += size + _META * 8
+                router.stats.id_bytes_received += size
         received = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=router.device)
         work = dist.all_to_all_single(received, self._blocks.buffer, recv_sizes,
                                       self._blocks.nbytes, group=router.group, async_op=True)

@@ -57,50 +57,63 @@ def column_copies(layout: ShardLayout) -> List[ColumnCopy]:
     return copies
 
 
+def _owner_blocks(flat: torch.Tensor, batch: int, owner_dims: List[int]) -> List[torch.Tensor]:
+    blocks, start = [], 0
+    for dim in owner_dims:
+        blocks.append(flat[start: start + batch * dim].view(batch, dim))
+        start += batch * dim
+    return blocks
+
+
+def assemble_columns(received: torch.Tensor, batch: int, owner_dims: List[int],
+                     copies: List[ColumnCopy], out_dim: int, mean_ranges, bag_lengths):
+    """received [R, wire_row_dim] (owner blocks of [batch, D_owner], one after another) ->
+    [batch, out_dim]: each copy's columns to their output columns (adding row-sharded parts),
+    then the mean ranges divided by bag_lengths (float32 [batch, ranges], >= 1)."""
+    blocks = _owner_blocks(received.reshape(-1), batch, owner_dims)
+    out = received.new_empty((batch, out_dim))
+    for c in copies:
+        source = blocks[c.owner][:, c.src: c.src + c.width]
+        target = out[:, c.dst: c.dst + c.width]
+        if c.add:
+            target.add_(source)
+        else:
+            target.copy_(source)
+    for k, (lo, hi) in enumerate(mean_ranges):
+        out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
+    return out
+
+
+def split_columns(grad_out: torch.Tensor, shape, batch: int, owner_dims: List[int],
+                  copies: List[ColumnCopy], mean_ranges, bag_lengths) -> torch.Tensor:
+    """The transpose of assemble_columns: [batch, out_dim] -> `shape` (the received layout)."""
+    grad_out = grad_out.contiguous()
+    if mean_ranges:
+        grad_out = grad_out.clone()
+        for k, (lo, hi) in enumerate(mean_ranges):
+            grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
+    grad = grad_out.new_empty(shape)
+    blocks = _owner_blocks(grad.view(-1), batch, owner_dims)
+    for c in copies:
+        blocks[c.owner][:, c.src: c.src + c.width].copy_(grad_out[:, c.dst: c.dst + c.width])
+    return grad
+
+
 class AssembleColumns(torch.autograd.Function):
-    """received [R, wire_row_dim] (owner blocks of [B, D_owner], one after another) ->
-    output [B, D_out] float; mean_ranges: output column ranges to divide by bag_lengths
-    (float32 [B, number of ranges], clamped to >= 1)."""
+    """assemble_columns, differentiable w.r.t. `received`."""
 
     @staticmethod
     def forward(ctx, received, batch, owner_dims, copies, out_dim, mean_ranges, bag_lengths):
-        flat = received.reshape(-1)
-        blocks, start = [], 0
-        for dim in owner_dims:
-            blocks.append(flat[start: start + batch * dim].view(batch, dim))
-            start += batch * dim
-        out = received.new_empty((batch, out_dim))
-        for c in copies:
-            source = blocks[c.owner][:, c.src: c.src + c.width]
-            target = out[:, c.dst: c.dst + c.width]
-            if c.add:
-                target.add_(source)
-            else:
-                target.copy_(source)
-        for k, (lo, hi) in enumerate(mean_ranges):
-            out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
         ctx.meta = (received.shape, batch, owner_dims, copies, mean_ranges)
         ctx.save_for_backward(bag_lengths)
-        return out
+        return assemble_columns(received, batch, owner_dims, copies, out_dim, mean_ranges,
+                                bag_lengths)
 
     @staticmethod
     def backward(ctx, grad_out):
-        shape, batch, owner_dims, copies, mean_ranges = ctx.meta
         (bag_lengths,) = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        if mean_ranges:
-            grad_out = grad_out.clone()
-            for k, (lo, hi) in enumerate(mean_ranges):
-                grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
-        grad = grad_out.new_empty(shape)
-        flat = grad.view(-1)
-        blocks, start = [], 0
-        for dim in owner_dims:
-            blocks.append(flat[start: start + batch * dim].view(batch, dim))
-            start += batch * dim
-        for c in copies:
-            blocks[c.owner][:, c.src: c.src + c.width].copy_(grad_out[:, c.dst: c.dst + c.width])
-        return grad, None, None, None, None, None, None
+        return (split_columns(grad_out, *ctx.meta, bag_lengths),
+                None, None, None, None, None, None)
 
 
 class OutputDist:
@@ -132,8 +145,9 @@ class OutputDist:
             offset += dim
 
     def start(self, pooled: torch.Tensor, source_batches: List[int], batch: int):
-        """pooled: float32 [sum(source_batches), D_me]; batch: this rank's batch size.
-        -> the in-flight exchange (a QuantizedAllToAllHandle)."""
+        """pooled: float32 [sum(source_batches), D_me], the owner's rows for each source in
+        turn; batch: this rank's samples. -> (in-flight QuantizedAllToAllHandle, rows sent to
+        each rank, rows expected from each rank)."""
         me = self.layout.rank
         rows_per_sample = self.owner_dims[me] // self.row_dim
         send = [b * rows_per_sample for b in source_batches]
@@ -146,6 +160,36 @@ class OutputDist:
         handle = quantized_all_to_all(rows, recv, send, group=self.group, fwd=self.fwd,
                                       bwd=self.bwd, async_op=True, validate_splits=False)
         return handle, send, recv
+
+    def assemble(self, received: torch.Tensor, batch: int,
+                 bag_lengths: Optional[torch.Tensor]) -> torch.Tensor:
+        """received rows (from `start`'s handle) -> [batch, sum of embedding dims], the
+        module's output columns; differentiable."""
+        if bag_lengths is None:
+            bag_lengths = received.new_empty((batch, 0))
+        return AssembleColumns.apply(received, batch, self.owner_dims, self.copies,
+                                     self.out_dim, self.mean_ranges, bag_lengths)
+
+    def start_gradient(self, grad_out: torch.Tensor, source_batches: List[int], batch: int,
+                       bag_lengths: Optional[torch.Tensor]):
+        """The backward exchange on its own (no autograd): grad_out float32 [batch, sum of
+        embedding dims] -> the in-flight handle whose wait() gives the owner's gradient rows,
+        [sum(source_batches) * D_me / wire_row_dim, wire_row_dim], sent in `bwd`."""
+        me = self.layout.rank
+        rows_per_sample = self.owner_dims[me] // self.row_dim
+        to_owners = [batch * dim // self.row_dim for dim in self.owner_dims]
+        from_sources = [b * rows_per_sample for b in source_batches]
+        if bag_lengths is None:
+            bag_lengths = grad_out.new_empty((batch, 0))
+        rows = split_columns(grad_out, (sum(to_owners), self.row_dim), batch, self.owner_dims,
+                             self.copies, self.mean_ranges, bag_lengths)
+        for r in range(self.layout.world_size):
+            if r != me:
+                self.stats.gradient_bytes_sent += to_owners[r] * self.bwd_row_bytes
+                self.stats.gradient_bytes_received += from_sources[r] * self.bwd_row_bytes
+        return quantized_all_to_all(rows, from_sources, to_owners, group=self.group,
+                                    fwd=self.bwd, bwd=self.bwd, async_op=True,
+                                    validate_splits=False)
 
     def finish(self, handle, send: List[int], recv: List[int], batch: int,
                bag_lengths: Optional[torch.Tensor], on_backward) -> torch.Tensor:
@@ -164,7 +208,4 @@ class OutputDist:
                 on_backward()
 
             received.register_hook(hook)
-        if bag_lengths is None:
-            bag_lengths = received.new_empty((batch, 0))
-        return AssembleColumns.apply(received, batch, self.owner_dims, self.copies,
-                                     self.out_dim, self.mean_ranges, bag_lengths)
+        return self.assemble(received, batch, bag_lengths)

@@ -21,8 +21,9 @@ init_fn. state_dict gives one ShardedTensor per table (TorchRec's layout), and l
 takes ShardedTensors or full unsharded tensors.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -142,6 +143,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         group = env.process_group
         self._layout = ShardLayout.build(tables, shards, env.rank, env.world_size)
         self.comm_stats = CommStats()
+        self._staged_outputs: Deque[KeyedTensor] = deque()
 
         unsharded = {c.name: module.embedding_bags[c.name].weight for c in configs}
         updates = [table_update(c.name, unsharded[c.name], fused_params) for c in configs]
@@ -263,10 +265,37 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         lengths = awaitable.input_lengths
         if lengths is not None:
             ctx.batch_size = lengths.shape[1]
-            if self._output.mean_slots:
-                ctx.bag_lengths = lengths[self._output.mean_slots].t().to(torch.float32) \
-                    .clamp(min=1.0).contiguous()
+            ctx.bag_lengths = self.mean_bag_lengths(lengths)
         return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
+
+    def mean_bag_lengths(self, input_lengths: torch.Tensor) -> Optional[torch.Tensor]:
+        """The lengths of this rank's bags of row-sharded MEAN features (their sums arrive in
+        parts and are divided at the receiver): input_lengths [input slots, B] -> float32
+        [B, those features] clamped to >= 1, or None when there are none."""
+        if not self._output.mean_slots:
+            return None
+        return input_lengths[self._output.mean_slots].t().to(torch.float32).clamp(min=1.0) \
+            .contiguous()
+
+    def forward(self, *input, **kwargs):
+        """TorchRec's forward (input dist, lookup, output dist), unless a pipeline staged this
+        step's output (`stage_output`): then that output, for the same batch size."""
+        if self._staged_outputs:
+            output = self._staged_outputs.popleft()
+            features = input[0] if input else kwargs.get("features")
+            if isinstance(features, KeyedJaggedTensor) and \
+                    features.stride() != output.values().shape[0]:
+                self._staged_outputs.clear()
+                raise ValueError(f"{OWNER}: the pipeline staged embeddings of "
+                                 f"{output.values().shape[0]} samples, but the model passed "
+                                 f"{features.stride()}; the model must give this module the "
+                                 "micro-batch's sparse features")
+            return output
+        return super().forward(*input, **kwargs)
+
+    def stage_output(self, output: KeyedTensor) -> None:
+        """The next forward returns `output` instead of running (recxla.pipeline's FWP)."""
+        self._staged_outputs.append(output)
 
     def compute(self, ctx: ShardedEmbeddingBagContext, dist_input: KJTList) -> torch.Tensor:
         """The owner's lookup. -> float32 [sum of the sources' batches, D_owner]."""
