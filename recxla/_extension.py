@@ -38,6 +38,15 @@ def extension_available() -> bool:
     return HAVE_EXTENSION
 
 
+def register_fake(qualname: str):
+    """`torch.library.register_fake(qualname)` when the extension is loaded (it defines the op);
+    without it the decorated function is returned unregistered, so that `import recxla` still
+    works and the ops run their references."""
+    if HAVE_EXTENSION:
+        return torch.library.register_fake(qualname)
+    return lambda fn: fn
+
+
 def built_with_cuda() -> bool:
     """True when this build compiled the CUDA kernels (a GPU need not be present)."""
     return HAVE_EXTENSION and bool(torch.ops.recxla.built_with_cuda())

@@ -6,6 +6,8 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,8 +36,54 @@ def load_setup_py():
 
 
 def test_extension_is_loaded():
+    if not _extension.HAVE_EXTENSION and os.environ.get("RECXLA_ALLOW_REFERENCE_ONLY") == "1":
+        pytest.skip("a reference-only run (RECXLA_ALLOW_REFERENCE_ONLY=1)")
     assert _extension.HAVE_EXTENSION, f"recxla._C failed to load: {_extension._LOAD_ERROR}"
     assert "recxla::quantize_fp8_rows" in recxla_ops_with_kernel("CPU")
+
+
+# Run as Python's startup hook (sitecustomize) in a child process: `recxla._C` then fails to
+# import, as on a checkout that was never built.
+_BLOCK_EXTENSION = """
+import sys
+
+
+class _NoExtension:
+    def find_spec(self, name, path=None, target=None):
+        if name == "recxla._C":
+            raise ImportError("recxla._C blocked by test_build.py")
+
+
+sys.meta_path.insert(0, _NoExtension())
+"""
+
+
+def _pytest_without_extension(tmp_path, allow_reference_only):
+    (tmp_path / "sitecustomize.py").write_text(_BLOCK_EXTENSION)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    env.pop("RECXLA_ALLOW_REFERENCE_ONLY", None)
+    if allow_reference_only:
+        env["RECXLA_ALLOW_REFERENCE_ONLY"] = "1"
+    tests = ["tests/test_build.py::test_extension_is_loaded",
+             "tests/test_fp8_rows.py::test_zero_rows_round_trip_exactly"]
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_suite_stops_when_the_kernels_did_not_load(tmp_path):
+    """Without the guard, the ops fell back to the reference and the kernel-vs-reference tests
+    compared the reference with itself, passing."""
+    run = _pytest_without_extension(tmp_path, allow_reference_only=False)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0, output
+    assert "recxla._C failed to load (recxla._C blocked by test_build.py)" in output, output
+    assert "RECXLA_ALLOW_REFERENCE_ONLY=1" in output
+    # Said on purpose: the run goes on, on the reference.
+    run = _pytest_without_extension(tmp_path, allow_reference_only=True)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "2 passed, 1 skipped" in output and "compiled kernels not available" in output, output
 
 
 def test_build_reports_what_it_built():

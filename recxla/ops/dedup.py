@@ -19,7 +19,7 @@ from recxla.reference import dedup as reference
 _KEY_DTYPES = (torch.int32, torch.int64)
 
 
-@torch.library.register_fake("recxla::segmented_unique")
+@_extension.register_fake("recxla::segmented_unique")
 def _segmented_unique_fake(values, offsets):
     # The number of distinct keys is known only from the data.
     unique_count = torch.library.get_ctx().new_dynamic_size()
@@ -30,7 +30,7 @@ def _segmented_unique_fake(values, offsets):
     )
 
 
-@torch.library.register_fake("recxla::segmented_unique_out")
+@_extension.register_fake("recxla::segmented_unique_out")
 def _segmented_unique_out_fake(values, offsets, unique_values, unique_offsets, inverse):
     return torch.library.get_ctx().new_dynamic_size()
 

@@ -32,27 +32,27 @@ NUM_HPARAMS = reference.NUM_HPARAMS
 _NO_ERROR = 2**62  # "no bad index" in the flag tensor (above any index)
 
 
-@torch.library.register_fake("recxla::embedding_bag_forward")
+@_extension.register_fake("recxla::embedding_bag_forward")
 def _forward_fake(weights, unique_values, unique_offsets, inverse, offsets, psw, feature_table,
                   pooling, batch_size):
     total_dim = sum(weights[t].shape[1] for t in feature_table)
     return unique_values.new_empty((batch_size, total_dim), dtype=torch.float32)
 
 
-@torch.library.register_fake("recxla::embedding_bag_forward_out")
+@_extension.register_fake("recxla::embedding_bag_forward_out")
 def _forward_out_fake(weights, unique_values, unique_offsets, inverse, offsets, psw,
                       feature_table, pooling, batch_size, out):
     return None
 
 
-@torch.library.register_fake("recxla::embedding_bag_unique_grad")
+@_extension.register_fake("recxla::embedding_bag_unique_grad")
 def _unique_grad_fake(grad_output, weights, unique_values, unique_offsets, inverse, offsets, psw,
                       feature_table, pooling, batch_size):
     ctx = torch.library.get_ctx()
     return [grad_output.new_empty((ctx.new_dynamic_size(), w.shape[1])) for w in weights]
 
 
-@torch.library.register_fake("recxla::embedding_bag_backward_update")
+@_extension.register_fake("recxla::embedding_bag_backward_update")
 def _backward_update_fake(grad_output, weights, states, unique_values, unique_offsets, inverse,
                           offsets, psw, feature_table, pooling, batch_size, optim, hparams):
     return None

@@ -21,27 +21,27 @@ from recxla.formats import FLOAT_DTYPES, as_count, get_format
 from recxla.reference import fp8_rows as reference
 
 
-@torch.library.register_fake("recxla::quantize_fp8_rows")
+@_extension.register_fake("recxla::quantize_fp8_rows")
 def _quantize_fp8_rows_fake(x, fmt):
     return x.new_empty((x.shape[0], x.shape[1] + 4), dtype=torch.uint8)
 
 
-@torch.library.register_fake("recxla::quantize_fp8_rows_out")
+@_extension.register_fake("recxla::quantize_fp8_rows_out")
 def _quantize_fp8_rows_out_fake(x, fmt, out):
     return None
 
 
-@torch.library.register_fake("recxla::dequantize_fp8_rows")
+@_extension.register_fake("recxla::dequantize_fp8_rows")
 def _dequantize_fp8_rows_fake(packed, dim, fmt, dtype):
     return packed.new_empty((packed.shape[0], dim), dtype=dtype)
 
 
-@torch.library.register_fake("recxla::dequantize_fp8_rows_out")
+@_extension.register_fake("recxla::dequantize_fp8_rows_out")
 def _dequantize_fp8_rows_out_fake(packed, dim, fmt, out):
     return None
 
 
-@torch.library.register_fake("recxla::empty_reusable")
+@_extension.register_fake("recxla::empty_reusable")
 def _empty_reusable_fake(size, dtype):
     return torch.empty(size, dtype=dtype, device="cpu")
 
