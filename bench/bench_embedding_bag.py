@@ -1,35 +1,44 @@
 """pytest-benchmark: one training step of the sparse part (pooled lookup forward, backward and
-the optimizer update of the touched rows) on a Criteo-like batch.
+the optimizer update of the touched rows) on a Criteo-like batch, on 1 and on 2 threads.
 
+    RECXLA_BENCH_MALLOC=default .venv/bin/python -m pytest bench/bench_embedding_bag.py \
+        --benchmark-only --benchmark-json=/tmp/embedding_bag_default.json
     .venv/bin/python -m pytest bench/bench_embedding_bag.py --benchmark-only \
-        --benchmark-columns=min,median,mean,rounds --benchmark-json=/tmp/embedding_bag.json
-    .venv/bin/python bench/bench_embedding_bag.py /tmp/embedding_bag.json   # markdown table
+        --benchmark-json=/tmp/embedding_bag_tuned.json        # freed memory kept (conftest)
+    .venv/bin/python bench/bench_embedding_bag.py /tmp/embedding_bag_default.json \
+        /tmp/embedding_bag_tuned.json                           # markdown tables
 
 Batch: recxla.data.SyntheticRankingDataset, 8192 samples, 26 features with Criteo Kaggle's table
 sizes capped at 1M rows (RECXLA_BENCH_ROWS), dim 64 (RECXLA_BENCH_DIM): 21 one-hot features,
 a user history of 10-100 ids and item tags of 1-5, about 700k ids per batch, user-side features
 repeated over the candidates of a request. Key laws: the dataset's Zipf exponents 1.05 and 1.2,
 its uniform law (0.0, requests still repeat user features), and `iid-uniform`: the same bag
-lengths with every id drawn independently and uniformly over its table (almost no repeats, the
+lengths with every id drawn independently and uniformly over its table (the fewest repeats, the
 worst case for dedup). Three batches are cycled.
 
-Providers (same tables, same optimizer, one step = forward + backward + update):
+Providers (same tables, same optimizer, one step = forward + backward + update, every one at
+the test's thread count, torch.set_num_threads):
 - recxla: recxla.nn.EmbeddingBagCollection, dedup + fused C++ kernels (weights get no .grad);
 - fbgemm-tbe: FBGEMM's SplitTableBatchedEmbeddingBagsCodegen on CPU (EmbeddingLocation.HOST,
-  ComputeDevice.CPU) with EXACT_ROWWISE_ADAGRAD or EXACT_SGD, the fused upstream path;
-- torch-sparse: 26 torch.nn.EmbeddingBag(sparse=True) and torch's sparse optimizer
-  (SGD for sgd; torch has no row-wise Adagrad, so Adagrad, per element, for rowwise_adagrad);
-- reference: recxla.reference.embedding_bag (plain PyTorch ops) after recxla's dedup;
+  ComputeDevice.CPU) with EXACT_SGD or EXACT_ROWWISE_ADAGRAD, the fused upstream path. Its CPU
+  SGD backward runs one thread whatever the setting, and its row-wise Adagrad kernel is slow on
+  CPU: ratios against it measure FBGEMM's CPU kernels, not a limit of the method;
+- torch: plain PyTorch as a user writes it: 26 torch.nn.EmbeddingBag(sparse=True), a cat, and
+  torch.optim.SGD on the sparse gradients; for row-wise Adagrad (torch has none) the update
+  written the obvious way on the coalesced sparse gradient (`rowwise_adagrad_`);
+- torch-compile: the same with the model's forward under torch.compile (Inductor; the sparse
+  backward and the optimizer stay eager: Inductor has no sparse kernels to generate);
 - memcpy: a copy of the bytes a step must move at least (see `step_bytes`).
 `test_embedding_bag_forward_cpu` times the forward alone (no_grad) against FBGEMM's TBE and
-TorchRec's unsharded EmbeddingBagCollection (torch.nn.EmbeddingBag per table, then a cat).
-extra_info: n_ids, n_unique, bytes, gbps, memcpy_gbps, of_memcpy (bench/common.py).
+TorchRec's unsharded EmbeddingBagCollection (torch.nn.EmbeddingBag per table, then a cat), eager
+and under torch.compile.
+extra_info: threads, allocator, n_ids, n_unique, bytes, gbps, memcpy_gbps, of_memcpy.
 """
 
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -45,9 +54,11 @@ DIM = int(os.environ.get("RECXLA_BENCH_DIM", "64"))
 MAX_ROWS = int(os.environ.get("RECXLA_BENCH_ROWS", "1000000"))
 LR, EPS = 0.01, 1e-8
 DISTRIBUTIONS = {"zipf-1.05": 1.05, "zipf-1.2": 1.2, "uniform": 0.0, "iid-uniform": None}
-OPTIMIZERS = ["rowwise_adagrad", "sgd"]
-PROVIDERS = ["recxla", "fbgemm-tbe", "torch-sparse", "reference", "memcpy"]
-ROUNDS = {"reference": 2, "torch-sparse": 3}
+OPTIMIZERS = ["sgd", "rowwise_adagrad"]
+PROVIDERS = ["recxla", "fbgemm-tbe", "torch", "torch-compile", "memcpy"]
+THREADS = [1, 2]
+# bench/conftest.py keeps freed memory in the process unless RECXLA_BENCH_MALLOC=default.
+ALLOCATOR = "default" if os.environ.get("RECXLA_BENCH_MALLOC") == "default" else "tuned"
 
 _batches: Dict[str, list] = {}
 _model: Dict[str, object] = {}  # one model alive at a time: the tables take GBs
@@ -80,7 +91,6 @@ def batches(distribution: str) -> list:
                 )
                 for k in kjts
             ]
-        _batches.clear()  # one distribution at a time
         _batches[distribution] = kjts
     return _batches[distribution]
 
@@ -89,6 +99,17 @@ def tables():
     from recxla.data.profiles import embedding_bag_configs
 
     return embedding_bag_configs(profile(1.05), embedding_dim=DIM, max_rows=MAX_ROWS)
+
+
+def rowwise_adagrad_(weight: torch.nn.Parameter, state: torch.Tensor, lr: float,
+                     eps: float) -> None:
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD (no weight decay) in plain PyTorch, on weight's sparse
+    gradient: per touched row m += mean(g^2), w -= lr * g / (sqrt(m) + eps). state: [E]."""
+    grad = weight.grad.coalesce()
+    rows, values = grad.indices()[0], grad.values()
+    state.index_add_(0, rows, values.pow(2).mean(dim=1))
+    multiplier = lr / (state[rows].sqrt() + eps)
+    weight.data.index_add_(0, rows, values * -multiplier[:, None])
 
 
 def make_step(provider: str, optimizer: str):
@@ -125,36 +146,33 @@ def make_step(provider: str, optimizer: str):
         def step(kjt):
             tbe(kjt.values(), kjt.offsets().long()).backward(grad)
 
-    elif provider == "torch-sparse":
+    elif provider in ("torch", "torch-compile"):
         bags = [torch.nn.EmbeddingBag(t.num_embeddings, DIM, mode="sum", sparse=True,
                                       include_last_offset=True) for t in tables()]
         params = [b.weight for b in bags]
-        opt = torch.optim.SGD(params, lr=LR) if optimizer == "sgd" else \
-            torch.optim.Adagrad(params, lr=LR, eps=EPS)
+
+        def forward(values, offsets):
+            return torch.cat([bag(v, o) for bag, v, o in zip(bags, values, offsets)], dim=1)
+
+        if provider == "torch-compile":
+            forward = torch.compile(forward)
+        if optimizer == "sgd":
+            sgd = torch.optim.SGD(params, lr=LR)
+            update = sgd.step
+        else:
+            states = [torch.zeros(p.shape[0]) for p in params]
+
+            def update():
+                for p, s in zip(params, states):
+                    rowwise_adagrad_(p, s, LR, EPS)
 
         def step(kjt):
-            opt.zero_grad()
-            outs = [bag(f.values(), f.offsets()) for bag, f in zip(bags, kjt.to_dict().values())]
-            torch.cat(outs, dim=1).backward(grad)
-            opt.step()
-
-    elif provider == "reference":
-        from recxla.nn import EmbeddingBagCollection
-        from recxla.ops.dedup import segmented_unique
-        from recxla.reference import embedding_bag as ref
-
-        module = EmbeddingBagCollection(tables())
-        weights = [p.detach() for p in module.parameters()]
-        kind = ref.ROWWISE_ADAGRAD if optimizer == "rowwise_adagrad" else ref.SGD
-        states = [torch.zeros(w.shape[0]) for w in weights]
-
-        def step(kjt):
-            values, offsets, psw, bounds = module._table_major_ids(kjt)
-            uv, uo, inv = segmented_unique(values, bounds)
-            args = (uv, uo, inv, offsets, psw, module._feature_table, module._pooling, BATCH)
-            ref.embedding_bag_forward_ref(weights, *args)
-            ref.embedding_bag_backward_update_ref(grad, weights, states, *args, [kind] * 26,
-                                                  [LR, EPS, 0.0, 1.0] * 26)
+            for p in params:
+                p.grad = None
+            features = kjt.to_dict().values()
+            forward([f.values() for f in features], [f.offsets() for f in features]).backward(grad)
+            with torch.no_grad():
+                update()
 
     else:
         raise ValueError(provider)
@@ -171,12 +189,20 @@ def step_bytes(kjts, n_unique: int) -> int:
     return 2 * n_ids * row + 2 * BATCH * 26 * row + 2 * n_unique * row
 
 
-CASES = [(o, d, p) for o in OPTIMIZERS for p in PROVIDERS for d in DISTRIBUTIONS
-         if not (p == "reference" and d != "zipf-1.05")]
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("optimizer,distribution,provider", CASES)
-def test_embedding_bag_step_cpu(benchmark, optimizer, distribution, provider):
+CASES = [(o, p, d) for o in OPTIMIZERS for p in PROVIDERS for d in DISTRIBUTIONS]
+
+
+@pytest.mark.parametrize("threads", THREADS, indirect=True)
+@pytest.mark.parametrize("optimizer,provider,distribution", CASES)
+def test_embedding_bag_step_cpu(benchmark, optimizer, provider, distribution, threads):
     from recxla.ops.dedup import segmented_unique
 
     kjts = batches(distribution)
@@ -191,14 +217,18 @@ def test_embedding_bag_step_cpu(benchmark, optimizer, distribution, provider):
     else:
         step = make_step(provider, optimizer)
         counter = iter(range(10**9))
-        benchmark.pedantic(lambda: step(kjts[next(counter) % 3]),
-                           rounds=ROUNDS.get(provider, 5), iterations=1, warmup_rounds=2)
+        benchmark.pedantic(lambda: step(kjts[next(counter) % 3]), rounds=5, iterations=1,
+                           warmup_rounds=2)
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
         n_ids=kjts[0].values().numel(), n_unique=n_unique, bytes=nbytes, dim=DIM,
-        threads=torch.get_num_threads(), gbps=round(gbps(nbytes, median), 2),
-        memcpy_gbps=round(reference_gbps, 2), of_memcpy=round(gbps(nbytes, median) / reference_gbps, 3),
+        threads=threads, allocator=ALLOCATOR, gbps=round(gbps(nbytes, median), 2),
+        memcpy_gbps=round(reference_gbps, 2),
+        of_memcpy=round(gbps(nbytes, median) / reference_gbps, 3),
     )
+
+
+FORWARD_PROVIDERS = ["recxla", "fbgemm-tbe", "torchrec-ebc", "torchrec-ebc-compile"]
 
 
 def make_forward(provider: str):
@@ -212,10 +242,12 @@ def make_forward(provider: str):
 
         module = EmbeddingBagCollection(tables())
         fn = lambda kjt: module(kjt).values()  # noqa: E731
-    elif provider == "torchrec-ebc":
+    elif provider.startswith("torchrec-ebc"):
         from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchRecEBC
 
         module = TorchRecEBC(tables())
+        if provider.endswith("compile"):
+            module = torch.compile(module)
         fn = lambda kjt: module(kjt).values()  # noqa: E731
     else:
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -237,17 +269,19 @@ def make_forward(provider: str):
     return forward
 
 
-@pytest.mark.parametrize("provider", ["recxla", "fbgemm-tbe", "torchrec-ebc"])
+@pytest.mark.parametrize("threads", THREADS, indirect=True)
+@pytest.mark.parametrize("provider", FORWARD_PROVIDERS)
 @pytest.mark.parametrize("distribution", ["zipf-1.05", "iid-uniform"])
-def test_embedding_bag_forward_cpu(benchmark, distribution, provider):
+def test_embedding_bag_forward_cpu(benchmark, distribution, provider, threads):
     """The forward alone (dedup included for recxla): where the step's time is not spent."""
     kjts = batches(distribution)
     forward = make_forward(provider)
     counter = iter(range(10**9))
     out = benchmark.pedantic(lambda: forward(kjts[next(counter) % 3]), rounds=5, iterations=1,
-                             warmup_rounds=1)
+                             warmup_rounds=2)
     assert out.shape == (BATCH, 26 * DIM)
-    benchmark.extra_info.update(n_ids=kjts[0].values().numel(), dim=DIM)
+    benchmark.extra_info.update(n_ids=kjts[0].values().numel(), dim=DIM, threads=threads,
+                                allocator=ALLOCATOR)
 
 
 @pytest.mark.gpu
@@ -271,43 +305,55 @@ def test_embedding_bag_step_gpu(benchmark, monkeypatch, backend, distribution):
     benchmark.pedantic(step, rounds=10, iterations=1, warmup_rounds=2)
 
 
-def summarize(path: str) -> str:
-    """A markdown table of a --benchmark-json file: median ms per provider and recxla's speedup."""
+def _medians(path: str, test: str, fields) -> Dict[tuple, float]:
     with open(path) as f:
         runs = json.load(f)["benchmarks"]
-    median: Dict[tuple, float] = {}
-    for r in runs:
-        p = r["params"]
-        if r["name"].startswith("test_embedding_bag_step_cpu"):
-            median[(p["optimizer"], p["distribution"], p["provider"])] = r["stats"]["median"] * 1e3
+    return {tuple(r["params"][k] for k in fields): r["stats"]["median"] * 1e3
+            for r in runs if r["name"].startswith(test)}
+
+
+def _ms(value: Optional[float]) -> str:
+    return f"{value:.1f}" if value is not None else "-"
+
+
+def _ratio(slow: Optional[float], fast: Optional[float]) -> str:
+    return f"{slow / fast:.2f}x" if slow and fast else "-"
+
+
+def summarize(default_path: str, tuned_path: Optional[str] = None) -> str:
+    """Markdown tables of two --benchmark-json files (default allocator, then tuned): median ms
+    per provider, and recxla's speedups computed within one run and one thread count."""
+    fields = ("optimizer", "provider", "distribution", "threads")
+    default = _medians(default_path, "test_embedding_bag_step_cpu", fields)
+    tuned = _medians(tuned_path, "test_embedding_bag_step_cpu", fields) if tuned_path else {}
     lines: List[str] = [
-        "| optimizer | keys | recxla ms | fbgemm-tbe ms | torch-sparse ms | reference ms | "
-        "memcpy ms | vs fbgemm | vs torch-sparse |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| optimizer | keys | threads | recxla | fbgemm-tbe | torch | torch-compile | memcpy | "
+        "vs fbgemm-tbe | vs torch | vs torch-compile | tuned: recxla | tuned: fbgemm-tbe | "
+        "tuned: vs fbgemm-tbe |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for o in OPTIMIZERS:
         for d in DISTRIBUTIONS:
-            row = [median.get((o, d, p)) for p in PROVIDERS]
-            if row[0] is None:
-                continue
-            cells = [f"{v:.1f}" if v is not None else "-" for v in row]
-            speed = [f"{row[i] / row[0]:.2f}x" if row[i] else "-" for i in (1, 2)]
-            lines.append(f"| {o} | {d} | " + " | ".join(cells + speed) + " |")
-    forward = {}
-    for r in runs:
-        if r["name"].startswith("test_embedding_bag_forward_cpu"):
-            p = r["params"]
-            forward[(p["distribution"], p["provider"])] = r["stats"]["median"] * 1e3
+            for t in THREADS:
+                row = [default.get((o, p, d, t)) for p in PROVIDERS]
+                if row[0] is None:
+                    continue
+                tr, tt = tuned.get((o, "recxla", d, t)), tuned.get((o, "fbgemm-tbe", d, t))
+                cells = [_ms(v) for v in row] + [_ratio(row[i], row[0]) for i in (1, 2, 3)]
+                cells += [_ms(tr), _ms(tt), _ratio(tt, tr)]
+                lines.append(f"| {o} | {d} | {t} | " + " | ".join(cells) + " |")
+    forward = _medians(default_path, "test_embedding_bag_forward_cpu",
+                       ("distribution", "provider", "threads"))
     if forward:
-        lines += ["", "| forward only | recxla ms | fbgemm-tbe ms | torchrec-ebc ms |",
-                  "|---|---|---|---|"]
-        for d in DISTRIBUTIONS:
-            row = [forward.get((d, p)) for p in ("recxla", "fbgemm-tbe", "torchrec-ebc")]
-            if row[0] is not None:
-                lines.append(f"| {d} | " + " | ".join(
-                    f"{v:.1f}" if v is not None else "-" for v in row) + " |")
+        lines += ["", "| forward only | threads | " + " | ".join(FORWARD_PROVIDERS) + " |",
+                  "|---|---|" + "---|" * len(FORWARD_PROVIDERS)]
+        for d in ("zipf-1.05", "iid-uniform"):
+            for t in THREADS:
+                row = [forward.get((d, p, t)) for p in FORWARD_PROVIDERS]
+                if row[0] is not None:
+                    lines.append(f"| {d} | {t} | " + " | ".join(_ms(v) for v in row) + " |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(summarize(sys.argv[1]))
+    print(summarize(*sys.argv[1:3]))

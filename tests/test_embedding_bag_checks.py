@@ -97,6 +97,9 @@ def test_valid_input_passes_and_matches_cpu(unchecked_backend):
     assert flags.dtype == torch.int64 and flags.device == a["unique_values"].device
     out = ops.pooled_forward(*op_args(a))
     torch.testing.assert_close(out, torch.ops.recxla.embedding_bag_forward(*op_args(a)))
+    into = torch.full_like(out, float("nan"))
+    assert ops.pooled_forward(*op_args(a), out=into) is into
+    torch.testing.assert_close(into, out, rtol=0, atol=0)
 
 
 def test_fused_lookup_checks_once_per_step_before_any_kernel(unchecked_backend, monkeypatch):

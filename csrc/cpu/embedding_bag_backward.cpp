@@ -8,10 +8,19 @@
 // and a multi-hot bag's row is read once for all of its ids; the accumulators of a skewed batch
 // stay in cache.
 //
-// Tables are split into parts by unique row (one task each, largest first): a part reads all of
-// its table's ids but adds only those of its rows, so no two threads write the same row and no
-// atomics are needed. A row's gradient is summed in batch order whatever the split, which makes
-// a step bitwise deterministic for any thread count.
+// Tables whose ids rarely repeat get the other order ("gather"): there the accumulators are
+// nearly one row per id (96 MB for a 1M-row table of i.i.d. ids at dim 64) and adding into them
+// is a random read-modify-write over memory. Instead the table's ids are grouped by unique row
+// (a counting sort of `inverse`: where each id's output-gradient row lies, and its scale), and
+// each row sums its ids' gradient rows in registers and is updated at once. Both orders add a
+// row's contributions in batch order to a zero start with the same float operations, so the
+// choice never changes a bit of the result; it is made per table from the exact counts (ids per
+// unique row, accumulator size), and RECXLA_EMB_BACKWARD=accumulate|gather forces one (tests).
+//
+// Tables are split into parts by unique row (one task each, largest first): a part adds only the
+// ids of its rows, so no two threads write the same row and no atomics are needed. A row's
+// gradient is summed in batch order whatever the split, which makes a step bitwise
+// deterministic for any thread count.
 //
 // Every check that reads the data (offsets monotone, ids inside their table's segment, rows in
 // range and strictly increasing) runs before the first write to a weight or optimizer state.
@@ -62,13 +71,27 @@ RECXLA_INLINE void apply_row(
   }
 }
 
-// Unique rows [lo, hi) of table t, and the table's features.
+// One id in the gather order: where its output-gradient row starts, and its scale (per-sample
+// weight x 1 / bag length for mean x grad_sign, rounded as the accumulate order rounds it).
+struct Entry {
+  int64_t grad_offset;
+  float scale;
+};
+
+// Unique rows [lo, hi) of table t, and the table's features. Gather parts also carry the
+// table's groups: the entries of its unique row u are entries[start[u - lo_t]:start[u - lo_t + 1]].
 struct Part {
   int64_t table, lo, hi;
   const int64_t* features;
   int64_t num_features;
-  int64_t ids;  // ids of the table: the part reads them all
+  int64_t ids;  // ids of the table (an accumulate part reads them all)
+  const int64_t* start = nullptr;  // gather only
+  const Entry* entries = nullptr;
 };
+
+RECXLA_INLINE float bag_scale(bool mean, float sign, int64_t first, int64_t last) {
+  return mean ? sign * (1.0f / static_cast<float>(last - first)) : sign;
+}
 
 // Accumulates the gradients of a part's rows in acc [(hi - lo) * dim], zeroed by the caller,
 // then updates the rows (or writes their gradient to grad_out).
@@ -88,12 +111,11 @@ RECXLA_INLINE void run_part(
       const int64_t first = bags[b], last = bags[b + 1];
       if (first == last) continue;
       const GradRow<kDim> g(src + b * a.total_dim, dim);
-      const float bag_scale =
-          mean ? sign * (1.0f / static_cast<float>(last - first)) : sign;
+      const float scale = bag_scale(mean, sign, first, last);
       for (int64_t i = first; i < last; ++i) {
         const int64_t u = a.inverse[i];
         if (u < lo || u >= hi) continue;
-        g.add_to(acc + (u - lo) * dim, a.psw != nullptr ? a.psw[i] * bag_scale : bag_scale);
+        g.add_to(acc + (u - lo) * dim, a.psw != nullptr ? a.psw[i] * scale : scale);
       }
     }
   }
@@ -107,10 +129,48 @@ RECXLA_INLINE void run_part(
   }
 }
 
+// Sums each unique row's entries in registers (into `row_grad` [dim] for the update), in entry
+// order, and updates the row.
+template <int64_t kDim, typename index_t>
+RECXLA_INLINE void run_gather_part(
+    const Args& a, const Part& p, const index_t* __restrict__ rows, const float* __restrict__ grad,
+    Optim kind, const Hparams& h, float* __restrict__ grad_out, float* __restrict__ row_grad) {
+  const int64_t t = p.table, dim = kDim > 0 ? kDim : a.table_dim[t];
+  const int64_t segment = a.unique_offsets[t];
+  float* w = a.weights[t];
+  float* state = a.states != nullptr ? a.states[t] : nullptr;
+  const int64_t* start = p.start - segment;  // indexed by u
+  const Entry* entries = p.entries;
+  for (int64_t u = p.lo; u < p.hi; ++u) {
+    RowSum<kDim> sum(row_grad, dim);
+    const int64_t end = start[u + 1];
+    for (int64_t e = start[u]; e < end; ++e) {
+      // Gradient rows come in no useful order: keep a few loads in flight.
+      if (e + kPrefetchAhead < end) prefetch_row(grad + entries[e + kPrefetchAhead].grad_offset, dim);
+      sum.add(grad + entries[e].grad_offset, entries[e].scale);
+    }
+    sum.store(row_grad);
+    if (u + kPrefetchAhead < p.hi) prefetch_row(w + static_cast<int64_t>(rows[u + kPrefetchAhead]) * dim, dim);
+    const int64_t r = rows[u];
+    apply_row(kind, h, dim, w + r * dim, state, r, row_grad,
+              grad_out != nullptr ? grad_out + (u - segment) * dim : nullptr);
+  }
+}
+
 template <typename index_t>
 RECXLA_INLINE void run_part_any_dim(
     const Args& a, const Part& p, const index_t* rows, const float* grad, Optim kind,
     const Hparams& h, float sign, float* grad_out, float* acc) {
+  if (p.start != nullptr) {  // acc: [dim] scratch for the row's gradient
+    switch (a.table_dim[p.table]) {
+      case 16: run_gather_part<16>(a, p, rows, grad, kind, h, grad_out, acc); break;
+      case 32: run_gather_part<32>(a, p, rows, grad, kind, h, grad_out, acc); break;
+      case 64: run_gather_part<64>(a, p, rows, grad, kind, h, grad_out, acc); break;
+      case 128: run_gather_part<128>(a, p, rows, grad, kind, h, grad_out, acc); break;
+      default: run_gather_part<0>(a, p, rows, grad, kind, h, grad_out, acc);
+    }
+    return;
+  }
   switch (a.table_dim[p.table]) {
     case 16: run_part<16>(a, p, rows, grad, kind, h, sign, grad_out, acc); break;
     case 32: run_part<32>(a, p, rows, grad, kind, h, sign, grad_out, acc); break;
@@ -153,6 +213,49 @@ void check_inverse(const char* op, const Call& c) {
   }
 }
 
+// Accumulators up to this size stay in cache, and adding into them beats any reordering.
+constexpr int64_t kCachedAccumulatorBytes = 4 << 20;
+// With at least this many ids per unique row on average, a bag's gradient row read once for
+// several of its ids (the accumulate order) saves more than the random adds cost.
+constexpr int64_t kGatherMaxIdsPerRow = 2;
+
+// Which order table t takes (see the top of the file): gather when its accumulators would leave
+// the cache and its ids rarely repeat. RECXLA_EMB_BACKWARD=accumulate|gather overrides.
+bool use_gather(int64_t ids, int64_t unique, int64_t dim) {
+  const char* forced = std::getenv("RECXLA_EMB_BACKWARD");
+  if (forced != nullptr && std::strcmp(forced, "gather") == 0) return true;
+  if (forced != nullptr && std::strcmp(forced, "accumulate") == 0) return false;
+  return unique * dim * static_cast<int64_t>(sizeof(float)) > kCachedAccumulatorBytes &&
+         ids < kGatherMaxIdsPerRow * unique;
+}
+
+// The gather order's groups of table t: a counting sort of its ids by unique row, stable, so a
+// row's entries keep batch order. start [U_t + 1] (start[0] = 0), entries [ids of t].
+void group_by_row(const Args& a, int64_t t, const std::vector<int64_t>& features, int64_t* start,
+                  Entry* entries) {
+  const int64_t lo = a.unique_offsets[t], unique = a.unique_offsets[t + 1] - lo;
+  const int64_t B = a.batch_size;
+  const bool mean = a.pooling[t] == static_cast<int64_t>(emb::Pooling::Mean);
+  std::fill(start, start + unique + 1, 0);
+  for (const int64_t f : features) {
+    for (int64_t i = a.offsets[f * B]; i < a.offsets[(f + 1) * B]; ++i) ++start[a.inverse[i] - lo + 1];
+  }
+  for (int64_t u = 0; u < unique; ++u) start[u + 1] += start[u];
+  for (const int64_t f : features) {  // start[u] is row u's write cursor, then row u + 1's start
+    const int64_t* bags = a.offsets + f * B;
+    for (int64_t b = 0; b < B; ++b) {
+      const float scale = bag_scale(mean, a.grad_sign[t], bags[b], bags[b + 1]);
+      const int64_t grad_offset = b * a.total_dim + a.feature_column[f];
+      for (int64_t i = bags[b]; i < bags[b + 1]; ++i) {
+        entries[start[a.inverse[i] - lo]++] =
+            Entry{grad_offset, a.psw != nullptr ? a.psw[i] * scale : scale};
+      }
+    }
+  }
+  std::memmove(start + 1, start, unique * sizeof(int64_t));
+  start[0] = 0;
+}
+
 // The backward of every table: table t with optim[t] (grad_out[t] != nullptr: write the gradient
 // of its unique rows there instead), gradients times sign[t].
 void run_backward(
@@ -168,6 +271,34 @@ void run_backward(
     features[l.feature_table[f]].push_back(f);
     ids_of[l.feature_table[f]] += c.args.offsets[(f + 1) * B] - c.args.offsets[f * B];
   }
+  Args args = c.args;
+  args.grad_sign = sign.data();
+  // Gather tables' groups, one region each, in buffers the calling thread keeps.
+  thread_local std::vector<int64_t> starts;
+  thread_local std::vector<Entry> entries;
+  std::vector<int64_t> gather_tables, start_at(l.num_tables, 0), entry_at(l.num_tables, 0);
+  int64_t num_starts = 0, num_entries = 0;
+  for (int64_t t = 0; t < l.num_tables; ++t) {
+    const int64_t unique = l.unique_offsets[t + 1] - l.unique_offsets[t];
+    const bool idle = static_cast<Optim>(optim[t]) == Optim::None && grad_out[t] == nullptr;
+    if (unique == 0 || idle || !use_gather(ids_of[t], unique, l.table_dim[t])) continue;
+    gather_tables.push_back(t);
+    start_at[t] = num_starts;
+    entry_at[t] = num_entries;
+    num_starts += unique + 1;
+    num_entries += ids_of[t];
+  }
+  int64_t* start_base = reserve_for(starts, num_starts);
+  Entry* entry_base = reserve_for(entries, num_entries);
+  at::parallel_for(0, static_cast<int64_t>(gather_tables.size()), 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t t = gather_tables[k];
+      group_by_row(args, t, features[t], start_base + start_at[t], entry_base + entry_at[t]);
+    }
+  });
+  std::vector<char> gathered(l.num_tables, 0);
+  for (const int64_t t : gather_tables) gathered[t] = 1;
+
   const int64_t threads = at::get_num_threads();
   constexpr int64_t kIdsPerPart = 1 << 16;  // below this, splitting a table costs more than it saves
   std::vector<Part> parts;
@@ -177,8 +308,14 @@ void run_backward(
     if (hi == lo || idle) continue;
     const int64_t n = std::max<int64_t>(1, std::min({threads, ids_of[t] / kIdsPerPart, hi - lo}));
     for (int64_t k = 0; k < n; ++k) {
-      parts.push_back({t, lo + (hi - lo) * k / n, lo + (hi - lo) * (k + 1) / n,
-                       features[t].data(), static_cast<int64_t>(features[t].size()), ids_of[t]});
+      Part part{t, lo + (hi - lo) * k / n, lo + (hi - lo) * (k + 1) / n, features[t].data(),
+                static_cast<int64_t>(features[t].size()), ids_of[t]};
+      if (gathered[t]) {
+        part.start = start_base + start_at[t];
+        part.entries = entry_base + entry_at[t];
+        part.ids = ids_of[t] / n;  // a gather part reads only its own rows' ids
+      }
+      parts.push_back(part);
     }
   }
   // Largest first, taken from a shared counter: a static split of the list would put the parts
@@ -191,21 +328,25 @@ void run_backward(
   const int64_t n = static_cast<int64_t>(parts.size());
   at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
     // Accumulators stay with the thread between calls: fresh pages every step would cost more
-    // than the sums (first-touch faults). They grow with headroom, so that batches whose
-    // unique count varies a little from step to step do not reallocate every time.
+    // than the sums (first-touch faults).
     thread_local std::vector<float> acc;
     for (int64_t k = next++; k < n; k = next++) {
       const Part& p = parts[k];
       const int64_t t = p.table;
-      const size_t size = (p.hi - p.lo) * l.table_dim[t];
-      if (acc.capacity() < size) acc.reserve(size + size / 8);
-      acc.assign(size, 0.0f);
+      const int64_t dim = l.table_dim[t];
+      if (p.start != nullptr) {
+        reserve_for(acc, dim);  // the gather order needs one row of scratch
+      } else {
+        const int64_t size = (p.hi - p.lo) * dim;
+        float* zeroed = reserve_for(acc, size);
+        std::fill(zeroed, zeroed + size, 0.0f);
+      }
       const auto kind = static_cast<Optim>(optim[t]);
       if (c.rows.scalar_type() == at::kInt) {
-        run_part_i32(c.args, p, c.rows.const_data_ptr<int32_t>(), grad, kind, hparams[t], sign[t],
+        run_part_i32(args, p, c.rows.const_data_ptr<int32_t>(), grad, kind, hparams[t], sign[t],
                      grad_out[t], acc.data());
       } else {
-        run_part_i64(c.args, p, c.rows.const_data_ptr<int64_t>(), grad, kind, hparams[t], sign[t],
+        run_part_i64(args, p, c.rows.const_data_ptr<int64_t>(), grad, kind, hparams[t], sign[t],
                      grad_out[t], acc.data());
       }
     }

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -49,6 +50,7 @@ struct Args {
   const int64_t* table_dim;
   const int64_t* pooling;
   const int64_t* unique_offsets;  // [T + 1]
+  const float* grad_sign;         // [T] (backward)
   int64_t batch_size;
   int64_t total_dim;
   int64_t num_tables;
@@ -146,6 +148,14 @@ struct GradRow<0> {
     for (int64_t d = 0; d < dim; ++d) acc[d] += s * src[d];
   }
 };
+
+// Room for n elements in a buffer kept across calls (thread_local): it grows with headroom, so
+// steps whose sizes vary a little do not reallocate (fresh pages fault on first touch).
+template <typename T>
+T* reserve_for(std::vector<T>& buffer, int64_t n) {
+  if (buffer.size() < static_cast<size_t>(n)) buffer.resize(n + n / 8);
+  return buffer.data();
+}
 
 template <typename index_t>
 inline void check_rows(const char* op, const Layout& l, const index_t* rows, bool increasing) {

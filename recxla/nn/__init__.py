@@ -3,6 +3,9 @@
 - EmbeddingBagCollection: TorchRec's EmbeddingBagCollection (same tables, outputs and
   state_dict) with deduplicated lookups and a fused sparse optimizer (SGD, Adagrad, row-wise
   Adagrad) applied in backward.
+- workspace.Workspace: buffers that training steps hand to one another, so that a steady-state
+  step allocates no new large blocks on CPU (the module uses one; a caller of
+  recxla.ops.embedding_bag.FusedPooledLookup can pass one in its LookupPlan).
 
 The module is imported on first use, so `import recxla` does not import TorchRec.
 """
