@@ -50,7 +50,7 @@ from recxla.pipeline.micro_batches import (
 )
 from recxla.pipeline.dense_sync import MicroBatchGradientSync
 from recxla.pipeline.timeline import Timeline
-from recxla.pipeline.window import FrozenWindow
+from recxla.pipeline.window import EarlyLookup, FrozenWindow
 from recxla.torchrec.sharded_embedding_bag import ShardedEmbeddingBagCollection
 
 
@@ -62,6 +62,7 @@ class _ModuleInput:
     data: Any = None          # the second (ids) in flight
     lookup_input: Any = None  # decoded at the owner
     bag_lengths: Optional[torch.Tensor] = None
+    early: Optional[EarlyLookup] = None  # dbp_lookup="early": looked up before the update
 
 
 @dataclass
@@ -90,12 +91,18 @@ class TrainPipeline:
         overlap: overlap the all-to-alls with compute (False: wait for each one at once).
         dbp: prepare the next batch's ids during the current batch.
         split: "contiguous" or "clustered" (see micro_batches.py).
+        dbp_lookup: when DBP looks the next batch up: "after_update" (after this batch's
+            update, so it reads the updated tables) or "early" (while this batch's last
+            gradients travel, then corrected for the rows the update changed; see
+            EarlyLookup). Both give the sequential result.
         timeline: a Timeline to record spans into (None: none recorded).
     """
 
+    DBP_LOOKUPS = ("after_update", "early")
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device, num_micro_batches: int = 1, overlap: bool = True,
-                 dbp: bool = True, split: str = "contiguous",
+                 dbp: bool = True, split: str = "contiguous", dbp_lookup: str = "after_update",
                  timeline: Optional[Timeline] = None) -> None:
         if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool) \
                 or num_micro_batches < 1:
@@ -118,6 +125,12 @@ class TrainPipeline:
         self._split = split
         if split not in SPLITS:
             raise ValueError(f"{OWNER}: split must be one of {SPLITS}, got {split!r}")
+        if dbp_lookup not in self.DBP_LOOKUPS:
+            raise ValueError(f"{OWNER}: dbp_lookup must be one of {self.DBP_LOOKUPS}, got "
+                             f"{dbp_lookup!r}")
+        self._dbp_lookup = dbp_lookup
+        # Tests turn this off to plant a stale read and show that the checks catch it.
+        self._correct_early_lookups = True
         ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
         self._gradient_sync = MicroBatchGradientSync(ddp) \
             if ddp is not None and num_micro_batches > 1 else None
@@ -176,7 +189,8 @@ class TrainPipeline:
         windows = []
         with timeline.span("lookup"):
             for module, state in zip(self._modules, current.inputs):
-                windows.append(FrozenWindow(module, state.lookup_input, state.bag_lengths))
+                windows.append(FrozenWindow(module, state.lookup_input, state.bag_lengths,
+                                            state.early, self._correct_early_lookups))
         ahead = 2 if self._overlap else 1
         for k in range(min(ahead, self._num_micro)):
             for w in windows:
@@ -217,13 +231,19 @@ class TrainPipeline:
             if self._next is not None and k == 0:
                 with timeline.span("next batch"):
                     self._advance(self._next, decode=False)
+        if self._next is not None:
+            with timeline.span("next batch"):
+                self._advance(self._next, decode=True)
+            if self._dbp_lookup == "early" and self._next.error is None:
+                # While the last gradients travel: the next batch's lookup with the weights
+                # before this update; FrozenWindow corrects the rows the update changes.
+                with timeline.span("early lookup"):
+                    for w, state in zip(windows, self._next.inputs):
+                        state.early = EarlyLookup(w.module, state.lookup_input, w.input)
         with timeline.span("wait gradients", micro_batch=self._num_micro - 1):
             for w in windows:
                 for j in w.pending_gradients():
                     w.receive_gradient(j)
-        if self._next is not None:
-            with timeline.span("next batch"):
-                self._advance(self._next, decode=True)
         with timeline.span("update"):
             for w in windows:
                 w.update()

@@ -19,6 +19,7 @@ import torch
 from torchrec.distributed.embedding_types import KJTList
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
+from recxla.ops.embedding_bag import MEAN
 from recxla.torchrec.input_dist import LookupInput
 
 
@@ -30,22 +31,26 @@ class FrozenWindow:
         lookup_input: the batch's LookupInput (micro-batches in order at the owner).
         bag_lengths: float32 [B_local, ranges] lengths of this rank's row-sharded MEAN bags in
             micro-batch order (None when the module has none).
-        lookup_output: the lookup's output when it was already done (an early DBP lookup,
-            corrected), else None: the window looks up now.
+        early: the lookup when it already ran before the previous batch's update (DBP);
+            None: the window looks up now.
+        correct: apply the early lookup's correction (False plants a stale read, for tests).
     """
 
     def __init__(self, module, lookup_input: LookupInput, bag_lengths: Optional[torch.Tensor],
-                 lookup_output: Optional[torch.Tensor] = None):
+                 early: Optional["EarlyLookup"] = None, correct: bool = True):
         self.module = module
         self.input = lookup_input
         self.bag_lengths = bag_lengths
         self.my_rows = list(lookup_input.micro_batch_sizes[module.layout.rank])
         self.num_micro = len(self.my_rows)
         # L: one lookup for every micro-batch, its autograd node kept for the update.
-        ctx = module.create_context()
-        self.output = lookup_output if lookup_output is not None else \
-            module.compute(ctx, KJTList([lookup_input]))
-        self.pooled = self.output.detach()
+        if early is None:
+            self.output = module.compute(module.create_context(), KJTList([lookup_input]))
+            self.pooled = self.output.detach()
+        else:
+            self.output = early.output
+            self.pooled = self.output.detach() + early.correction() if correct else \
+                self.output.detach()
         self.out_dim = self.pooled.shape[1]
         self.gradient = self.pooled.new_empty(self.pooled.shape) \
             if self.output.requires_grad else None
@@ -109,3 +114,63 @@ class FrozenWindow:
         if self.gradient is not None and self.output.requires_grad:
             torch.autograd.backward(self.output, self.gradient)
         self.output = None
+
+
+class EarlyLookup:
+    """A DBP lookup of the next batch before the current batch's update, made exact after it.
+
+    The next batch reads, per local table, some rows that the current update changes: those in
+    both batches' unique ids (known before the update runs). The lookup runs early with the old
+    weights; those rows are kept as they were; after the update, `correction()` adds to each bag
+    the change of its rows (w_new - w_old, times the per-sample weight, over the bag's length
+    for MEAN), since pooling is a sum. The result is the lookup after the update, up to float
+    rounding.
+
+    Args:
+        module: the recxla ShardedEmbeddingBagCollection.
+        next_input: the next batch's LookupInput; current_input: the current batch's.
+    """
+
+    def __init__(self, module, next_input: LookupInput, current_input: LookupInput):
+        self.module = module
+        self.input = next_input
+        self.output = module.compute(module.create_context(), KJTList([next_input]))
+        self.rows: List[torch.Tensor] = []
+        self.before: List[torch.Tensor] = []
+        nxt, cur = next_input.unique_offsets.tolist(), current_input.unique_offsets.tolist()
+        for t, weight in enumerate(module._local_weights):
+            reads = next_input.unique_values[nxt[t]: nxt[t + 1]]
+            changes = current_input.unique_values[cur[t]: cur[t + 1]]
+            rows = reads[torch.isin(reads, changes)]
+            self.rows.append(rows)
+            self.before.append(weight.detach()[rows].clone())
+
+    def correction(self) -> torch.Tensor:
+        """After the update: float32 [B, D_owner] to add to the early lookup's output."""
+        module, li = self.module, self.input
+        batch = li.batch_size
+        out = self.output.new_zeros((batch, self.output.shape[1]))
+        deltas = [w.detach()[rows] - before
+                  for w, rows, before in zip(module._local_weights, self.rows, self.before)]
+        lengths = li.offsets.diff()
+        column = 0
+        pooling = module._owner_pooling
+        for j, t in enumerate(module._slot_table):
+            cols = module._local_weights[t].shape[1]
+            first, last = int(li.offsets[j * batch]), int(li.offsets[(j + 1) * batch])
+            if self.rows[t].numel() and last > first:
+                ids = li.unique_values[li.inverse[first:last]]
+                where = torch.searchsorted(self.rows[t], ids).clamp(max=self.rows[t].numel() - 1)
+                changed = self.rows[t][where] == ids
+                sample = torch.repeat_interleave(
+                    torch.arange(batch, device=ids.device), lengths[j * batch:(j + 1) * batch],
+                    output_size=last - first)
+                rows = deltas[t][where[changed]]
+                if li.per_sample_weights is not None:
+                    rows = rows * li.per_sample_weights[first:last][changed].unsqueeze(1)
+                block = out[:, column: column + cols]
+                block.index_add_(0, sample[changed], rows)
+                if pooling[t] == MEAN:
+                    block.div_(lengths[j * batch:(j + 1) * batch].clamp(min=1).unsqueeze(1))
+            column += cols
+        return out

@@ -1,0 +1,143 @@
+"""recxla.pipeline.TrainPipeline equals the sequential training loop.
+
+TorchRec's DLRM sharded with recxla's sharder (row-wise Adagrad as the fused optimizer, so the
+optimizer state is checked too) trains the same batches twice on 2 gloo ranks: once with the
+plain loop (forward, backward, optimizer step per batch), once with the pipeline in a given
+configuration. Embeddings, dense weights and the fused optimizer's state must agree.
+"""
+
+import pytest
+import torch
+from distributed_utils import run_distributed
+
+import sharded_cases as cases
+import test_sharded_dlrm as dlrm
+
+pytestmark = pytest.mark.distributed
+
+
+def _state(dmp):
+    """{name: list of local tensors}: model state and fused optimizer state."""
+    out = {}
+    for key, value in dmp.state_dict().items():
+        out[key] = [s.tensor for s in value.local_shards()] if hasattr(value, "local_shards") \
+            else [value]
+    for key, entry in dmp.fused_optimizer.state_dict()["state"].items():
+        for name, value in entry.items():
+            if hasattr(value, "local_shards"):
+                out[f"{key}/{name}"] = [s.tensor for s in value.local_shards()]
+    return out
+
+
+def _pipeline_body(rank, world, seed, configurations, steps, batch, kind, fwd, bwd):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    import recxla.torchrec
+    from recxla.pipeline import Timeline, TrainPipeline
+
+    def build():
+        model, configs = dlrm._dlrm(seed)
+        sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                          "learning_rate": 0.1}, fwd_comm=fwd, bwd_comm=bwd)
+        model = dlrm._dmp(model, sharder, kind, world)
+        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                      lambda params: torch.optim.SGD(params, lr=0.1))
+        return model, dense, configs
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    model, dense, configs = build()
+    batches = [dlrm._batch(configs, world * batch, generator) for _ in range(steps)]
+    mine = [dlrm._slice(b, rank * batch, (rank + 1) * batch) for b in batches]
+    for b in mine:
+        dense.zero_grad()
+        loss, _ = model(b)
+        loss.backward()
+        dense.step()
+    want = _state(model)
+    results = {}
+    for name, options in configurations.items():
+        options = dict(options)
+        correct = options.pop("correct", True)
+        model, dense, _ = build()
+        timeline = Timeline()
+        pipeline = TrainPipeline(model, dense, torch.device("cpu"), timeline=timeline, **options)
+        pipeline._correct_early_lookups = correct
+        data, trained, outputs = iter(mine), 0, []
+        while True:
+            try:
+                outputs.append(pipeline.progress(data))
+            except StopIteration:
+                break
+            trained += 1
+        got = _state(model)
+        error = max(cases.relative(g, w) for key in want for g, w in zip(got[key], want[key]))
+        # The output of the last batch: (loss, logits, labels) in the loader's sample order.
+        labels_in_order = bool(torch.equal(outputs[-1][2], mine[-1].labels))
+        spans = {s.name for s in timeline.spans}
+        results[name] = (trained, error, labels_in_order, spans)
+    return results
+
+
+CONFIGURATIONS = {
+    "sequential": dict(num_micro_batches=1, overlap=False, dbp=False),
+    "dbp": dict(num_micro_batches=1, overlap=True, dbp=True),
+    "fwp m=2": dict(num_micro_batches=2, overlap=True, dbp=False),
+    "fwp+dbp m=4": dict(num_micro_batches=4, overlap=True, dbp=True),
+    "fwp+dbp m=2 clustered, early lookup": dict(num_micro_batches=2, split="clustered",
+                                                dbp_lookup="early"),
+}
+
+
+def test_pipeline_equals_sequential_loop(seed):
+    """20 steps of 7 samples per rank (not a multiple of 2 or 4), row-wise sharding."""
+    results = run_distributed(_pipeline_body, world_size=2,
+                              args=(seed, CONFIGURATIONS, 20, 7, "row_wise", "fp32", "fp32"),
+                              timeout=300)
+    for rank, per_config in enumerate(results):
+        for name, (trained, error, labels_in_order, spans) in per_config.items():
+            assert trained == 20, (rank, name, trained)
+            assert error <= 1e-5, (rank, name, error)
+            assert labels_in_order, (rank, name)
+            assert {"lookup", "dense", "update"} <= spans, (rank, name, spans)
+
+
+def test_planted_stale_read_is_caught(seed):
+    """The early DBP lookup without its correction reads rows the previous update changed:
+    the comparison with the sequential loop fails by far more than rounding."""
+    stale = {"stale": dict(num_micro_batches=2, dbp_lookup="early", correct=False),
+             "corrected": dict(num_micro_batches=2, dbp_lookup="early")}
+    results = run_distributed(_pipeline_body, world_size=2,
+                              args=(seed, stale, 4, 6, "table_wise", "fp32", "fp32"),
+                              timeout=300)
+    for rank, per_config in enumerate(results):
+        assert per_config["corrected"][1] <= 1e-5, (rank, per_config["corrected"])
+        assert per_config["stale"][1] > 1e-3, (rank, per_config["stale"])
+
+
+def test_pipeline_with_fp8_comms_matches_sequential(seed):
+    """Rows are quantized one by one (a scale each), so micro-batching changes nothing on the
+    wire: the FP8 pipeline stays at the FP8 sequential loop's weights. Only the dense gradients'
+    float order differs; when that moves a value across an FP8 rounding boundary, one code
+    changes by 1/16, hence the looser bound than fp32's (a wrong row or micro-batch costs O(1))."""
+    configs = {"fwp+dbp m=3": dict(num_micro_batches=3)}
+    results = run_distributed(_pipeline_body, world_size=2,
+                              args=(seed, configs, 6, 6, "column_wise", "e4m3", "bf16"),
+                              timeout=300)
+    for rank, per_config in enumerate(results):
+        trained, error, _, _ = per_config["fwp+dbp m=3"]
+        assert trained == 6 and error <= 1e-2, (rank, trained, error)
+
+
+def test_pipeline_rejects_bad_options():
+    from recxla.pipeline import TrainPipeline
+
+    class NoShardedModules(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="no module sharded by"):
+        TrainPipeline(NoShardedModules(), None, torch.device("cpu"))
+    with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1"):
+        TrainPipeline(NoShardedModules(), None, torch.device("cpu"), num_micro_batches=0)
