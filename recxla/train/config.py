@@ -38,11 +38,11 @@ class TrainConfig:
     dcn_low_rank: int = 64
     batch_size: int = 1024
     steps: int = 100
-    epochs: int = 1
-    train_batches: int = 100
+    epochs: Optional[int] = None
+    train_batches: int = 10_000
     eval_batches: int = 8
     warmup_steps: int = 5
-    dense_lr: float = 0.01
+    dense_lr: float = 0.003
     sparse_lr: float = 0.05
     dense_optimizer: str = "adagrad"
     sparse_optimizer: str = "rowwise_adagrad"
@@ -150,10 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=_int_at_least(1), default=d.batch_size,
                    help="samples per rank per step")
     t.add_argument("--steps", type=_int_at_least(1), default=None,
-                   help="total steps (default: epochs x train batches)")
-    t.add_argument("--epochs", type=_int_at_least(1), default=d.epochs)
+                   help=f"total steps (default {d.steps}, or --epochs x --train-batches)")
+    t.add_argument("--epochs", type=_int_at_least(1), default=None,
+                   help="passes over the training split, instead of --steps")
     t.add_argument("--train-batches", type=_int_at_least(1), default=d.train_batches,
-                   help="batches per rank in one epoch of the synthetic training split")
+                   help="batches per rank in the synthetic training split (an epoch); later "
+                   "epochs see the same batches again")
     t.add_argument("--eval-batches", type=_int_at_least(1), default=d.eval_batches,
                    help="held-out batches per rank for the final AUC")
     t.add_argument("--warmup-steps", type=_int_at_least(0), default=d.warmup_steps,
@@ -248,10 +250,10 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
         err("--sharding row_wise with --baseline torchrec: TorchRec's sharders offer no row-wise "
             "sharding on CPU (gloo lacks the reduce-scatter it needs); use one of "
             f"{', '.join(TORCHREC_CPU_SHARDINGS)} or auto, or the recxla path")
-    steps = ns.steps if ns.steps is not None else ns.epochs * ns.train_batches
-    if ns.steps is not None and ns.steps > ns.epochs * ns.train_batches and ns.epochs > 1:
-        err(f"--steps {ns.steps} is more than --epochs {ns.epochs} x --train-batches "
-            f"{ns.train_batches}; give one or the other")
+    if ns.steps is not None and ns.epochs is not None:
+        err("--steps and --epochs: give one or the other")
+    steps = ns.epochs * ns.train_batches if ns.epochs is not None else (
+        ns.steps if ns.steps is not None else TrainConfig.steps)
     if ns.warmup_steps >= steps:
         err(f"--warmup-steps {ns.warmup_steps} must be less than the {steps} steps, or no step "
             "is left to measure")

@@ -77,7 +77,11 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
     TorchRec's sharder, every table restricted to `config.sharding` (auto: the types both
     sharders offer on this device)."""
     if config.sharding == "auto":
-        types = list(TORCHREC_CPU_SHARDINGS) if device.type == "cpu" else None
+        # Never data-parallel tables (recxla's sharder shards every table); on GPU TorchRec
+        # also row-shards.
+        types = list(TORCHREC_CPU_SHARDINGS)
+        if device.type != "cpu":
+            types += ["row_wise", "table_row_wise"]
     else:
         types = [config.sharding]
     constraints = {t.name: ParameterConstraints(sharding_types=types) for t in tables}
