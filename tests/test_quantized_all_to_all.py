@@ -6,6 +6,7 @@ of its subnormals (smallest_normal * eps / 2), and scale = amax / FP8_MAX for th
 (1 for the plain casts); then the result is rounded once more to x's dtype.
 """
 
+import os
 import resource
 import time
 
@@ -20,6 +21,7 @@ from recxla.formats import FORMATS
 from distributed_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FMTS = sorted(FORMATS)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -318,6 +320,34 @@ def test_steady_loop_allocates_no_new_large_blocks(seed):
         first, steady = faults[0], faults[3:]
         assert first > 1000, faults  # the first step maps its buffers (a sanity check)
         assert sum(steady) <= 64, f"minor page faults per step: {faults}"
+
+
+def test_bytes_measured_on_the_emulated_link_match_row_bytes():
+    """Two emulated nodes (network namespaces joined by veths): the bytes that cross the links,
+    read from the veth counters, are the bytes computed from recxla.row_bytes plus TCP/IP
+    headers, ACKs and validate_splits' small all_gather (1.5 KB a step here), for every wire
+    format."""
+    import sys
+
+    sys.path.insert(0, ROOT)  # bench/ is a folder of the repository, not of the package
+    from bench.cluster import EmulatedCluster, probe
+
+    reason = probe(shaped=False)
+    if reason is not None:
+        pytest.skip(f"network namespaces unavailable here: {reason}")
+    with EmulatedCluster(nodes=2, ranks_per_node=1, rate=None, mode="netns") as cluster:
+        records = cluster.run("bench.cluster.run_a2a:rank_main", dict(
+            rows_per_rank=4096, dim=64, passes=["fwd"], iters=2, warmup=1, seed=0),
+            timeout=180)[0]
+    fp32 = next(r for r in records if r["variant"] == "torch fp32")
+    for r in records:
+        for measured, computed in zip(r["link_measured_tx_per_node"],
+                                      r["link_computed_tx_per_node"]):
+            assert computed <= measured <= 1.01 * computed + 2048, (
+                r["variant"], measured, computed)
+        ratio = sum(r["link_measured_tx_per_node"]) / sum(fp32["link_measured_tx_per_node"])
+        want = recxla.row_bytes(64, r["fwd"]) / recxla.row_bytes(64, "fp32")
+        assert abs(ratio - want) <= 0.01 * want, (r["variant"], ratio, want)
 
 
 def test_argument_errors_need_no_process_group():

@@ -46,8 +46,15 @@ Limits, to keep in mind when reading figures measured with it:
 
 `probe()` says whether this machine can build it; `Topology.create()` builds it (raising
 `NetnsUnavailable` with the reason when it cannot) and `Topology.destroy()` removes it.
+
+Bytes on the links: every node's traffic to other nodes crosses its `rx0`, so its counters
+(tx: node -> switch, rx: switch -> node) are the bytes that met the shaped link, measured rather
+than computed: payload plus TCP/IP headers (one set per GSO packet on veth) plus ACKs. A rank
+reads its own node's with `interface_bytes()` (`ip netns exec` shows it its namespace's sysfs);
+the launcher reads every node's with `Topology.link_counters()`.
 """
 
+import json
 import os
 import re
 import shutil
@@ -55,7 +62,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 # Addresses: node i is 198.18.0.(i + 1) on a /24 inside 198.18.0.0/15.
 SUBNET_PREFIX = "198.18.0."
@@ -108,6 +115,21 @@ def list_namespaces() -> List[str]:
         return []
     # Lines look like "name" or "name (id: 3)".
     return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+COUNTERS = ("rx_bytes", "tx_bytes", "rx_packets", "tx_packets")
+
+
+def interface_bytes(iface: str = IFACE) -> Dict[str, int]:
+    """The counters of `iface` in the calling process's network namespace: {"rx_bytes",
+    "tx_bytes", "rx_packets", "tx_packets"} since the interface was created. Inside a node of a
+    Topology, `iface` = "rx0" is the node's link; on the host, "lo" is the loopback (where every
+    packet is counted once sent and once received)."""
+    out = {}
+    for name in COUNTERS:
+        with open(f"/sys/class/net/{iface}/statistics/{name}") as f:
+            out[name] = int(f.read())
+    return out
 
 
 def _pid_alive(pid: int) -> bool:
@@ -223,6 +245,20 @@ class Topology:
             self.destroy()
             raise
         return self
+
+    def link_counters(self) -> List[Dict[str, int]]:
+        """Per node, the counters of its link (`rx0` in its namespace, read from the host with
+        `ip -n`): {"rx_bytes", "tx_bytes", "rx_packets", "tx_packets"}, tx = node -> switch."""
+        out = []
+        for i in range(self.nodes):
+            proc = _run(["ip", "-n", self.node_ns(i), "-s", "-j", "link", "show", "dev", IFACE])
+            if proc.returncode != 0:
+                raise NetnsUnavailable(
+                    f"reading node {i}'s link counters failed: {(proc.stderr or proc.stdout).strip()}")
+            stats = json.loads(proc.stdout)[0]["stats64"]
+            out.append({"rx_bytes": stats["rx"]["bytes"], "tx_bytes": stats["tx"]["bytes"],
+                        "rx_packets": stats["rx"]["packets"], "tx_packets": stats["tx"]["packets"]})
+        return out
 
     def exec_prefix(self, node: int) -> List[str]:
         """The argv prefix that runs a command inside node `node`'s namespace."""
