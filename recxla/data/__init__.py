@@ -1,13 +1,32 @@
-"""Synthetic ranking-log data for recxla's benchmarks, tests and demo trainer.
+"""Data for recxla's trainer, tests and benchmarks: synthetic ranking logs and the pipeline that
+stores and serves them.
 
+Synthetic data:
 - `SyntheticRankingDataset`: seeded batches (`Batch`: a TorchRec KeyedJaggedTensor, dense
   float32 [B, 13], labels float32 [B]) built from requests (one user, several candidate items),
   Zipf-distributed users and items, and labels from a hidden logistic model.
 - `criteo_kaggle_profile`: the default layout, 26 sparse features with the Criteo Kaggle table
   sizes, split into user-side and item-side features (see `recxla.data.profiles`).
 - `embedding_bag_configs`: the matching TorchRec EmbeddingBagConfig tables.
+
+Pipeline (files, loaders, wire format):
+- `write_parquet(batches, path, sort_by=None, compression="zstd")`: Parquet with CSR (list)
+  sparse columns, zstd, rows optionally sorted by an id within row groups ("auto" measures).
+- `ParquetDataset(path, batch_size, rank=0, world_size=1, seed=0)`: Batches straight from Arrow
+  buffers, sharded by rank, seeded order, resumable, read ahead in a background thread.
+- `make_loader(path, batch_size, rank, world_size, seed, loader="local"|"ray", num_workers,
+  position)`: the trainer's entry point; `iter(loader).state_dict()` is the resume position.
+- `CompactBatch.encode(batch, compress=True) -> bytes` / `CompactBatch.decode(data) -> Batch`:
+  one contiguous buffer per batch, for moving batches between processes or machines.
+- `DataFormatError` (a ValueError): a truncated, corrupt or mismatched file or buffer.
+The command line: `python -m recxla.data write --out PATH --batches N [--sort-by KEY]`.
 """
 
+from recxla.data.compact_batch import CompactBatch
+from recxla.data.errors import DataFormatError
+from recxla.data.loaders import LocalLoader, make_loader
+from recxla.data.parquet_dataset import ParquetDataset
+from recxla.data.parquet_writer import write_parquet
 from recxla.data.profiles import (
     CRITEO_KAGGLE_NUM_EMBEDDINGS,
     Profile,
@@ -20,9 +39,15 @@ from recxla.data.synthetic import Batch, SyntheticRankingDataset
 __all__ = [
     "Batch",
     "CRITEO_KAGGLE_NUM_EMBEDDINGS",
+    "CompactBatch",
+    "DataFormatError",
+    "LocalLoader",
+    "ParquetDataset",
     "Profile",
     "SparseFeature",
     "SyntheticRankingDataset",
     "criteo_kaggle_profile",
     "embedding_bag_configs",
+    "make_loader",
+    "write_parquet",
 ]

@@ -1,0 +1,169 @@
+"""`make_loader`, the trainer's one entry point to a Parquet dataset, and the local
+multi-process loader behind it (the Ray loader is in `recxla.data.ray_loader`).
+
+Every loader yields what `ParquetDataset` with the same arguments yields, batch for batch: the
+dataset cuts each epoch into runs of batches that begin in the same row group
+(`ParquetDataset.chunks`), workers read runs and send each batch back as one `CompactBatch`
+buffer, and the consumer decodes the runs in their order. Positions are the dataset's, so a
+position saved from any loader resumes in any other.
+"""
+
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from recxla.data.batch_iterator import BatchIterator
+from recxla.data.compact_batch import CompactBatch
+from recxla.data.parquet_dataset import ParquetDataset
+
+LOADERS = ("local", "ray")
+
+
+def _check_workers(num_workers, op: str, lo: int) -> int:
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < lo:
+        raise ValueError(f"{op}: num_workers must be an int >= {lo}, got {num_workers!r}")
+    return num_workers
+
+
+def encode_chunk(dataset: ParquetDataset, epoch: int, first: int, stop: int,
+                 compress: bool) -> list:
+    """The batches first <= k < stop of `epoch`, each encoded as CompactBatch bytes."""
+    return [CompactBatch.encode(batch, compress=compress)
+            for _, batch in dataset.read_chunk(epoch, first, stop, use_threads=False)]
+
+
+class _ChunkReader(torch.utils.data.Dataset):
+    """Map-style dataset whose items are runs: (epoch, first, stop) -> (epoch, first, [bytes])."""
+
+    def __init__(self, dataset: ParquetDataset, compress: bool):
+        self.dataset, self.compress = dataset, compress
+
+    def __getitem__(self, run):
+        epoch, first, stop = run
+        return epoch, first, encode_chunk(self.dataset, epoch, first, stop, self.compress)
+
+
+class _Runs:
+    """The sampler: every run of the dataset from its start position, in order."""
+
+    def __init__(self, dataset: ParquetDataset):
+        self.dataset = dataset
+
+    def __iter__(self):
+        return self.dataset.chunks()
+
+
+def _as_is(item):
+    return item
+
+
+class LocalLoader:
+    """Batches of `dataset` read by `num_workers` worker processes on this machine.
+
+    Built on torch's DataLoader: runs go to the workers round-robin and come back in order;
+    an exception in a worker is raised here, naming the worker; a worker that dies is reported
+    instead of waited for. Batches travel as CompactBatch buffers (zstd when `compress`: worth
+    it only where the link is slower than zstd, not between local processes).
+
+    Args:
+        dataset: what to read (its position, epochs and sharding apply).
+        num_workers: worker processes (>= 1).
+        compress: zstd the buffers between processes.
+        prefetch_runs: runs each worker reads ahead.
+    """
+
+    def __init__(self, dataset: ParquetDataset, num_workers: int = 1, compress: bool = False,
+                 prefetch_runs: int = 2):
+        self.dataset = dataset
+        self.num_workers = _check_workers(num_workers, "recxla.data.LocalLoader", 1)
+        self.compress = bool(compress)
+        self.prefetch_runs = _check_workers(prefetch_runs, "recxla.data.LocalLoader", 1)
+
+    @property
+    def metadata(self) -> Dict:
+        return self.dataset.metadata
+
+    def check_tables(self, tables: Sequence, num_dense: Optional[int] = None) -> None:
+        self.dataset.check_tables(tables, num_dense)
+
+    def num_batches(self, epoch: int = 0) -> int:
+        return self.dataset.num_batches(epoch)
+
+    def _batches(self):
+        loader = torch.utils.data.DataLoader(
+            _ChunkReader(self.dataset, self.compress), batch_size=None, sampler=_Runs(self.dataset),
+            num_workers=self.num_workers, prefetch_factor=self.prefetch_runs, collate_fn=_as_is,
+        )  # fmt: skip
+        runs = iter(loader)
+        try:
+            for epoch, first, blobs in runs:
+                for i, blob in enumerate(blobs):
+                    yield epoch, first + i, CompactBatch.decode(blob)
+        finally:
+            # Stops the workers now rather than when the garbage collector gets to it.
+            shutdown = getattr(runs, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+
+    def __iter__(self) -> BatchIterator:
+        return BatchIterator(self._batches(), self.dataset.start, self.dataset.identity)
+
+
+def make_loader(
+    path: str,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    loader: str = "local",
+    num_workers: int = 1,
+    position: Optional[Dict] = None,
+    *,
+    num_epochs: Optional[int] = None,
+    shuffle: bool = True,
+    compress: Optional[bool] = None,
+    run_dir: Optional[str] = None,
+    ray_address: Optional[str] = None,
+):
+    """The batches of the Parquet dataset at `path` for one rank: what a trainer iterates.
+
+    Args:
+        path: a .parquet file or folder written by `recxla.data.write_parquet`.
+        batch_size: samples per batch on this rank.
+        rank, world_size: this rank's share of the row groups (every rank yields as many
+            batches per epoch).
+        seed: the order of row groups, a new permutation every epoch.
+        loader: "local" (worker processes on this machine) or "ray" (Ray Data tasks; needs
+            `pip install recxla[ray]`).
+        num_workers: worker processes or Ray tasks; 0 with "local" reads in this process, in a
+            background thread.
+        position: a dict from the iterator's `state_dict()` to resume right after its last
+            batch (same seed, batch size, world size and files; the same on every rank).
+        num_epochs: epochs to iterate (None: endless; the position carries the epoch).
+        shuffle: False reads row groups in file order.
+        compress: zstd between processes (default: off for "local", on for "ray").
+        run_dir: "ray" only: the folder for Ray's temporary files (default: a new temporary
+            folder, removed when the loader is closed).
+        ray_address: "ray" only: an existing cluster to join (None: start a local Ray bound to
+            127.0.0.1, shut down by `close()`).
+    Returns:
+        An iterable of `recxla.data.Batch`; `iter()` gives an iterator with `state_dict()`
+        (the JSON-able position) and `close()`. The loader also has `metadata` (features,
+        dense width, rows, ...), `check_tables(tables, num_dense)` and `num_batches(epoch)`.
+    """
+    op = "recxla.data.make_loader"
+    if loader not in LOADERS:
+        raise ValueError(f"{op}: loader must be one of {LOADERS}, got {loader!r}")
+    _check_workers(num_workers, op, 0 if loader == "local" else 1)
+    dataset = ParquetDataset(path, batch_size, rank, world_size, seed, shuffle=shuffle,
+                             num_epochs=num_epochs, position=position)
+    if loader == "ray":
+        from recxla.data.ray_loader import RayLoader
+
+        return RayLoader(dataset, num_workers, compress=True if compress is None else compress,
+                         run_dir=run_dir, address=ray_address)
+    if run_dir is not None or ray_address is not None:
+        raise ValueError(f"{op}: run_dir and ray_address apply to loader='ray' only")
+    if num_workers == 0:
+        return dataset
+    return LocalLoader(dataset, num_workers, compress=bool(compress))
