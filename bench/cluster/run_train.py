@@ -109,7 +109,8 @@ def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rates", default=",".join(RATES), help="tbf rates, comma-separated")
+    p.add_argument("--rates", default=",".join(RATES),
+                   help="tbf rates, comma-separated ('none': unshaped links)")
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated, from: " + ", ".join(VARIANTS))
     p.add_argument("--steps", type=int, default=30)
@@ -132,7 +133,8 @@ def main(argv=None) -> int:
     load_before, t0 = os.getloadavg()[0], time.time()
     results = []
     for rate in [r for r in args.rates.split(",") if r]:
-        with EmulatedCluster(args.nodes, args.ranks_per_node, rate=rate, mode=args.mode) as c:
+        shaped = None if rate == "none" else rate
+        with EmulatedCluster(args.nodes, args.ranks_per_node, rate=shaped, mode=args.mode) as c:
             rows: Dict[str, List[dict]] = {v: [] for v in labels}
             for _ in range(args.repeats):
                 for label in labels:

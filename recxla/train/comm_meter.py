@@ -252,11 +252,6 @@ class CommMeter:
         out.comm_s = _union_length(intervals)
         return out
 
-    def clear(self) -> None:
-        """Forget every record (between runs of one process)."""
-        self.records.clear()
-        self.blocked.clear()
-
     # -- the wrappers -------------------------------------------------------------------------
     def _wrap(self, name: str, original: Callable) -> Callable:
         meter = self
