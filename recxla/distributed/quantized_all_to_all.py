@@ -101,8 +101,9 @@ class QuantizedAllToAllHandle:
     """The result of `quantized_all_to_all(..., async_op=True)`.
 
     The exchange is in flight until `wait()`; the send and receive buffers live on this handle
-    until then (as DeepEP's EventOverlap keeps its tensors), so no stream bookkeeping is needed.
-    Do not modify x in place before `wait()`: the fp32 format sends x's own memory.
+    until then (as DeepEP's EventOverlap keeps its tensors), so no stream bookkeeping is needed
+    and no other call can be handed them. Do not modify x in place before `wait()`: a cast
+    format whose wire dtype is x's own (fp32 for float32 rows) sends x's own memory.
     """
 
     def __init__(self, token: torch.Tensor, ex: _Exchange):
@@ -176,10 +177,11 @@ def quantized_all_to_all(
     Args:
         x: [N, D] float32, bfloat16 or float16, on CPU (gloo) or CUDA (NCCL); may be strided.
             N may be 0, and any split may be 0.
-        output_split_sizes: rows to receive from each rank (list of W ints, W = group size), or
-            None: derived from the peers' input_split_sizes by the split exchange (below).
-        input_split_sizes: rows to send to each rank (list of W ints summing to N), or None for
-            N / W rows each (N must then be a multiple of W).
+        output_split_sizes: rows to receive from each rank (W integers, W = group size: a list
+            or tuple of Python or numpy integers, a 1-D integer tensor or numpy array), or None:
+            derived from the peers' input_split_sizes by the split exchange (below).
+        input_split_sizes: rows to send to each rank (W integers summing to N, as above), or
+            None for N / W rows each (N must then be a multiple of W).
         group: the process group; None is the default group.
         fwd: wire format of the forward rows: "e4m3", "e5m2" (FP8, one fp32 scale per row,
             D + 4 bytes a row), "bf16", "fp16" (2 D bytes) or "fp32" (4 D bytes, exact).
