@@ -151,6 +151,11 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         for step in self._steps:
             step += 1
 
+    @property
+    def step_count(self) -> int:
+        """Steps counted so far (every table's counter advances together)."""
+        return int(self._steps[0]) if self._steps else 0
+
     def step_arguments(self) -> Tuple[List[int], List[Optional[torch.Tensor]], List[float]]:
         """The lookup's optimizer callback: per local table, (kind, state tensor,
         [lr, eps, weight_decay, grad_sign]) for this step, with torch's lr_decay applied

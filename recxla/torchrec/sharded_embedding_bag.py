@@ -54,6 +54,7 @@ from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer, table_update
 from recxla.torchrec.input_dist import IdRouter, LookupInput
 from recxla.torchrec.output_dist import OutputDist
+from recxla.torchrec.replicas import ReplicaSync, ReplicatedLookup
 from recxla.torchrec.shard_layout import OWNER, Shard, ShardLayout, TableInfo
 
 SUPPORTED_SHARDING_TYPES = [
@@ -97,6 +98,8 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         dedup_ids: let the input dist send unique ids (it picks, per destination, whichever
             is smaller; False: always raw ids).
         module_fqn: the module's path in the model.
+        replicas: in 2D training (env is one node's shard group), how the copies of this
+            rank's shards on the other nodes stay in step (recxla.torchrec.replicas); None: 1D.
     forward(features: KeyedJaggedTensor) -> LazyAwaitable[KeyedTensor], values float32
     [B, sum of dims] as the unsharded module's. `comm_stats` counts the bytes.
     """
@@ -112,6 +115,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         bwd_comm: str = "bf16",
         dedup_ids: bool = True,
         module_fqn: Optional[str] = None,
+        replicas: Optional[ReplicaSync] = None,
     ) -> None:
         # TorchRec's constructor builds FBGEMM lookups and its own dists; recxla builds its own.
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=None)
@@ -123,6 +127,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         if self._device.type == "meta":
             raise ValueError(f"{OWNER}: shards must live on a real device, got meta")
         self._fwd_comm, self._bwd_comm = fwd_comm, bwd_comm
+        self._replicas = replicas
         configs = module.embedding_bag_configs()
         self._embedding_bag_configs = configs
         self._table_names = [c.name for c in configs]
@@ -231,11 +236,14 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         column_blocks = sorted({s.col_offset for s in all_shards})
         metadata = []
         for s in all_shards:
-            md = plan_shards[s.index]
+            # ShardedTensor places shards by global rank; the plan numbers the group's ranks.
+            placement = f"rank:{self._global_rank(s.rank)}/{plan_shards[s.index].placement.device()}"
             if column_state:
-                md = ShardMetadata(shard_offsets=[s.row_offset, column_blocks.index(s.col_offset)],
-                                   shard_sizes=[s.rows, 1], placement=md.placement)
-            metadata.append(md)
+                offsets, sizes = [s.row_offset, column_blocks.index(s.col_offset)], [s.rows, 1]
+            else:
+                offsets, sizes = [s.row_offset, s.col_offset], [s.rows, s.cols]
+            metadata.append(ShardMetadata(shard_offsets=offsets, shard_sizes=sizes,
+                                          placement=placement))
         size = [table.num_embeddings, len(column_blocks) if column_state else table.embedding_dim]
         global_metadata = ShardedTensorMetadata(
             shards_metadata=metadata, size=torch.Size(size),
@@ -251,6 +259,12 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             local_shards=local_shards, sharded_tensor_metadata=global_metadata,
             process_group=self._env.process_group)
+
+    def _global_rank(self, group_rank: int) -> int:
+        group = self._env.process_group
+        if group is None or group is dist.group.WORLD or not dist.is_initialized():
+            return group_rank
+        return dist.get_global_rank(group, group_rank)
 
     # ------------------------------------------------------------------ TorchRec interface
 
@@ -306,6 +320,11 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             # gradient all-to-all of backward.
             return torch.zeros((lookup_input.batch_size, 0), device=self._device,
                                requires_grad=torch.is_grad_enabled())
+        if self._replicas is not None:
+            return ReplicatedLookup.apply(
+                self, lookup_input.unique_values, lookup_input.unique_offsets,
+                lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
+                *self._local_weights)
         plan = LookupPlan(
             feature_table=self._slot_table,
             pooling=self._owner_pooling,

@@ -25,6 +25,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recxla.formats import get_format
+from recxla.torchrec.replicas import ReplicaSync
 from recxla.torchrec.sharded_embedding_bag import (
     SUPPORTED_SHARDING_TYPES,
     ShardedEmbeddingBagCollection,
@@ -48,11 +49,14 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
         dedup_ids: the input dist may send unique ids plus an inverse index (default True).
         module_type: the module class to shard: torchrec's EmbeddingBagCollection (default)
             or a subclass such as recxla.nn.EmbeddingBagCollection.
+        replicas: 2D training: a recxla.torchrec.replicas.ReplicaSync for the replica group
+            (plan and shard over one node's shard group; see make_topology_2d). None: 1D.
     """
 
     def __init__(self, fused_params: Optional[Dict[str, Any]] = None, fwd_comm: str = "e4m3",
                  bwd_comm: str = "bf16", dedup_ids: bool = True,
-                 module_type: Optional[Type[EmbeddingBagCollection]] = None) -> None:
+                 module_type: Optional[Type[EmbeddingBagCollection]] = None,
+                 replicas: Optional[ReplicaSync] = None) -> None:
         super().__init__(fused_params=fused_params)
         get_format(fwd_comm, NAME, "fwd_comm")
         get_format(bwd_comm, NAME, "bwd_comm")
@@ -64,6 +68,10 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
                             f"subclass, got {module_type!r}")
         self._fwd_comm, self._bwd_comm, self._dedup_ids = fwd_comm, bwd_comm, dedup_ids
         self._module_type = module_type
+        if replicas is not None and not isinstance(replicas, ReplicaSync):
+            raise TypeError(f"{NAME}: replicas must be a recxla.torchrec.replicas.ReplicaSync, "
+                            f"got {type(replicas).__name__}")
+        self._replicas = replicas
 
     def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding],
               env: ShardingEnv, device: Optional[torch.device] = None,
@@ -71,7 +79,7 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
         return ShardedEmbeddingBagCollection(
             module, params, env, fused_params=self.fused_params, device=device,
             fwd_comm=self._fwd_comm, bwd_comm=self._bwd_comm, dedup_ids=self._dedup_ids,
-            module_fqn=module_fqn)
+            module_fqn=module_fqn, replicas=self._replicas)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return list(SUPPORTED_SHARDING_TYPES)
