@@ -32,13 +32,18 @@ the test's thread count, torch.set_num_threads):
 `test_embedding_bag_forward_cpu` times the forward alone (no_grad) against FBGEMM's TBE and
 TorchRec's unsharded EmbeddingBagCollection (torch.nn.EmbeddingBag per table, then a cat), eager
 and under torch.compile.
-extra_info: threads, allocator, n_ids, n_unique, bytes, gbps, memcpy_gbps, of_memcpy.
+Providers run interleaved: each round times every provider once, in an order that rotates, so
+that the other jobs of a shared machine slow them alike; extra_info holds each provider's
+median_ms and min_ms (and threads, allocator, n_ids, n_unique, bytes, memcpy_gbps,
+recxla_of_memcpy); pytest-benchmark's own columns time whole rounds.
 """
 
 import json
 import os
+import statistics
 import sys
-from typing import Dict, List, Optional
+import time
+from typing import Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -47,7 +52,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from bench.common import gbps, memcpy_fn, memcpy_gbps  # noqa: E402
+from bench.common import gbps, memcpy_fn  # noqa: E402
 
 BATCH = 8192
 DIM = int(os.environ.get("RECXLA_BENCH_DIM", "64"))
@@ -61,7 +66,7 @@ THREADS = [1, 2]
 ALLOCATOR = "default" if os.environ.get("RECXLA_BENCH_MALLOC") == "default" else "tuned"
 
 _batches: Dict[str, list] = {}
-_model: Dict[str, object] = {}  # one model alive at a time: the tables take GBs
+_model: Dict[str, object] = {}  # the models of the running group of tests
 
 
 def profile(exponent):
@@ -118,7 +123,8 @@ def make_step(provider: str, optimizer: str):
     key = f"{provider}/{optimizer}"
     if key in _model:
         return _model[key]
-    _model.clear()
+    if not all(k.endswith(f"/{optimizer}") for k in _model):
+        _model.clear()  # one optimizer's models alive at a time: the tables take GBs each
     grad = torch.randn(BATCH, 26 * DIM)
     if provider == "recxla":
         from recxla.nn import EmbeddingBagCollection
@@ -147,8 +153,11 @@ def make_step(provider: str, optimizer: str):
             tbe(kjt.values(), kjt.offsets().long()).backward(grad)
 
     elif provider in ("torch", "torch-compile"):
-        bags = [torch.nn.EmbeddingBag(t.num_embeddings, DIM, mode="sum", sparse=True,
-                                      include_last_offset=True) for t in tables()]
+        # Both providers train the same tables (one copy of the GBs).
+        bags = _model.get(f"bags/{optimizer}") or [
+            torch.nn.EmbeddingBag(t.num_embeddings, DIM, mode="sum", sparse=True,
+                                  include_last_offset=True) for t in tables()]
+        _model[f"bags/{optimizer}"] = bags
         params = [b.weight for b in bags]
 
         def forward(values, offsets):
@@ -170,7 +179,10 @@ def make_step(provider: str, optimizer: str):
             for p in params:
                 p.grad = None
             features = kjt.to_dict().values()
-            forward([f.values() for f in features], [f.offsets() for f in features]).backward(grad)
+            # int64 offsets like the ids (the batch's lengths are int32; Inductor's embedding_bag
+            # wants one index dtype; 26 x 8193 values, nothing next to the step)
+            forward([f.values() for f in features],
+                    [f.offsets().long() for f in features]).backward(grad)
             with torch.no_grad():
                 update()
 
@@ -197,12 +209,42 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-CASES = [(o, p, d) for o in OPTIMIZERS for p in PROVIDERS for d in DISTRIBUTIONS]
+def interleaved(benchmark, steps: Dict[str, Callable[[int], object]], rounds: int,
+                warmup: int) -> Dict[str, List[float]]:
+    """Times every provider once per round, in an order that rotates from round to round, so
+    that load from other processes lands on all of them alike. Returns seconds per provider.
+    pytest-benchmark's own statistics are those of whole rounds."""
+    names = list(steps)
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    counter = iter(range(10**9))
+
+    def one_round():
+        r = next(counter)
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            start = time.perf_counter()
+            steps[name](r)
+            if r >= warmup:
+                times[name].append(time.perf_counter() - start)
+
+    benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=warmup)
+    return times
+
+
+def record(benchmark, times: Dict[str, List[float]], **extra) -> None:
+    """Medians and minimums per provider (ms) into extra_info."""
+    benchmark.extra_info.update(extra)
+    benchmark.extra_info["median_ms"] = {k: round(statistics.median(v) * 1e3, 2)
+                                         for k, v in times.items()}
+    benchmark.extra_info["min_ms"] = {k: round(min(v) * 1e3, 2) for k, v in times.items()}
 
 
 @pytest.mark.parametrize("threads", THREADS, indirect=True)
-@pytest.mark.parametrize("optimizer,provider,distribution", CASES)
-def test_embedding_bag_step_cpu(benchmark, optimizer, provider, distribution, threads):
+@pytest.mark.parametrize("distribution", list(DISTRIBUTIONS))
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_embedding_bag_step_cpu(benchmark, optimizer, distribution, threads):
+    """One step of every provider per round (3 warm-up rounds: each batch once, and
+    torch.compile's recompile for dynamic shapes), 7 timed rounds."""
     from recxla.ops.dedup import segmented_unique
 
     kjts = batches(distribution)
@@ -210,22 +252,16 @@ def test_embedding_bag_step_cpu(benchmark, optimizer, provider, distribution, th
     bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     n_unique = segmented_unique(kjts[0].values(), bounds)[0].numel()
     nbytes = step_bytes(kjts, n_unique)
-    reference_gbps = memcpy_gbps(nbytes // 2)
-    if provider == "memcpy":
-        copy = memcpy_fn(nbytes // 2)
-        benchmark.pedantic(copy, rounds=5, iterations=1, warmup_rounds=1)
-    else:
-        step = make_step(provider, optimizer)
-        counter = iter(range(10**9))
-        benchmark.pedantic(lambda: step(kjts[next(counter) % 3]), rounds=5, iterations=1,
-                           warmup_rounds=2)
-    median = benchmark.stats.stats.median
-    benchmark.extra_info.update(
-        n_ids=kjts[0].values().numel(), n_unique=n_unique, bytes=nbytes, dim=DIM,
-        threads=threads, allocator=ALLOCATOR, gbps=round(gbps(nbytes, median), 2),
-        memcpy_gbps=round(reference_gbps, 2),
-        of_memcpy=round(gbps(nbytes, median) / reference_gbps, 3),
-    )
+    steps = {p: (lambda r, step=make_step(p, optimizer): step(kjts[r % 3]))
+             for p in PROVIDERS if p != "memcpy"}
+    copy = memcpy_fn(nbytes // 2)
+    steps["memcpy"] = lambda r: copy()
+    times = interleaved(benchmark, steps, rounds=10, warmup=3)
+    memcpy_s = statistics.median(times["memcpy"])
+    record(benchmark, times, n_ids=kjts[0].values().numel(), n_unique=n_unique, bytes=nbytes,
+           dim=DIM, threads=threads, allocator=ALLOCATOR,
+           memcpy_gbps=round(gbps(nbytes, memcpy_s), 2),
+           recxla_of_memcpy=round(memcpy_s / statistics.median(times["recxla"]), 3))
 
 
 FORWARD_PROVIDERS = ["recxla", "fbgemm-tbe", "torchrec-ebc", "torchrec-ebc-compile"]
@@ -236,7 +272,6 @@ def make_forward(provider: str):
     key = f"{provider}/forward"
     if key in _model:
         return _model[key]
-    _model.clear()
     if provider == "recxla":
         from recxla.nn import EmbeddingBagCollection
 
@@ -245,7 +280,10 @@ def make_forward(provider: str):
     elif provider.startswith("torchrec-ebc"):
         from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchRecEBC
 
-        module = TorchRecEBC(tables())
+        module = _model.get("torchrec-ebc/module")
+        if module is None:
+            module = TorchRecEBC(tables())
+        _model["torchrec-ebc/module"] = module
         if provider.endswith("compile"):
             module = torch.compile(module)
         fn = lambda kjt: module(kjt).values()  # noqa: E731
@@ -270,18 +308,16 @@ def make_forward(provider: str):
 
 
 @pytest.mark.parametrize("threads", THREADS, indirect=True)
-@pytest.mark.parametrize("provider", FORWARD_PROVIDERS)
 @pytest.mark.parametrize("distribution", ["zipf-1.05", "iid-uniform"])
-def test_embedding_bag_forward_cpu(benchmark, distribution, provider, threads):
-    """The forward alone (dedup included for recxla): where the step's time is not spent."""
+def test_embedding_bag_forward_cpu(benchmark, distribution, threads):
+    """The forward alone (dedup included for recxla), providers interleaved as in the step."""
+    if not any(k.endswith("/forward") for k in _model):
+        _model.clear()  # the step's models: one group alive at a time
     kjts = batches(distribution)
-    forward = make_forward(provider)
-    counter = iter(range(10**9))
-    out = benchmark.pedantic(lambda: forward(kjts[next(counter) % 3]), rounds=5, iterations=1,
-                             warmup_rounds=2)
-    assert out.shape == (BATCH, 26 * DIM)
-    benchmark.extra_info.update(n_ids=kjts[0].values().numel(), dim=DIM, threads=threads,
-                                allocator=ALLOCATOR)
+    steps = {p: (lambda r, fn=make_forward(p): fn(kjts[r % 3])) for p in FORWARD_PROVIDERS}
+    times = interleaved(benchmark, steps, rounds=10, warmup=3)
+    record(benchmark, times, n_ids=kjts[0].values().numel(), dim=DIM, threads=threads,
+           allocator=ALLOCATOR)
 
 
 @pytest.mark.gpu
@@ -305,10 +341,11 @@ def test_embedding_bag_step_gpu(benchmark, monkeypatch, backend, distribution):
     benchmark.pedantic(step, rounds=10, iterations=1, warmup_rounds=2)
 
 
-def _medians(path: str, test: str, fields) -> Dict[tuple, float]:
+def _medians(path: str, test: str, fields) -> Dict[tuple, Dict[str, float]]:
+    """{params of `fields`: {provider: median ms}} of the tests named `test` in a JSON file."""
     with open(path) as f:
         runs = json.load(f)["benchmarks"]
-    return {tuple(r["params"][k] for k in fields): r["stats"]["median"] * 1e3
+    return {tuple(r["params"][k] for k in fields): r["extra_info"]["median_ms"]
             for r in runs if r["name"].startswith(test)}
 
 
@@ -322,8 +359,8 @@ def _ratio(slow: Optional[float], fast: Optional[float]) -> str:
 
 def summarize(default_path: str, tuned_path: Optional[str] = None) -> str:
     """Markdown tables of two --benchmark-json files (default allocator, then tuned): median ms
-    per provider, and recxla's speedups computed within one run and one thread count."""
-    fields = ("optimizer", "provider", "distribution", "threads")
+    per provider, and recxla's speedups, each from one run at one thread count."""
+    fields = ("optimizer", "distribution", "threads")
     default = _medians(default_path, "test_embedding_bag_step_cpu", fields)
     tuned = _medians(tuned_path, "test_embedding_bag_step_cpu", fields) if tuned_path else {}
     lines: List[str] = [
@@ -335,23 +372,22 @@ def summarize(default_path: str, tuned_path: Optional[str] = None) -> str:
     for o in OPTIMIZERS:
         for d in DISTRIBUTIONS:
             for t in THREADS:
-                row = [default.get((o, p, d, t)) for p in PROVIDERS]
-                if row[0] is None:
+                m = default.get((o, d, t))
+                if m is None:
                     continue
-                tr, tt = tuned.get((o, "recxla", d, t)), tuned.get((o, "fbgemm-tbe", d, t))
+                row = [m.get(p) for p in PROVIDERS]
+                tm = tuned.get((o, d, t), {})
+                tr, tt = tm.get("recxla"), tm.get("fbgemm-tbe")
                 cells = [_ms(v) for v in row] + [_ratio(row[i], row[0]) for i in (1, 2, 3)]
                 cells += [_ms(tr), _ms(tt), _ratio(tt, tr)]
                 lines.append(f"| {o} | {d} | {t} | " + " | ".join(cells) + " |")
-    forward = _medians(default_path, "test_embedding_bag_forward_cpu",
-                       ("distribution", "provider", "threads"))
+    forward = _medians(default_path, "test_embedding_bag_forward_cpu", ("distribution", "threads"))
     if forward:
         lines += ["", "| forward only | threads | " + " | ".join(FORWARD_PROVIDERS) + " |",
                   "|---|---|" + "---|" * len(FORWARD_PROVIDERS)]
-        for d in ("zipf-1.05", "iid-uniform"):
-            for t in THREADS:
-                row = [forward.get((d, p, t)) for p in FORWARD_PROVIDERS]
-                if row[0] is not None:
-                    lines.append(f"| {d} | {t} | " + " | ".join(_ms(v) for v in row) + " |")
+        for (d, t), m in sorted(forward.items()):
+            lines.append(f"| {d} | {t} | " + " | ".join(_ms(m.get(p)) for p in FORWARD_PROVIDERS)
+                         + " |")
     return "\n".join(lines)
 
 
