@@ -5,13 +5,13 @@ Layout (little-endian), every section starting at a multiple of 8 bytes:
 
     header   72 bytes: magic "RXCB", version, flags (zstd, weights, request ids), header size,
              CRC-32 of the header, B, number of keys F, dense width D, number of ids N, a dtype
-             code per section, payload size raw and stored, CRC-32 of the raw payload, key bytes
-             then the keys (u16 length + UTF-8 each), padded to 8
+             code per section, payload size raw and stored, CRC-32 of the stored payload, key
+             bytes; then the keys (u16 length + UTF-8 each), padded to 8
     payload  lengths [F * B] | values [N] | weights [N] (flag) | dense [B, D] | labels [B] |
              request_ids [B] (flag); zstd-compressed as one frame when the flag says so
 
-Decoding checks everything it relies on (magic, version, both checksums, sizes, lengths >= 0
-summing to N) and raises DataFormatError("compact batch: ...") otherwise, so a corrupt or
+Decoding checks everything it relies on (magic, version, both checksums, zstd's own checksum
+of the decompressed bytes, sizes, lengths >= 0 summing to N) and raises DataFormatError("compact batch: ...") otherwise, so a corrupt or
 truncated buffer never becomes a batch. The round trip is exact: same keys, dtypes and bits.
 The decoded tensors are views of one fresh buffer (one copy of the payload, none per tensor).
 """
@@ -103,10 +103,12 @@ class CompactBatch:
         for (name, count, _), off in zip(sections, offsets):
             src = parts[name].detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             raw[off:off + src.numel()] = src.numpy()
-        crc = zlib.crc32(raw)
         stored = raw
         if compress:
             stored = zstandard.ZstdCompressor(level=level, write_checksum=True).compress(raw)
+        # Over the stored bytes: every flipped bit is caught, even one that zstd would ignore
+        # (a frame header flag), and a compressed batch is checked at its compressed size.
+        crc = zlib.crc32(stored)
         key_bytes = b"".join(struct.pack("<H", len(k.encode())) + k.encode() for k in keys)
         header_size = _pad8(HEADER_BYTES + len(key_bytes))
         codes = [_CODES[dtypes[k]] if parts[k] is not None else 0 for k in
@@ -146,9 +148,11 @@ class CompactBatch:
             what = "truncated" if len(mv) < h + stored_size else "has trailing bytes"
             raise DataFormatError(f"{ERR}: {len(mv)} bytes, header + payload are "
                                   f"{h + stored_size}: {what}")
+        stored = mv[h:]
+        if zlib.crc32(stored) != crc:
+            raise DataFormatError(f"{ERR}: payload checksum mismatch (corrupt data)")
         buf = torch.empty(raw_size, dtype=torch.uint8)
         out = buf.numpy()
-        stored = mv[h:]
         if flags & _ZSTD:
             try:
                 if zstandard.frame_content_size(stored) != raw_size:
@@ -160,8 +164,6 @@ class CompactBatch:
                 raise DataFormatError(f"{ERR}: zstd payload does not decompress ({e})") from e
         else:
             out[:] = np.frombuffer(stored, dtype=np.uint8)
-        if zlib.crc32(out) != crc:
-            raise DataFormatError(f"{ERR}: payload checksum mismatch (corrupt data)")
         t = {}
         for (name, count, dtype), off in zip(sections, offsets):
             t[name] = buf[off:off + count * dtype.itemsize].view(dtype)

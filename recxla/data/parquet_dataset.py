@@ -70,10 +70,7 @@ class ParquetDataset:
             "seed": seed, "batch_size": batch_size, "world_size": world_size,
             "shuffle": shuffle, "dataset": self.info.fingerprint,
         }  # fmt: skip
-        if self.plan(0).num_batches == 0:
-            raise ValueError(
-                f"{OP}: {path}: {self.info.num_rows} rows in {len(self.info.row_groups)} row "
-                f"groups fill no batch of {batch_size} on each of {world_size} ranks")
+        self.plan(0)  # a dataset too small for one batch per rank fails here
         self.start = (0, 0) if position is None else self._normalize(
             check_position(position, self.identity, OP))
 
@@ -98,12 +95,18 @@ class ParquetDataset:
     def plan(self, epoch: int) -> EpochPlan:
         """This rank's row groups and batch count in `epoch` (the last plan is cached)."""
         if self._plan is None or self._plan.epoch != epoch:
-            self._plan = EpochPlan(self.info, self.batch_size, self.rank, self.world_size,
-                                   self.seed, self.shuffle, epoch)
-            if self._plan.num_batches == 0:
-                raise ValueError(f"{OP}: epoch {epoch} gives rank {self.rank} no batch of "
-                                 f"{self.batch_size} (row groups of uneven sizes?)")
+            self._plan = self._make_plan(epoch)
         return self._plan
+
+    def _make_plan(self, epoch: int) -> EpochPlan:
+        plan = EpochPlan(self.info, self.batch_size, self.rank, self.world_size, self.seed,
+                         self.shuffle, epoch)
+        if plan.num_batches == 0:
+            raise ValueError(
+                f"{OP}: {self.info.path}: epoch {epoch}: {self.info.num_rows} rows in "
+                f"{len(self.info.row_groups)} row groups fill no batch of {self.batch_size} on "
+                f"each of {self.world_size} ranks")
+        return plan
 
     def num_batches(self, epoch: int = 0) -> int:
         """Batches every rank yields in `epoch`."""
@@ -133,8 +136,7 @@ class ParquetDataset:
         # threads (a ParquetFile is not safe to read from two threads at once).
         reader = _GroupReader(self.info)
         for epoch in self._epochs():
-            plan = EpochPlan(self.info, self.batch_size, self.rank, self.world_size, self.seed,
-                             self.shuffle, epoch)
+            plan = self._make_plan(epoch)
             first = self.start[1] if epoch == self.start[0] else 0
             for k, batch in read_batches(reader, plan, self.layout, first, plan.num_batches):
                 yield epoch, k, batch
