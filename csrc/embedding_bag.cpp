@@ -20,8 +20,8 @@
 // Data checks (ids inside their table's segment, rows in range and, for the update, strictly
 // increasing per table, offsets monotone): the CPU kernels make them before writing anything.
 // The CUDA kernels check shapes and dtypes only: their callers in recxla.ops.embedding_bag check
-// the data on the device first (`check_lookup_data`, one flag read per step), so these ops are
-// internal on CUDA.
+// the data on the device first (recxla.ops.embedding_bag_checks, one flag read per step), so
+// these ops are internal on CUDA.
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(recxla, m) {

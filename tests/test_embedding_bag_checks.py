@@ -18,6 +18,7 @@ import torch
 from recxla import _extension
 from recxla.nn import EmbeddingBagCollection
 from recxla.ops import embedding_bag as ops
+from recxla.ops import embedding_bag_checks as checks
 
 from test_embedding_bag import (  # noqa: F401  (interpreted_triton is a fixture)
     _bad_inputs,
@@ -92,7 +93,7 @@ def test_bad_input_raises_what_the_cpu_kernel_raises(unchecked_backend):
 
 def test_valid_input_passes_and_matches_cpu(unchecked_backend):
     a = op_inputs(batch=6, weighted=True)
-    flags = ops.check_lookup_data(a["weights"], a["unique_values"], a["unique_offsets"],
+    flags = checks.check_lookup_data(a["weights"], a["unique_values"], a["unique_offsets"],
                                   a["inverse"], a["offsets"], a["feature_table"], 6, True)
     assert flags.dtype == torch.int64 and flags.device == a["unique_values"].device
     out = ops.pooled_forward(*op_args(a))
@@ -104,8 +105,8 @@ def test_valid_input_passes_and_matches_cpu(unchecked_backend):
 
 def test_fused_lookup_checks_once_per_step_before_any_kernel(unchecked_backend, monkeypatch):
     calls = []
-    check = ops.check_lookup_data
-    monkeypatch.setattr(ops, "check_lookup_data", lambda *x: calls.append(x[-1]) or check(*x))
+    check = checks.check_lookup_data
+    monkeypatch.setattr(checks, "check_lookup_data", lambda *x: calls.append(x[-1]) or check(*x))
     a = op_inputs(batch=5)
     weights = [w.clone().requires_grad_() for w in a["weights"]]
 

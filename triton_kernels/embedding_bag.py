@@ -12,8 +12,8 @@ The per-row formulas are those of csrc/include/recxla/embedding_bag.h. The kerne
 pointers and run under TRITON_INTERPRET=1 on CPU tensors, which is how they are tested without
 a GPU. They trust their arguments: the launchers here are internal, and every public entry
 (recxla.ops.embedding_bag's functions, FusedPooledLookup) checks the layout and the data on the
-device first (`check_lookup_data`: rows in range and strictly increasing, ids inside their
-table's segment, offsets monotone).
+device first (recxla.ops.embedding_bag_checks: rows in range and strictly increasing, ids
+inside their table's segment, offsets monotone).
 """
 
 from typing import List, Optional, Sequence

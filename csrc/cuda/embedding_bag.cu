@@ -14,8 +14,8 @@
 // checks (rows in range and strictly increasing, ids inside their table's segment, offsets
 // monotone) are not made here: these ops are internal on CUDA, and every public entry
 // (recxla.ops.embedding_bag's functions, FusedPooledLookup, recxla.nn) runs
-// `check_lookup_data` on the device first and reads its one flag tensor before a kernel
-// launches. A device assert stays on the forward's ids as a last guard.
+// recxla.ops.embedding_bag_checks on the device first and reads its one flag tensor before a
+// kernel launches. A device assert stays on the forward's ids as a last guard.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>

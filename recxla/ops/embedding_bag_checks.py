@@ -1,0 +1,142 @@
+"""Data checks of the pooled embedding ops for the kernels that trust their arguments (CUDA,
+Triton, the reference fallback); the CPU kernels check the same in C++
+(csrc/include/recxla/embedding_bag_checks.h, csrc/cpu/embedding_bag_cpu.h).
+
+`check_lookup_data` runs every check that needs the data as torch ops on the inputs' device,
+with no host sync, into one small flag tensor; `raise_for_lookup_flags` reads it (one sync) and
+raises what the CPU kernel raises for the same data. recxla.ops.embedding_bag calls `check_lookup`
+before any CUDA or Triton kernel launches.
+"""
+
+from typing import List
+
+import torch
+
+from recxla.reference.embedding_bag import MEAN, SUM
+
+_NO_ERROR = 2**62  # "no bad index" in the flag tensor (above any index)
+
+
+def _check_layout(op, weights, unique_values, unique_offsets, inverse, offsets, psw,
+                  feature_table, pooling, batch_size) -> None:
+    """Shapes, dtypes and devices (host only), as csrc/include/recxla/embedding_bag_checks.h."""
+    device = unique_values.device
+    if batch_size < 0:
+        raise ValueError(f"{op}: batch_size must be >= 0, got {batch_size}")
+    if len(pooling) != len(weights):
+        raise ValueError(f"{op}: pooling must have one entry per table ({len(weights)}), got "
+                         f"{len(pooling)}")
+    for t, w in enumerate(weights):
+        if w.dim() != 2 or w.dtype != torch.float32 or not w.is_contiguous():
+            raise TypeError(f"{op}: weights[{t}] must be a contiguous 2-D float32 tensor, got "
+                            f"{w.dtype} {tuple(w.shape)}")
+        if w.device != device:
+            raise ValueError(f"{op}: weights[{t}] is on {w.device} but unique_values is on "
+                             f"{device}")
+        if pooling[t] not in (SUM, MEAN):
+            raise ValueError(f"{op}: pooling[{t}] must be 0 (sum) or 1 (mean), got {pooling[t]}")
+    for f, t in enumerate(feature_table):
+        if not 0 <= t < len(weights):
+            raise ValueError(f"{op}: feature_table[{f}] = {t} is not a table index in "
+                             f"[0, {len(weights)})")
+    num_features, num_tables = len(feature_table), len(weights)
+    wanted = [("unique_values", unique_values, (torch.int32, torch.int64), None, ""),
+              ("unique_offsets", unique_offsets, (torch.int64,), num_tables + 1,
+               f"num_tables + 1 = {num_tables + 1} entries"),
+              ("inverse", inverse, (torch.int64,), None, ""),
+              ("offsets", offsets, (torch.int64,), num_features * batch_size + 1,
+               f"num_features * batch_size + 1 = {num_features * batch_size + 1} entries")]
+    if psw is not None:
+        wanted.append(("per_sample_weights", psw, (torch.float32,), inverse.numel(),
+                       f"one weight per id ({inverse.numel()})"))
+    for name, x, dtypes, numel, what in wanted:
+        if x.dtype not in dtypes:
+            names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{op}: {name} must be {names}, got {x.dtype}")
+        if x.dim() != 1 or (numel is not None and x.numel() != numel):
+            raise ValueError(f"{op}: {name} must be 1-D" + (f" with {what}" if what else "")
+                             + f", got shape {list(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{op}: all tensors must be on {device}, got {name} on {x.device}")
+
+
+def check_lookup_data(weights, unique_values, unique_offsets, inverse, offsets, feature_table,
+                      batch_size, increasing: bool) -> torch.Tensor:
+    """The CPU kernels' data checks as torch ops on the inputs' device, with no host sync.
+
+    Arguments as `pooled_forward` (layout already checked); increasing: also require each
+    table's unique_values to be strictly increasing (what the fused update needs: a row listed
+    twice would be updated twice, by racing threads on GPU). Returns int64 [7]: offsets[0],
+    offsets[-1], then the first bad index of each check or 2**62: unique_offsets (0 when bad),
+    offsets decreasing (bag), rows out of range (table), rows not increasing (table), ids outside
+    their table's segment (feature). Every index used is clamped, so bad data reads nothing out
+    of bounds.
+    """
+    device, n, u = unique_values.device, inverse.numel(), unique_values.numel()
+    num_tables, num_features = len(weights), len(feature_table)
+    big = torch.full((), _NO_ERROR, dtype=torch.int64, device=device)
+    first = lambda bad, index: torch.where(bad, index, big).min() if bad.numel() else big  # noqa
+    uo = unique_offsets
+    uo_bad = (uo[0] != 0) | (uo[-1] != u) | (uo[1:] < uo[:-1]).any()
+    decreasing = first(offsets[1:] < offsets[:-1], torch.arange(offsets.numel() - 1, device=device))
+    rows = _constant([w.shape[0] for w in weights] + [0], device)
+    positions = torch.arange(u, device=device)
+    table = (torch.searchsorted(uo, positions, right=True) - 1).clamp(0, max(num_tables - 1, 0))
+    values = unique_values.long()
+    out_of_range = first((values < 0) | (values >= rows[table]), table)
+    unsorted = big
+    if increasing and u > 1:
+        repeat = (table[1:] == table[:-1]) & (values[1:] <= values[:-1])
+        unsorted = first(repeat, table[1:])
+    outside = big
+    if n and num_features:
+        bounds = offsets[(torch.arange(num_features + 1, device=device) * batch_size)
+                         .clamp(max=offsets.numel() - 1)]
+        feature = (torch.searchsorted(bounds, torch.arange(n, device=device), right=True) - 1) \
+            .clamp(0, num_features - 1)
+        t = _constant(list(feature_table), device)[feature]
+        ends = uo.clamp(0, u)
+        outside = first((inverse < ends[t]) | (inverse >= ends[t + 1]), feature)
+    return torch.stack([offsets[0], offsets[-1], torch.where(uo_bad, 0, big), decreasing,
+                        out_of_range, unsorted, outside])
+
+
+def _constant(values: List[int], device: torch.device) -> torch.Tensor:
+    """A small int64 tensor on `device`; from pinned memory without blocking on GPU, since a
+    plain host-to-device copy waits for the stream (a host sync)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def raise_for_lookup_flags(op: str, flags: torch.Tensor, weights, num_ids: int) -> None:
+    """Reads the flags of `check_lookup_data` (one host sync) and raises what the CPU kernel
+    raises for the same data: ValueError for offsets and order, IndexError for ranges."""
+    start, end, uo_bad, decreasing, out_of_range, unsorted, outside = flags.tolist()
+    if uo_bad < _NO_ERROR:
+        raise ValueError(f"{op}: unique_offsets must start at 0, be non-decreasing and end at "
+                         "len(unique_values)")
+    if start != 0 or end != num_ids:
+        raise ValueError(f"{op}: offsets must start at 0 and end at the number of ids "
+                         f"({num_ids}), got {start} and {end}")
+    if decreasing < _NO_ERROR:
+        raise ValueError(f"{op}: offsets must be non-decreasing (bag lengths >= 0)")
+    if min(out_of_range, unsorted) < _NO_ERROR:
+        if out_of_range <= unsorted:
+            raise IndexError(f"{op}: unique_values of table {out_of_range} must lie in "
+                             f"[0, {weights[out_of_range].shape[0]})")
+        raise ValueError(f"{op}: unique_values must be strictly increasing within each table's "
+                         f"segment, but table {unsorted}'s are not")
+    if outside < _NO_ERROR:
+        raise IndexError(f"{op}: inverse holds an index outside the unique_values segment of its "
+                         f"table (feature {outside})")
+
+
+def check_lookup(op, args, increasing: bool) -> None:
+    """Layout and data checks of `args` (weights, unique_values, unique_offsets, inverse,
+    offsets, psw, feature_table, pooling, batch_size) for a backend whose kernels trust them."""
+    weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size = args
+    _check_layout(op, weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size)
+    flags = check_lookup_data(weights, uv, uo, inv, offsets, feature_table, batch_size, increasing)
+    raise_for_lookup_flags(op, flags, weights, inv.numel())
