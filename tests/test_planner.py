@@ -34,7 +34,7 @@ from recxla.planner.loads import COLLECTIVES, ID_BYTES, INDEX_BYTES, LENGTH_BYTE
 
 FIELDS = ["ids_received", "lookups"] + [
     f"{c}_bytes_{d}" for c in COLLECTIVES for d in ("sent", "received")
-]
+] + ["allreduce_bytes"]
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,12 @@ def random_plan(tables, world_size: int) -> ShardingPlan:
     module_plan = {}
     for config in tables:
         rows, dim = config.num_embeddings, config.embedding_dim
-        kind = int(torch.randint(0, 3, ()))
+        kind = int(torch.randint(0, 4, ()))
+        if kind == 3:
+            module_plan[config.name] = ParameterSharding(
+                sharding_type="data_parallel", compute_kernel="dense",
+                ranks=list(range(world_size)), sharding_spec=None)
+            continue
         if kind == 0:
             metas = [ShardMetadata([0, 0], [rows, dim], _placement(int(torch.randint(0, world_size, ()))))]
             sharding_type = "table_wise"
@@ -120,7 +125,13 @@ def brute_force(plan, tables, batches, fwd_fmt, bwd_fmt):
         b = kjt.stride()
         for config in tables:
             ids = [i for f in config.feature_names for i in kjt[f].values().tolist()]
-            for meta in plan.plan[""][config.name].sharding_spec.shards:
+            sharding = plan.plan[""][config.name]
+            if sharding.sharding_type == "data_parallel":
+                out["lookups"][s] += len(set(ids))
+                size = config.num_embeddings * config.embedding_dim * 4
+                out["allreduce_bytes"][s] += 2 * (world_size - 1) * size // world_size
+                continue
+            for meta in sharding.sharding_spec.shards:
                 (row, _), (rows, cols) = meta.shard_offsets, meta.shard_sizes
                 r = meta.placement.rank()
                 mine = [i for i in ids if row <= i < row + rows]
@@ -155,7 +166,8 @@ def test_count_rank_loads_matches_brute_force(world_size, fmts):
     for name in FIELDS:
         assert getattr(got, name).tolist() == want[name], name
     assert got.wire_bytes.tolist() == [
-        sum(want[f][r] for f in FIELDS[2:]) for r in range(world_size)
+        sum(want[f][r] for f in FIELDS[2:]) + want["allreduce_bytes"][r]
+        for r in range(world_size)
     ]
 
 

@@ -35,12 +35,14 @@ INDEX_BYTES = 4
 LENGTH_BYTES = 4
 
 OP = "recxla.planner.count_rank_loads"
+# The rank of a data-parallel table's one "shard": every rank holds it.
+REPLICATED = -1
 
 
 @dataclass(frozen=True)
 class ShardPlacement:
     """One shard of one table: rows [row_start, row_end) x columns [col_start, col_end) on
-    `rank`."""
+    `rank` (REPLICATED: a data-parallel table, on every rank)."""
 
     table: str
     rank: int
@@ -67,6 +69,8 @@ class RankLoads:
     {ids,fwd,bwd}_bytes_{sent,received}: bytes of the input all-to-all (ids, positions,
         lengths), of the forward output all-to-all (pooled rows) and of the backward one
         (their gradients), at the formats counted.
+    allreduce_bytes: bytes each rank sends (and receives) in the ring all-reduce of the fp32
+        weight gradients of data-parallel tables: 2 (R - 1) / R of their size.
     """
 
     ids_received: torch.Tensor
@@ -77,12 +81,13 @@ class RankLoads:
     fwd_bytes_received: torch.Tensor
     bwd_bytes_sent: torch.Tensor
     bwd_bytes_received: torch.Tensor
+    allreduce_bytes: torch.Tensor
 
     @property
     def wire_bytes(self) -> torch.Tensor:
         """Bytes each rank puts on and takes off the wire in one step: int64 [R]."""
-        return sum(getattr(self, f"{c}_bytes_{d}") for c in COLLECTIVES
-                   for d in ("sent", "received"))
+        return 2 * self.allreduce_bytes + sum(
+            getattr(self, f"{c}_bytes_{d}") for c in COLLECTIVES for d in ("sent", "received"))
 
     @property
     def owner_bytes(self) -> torch.Tensor:
@@ -103,9 +108,11 @@ class RankLoads:
 
     @property
     def critical_bytes(self) -> int:
-        """Sum over the three all-to-alls of their largest per-rank one-way bytes: the bytes
-        that set the communication time of a step run one collective after the other."""
-        return sum(int(self.collective_bytes(c).max()) for c in COLLECTIVES)
+        """Sum over the three all-to-alls (and the data-parallel all-reduce) of their largest
+        per-rank one-way bytes: the bytes that set the communication time of a step run one
+        collective after the other."""
+        return int(self.allreduce_bytes.max()) + sum(
+            int(self.collective_bytes(c).max()) for c in COLLECTIVES)
 
     @property
     def world_size(self) -> int:
@@ -194,8 +201,8 @@ def plan_shards(plan, tables, module_path: str = "") -> List[ShardPlacement]:
             mapping from table name to ParameterSharding).
         tables: EmbeddingBagConfig of the tables to read.
     Raises:
-        ValueError: a table is missing from the plan, has no sharding spec (data parallel),
-            or its shards do not tile the table exactly once.
+        ValueError: a table is missing from the plan or its shards do not tile it exactly
+            once. A data-parallel table is one shard of the whole table on rank REPLICATED.
     """
     module_plan = plan.plan.get(module_path) if hasattr(plan, "plan") else plan
     if module_plan is None:
@@ -207,10 +214,12 @@ def plan_shards(plan, tables, module_path: str = "") -> List[ShardPlacement]:
         sharding = module_plan[config.name]
         spec = sharding.sharding_spec
         if spec is None:
-            raise ValueError(
-                f"{OP}: table {config.name} is {sharding.sharding_type} without shards; only "
-                "sharded tables have all-to-all traffic to count"
-            )
+            if sharding.sharding_type != "data_parallel":
+                raise ValueError(f"{OP}: table {config.name} is {sharding.sharding_type} "
+                                 "without a sharding spec")
+            shards.append(ShardPlacement(config.name, REPLICATED, 0, config.num_embeddings, 0,
+                                         config.embedding_dim))
+            continue
         area = 0
         for meta in spec.shards:
             (row, col), (rows, cols) = meta.shard_offsets, meta.shard_sizes
@@ -271,7 +280,7 @@ def count_rank_loads(
         raise ValueError(f"{OP}: batches must hold one batch per rank, got none")
     shards = plan_shards(plan, tables, module_path)
     for shard in shards:
-        if not 0 <= shard.rank < world_size:
+        if shard.rank != REPLICATED and not 0 <= shard.rank < world_size:
             raise ValueError(
                 f"{OP}: table {shard.table} has a shard on rank {shard.rank}, outside the "
                 f"{world_size} ranks of the batches"
@@ -296,6 +305,11 @@ def loads_from_counts(shards, table_index, bounds, unique, occurrences, batch_si
         u = unique[:, t, k0:k1].sum(1)  # [S]
         n = occurrences[:, t, k0:k1].sum(1)
         r = shard.rank
+        if r == REPLICATED:  # every rank looks its own batch up; gradients all-reduced
+            loads.lookups += u
+            size = (shard.row_end - shard.row_start) * shard.cols * 4
+            loads.allreduce_bytes += 2 * (world_size - 1) * size // world_size
+            continue
         remote.fill_(True)
         remote[r] = False
         per_source = {
