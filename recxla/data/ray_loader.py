@@ -14,6 +14,7 @@ too deep the files go to a short folder under the system's temporary folder inst
 `run_dir/ray` a symbolic link to it.
 """
 
+import json
 import logging
 import os
 import shutil
@@ -48,21 +49,23 @@ def _import_ray():
 
 
 def _encode_run(row: Dict, dataset: ParquetDataset, compress: bool):
-    """Ray Data flat_map: one run -> one row per batch {epoch, batch, data}."""
+    """Ray Data flat_map: one run -> one row per batch {epoch, batch, data, error}.
+
+    A bad file ends the run with a row that carries the error (its type and message) instead
+    of raising: an exception crossing Ray arrives wrapped in Ray's own types, with the cause
+    only in the text, and the trainer should see the reader's DataFormatError as it is.
+    """
     epoch, first = int(row["epoch"]), int(row["first"])
-    blobs = encode_chunk(dataset, epoch, first, int(row["stop"]), compress)
-    return [{"epoch": epoch, "batch": first + i, "data": blob} for i, blob in enumerate(blobs)]
+    try:
+        blobs = encode_chunk(dataset, epoch, first, int(row["stop"]), compress)
+    except (DataFormatError, FileNotFoundError) as e:
+        return [{"epoch": epoch, "batch": first, "data": b"",
+                 "error": json.dumps([type(e).__name__, str(e)])}]
+    return [{"epoch": epoch, "batch": first + i, "data": blob, "error": ""}
+            for i, blob in enumerate(blobs)]
 
 
-def _original_error(e: BaseException) -> Optional[BaseException]:
-    """The DataFormatError/FileNotFoundError that a Ray task raised, if `e` wraps one."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if type(e) in (DataFormatError, FileNotFoundError):
-            return e
-        e = getattr(e, "cause", None) or e.__cause__
-    return None
+_ERRORS = {"DataFormatError": DataFormatError, "FileNotFoundError": FileNotFoundError}
 
 
 class RayLoader:
@@ -148,7 +151,8 @@ class RayLoader:
         items = [{"epoch": e, "first": a, "stop": b} for e, a, b in runs]
         ds = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(
             _encode_run, fn_kwargs={"dataset": self.dataset, "compress": self.compress},
-            compute=ray.data.TaskPoolStrategy(size=self.num_workers), num_cpus=1,
+            compute=ray.data.TaskPoolStrategy(size=min(self.num_workers, len(items))),
+            num_cpus=1,
         )  # fmt: skip
         ds.context.execution_options.preserve_order = True
         ds.context.enable_progress_bars = False
@@ -160,12 +164,10 @@ class RayLoader:
             rows = self._epoch_rows(epoch, list(runs))
             try:
                 for row in rows:
+                    if row["error"]:
+                        kind, message = json.loads(row["error"])
+                        raise _ERRORS[kind](message)
                     yield int(row["epoch"]), int(row["batch"]), CompactBatch.decode(row["data"])
-            except Exception as e:  # noqa: BLE001 - re-raised as the reader's own error
-                original = _original_error(e)
-                if original is None or original is e:
-                    raise
-                raise original from None
             finally:
                 close = getattr(rows, "close", None)
                 if close is not None:

@@ -1,0 +1,123 @@
+"""make_loader and the local multi-process loader: the same batches as ParquetDataset, in the
+same order, resumable across loaders; the CLI; the prefetching iterator."""
+
+import json
+import random
+import threading
+
+import pytest
+from data_pipeline_cases import assert_batches_equal, random_batches, write
+
+from recxla.data import LocalLoader, ParquetDataset, make_loader
+from recxla.data.__main__ import main as cli_main
+from recxla.data.batch_iterator import BatchIterator
+
+
+@pytest.fixture
+def dataset_path(tmp_path):
+    # Row groups of uneven size (the last one short) and a batch size that does not divide them.
+    batches = random_batches(5, 37) + random_batches(1, 20)
+    return write(batches, tmp_path / "data", rows_per_file=80)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_local_loader_yields_the_dataset_batches(dataset_path, num_workers):
+    b = random.randint(9, 30)
+    kwargs = dict(rank=1, world_size=2, seed=random.randint(0, 99))
+    want = list(ParquetDataset(dataset_path, b, num_epochs=2, **kwargs))
+    loader = make_loader(dataset_path, b, num_workers=num_workers, num_epochs=2, **kwargs)
+    assert isinstance(loader, LocalLoader)
+    got = list(loader)
+    assert len(got) == len(want) == loader.num_batches(0) + loader.num_batches(1)
+    for g, w in zip(got, want):
+        assert_batches_equal(g, w)
+
+
+def test_positions_resume_across_loaders(dataset_path):
+    b = 16
+    want = list(ParquetDataset(dataset_path, b, num_epochs=3, seed=7))
+    cut = random.randint(1, len(want) - 1)
+    it = iter(make_loader(dataset_path, b, seed=7, num_workers=2, num_epochs=3))
+    for _ in range(cut):
+        next(it)
+    position = json.loads(json.dumps(it.state_dict()))
+    it.close()
+    for workers in (0, 1):
+        rest = list(make_loader(dataset_path, b, seed=7, num_workers=workers, num_epochs=3,
+                                position=position))
+        assert len(rest) == len(want) - cut
+        for g, w in zip(rest, want[cut:]):
+            assert_batches_equal(g, w)
+
+
+def test_endless_loader_runs_past_one_epoch(dataset_path):
+    loader = make_loader(dataset_path, 32, num_workers=1)
+    it = iter(loader)
+    n = loader.num_batches(0) + 2
+    for _ in range(n):
+        next(it)
+    assert it.state_dict()["epoch"] == 1
+    it.close()
+
+
+def test_make_loader_arguments(dataset_path):
+    with pytest.raises(ValueError, match="loader must be one of"):
+        make_loader(dataset_path, 8, loader="spark")
+    with pytest.raises(ValueError, match="num_workers must be an int >= 0"):
+        make_loader(dataset_path, 8, num_workers=-1)
+    with pytest.raises(ValueError, match="run_dir and ray_address apply to loader='ray'"):
+        make_loader(dataset_path, 8, run_dir="/tmp/x")
+    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+        make_loader(dataset_path, 0)
+    loader = make_loader(dataset_path, 8, num_workers=0)
+    assert loader.metadata["layout"]["num_dense"] == 3
+
+
+def test_prefetch_iterator_reraises_and_stops():
+    def source():
+        yield 0, 0, "a"
+        yield 0, 1, "b"
+        raise KeyError("boom")
+
+    it = BatchIterator(source(), (0, 0), {"seed": 1}, prefetch=2)
+    assert next(it) == "a" and next(it) == "b"
+    assert it.state_dict() == {"format": "recxla.data.position", "seed": 1, "epoch": 0,
+                               "batch": 2}
+    with pytest.raises(KeyError, match="boom"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_closing_a_prefetch_iterator_stops_its_thread():
+    def endless():
+        k = 0
+        while True:
+            yield 0, k, k
+            k += 1
+
+    before = threading.active_count()
+    it = BatchIterator(endless(), (0, 0), {}, prefetch=3)
+    assert [next(it) for _ in range(5)] == list(range(5))
+    it.close()
+    assert threading.active_count() == before
+
+
+def test_cli_write_and_info(tmp_path, capsys):
+    out = str(tmp_path / "cli.parquet")
+    args = ["write", "--out", out, "--batches", "2", "--batch-size", "300", "--max-rows",
+            "2000", "--sort-by", "cat_2"]
+    assert cli_main(args) == 0
+    printed = capsys.readouterr().out
+    assert "wrote 600 rows" in printed and "sorted by cat_2" in printed
+    assert "unsorted layout:" in printed
+    assert cli_main(args) == 2  # exists already
+    assert "overwrite" in capsys.readouterr().err
+    assert cli_main(["info", out]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["rows"] == 600 and info["sort_by"] == "cat_2"
+    assert info["layout"]["features"] == [f"cat_{i}" for i in range(26)]
+    ds = ParquetDataset(out, 300)
+    from recxla.data import embedding_bag_configs
+
+    ds.check_tables(embedding_bag_configs(max_rows=2000), num_dense=13)
