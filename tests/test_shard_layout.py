@@ -1,0 +1,113 @@
+"""The static side of recxla's sharded module, without processes: the layout built from a
+plan (routes of ids, output columns), the sharder's and the fused optimizer's argument checks."""
+
+import random
+
+import pytest
+import torch
+
+import sharded_cases as cases
+from recxla.ops.embedding_bag import ADAGRAD, NONE, ROWWISE_ADAGRAD, SGD, SUM
+from recxla.torchrec.shard_layout import Shard, ShardLayout, TableInfo
+
+
+def _layout(kind, world, rank=0):
+    configs = cases.tables()
+    plan = cases.plan(configs, kind, world)
+    tables = [TableInfo(c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names),
+                        SUM) for c in configs]
+    shards = [[Shard(t, k, md.placement.rank(), md.shard_offsets[0], md.shard_sizes[0],
+                     md.shard_offsets[1], md.shard_sizes[1])
+               for k, md in enumerate(plan[c.name].sharding_spec.shards)]
+              for t, c in enumerate(configs)]
+    return ShardLayout.build(tables, shards, rank, world), configs
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "mixed"])
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_every_id_reaches_every_owner_of_its_row(kind, world):
+    """Brute force: for random ids, the routes name exactly the shards that hold the id's row
+    (every column block of it), with the id made local to the shard."""
+    layout, configs = _layout(kind, world)
+    for slot, (t, f) in enumerate(zip(layout.input_slot_table, layout.input_slot_feature)):
+        rows = configs[t].num_embeddings
+        for row in random.sample(range(rows), min(rows, 12)):
+            starts = layout.block_starts[slot]
+            block = max(k for k, s in enumerate(starts) if s <= row)
+            got = sorted((r.dest, layout.local_tables[r.dest][layout.slots[r.dest][r.dest_slot][0]]
+                          .shard.col_offset, row - r.row_offset)
+                         for r in layout.block_routes[slot][block])
+            want = sorted((s.rank, s.col_offset, row - s.row_offset) for s in layout.shards[t]
+                          if s.row_offset <= row < s.row_offset + s.rows)
+            assert got == want, (kind, world, f, row)
+            assert all(layout.slots[r.dest][r.dest_slot][1] == f
+                       for r in layout.block_routes[slot][block])
+
+
+@pytest.mark.parametrize("kind", ["table_wise", "row_wise", "column_wise", "mixed"])
+def test_output_columns_cover_the_module_output(kind):
+    """Every output column is fed by one owner column per row block of its table (row-wise
+    tables several, summed), and the wire rows divide every owner's width."""
+    world = 3
+    layout, configs = _layout(kind, world)
+    columns = layout.output_columns(0).tolist()
+    total = sum(layout.embedding_dims)
+    counts = [columns.count(c) for c in range(total)]
+    offset = 0
+    for t, dim in zip(layout.input_slot_table, layout.embedding_dims):
+        blocks = len({s.row_offset for s in layout.shards[t]})
+        assert counts[offset: offset + dim] == [blocks] * dim, (kind, t)
+        offset += dim
+    assert all(layout.output_dim(r) % layout.wire_row_dim == 0 for r in range(world))
+    assert len(columns) == sum(layout.output_dim(r) for r in range(world))
+
+
+def test_layout_rejects_a_plan_that_does_not_cover_a_table():
+    tables = [TableInfo("t", 10, 4, ["f"], SUM)]
+    with pytest.raises(ValueError, match="cover 20 of its 40 values"):
+        ShardLayout.build(tables, [[Shard(0, 0, 0, 0, 5, 0, 4)]], 0, 2)
+    with pytest.raises(ValueError, match="outside the group of 2 ranks"):
+        ShardLayout.build(tables, [[Shard(0, 0, 2, 0, 10, 0, 4)]], 0, 2)
+    with pytest.raises(ValueError, match="outside the table"):
+        ShardLayout.build(tables, [[Shard(0, 0, 0, 5, 10, 0, 4)]], 0, 2)
+
+
+def test_sharder_argument_errors():
+    from recxla.torchrec import EmbeddingBagCollectionSharder
+
+    with pytest.raises(ValueError, match="fwd_comm must be one of"):
+        EmbeddingBagCollectionSharder(fwd_comm="int8")
+    with pytest.raises(ValueError, match="bwd_comm must be one of"):
+        EmbeddingBagCollectionSharder(bwd_comm=None)
+    with pytest.raises(TypeError, match="dedup_ids must be a bool"):
+        EmbeddingBagCollectionSharder(dedup_ids="yes")
+    with pytest.raises(TypeError, match="module_type must be torchrec's EmbeddingBagCollection"):
+        EmbeddingBagCollectionSharder(module_type=torch.nn.Linear)
+    sharder = EmbeddingBagCollectionSharder()
+    assert "row_wise" in sharder.sharding_types("cpu")
+    assert "data_parallel" not in sharder.sharding_types("cpu")
+
+
+def test_fused_optimizer_from_fused_params_and_attached_optimizers():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    from recxla.torchrec.fused_optimizer import table_update
+
+    weight = torch.nn.Parameter(torch.randn(4, 2))
+    assert table_update("t", weight, None).kind == NONE
+    update = table_update("t", weight, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                        "learning_rate": 0.3, "eps": 1e-4})
+    assert update.kind == ROWWISE_ADAGRAD
+    assert update.hyperparameters["lr"] == 0.3 and update.hyperparameters["eps"] == 1e-4
+    assert table_update("t", weight, {"optimizer": EmbOptimType.EXACT_SGD}).kind == SGD
+    with pytest.raises(ValueError, match="optimizer .* is not supported"):
+        table_update("t", weight, {"optimizer": EmbOptimType.ADAM})
+    with pytest.raises(ValueError, match="fused_params key 'beta1' is not supported"):
+        table_update("t", weight, {"optimizer": EmbOptimType.EXACT_SGD, "beta1": 0.9})
+    attached = torch.nn.Parameter(torch.randn(4, 2))
+    _apply_optimizer_in_backward(torch.optim.Adagrad, [attached], {"lr": 0.2},
+                                 register_hook=False)
+    update = table_update("t", attached, {"optimizer": EmbOptimType.EXACT_SGD})
+    assert update.kind == ADAGRAD and update.hyperparameters["lr"] == 0.2
+    assert update.hyperparameters["eps"] == 1e-10  # torch's Adagrad default, not FBGEMM's
