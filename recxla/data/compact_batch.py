@@ -151,8 +151,11 @@ class CompactBatch:
         stored = mv[h:]
         if zlib.crc32(stored) != crc:
             raise DataFormatError(f"{ERR}: payload checksum mismatch (corrupt data)")
-        buf = torch.empty(raw_size, dtype=torch.uint8)
-        out = buf.numpy()
+        # numpy's allocation goes through malloc, which keeps and reuses freed blocks of this
+        # size; torch's maps fresh pages for every large tensor, and first-touch page faults
+        # then cost more than the copy.
+        out = np.empty(raw_size, dtype=np.uint8)
+        buf = torch.from_numpy(out)
         if flags & _ZSTD:
             try:
                 if zstandard.frame_content_size(stored) != raw_size:
