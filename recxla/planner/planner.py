@@ -6,14 +6,18 @@ looks up every row; row-wise cuts the ids and lookups into R row blocks, but eve
 a full pooled partial row per sample, so its bytes grow with R. Which is best depends on the
 table's measured load (`recxla.planner.cost.TableLoads`) and the world size.
 
-`choose_splits` searches greedily: start table-wise everywhere; at each step, try every other
-split of each table that has a shard on a busiest rank (of an all-to-all, or of lookups), place
-all shards (`place_shards`), and keep the change that lowers the modeled step seconds
-(`CostModel.step_seconds`: each all-to-all waits for its busiest rank) the most, or, where
-several ranks tie for the maximum, evens them out; stop when no change helps. The result becomes TorchRec constraints (one sharding type per table, the
-column-wise width as `min_partition`), and TorchRec's `EmbeddingShardingPlanner` runs with
-recxla's partitioner and perf model (`recxla.planner.partitioner`), so its output is a plain
-TorchRec `ShardingPlan`.
+`choose_splits` searches greedily, twice: from table-wise everywhere and from a start where
+every table is cut until no piece carries much more than a fraction of a rank's mean bytes
+(row-wise where the bytes are mostly ids, finer column blocks otherwise). At each step it
+tries every other split of each table that has a shard on a busiest rank (of an all-to-all,
+or of lookups), places all shards (`place_shards`), and keeps the change that lowers the
+modeled step seconds (`CostModel.step_seconds`: each all-to-all waits for its busiest rank) the
+most, or, where several ranks tie for the maximum, evens them out; it stops when no change
+helps, and the better of the two ends wins.
+
+The result becomes TorchRec constraints (one sharding type per table, the column-wise width as
+`min_partition`), and TorchRec's `EmbeddingShardingPlanner` runs with recxla's partitioner and
+perf model (`recxla.planner.partitioner`), so its output is a plain TorchRec `ShardingPlan`.
 """
 
 from dataclasses import dataclass
@@ -138,7 +142,7 @@ def _better(a: SplitResult, b: SplitResult) -> bool:
     ka, kb = _key(a), _key(b)
     if ka[0] < kb[0] * (1 - 1e-6):
         return True
-    return ka[0] <= kb[0] * (1 + 1e-9) and ka[1] < kb[1] * (1 - 1e-6)
+    return ka[0] <= kb[0] * (1 + 1e-9) and ka[1] < kb[1] * (1 - 1e-3)
 
 
 def _shard_loads(config, split: TableSplit, loads: TableLoads, cost: CostModel, cache: dict):
@@ -156,29 +160,30 @@ def _shard_loads(config, split: TableSplit, loads: TableLoads, cost: CostModel, 
 
 
 def _piece(config, split, loads, cost, cache) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(largest piece, total) of a split table over (ids, fwd, bwd, lookups): float64 [4]."""
+    """(largest piece, total) of a split table's owner bytes (ids, fwd, bwd): float64 [3]."""
     parts = placement_loads([load for load, _ in _shard_loads(config, split, loads, cost, cache)])
-    return parts.max(0).values, parts.sum(0)
+    parts = parts[:, :3]
+    return parts[parts.sum(1).argmax()], parts.sum(0)
 
 
 def _refined(loads: TableLoads, cost: CostModel, options, alpha: float, cache: dict):
-    """Splits where no piece of a table exceeds `alpha` times the per-rank mean of any
-    resource, where the splits allow: a piece heavy in ids or lookups (which column blocks
-    do not divide) goes row-wise, one heavy in pooled rows one column-wise step finer."""
+    """Splits where no piece of a table carries more than `alpha` times a rank's mean owner
+    bytes, where the splits allow: a piece whose bytes are mostly ids (which column blocks do
+    not divide) goes row-wise, any other one column-wise step finer."""
     splits = {c.name: options[c.name][0] for c in loads.tables}
     for _ in range(8 * len(loads.tables)):
         pieces = {c.name: _piece(c, splits[c.name], loads, cost, cache) for c in loads.tables}
-        mean = sum(total for _, total in pieces.values()) / loads.world_size
+        mean = float(sum(total.sum() for _, total in pieces.values())) / loads.world_size
         changed = False
         for config in loads.tables:
-            over = pieces[config.name][0] > alpha * mean
-            if not bool(over.any()):
+            piece = pieces[config.name][0]
+            if float(piece.sum()) <= alpha * mean:
                 continue
             opts, current = options[config.name], splits[config.name]
             row_wise = [o for o in opts if o.sharding_type == ROW_WISE]
-            finer = opts[opts.index(current) + 1:]
-            finer_cw = [o for o in finer if o.sharding_type == COLUMN_WISE]
-            if (bool(over[0]) or bool(over[3])) and row_wise and current not in row_wise:
+            finer_cw = [o for o in opts[opts.index(current) + 1:]
+                        if o.sharding_type == COLUMN_WISE]
+            if float(piece[0]) > float(piece[1:].sum()) and row_wise and current not in row_wise:
                 splits[config.name] = row_wise[0]
             elif finer_cw and current.sharding_type != ROW_WISE:
                 splits[config.name] = finer_cw[0]
@@ -196,19 +201,19 @@ def choose_splits(loads: TableLoads, cost: CostModel = CostModel(),
                   fixed_splits: Optional[Dict[str, TableSplit]] = None) -> SplitResult:
     """The per-table splits whose placed shards give the fastest modeled step.
 
-    Start from the best of table-wise everywhere and of `_refined` splits (no piece above
-    1, 1/2, 1/4 or 1/8 of a rank's mean load), then improve greedily: try every other split of
-    each table that has a shard on a busiest rank (of an all-to-all, or of lookups) and keep
-    the change that lowers the modeled seconds most, or evens out ranks tied at the maximum;
-    stop when nothing helps. Candidates are placed with `search_rounds` local-search moves,
-    the result with the full search.
+    Start from table-wise everywhere and from the best of the `_refined` splits (no piece
+    above 1, 1/2, ... 1/16 of a rank's mean owner bytes); from each, improve greedily: try
+    every other split of each table that has a shard on a busiest rank (of an all-to-all, or
+    of lookups) and keep the change that lowers the modeled seconds most, or evens out ranks
+    tied at the maximum, until nothing helps. Keep the better end. Candidates are placed with `search_rounds`
+    local-search moves, the result with the full search.
 
     Args:
         loads: measured table loads (their world size is the plan's).
         cost: seconds of bytes and lookups.
         sharding_types: splits allowed; table_wise must be among them.
         min_cw_cols: narrowest column-wise block.
-        max_steps: bound on the greedy changes (default 4 per table).
+        max_steps: bound on the greedy changes (default 8 per table).
         search_rounds: local-search moves when placing a candidate.
         fixed_splits: tables whose split is given (and left alone), by name.
     """
@@ -238,14 +243,28 @@ def choose_splits(loads: TableLoads, cost: CostModel = CostModel(),
     def evaluate(splits):
         return evaluate_splits(splits, loads, cost, cache, search_rounds)
 
-    best = evaluate({c.name: options[c.name][0] for c in loads.tables})
+    coarse = evaluate({c.name: options[c.name][0] for c in loads.tables})
     if loads.world_size == 1:
-        return best
-    for alpha in (1.0, 0.5, 0.25, 0.125):
+        return coarse
+    refined = None
+    for alpha in (1.0, 0.5, 0.25, 0.125, 0.0625):
         trial = evaluate(_refined(loads, cost, options, alpha, cache))
-        if _better(trial, best):
-            best = trial
-    for _ in range(4 * len(loads.tables) if max_steps is None else max_steps):
+        if refined is None or _better(trial, refined):
+            refined = trial
+    # Greedy from the coarsest start and from the best refined one: each finds what the other
+    # misses (few ranks: a handful of well-chosen splits; many: fine splits everywhere).
+    steps = 8 * len(loads.tables) if max_steps is None else max_steps
+    best = None
+    for start in (coarse, refined):
+        found = _greedy(start, options, evaluate, steps)
+        if best is None or _better(found, best):
+            best = found
+    return evaluate_splits(best.splits, loads, cost, cache)
+
+
+def _greedy(best: SplitResult, options, evaluate, steps: int) -> SplitResult:
+    """Accept the best single-table change while it helps (`_better`), at most `steps`."""
+    for _ in range(steps):
         # Tables on a rank that is the busiest in some all-to-all, or looks up the most.
         busiest = set(best.owner_bytes.argmax(0).tolist()) | {int(best.lookups.argmax())}
         found = None
@@ -260,7 +279,7 @@ def choose_splits(loads: TableLoads, cost: CostModel = CostModel(),
         if found is None or not _better(found, best):
             break
         best = found
-    return evaluate_splits(best.splits, loads, cost, cache)
+    return best
 
 
 def _embedding_bag_tables(module) -> list:
