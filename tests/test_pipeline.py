@@ -37,11 +37,12 @@ def _pipeline_body(rank, world, seed, configurations, steps, batch, kind, fwd, b
     import recxla.torchrec
     from recxla.pipeline import Timeline, TrainPipeline
 
-    def build():
+    def build(row_exchange="off"):
         model, configs = dlrm._dlrm(seed)
         sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
             fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                          "learning_rate": 0.1}, fwd_comm=fwd, bwd_comm=bwd)
+                          "learning_rate": 0.1}, fwd_comm=fwd, bwd_comm=bwd,
+            row_exchange=row_exchange)
         model = dlrm._dmp(model, sharder, kind, world)
         dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
                                       lambda params: torch.optim.SGD(params, lr=0.1))
@@ -61,7 +62,7 @@ def _pipeline_body(rank, world, seed, configurations, steps, batch, kind, fwd, b
     for name, options in configurations.items():
         options = dict(options)
         correct = options.pop("correct", True)
-        model, dense, _ = build()
+        model, dense, _ = build(options.pop("row_exchange", "off"))
         timeline = Timeline()
         pipeline = TrainPipeline(model, dense, torch.device("cpu"), timeline=timeline, **options)
         pipeline._correct_early_lookups = correct
@@ -88,6 +89,9 @@ CONFIGURATIONS = {
     "fwp+dbp m=4": dict(num_micro_batches=4, overlap=True, dbp=True),
     "fwp+dbp m=2 clustered, early lookup": dict(num_micro_batches=2, split="clustered",
                                                 dbp_lookup="early"),
+    "fwp+dbp m=3, row exchange": dict(num_micro_batches=3, row_exchange=["t0", "t2"]),
+    "sequential, row exchange": dict(num_micro_batches=1, overlap=False, dbp=False,
+                                     row_exchange="all"),
 }
 
 

@@ -17,7 +17,7 @@ LR = 0.1
 
 
 def _shard(module, kind, world, fwd="fp32", bwd="fp32", fused_params=None, dedup=True,
-           module_type=None):
+           module_type=None, row_exchange="off"):
     import torch.distributed as dist
     from torchrec.distributed.types import ShardingEnv
 
@@ -25,13 +25,15 @@ def _shard(module, kind, world, fwd="fp32", bwd="fp32", fused_params=None, dedup
 
     sharder = rt.EmbeddingBagCollectionSharder(fused_params=fused_params, fwd_comm=fwd,
                                                bwd_comm=bwd, dedup_ids=dedup,
-                                               module_type=module_type)
+                                               module_type=module_type,
+                                               row_exchange=row_exchange)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     return sharder.shard(module, cases.plan(module.embedding_bag_configs(), kind, world), env,
                          torch.device("cpu"))
 
 
-def _sgd_body(rank, world, seed, kinds, batch_sizes, weighted, fwd, bwd, steps, dedup=True):
+def _sgd_body(rank, world, seed, kinds, batch_sizes, weighted, fwd, bwd, steps, dedup=True,
+              row_exchange="off"):
     # TorchRec (and recxla) reject per-sample weights with MEAN pooling: weighted runs use SUM.
     """Sharded (fused SGD from fused_params) vs TorchRec's unsharded module (plain SGD)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -45,7 +47,8 @@ def _sgd_body(rank, world, seed, kinds, batch_sizes, weighted, fwd, bwd, steps, 
         module = EmbeddingBagCollection(configs, is_weighted=weighted)
         module.load_state_dict(reference.state_dict())
         sharded = _shard(module, kind, world, fwd, bwd,
-                         {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}, dedup)
+                         {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}, dedup,
+                         row_exchange=row_exchange)
         initial = {k: v.clone() for k, v in reference.state_dict().items()}
         generator = torch.Generator().manual_seed(seed + 1)
         start = sum(batch_sizes[:rank])
@@ -83,6 +86,25 @@ def test_sharded_equals_unsharded_every_sharding_type(seed):
             assert weight_error <= 1e-5, (rank, kind, weight_error)
 
 
+@pytest.mark.parametrize("row_exchange", ["all", ["t0", "t3"]])
+def test_row_exchange_equals_unsharded(seed, row_exchange):
+    """Owners send unique rows and the ranks pool their own bags (every table, or two of
+    them next to pooled ones): same outputs and weights as the unsharded module, MEAN and
+    row-sharded tables included; and with per-sample weights on a rank with no samples."""
+    kinds = ["table_wise", "row_wise", "column_wise", "mixed"]
+    results = run_distributed(_sgd_body, world_size=2,
+                              args=(seed, kinds, [5, 3], False, "fp32", "fp32", 3, True,
+                                    row_exchange))
+    weighted = run_distributed(_sgd_body, world_size=2,
+                               args=(seed, ["mixed"], [6, 0], True, "fp32", "fp32", 2, True,
+                                     row_exchange))
+    for rank in range(2):
+        for kind, (out_errors, weight_error, _, _) in {**results[rank],
+                                                       **weighted[rank]}.items():
+            assert max(out_errors) <= 1e-5, (rank, kind, out_errors)
+            assert weight_error <= 1e-5, (rank, kind, weight_error)
+
+
 def test_sharded_weighted_mean_and_empty_batch(seed):
     """Per-sample weights, and a rank with no samples at all. (MEAN bags split across row
     shards, summed at the owners and divided at the receiver, are in the test above.)"""
@@ -116,6 +138,7 @@ def _dedup_body(rank, world, seed):
     """dedup on and off give the same outputs; the byte counters match what actually went
     through torch.distributed.all_to_all_single (measured by wrapping it)."""
     import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     sent = {"bytes": 0}
@@ -132,33 +155,39 @@ def _dedup_body(rank, world, seed):
     dist.all_to_all_single = counting
     outputs, stats = {}, {}
     try:
-        for dedup in (True, False):
+        for dedup, rows in ((True, "off"), (False, "off"), (True, "all")):
             torch.manual_seed(seed)
             configs = cases.tables()
             module = EmbeddingBagCollection(configs)
-            sharded = _shard(module, "mixed", world, fwd="e4m3", bwd="bf16", dedup=dedup)
+            fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+            sharded = _shard(module, "mixed", world, fwd="e4m3", bwd="bf16", dedup=dedup,
+                             fused_params=fused, row_exchange=rows)
             generator = torch.Generator().manual_seed(seed + 1)
             batch = cases.global_batch(configs, 64, generator, max_len=6, zipf_rows=True)
             mine = cases.sample_slice(batch, 32 * rank, 32 * rank + 32)
             sent["bytes"] = 0
             out = sharded(mine).wait()
             out.values().sum().backward()
-            outputs[dedup] = out.values().detach()
-            stats[dedup] = (sharded.comm_stats.as_dict(), sent["bytes"])
+            outputs[dedup, rows] = out.values().detach()
+            stats[dedup, rows] = (sharded.comm_stats.as_dict(), sent["bytes"])
     finally:
         dist.all_to_all_single = original
-    return bool(torch.equal(outputs[True], outputs[False])), stats
+    return bool(torch.equal(outputs[True, "off"], outputs[False, "off"])), stats
 
 
 def test_dedup_saves_id_bytes_and_counters_match_the_wire(seed):
+    """Also row exchange: on skewed keys the unique rows cost fewer bytes than pooled bags."""
     for rank, (equal, stats) in enumerate(run_distributed(_dedup_body, world_size=2,
                                                            args=(seed,))):
         assert equal, rank
-        for dedup, (counted, measured) in stats.items():
+        for config, (counted, measured) in stats.items():
             total = (counted["id_bytes_sent"] + counted["embedding_bytes_sent"]
                      + counted["gradient_bytes_sent"])
-            assert total == measured, (rank, dedup, counted, measured)
-        with_dedup, without = stats[True][0], stats[False][0]
+            assert total == measured, (rank, config, counted, measured)
+        rows, pooled = stats[True, "all"][0], stats[True, "off"][0]
+        assert rows["embedding_bytes_sent"] < pooled["embedding_bytes_sent"], (rows, pooled)
+        assert rows["gradient_bytes_sent"] < pooled["gradient_bytes_sent"], (rows, pooled)
+        with_dedup, without = stats[True, "off"][0], stats[False, "off"][0]
         assert with_dedup["id_bytes_sent"] < without["id_bytes_sent"], (with_dedup, without)
         assert with_dedup["id_bytes_without_dedup"] == without["id_bytes_without_dedup"]
         # Raw ids travel as int32 (int64 in the batch): less than TorchRec's layout even so.

@@ -62,6 +62,7 @@ class _ModuleInput:
     data: Any = None          # the second (ids) in flight
     lookup_input: Any = None  # decoded at the owner
     bag_lengths: Optional[torch.Tensor] = None
+    row_bags: Any = None  # this rank's bags of row-exchange tables
     early: Optional[EarlyLookup] = None  # dbp_lookup="early": looked up before the update
 
 
@@ -154,7 +155,8 @@ class TrainPipeline:
             module.comm_stats.steps += 1
             lengths = meta.input_lengths
             prepared.inputs.append(_ModuleInput(
-                meta=meta, bag_lengths=None if lengths is None else module.mean_bag_lengths(lengths)))
+                meta=meta, row_bags=meta.row_bags,
+                bag_lengths=None if lengths is None else module.mean_bag_lengths(lengths)))
         return prepared
 
     def _advance(self, prepared: _Batch, decode: bool) -> None:
@@ -190,7 +192,8 @@ class TrainPipeline:
         with timeline.span("lookup"):
             for module, state in zip(self._modules, current.inputs):
                 windows.append(FrozenWindow(module, state.lookup_input, state.bag_lengths,
-                                            state.early, self._correct_early_lookups))
+                                            state.row_bags, state.early,
+                                            self._correct_early_lookups))
         ahead = 2 if self._overlap else 1
         for k in range(min(ahead, self._num_micro)):
             for w in windows:

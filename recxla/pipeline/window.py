@@ -1,11 +1,12 @@
 """The frozen window of one sharded module over one batch.
 
 Inside a batch the tables do not change: the owner looks up every micro-batch's bags once, at
-the start (L), with the weights the sequential step would read. Each micro-batch k then only
-moves rows: its pooled rows go to their ranks (O(k)), its model runs on them, and their
-gradient comes back (G(k)) into the owner's gradient buffer, at the rows the lookup produced.
-At the end the buffer holds exactly the gradient the whole batch's backward would give the
-lookup, and the lookup's own backward applies the fused optimizer once (U). Only the order of
+the start (L), with the weights the sequential step would read, and gathers every rank's
+requested rows of its row-exchange tables. Each micro-batch k then only moves data: its pooled
+rows and requested rows go to their ranks (O(k)), its model runs on them, and their gradient
+comes back (G(k)) into the owner's gradient buffers, at the rows the lookup produced. At the
+end the buffers hold exactly the gradient the whole batch's backward would give the lookup,
+and the lookup's own backward applies the fused optimizer once per row (U). Only the order of
 the float additions differs from the sequential step.
 
 On CPU the all-to-alls progress in gloo's threads while the caller computes; on GPU they run
@@ -16,11 +17,11 @@ both.
 from typing import List, Optional
 
 import torch
-from torchrec.distributed.embedding_types import KJTList
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recxla.ops.embedding_bag import MEAN
 from recxla.torchrec.input_dist import LookupInput
+from recxla.torchrec.row_exchange import RowBags
 
 
 class FrozenWindow:
@@ -31,29 +32,37 @@ class FrozenWindow:
         lookup_input: the batch's LookupInput (micro-batches in order at the owner).
         bag_lengths: float32 [B_local, ranges] lengths of this rank's row-sharded MEAN bags in
             micro-batch order (None when the module has none).
-        early: the lookup when it already ran before the previous batch's update (DBP);
-            None: the window looks up now.
+        row_bags: this rank's bags of row-exchange tables (None when there are none).
+        early: the pooled lookup when it already ran before the previous batch's update
+            (DBP); None: the window looks up now.
         correct: apply the early lookup's correction (False plants a stale read, for tests).
     """
 
     def __init__(self, module, lookup_input: LookupInput, bag_lengths: Optional[torch.Tensor],
-                 early: Optional["EarlyLookup"] = None, correct: bool = True):
+                 row_bags: Optional[RowBags] = None, early: Optional["EarlyLookup"] = None,
+                 correct: bool = True):
         self.module = module
         self.input = lookup_input
         self.bag_lengths = bag_lengths
+        self.row_bags = row_bags
         self.my_rows = list(lookup_input.micro_batch_sizes[module.layout.rank])
         self.num_micro = len(self.my_rows)
-        # L: one lookup for every micro-batch, its autograd node kept for the update.
+        # L: one lookup for every micro-batch, its autograd nodes kept for the update.
+        self.row_output = module.lookup_rows(lookup_input)
         if early is None:
-            self.output = module.compute(module.create_context(), KJTList([lookup_input]))
+            self.output = module.lookup_pooled(lookup_input, rows_follow=bool(self.row_output))
             self.pooled = self.output.detach()
         else:
             self.output = early.output
             self.pooled = self.output.detach() + early.correction() if correct else \
                 self.output.detach()
+        self.rows = [r.detach() for r in self.row_output]
         self.out_dim = self.pooled.shape[1]
         self.gradient = self.pooled.new_empty(self.pooled.shape) \
             if self.output.requires_grad else None
+        self.row_gradients = [r.new_empty(r.shape) for r in self.rows]
+        self._messages = [module._output.receive_layout(n, row_bags, k)
+                          for k, n in enumerate(self.my_rows)]
         self._sent = [None] * self.num_micro
         self._returning = [None] * self.num_micro
 
@@ -67,42 +76,60 @@ class FrozenWindow:
         start, stop = self._my_range(k)
         return self.bag_lengths[start:stop]
 
+    @property
+    def needs_gradient(self) -> bool:
+        return self.gradient is not None or bool(self.rows)
+
     def start_output(self, k: int) -> None:
-        """O(k): micro-batch k's pooled rows to the ranks whose samples they are."""
+        """O(k): micro-batch k's pooled rows and requested rows to the ranks that use them."""
         if self._sent[k] is not None:
             return
         start = self.input.micro_batch_start(k)
-        rows = self.input.micro_batch_rows(k)
-        pooled = self.pooled[start: start + sum(rows)]
-        self._sent[k] = self.module._output.start(pooled, rows, self.my_rows[k])
+        sources = self.input.micro_batch_rows(k)
+        pooled = self.pooled[start: start + sum(sources)]
+        self._sent[k] = self.module._output.start(pooled, sources, self._messages[k], self.rows,
+                                                  self.input.rows)
 
     def receive_output(self, k: int) -> KeyedTensor:
         """Waits for O(k); -> this rank's micro-batch k embeddings, a leaf that requires grad
         (its gradient is what G(k) sends back)."""
         self.start_output(k)
         handle, _, _ = self._sent[k]
-        values = self.module._output.assemble(handle.wait(), self.my_rows[k], self._lengths(k))
+        values = self.module._output.assemble(handle.wait(), self._messages[k], self._lengths(k))
         self._sent[k] = None
-        values.requires_grad_(self.gradient is not None)
+        values.requires_grad_(self.needs_gradient)
         return KeyedTensor(keys=self.module._embedding_names,
                            length_per_key=self.module._embedding_dims, values=values)
 
     def start_gradient(self, k: int, grad: torch.Tensor) -> None:
         """G(k): the gradient of micro-batch k's embeddings back to their owners."""
         self._returning[k] = self.module._output.start_gradient(
-            grad, self.input.micro_batch_rows(k), self.my_rows[k], self._lengths(k))
+            grad, self.input.micro_batch_rows(k), self._messages[k], self._lengths(k),
+            self.input.rows)
 
     def receive_gradient(self, k: int) -> None:
-        """Waits for G(k) and puts its rows into the gradient buffer (A(k))."""
-        handle = self._returning[k]
-        if handle is None:
+        """Waits for G(k) and puts its rows into the gradient buffers (A(k))."""
+        if self._returning[k] is None:
             return
-        rows = handle.wait()
+        handle, from_sources = self._returning[k]
+        flat = handle.wait().reshape(-1)
         self._returning[k] = None
-        if self.out_dim:
-            start = self.input.micro_batch_start(k)
-            count = sum(self.input.micro_batch_rows(k))
-            self.gradient[start: start + count].copy_(rows.view(count, self.out_dim))
+        rows = self.input.rows
+        start = self.input.micro_batch_start(k)
+        offset = 0
+        for s, (samples, size) in enumerate(zip(self.input.micro_batch_rows(k), from_sources)):
+            if self.out_dim:
+                self.gradient[start: start + samples].copy_(
+                    flat[offset: offset + samples * self.out_dim].view(samples, self.out_dim))
+            start += samples
+            position = offset + samples * self.out_dim
+            for g, buffer in enumerate(self.row_gradients):
+                count, cols = rows.rows(g, k, s), buffer.shape[1]
+                first = rows.start(g, k, s)
+                buffer[first: first + count].copy_(
+                    flat[position: position + count * cols].view(count, cols))
+                position += count * cols
+            offset += size
 
     def pending_gradients(self) -> List[int]:
         return [k for k, h in enumerate(self._returning) if h is not None]
@@ -111,13 +138,23 @@ class FrozenWindow:
         """U: the lookup's backward on the whole batch's gradient: the fused optimizer updates
         every touched row once (tables without one get their ordinary gradient)."""
         self.module.fused_optimizer.count_step()
+        outputs, grads = [], []
         if self.gradient is not None and self.output.requires_grad:
-            torch.autograd.backward(self.output, self.gradient)
-        self.output = None
+            outputs.append(self.output)
+            grads.append(self.gradient)
+        for out, grad in zip(self.row_output, self.row_gradients):
+            if out.requires_grad:
+                outputs.append(out)
+                grads.append(grad)
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        self.output, self.row_output = None, ()
 
 
 class EarlyLookup:
-    """A DBP lookup of the next batch before the current batch's update, made exact after it.
+    """A DBP lookup of the next batch's pooled tables before the current batch's update, made
+    exact after it. (Row-exchange tables need no early lookup: their gather is a copy, done
+    when the next window opens, after the update.)
 
     The next batch reads, per local table, some rows that the current update changes: those in
     both batches' unique ids (known before the update runs). The lookup runs early with the old
@@ -134,11 +171,12 @@ class EarlyLookup:
     def __init__(self, module, next_input: LookupInput, current_input: LookupInput):
         self.module = module
         self.input = next_input
-        self.output = module.compute(module.create_context(), KJTList([next_input]))
+        self.output = module.lookup_pooled(next_input, rows_follow=bool(
+            module._local_weights[module._num_pooled:]))
         self.rows: List[torch.Tensor] = []
         self.before: List[torch.Tensor] = []
         nxt, cur = next_input.unique_offsets.tolist(), current_input.unique_offsets.tolist()
-        for t, weight in enumerate(module._local_weights):
+        for t, weight in enumerate(module._local_weights[: module._num_pooled]):
             reads = next_input.unique_values[nxt[t]: nxt[t + 1]]
             changes = current_input.unique_values[cur[t]: cur[t + 1]]
             rows = reads[torch.isin(reads, changes)]
@@ -150,13 +188,14 @@ class EarlyLookup:
         module, li = self.module, self.input
         batch = li.batch_size
         out = self.output.new_zeros((batch, self.output.shape[1]))
+        weights = module._local_weights[: module._num_pooled]
         deltas = [w.detach()[rows] - before
-                  for w, rows, before in zip(module._local_weights, self.rows, self.before)]
+                  for w, rows, before in zip(weights, self.rows, self.before)]
         lengths = li.offsets.diff()
         column = 0
         pooling = module._owner_pooling
         for j, t in enumerate(module._slot_table):
-            cols = module._local_weights[t].shape[1]
+            cols = weights[t].shape[1]
             first, last = int(li.offsets[j * batch]), int(li.offsets[(j + 1) * batch])
             if self.rows[t].numel() and last > first:
                 ids = li.unique_values[li.inverse[first:last]]

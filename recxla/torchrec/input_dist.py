@@ -33,11 +33,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recxla.ops.dedup import segmented_unique
 from recxla.torchrec.comm_stats import CommStats
+from recxla.torchrec.row_exchange import RowBags, RowInput, RowRouting, encode_rows
 from recxla.torchrec.shard_layout import OWNER, ShardLayout
 
 # Encodings of one (source, destination) block of ids.
 RAW, DEDUP16, DEDUP32 = 0, 1, 2
-_META = 5  # status, batch size, ids, unique ids, encoding; then the micro-batch sizes
+_META = 6  # status, batch size, ids, unique ids, encoding, row ids; then micro-batch sizes
 _OK, _BAD_INPUT = 0, 1
 _ALIGN = 8
 _INT32_ROWS = 2**31
@@ -48,16 +49,19 @@ def _aligned(n: int) -> int:
 
 
 def _section_bytes(num_slots: int, batch: int, num_ids: int, num_unique: int, encoding: int,
-                   id_bytes: int, weighted: bool) -> List[int]:
+                   id_bytes: int, weighted: bool, row_runs: int, row_ids: int) -> List[int]:
     """Byte sizes of the aligned sections of one block: lengths, ids (raw or unique), inverse
-    index, per-sample weights. The one place both sides agree on the block layout."""
+    index, per-sample weights (the pooled tables), then the row groups' unique counts (int32,
+    one per (row group, micro-batch)) and unique ids. The one place both sides agree on the
+    block layout."""
     if encoding == RAW:
         ids, inverse = num_ids * id_bytes, 0
     else:
         ids = num_unique * id_bytes
         inverse = num_ids * (2 if encoding == DEDUP16 else 4)
     weights = num_ids * 4 if weighted else 0
-    return [_aligned(num_slots * batch * 4), _aligned(ids), _aligned(inverse), _aligned(weights)]
+    return [_aligned(num_slots * batch * 4), _aligned(ids), _aligned(inverse), _aligned(weights),
+            _aligned(row_runs * 4), _aligned(row_ids * id_bytes)]
 
 
 @dataclass
@@ -70,7 +74,8 @@ class LookupInput:
     unique_values: int64 [U] unique local row ids, local table by local table;
     unique_offsets: int64 [T_local + 1]; inverse: int64 [N] into unique_values;
     offsets: int64 [S * B + 1] bag bounds, slot-major (bag (j, b) = j * B + b);
-    per_sample_weights: float32 [N] or None; micro_batch_sizes: [W][M] ints.
+    per_sample_weights: float32 [N] or None; micro_batch_sizes: [W][M] ints; rows: the row
+    groups' requested ids (row_exchange.RowInput) or None.
     """
 
     unique_values: torch.Tensor
@@ -79,6 +84,8 @@ class LookupInput:
     offsets: torch.Tensor
     per_sample_weights: Optional[torch.Tensor]
     micro_batch_sizes: List[List[int]]
+    # The owner's row groups (row_exchange.RowInput), None when it has none.
+    rows: Optional[RowInput] = None
 
     @property
     def batch_sizes(self) -> List[int]:
@@ -163,9 +170,14 @@ class IdRouter:
         self.route_offsets = torch.tensor([sum(counts[:g]) for g in range(len(counts))],
                                           dtype=torch.int64, device=device)
         flat = [route for r in routes for route in r]
+        self.rows = RowRouting(layout, device)
+        # A route goes to a send slot (pooled tables) or to a global row group, never both.
         self.route_send_slot = torch.tensor(
-            [self.slot_base[r.dest] + r.dest_slot for r in flat], dtype=torch.int64,
-            device=device)
+            [self.slot_base[r.dest] + r.dest_slot if r.row_group < 0 else -1 for r in flat],
+            dtype=torch.int64, device=device)
+        self.route_row_group = torch.tensor(
+            [self.rows.group_base[r.dest] + r.row_group if r.row_group >= 0 else -1
+             for r in flat], dtype=torch.int64, device=device)
         self.route_row_offset = torch.tensor([r.row_offset for r in flat], dtype=torch.int64,
                                              device=device)
         # Send slots are (destination, local table, feature); the (destination, local table)
@@ -203,12 +215,12 @@ class IdRouter:
             same M.
         """
         try:
-            blocks = self._encode(features)
-            micro = [blocks.batch] if micro_batch_sizes is None else \
-                [int(m) for m in micro_batch_sizes]
-            if any(m < 0 for m in micro) or sum(micro) != blocks.batch:
+            batch = features.stride() if isinstance(features, KeyedJaggedTensor) else 0
+            micro = [batch] if micro_batch_sizes is None else [int(m) for m in micro_batch_sizes]
+            if any(m < 0 for m in micro) or sum(micro) != batch:
                 raise ValueError(f"{OWNER}: micro_batch_sizes {micro} must be >= 0 and sum to "
-                                 f"the batch size {blocks.batch}")
+                                 f"the batch size {batch}")
+            blocks = self._encode(features, micro)
             error = None
         except (ValueError, TypeError, IndexError) as e:
             blocks, error = None, e
@@ -223,6 +235,7 @@ class IdRouter:
             meta[:, 2] = torch.tensor(blocks.num_ids)
             meta[:, 3] = torch.tensor(blocks.num_unique)
             meta[:, 4] = torch.tensor(blocks.encoding)
+            meta[:, 5] = torch.tensor(blocks.num_row_ids)
             meta[:, _META:] = torch.tensor(micro)
         # The sizes cross the links too: one row to and from each other rank.
         self.stats.id_bytes_sent += (world - 1) * meta.shape[1] * 8
@@ -232,7 +245,7 @@ class IdRouter:
         work = dist.all_to_all_single(received, meta, group=self.group, async_op=True)
         return _MetaAwaitable(self, work, received, blocks, error, meta)
 
-    def _encode(self, features: KeyedJaggedTensor) -> "_SendBlocks":
+    def _encode(self, features: KeyedJaggedTensor, micro: List[int]) -> "_SendBlocks":
         layout = self.layout
         values, lengths, weights, batch = self._slot_major(features)
         num_slots_in = len(layout.input_slot_table)
@@ -259,7 +272,7 @@ class IdRouter:
         else:
             block = slot_of_id
         if self.single_route:
-            route, source = block, None
+            route = block
         else:
             per_id = self.route_counts[block]
             source = torch.repeat_interleave(torch.arange(n, device=ids.device), per_id)
@@ -267,11 +280,23 @@ class IdRouter:
             position = torch.arange(source.numel(), device=ids.device) - \
                 torch.repeat_interleave(first, per_id)
             route = self.route_offsets[block[source]] + position
-            ids, sample = ids[source], sample[source]
+            ids, sample, slot_of_id = ids[source], sample[source], slot_of_id[source]
             if weights is not None:
                 weights = weights[source]
-        send_slot = self.route_send_slot[route]
         local_ids = ids - self.route_row_offset[route]
+        rows = None
+        if self.rows.active:
+            row_group = self.route_row_group[route]
+            to_rows = row_group >= 0
+            take = torch.nonzero(to_rows).squeeze(1)
+            rows = encode_rows(self.rows, row_group[take], slot_of_id[take], sample[take],
+                               local_ids[take], None if weights is None else weights[take],
+                               micro, batch)
+            keep = torch.nonzero(~to_rows).squeeze(1)
+            route, local_ids, sample = route[keep], local_ids[keep], sample[keep]
+            if weights is not None:
+                weights = weights[keep]
+        send_slot = self.route_send_slot[route]
         order = torch.sort(send_slot, stable=True).indices
         local_ids = local_ids[order]
         if weights is not None:
@@ -285,7 +310,7 @@ class IdRouter:
             if total_slots else torch.zeros(1, dtype=torch.int64, device=ids.device)
         blocks = self._pack(local_ids, slot_lengths.to(torch.int32), group_bounds, weights,
                             batch, features.values().element_size(),
-                            features.lengths().element_size())
+                            features.lengths().element_size(), rows, len(micro))
         blocks.input_lengths = lengths.view(num_slots_in, batch)
         return blocks
 
@@ -331,13 +356,18 @@ class IdRouter:
         return values, lengths, weights, batch
 
     def _pack(self, local_ids, slot_lengths, group_bounds, weights, batch, value_bytes,
-              length_bytes) -> "_SendBlocks":
+              length_bytes, rows, num_micro: int) -> "_SendBlocks":
         world, me = self.layout.world_size, self.layout.rank
         unique, unique_offsets, inverse = segmented_unique(local_ids, group_bounds)
         group_bounds_list = group_bounds.tolist()
         unique_list = unique_offsets.tolist()
         pieces: List[torch.Tensor] = []
         blocks = _SendBlocks(batch)
+        row_run_bounds = [0]
+        if rows is not None:
+            blocks.row_bags, row_ids, row_counts = rows
+            for count in row_counts:
+                row_run_bounds.append(row_run_bounds[-1] + count)
         for d in range(world):
             g0, g1 = self.dest_groups[d]
             id0, id1 = group_bounds_list[g0], group_bounds_list[g1]
@@ -349,8 +379,10 @@ class IdRouter:
                 inverse_bytes = 2 if u <= 65536 else 4
                 if u * self.id_bytes[d] + n * inverse_bytes < n * self.id_bytes[d]:
                     encoding = DEDUP16 if inverse_bytes == 2 else DEDUP32
+            runs = (self.rows.group_base[d] * num_micro, self.rows.group_base[d + 1] * num_micro)
+            r0, r1 = row_run_bounds[runs[0]] if rows else 0, row_run_bounds[runs[1]] if rows else 0
             sizes = _section_bytes(self.num_slots[d], batch, n, u, encoding, self.id_bytes[d],
-                                   weights is not None)
+                                   weights is not None, runs[1] - runs[0], r1 - r0)
             lengths_d = slot_lengths[self.slot_base[d] * batch: self.slot_base[d + 1] * batch]
             sections = [lengths_d]
             if encoding == RAW:
@@ -360,6 +392,11 @@ class IdRouter:
                 sections += [unique[u0:u1].to(id_dtype),
                              index.to(torch.int16 if encoding == DEDUP16 else torch.int32)]
             sections.append(weights[id0:id1] if weights is not None else None)
+            if rows is not None:
+                sections.append(torch.tensor(row_counts[runs[0]:runs[1]], dtype=torch.int32,
+                                             device=self.device))
+                sections.append(row_ids[r0:r1].to(id_dtype))
+            blocks.num_row_ids.append(r1 - r0)
             for section, size in zip(sections, sizes):
                 if section is None:
                     continue
@@ -373,9 +410,11 @@ class IdRouter:
             blocks.nbytes.append(sum(sizes))
             if d != me:
                 self.stats.id_bytes_sent += sum(sizes)
+                # The ids of row tables cost TorchRec its usual bags too.
+                row_bags = 0 if rows is None else blocks.row_bags.ids_to(d, self.rows)
                 self.stats.id_bytes_without_dedup += (
-                    lengths_d.numel() * length_bytes + n * value_bytes
-                    + (n * 4 if weights is not None else 0))
+                    lengths_d.numel() * length_bytes + (n + row_bags) * value_bytes
+                    + ((n + row_bags) * 4 if weights is not None else 0))
         blocks.buffer = torch.cat(pieces) if pieces else \
             torch.empty(0, dtype=torch.uint8, device=self.device)
         return blocks
@@ -388,13 +427,16 @@ class IdRouter:
         id_dtype = torch.int32 if self.id_bytes[me] == 4 else torch.int64
         micro = [row[_META:] for row in meta]
         num_micro = len(micro[0])
+        world = len(meta)
         total_batch = sum(row[1] for row in meta)
         lengths, ids, weights, counts = [], [], [], []
         start = 0
+        my_groups = self.rows.groups_per_rank[me]
+        row_sizes, row_ids = [], []
         for s, row in enumerate(meta):
-            _, batch, n, u, encoding = row[:_META]
+            _, batch, n, u, encoding, num_row_ids = row[:_META]
             sizes = _section_bytes(num_slots, batch, n, u, encoding, self.id_bytes[me],
-                                   self.is_weighted)
+                                   self.is_weighted, my_groups * num_micro, num_row_ids)
             bounds = [start]
             for size in sizes:
                 bounds.append(bounds[-1] + size)
@@ -420,10 +462,14 @@ class IdRouter:
                 ids.append(unique[index.to(torch.int64)])
             if self.is_weighted:
                 weights.append(received[bounds[3]: bounds[3] + n * 4].view(torch.float32))
+            if my_groups:
+                row_sizes.append(received[bounds[4]: bounds[4] + my_groups * num_micro * 4]
+                                 .view(torch.int32).to(torch.int64))
+                row_ids.append(received[bounds[5]: bounds[5] + num_row_ids * self.id_bytes[me]]
+                               .view(id_dtype).to(torch.int64))
         values = torch.cat([i.to(torch.int64) for i in ids]) if ids else \
             torch.zeros(0, dtype=torch.int64, device=self.device)
         psw = torch.cat(weights) if self.is_weighted else None
-        world = len(meta)
         all_lengths = torch.cat(lengths, dim=1) if lengths else \
             torch.zeros((num_slots, 0), dtype=torch.int32, device=self.device)
         if num_micro > 1 and world > 1:
@@ -446,7 +492,16 @@ class IdRouter:
         table_bounds = offsets[torch.tensor(self.my_table_first_slot, device=self.device)
                                * total_batch]
         unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
-        return LookupInput(unique_values, unique_offsets, inverse, offsets, psw, micro)
+        rows = None
+        if my_groups:
+            # (source, group, micro-batch) runs -> (group, micro-batch, source)
+            sizes = torch.stack(row_sizes).view(world, my_groups, num_micro)
+            all_ids = torch.cat(row_ids)
+            ordered = all_ids[_segment_gather(sizes, (1, 2, 0), all_ids.numel())]
+            counts = sizes.permute(1, 2, 0).tolist()
+            per_group = [sum(sum(c) for c in group) for group in counts]
+            rows = RowInput(list(torch.split(ordered, per_group)), counts)
+        return LookupInput(unique_values, unique_offsets, inverse, offsets, psw, micro, rows)
 
 
 def _cumsum(values):
@@ -480,8 +535,11 @@ class _SendBlocks:
     encoding: List[int] = field(default_factory=list)
     nbytes: List[int] = field(default_factory=list)
     buffer: Optional[torch.Tensor] = None
+    num_row_ids: List[int] = field(default_factory=list)
     # The batch's bag lengths, [input slots, B], in the module's (table, feature) order.
     input_lengths: Optional[torch.Tensor] = None
+    # This rank's bags of row tables, for pooling the rows the owners send back.
+    row_bags: Optional[RowBags] = None
 
 
 class _MetaAwaitable(Awaitable["_DataAwaitable"]):
@@ -496,6 +554,11 @@ class _MetaAwaitable(Awaitable["_DataAwaitable"]):
         """This rank's bag lengths [input slots, B] (None when its batch failed its checks)."""
         return self._blocks.input_lengths if self._blocks is not None else None
 
+    @property
+    def row_bags(self) -> Optional[RowBags]:
+        """This rank's bags of row tables (None without row tables or on bad input)."""
+        return self._blocks.row_bags if self._blocks is not None else None
+
     def _wait_impl(self) -> "_DataAwaitable":
         router = self._router
         self._work.wait()
@@ -509,9 +572,12 @@ class _MetaAwaitable(Awaitable["_DataAwaitable"]):
                 "the reason); no ids were exchanged")
         me = router.layout.rank
         num_slots = router.num_slots[me]
+        num_micro = len(meta[0]) - _META
+        row_runs = router.rows.groups_per_rank[me] * num_micro
         recv_sizes = [
-            sum(_section_bytes(num_slots, b, n, u, e, router.id_bytes[me], router.is_weighted))
-            for _, b, n, u, e in (row[:_META] for row in meta)
+            sum(_section_bytes(num_slots, b, n, u, e, router.id_bytes[me], router.is_weighted,
+                               row_runs, r))
+            for _, b, n, u, e, r in (row[:_META] for row in meta)
         ]
         for r, size in enumerate(recv_sizes):
             if r != me:

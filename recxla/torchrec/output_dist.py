@@ -1,35 +1,43 @@
-"""The output dist of recxla's sharded EmbeddingBagCollection: pooled embeddings back to the
-ranks whose samples they belong to, through `recxla.quantized_all_to_all`, and into the
-module's output columns.
+"""The output dist of recxla's sharded EmbeddingBagCollection: embeddings back to the ranks
+whose samples they belong to, through `recxla.quantized_all_to_all`, and into the module's
+output columns.
 
-Each owner's lookup output is [B_total, D_owner] (its slots' column blocks side by side, its
-sources' samples one after another), so the rows for source s are one contiguous block. Seen as
-rows of `wire_row_dim` values (a width that divides every shard's width, so no row straddles
-two embeddings), that is exactly one `quantized_all_to_all`: FP8 rows with a scale each in
-forward, the gradient back in the backward format. The receiver gets, from every owner, its
-[B, D_owner] block; `AssembleColumns` copies each column range to the module's output columns
-(TorchRec's order), summing the partial sums of row-sharded tables and dividing row-sharded
-MEAN bags by their length, in one pass forward and one pass backward.
+One exchange (a batch, or one micro-batch of the pipeline) is one `quantized_all_to_all`. What
+an owner sends a rank is, one after another:
+- its pooled block [B, D_owner] for that rank's samples: the column blocks of its pooled slots
+  (the owner's lookup output for that rank is one contiguous block of rows);
+- for each of its row groups, the unique rows that rank asked for [U, cols] (row_exchange.py).
+Every width is a multiple of `wire_row_dim` (it divides every shard's width), so the message is
+rows of wire_row_dim values with no row straddling two embeddings: FP8 rows with a scale each in
+forward, the gradient back in the backward format.
+
+The receiver copies each pooled column range to the module's output columns (TorchRec's
+order), pools its own bags of every row group from the rows it got, adds the partial sums of
+row-sharded tables and divides row-sharded MEAN bags by their length (`AssembleOutput`: one
+pass forward, one pass backward, which reduces the row groups' gradients per unique row).
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import get_format
-from recxla.ops.embedding_bag import MEAN
+from recxla.ops.embedding_bag import MEAN, SUM
 from recxla.torchrec.comm_stats import CommStats
+from recxla.torchrec.row_exchange import RowBags, RowInput, pool_rows, row_gradients
 from recxla.torchrec.shard_layout import OWNER, ShardLayout
 
 
 @dataclass(frozen=True)
 class ColumnCopy:
-    """Columns [src, src + width) of owner `owner`'s block go to output columns
-    [dst, dst + width); `add` when an earlier copy already wrote them (row-sharded sums)."""
+    """Columns [src, src + width) of source block `block` go to output columns
+    [dst, dst + width); `add` when an earlier copy already wrote them (row-sharded sums).
+    Blocks: the owners' pooled blocks (0 .. W-1), then the receiver's own pooling of each
+    global row group (W + g)."""
 
-    owner: int
+    block: int
     src: int
     dst: int
     width: int
@@ -37,87 +45,70 @@ class ColumnCopy:
 
 
 def column_copies(layout: ShardLayout) -> List[ColumnCopy]:
-    """The copies from the received blocks to the output, adjacent ranges merged."""
+    """The copies from the received (and locally pooled) blocks to the output, adjacent
+    ranges merged."""
     targets = layout.output_columns(layout.rank).tolist()
-    copies: List[ColumnCopy] = []
-    written = set()
+    columns: List[Tuple[int, int, int]] = []  # (block, src, dst)
     position = 0
     for owner in range(layout.world_size):
         for src in range(layout.output_dim(owner)):
-            dst = targets[position]
+            columns.append((owner, src, targets[position]))
             position += 1
-            add = dst in written
-            written.add(dst)
-            last = copies[-1] if copies else None
-            if (last is not None and last.owner == owner and last.add == add
-                    and last.src + last.width == src and last.dst + last.width == dst):
-                copies[-1] = ColumnCopy(owner, last.src, last.dst, last.width + 1, add)
-            else:
-                copies.append(ColumnCopy(owner, src, dst, 1, add))
+    group = 0
+    for owner in range(layout.world_size):
+        for local in layout.row_groups(owner):
+            s = local.shard
+            for j, feature in enumerate(layout.tables[s.table].feature_names):
+                base = layout.output_offset(s.table, feature) + s.col_offset
+                columns.extend((layout.world_size + group, j * s.cols + c, base + c)
+                               for c in range(s.cols))
+            group += 1
+    copies: List[ColumnCopy] = []
+    written = set()
+    for block, src, dst in columns:
+        add = dst in written
+        written.add(dst)
+        last = copies[-1] if copies else None
+        if (last is not None and last.block == block and last.add == add
+                and last.src + last.width == src and last.dst + last.width == dst):
+            copies[-1] = ColumnCopy(block, last.src, last.dst, last.width + 1, add)
+        else:
+            copies.append(ColumnCopy(block, src, dst, 1, add))
     return copies
 
 
-def _owner_blocks(flat: torch.Tensor, batch: int, owner_dims: List[int]) -> List[torch.Tensor]:
-    blocks, start = [], 0
-    for dim in owner_dims:
-        blocks.append(flat[start: start + batch * dim].view(batch, dim))
-        start += batch * dim
-    return blocks
+@dataclass
+class Message:
+    """The layout of one received message, in values: per owner its pooled block (offset,
+    [batch, dim]) and its row groups' rows (offset, global group, rows, cols); and the bags
+    this rank pools from them."""
+
+    batch: int
+    pooled: List[Tuple[int, int]]
+    rows: List[Tuple[int, int, int, int]]
+    total: int
+    bags: Optional[RowBags] = None
+    micro_batch: int = 0
 
 
-def assemble_columns(received: torch.Tensor, batch: int, owner_dims: List[int],
-                     copies: List[ColumnCopy], out_dim: int, mean_ranges, bag_lengths):
-    """received [R, wire_row_dim] (owner blocks of [batch, D_owner], one after another) ->
-    [batch, out_dim]: each copy's columns to their output columns (adding row-sharded parts),
-    then the mean ranges divided by bag_lengths (float32 [batch, ranges], >= 1)."""
-    blocks = _owner_blocks(received.reshape(-1), batch, owner_dims)
-    out = received.new_empty((batch, out_dim))
-    for c in copies:
-        source = blocks[c.owner][:, c.src: c.src + c.width]
-        target = out[:, c.dst: c.dst + c.width]
-        if c.add:
-            target.add_(source)
-        else:
-            target.copy_(source)
-    for k, (lo, hi) in enumerate(mean_ranges):
-        out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
-    return out
-
-
-def split_columns(grad_out: torch.Tensor, shape, batch: int, owner_dims: List[int],
-                  copies: List[ColumnCopy], mean_ranges, bag_lengths) -> torch.Tensor:
-    """The transpose of assemble_columns: [batch, out_dim] -> `shape` (the received layout)."""
-    grad_out = grad_out.contiguous()
-    if mean_ranges:
-        grad_out = grad_out.clone()
-        for k, (lo, hi) in enumerate(mean_ranges):
-            grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
-    grad = grad_out.new_empty(shape)
-    blocks = _owner_blocks(grad.view(-1), batch, owner_dims)
-    for c in copies:
-        blocks[c.owner][:, c.src: c.src + c.width].copy_(grad_out[:, c.dst: c.dst + c.width])
-    return grad
-
-
-class AssembleColumns(torch.autograd.Function):
-    """assemble_columns, differentiable w.r.t. `received`."""
+class AssembleOutput(torch.autograd.Function):
+    """received [R, wire_row_dim] -> the module's output [batch, out_dim]; differentiable
+    w.r.t. received (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, received, batch, owner_dims, copies, out_dim, mean_ranges, bag_lengths):
-        ctx.meta = (received.shape, batch, owner_dims, copies, mean_ranges)
-        ctx.save_for_backward(bag_lengths)
-        return assemble_columns(received, batch, owner_dims, copies, out_dim, mean_ranges,
-                                bag_lengths)
+    def forward(ctx, received, dist, message, bag_lengths):
+        ctx.dist, ctx.message = dist, message
+        ctx.save_for_backward(received, bag_lengths)
+        return dist._assemble(received.reshape(-1), message, bag_lengths)
 
     @staticmethod
     def backward(ctx, grad_out):
-        (bag_lengths,) = ctx.saved_tensors
-        return (split_columns(grad_out, *ctx.meta, bag_lengths),
-                None, None, None, None, None, None)
+        received, bag_lengths = ctx.saved_tensors
+        return (ctx.dist._split(grad_out, received, ctx.message, bag_lengths), None, None, None)
 
 
 class OutputDist:
-    """Sends each owner's pooled rows back and assembles the receiver's output.
+    """Sends each owner's embeddings back and assembles the receiver's output.
 
     Args:
         layout: the module's ShardLayout.
@@ -134,7 +125,16 @@ class OutputDist:
         self.copies = column_copies(layout)
         self.fwd_row_bytes = get_format(fwd, OWNER, "fwd_comm").row_bytes(self.row_dim)
         self.bwd_row_bytes = get_format(bwd, OWNER, "bwd_comm").row_bytes(self.row_dim)
-        # Output columns of row-sharded MEAN tables: pooled as sums at the owners.
+        world = layout.world_size
+        groups = [g for r in range(world) for g in layout.row_groups(r)]
+        self.group_cols = [g.cols for g in groups]
+        self.group_base = [0]
+        for r in range(world):
+            self.group_base.append(self.group_base[-1] + len(layout.row_groups(r)))
+        self.group_features = [len(layout.tables[g.table].feature_names) for g in groups]
+        self.group_pooling = [SUM if layout.row_sharded(g.table) else
+                              layout.tables[g.table].pooling for g in groups]
+        # Output columns of row-sharded MEAN tables: their parts are summed, then divided.
         self.mean_ranges: List[Tuple[int, int]] = []
         self.mean_slots: List[int] = []
         offset = 0
@@ -144,68 +144,167 @@ class OutputDist:
                 self.mean_slots.append(slot)
             offset += dim
 
-    def start(self, pooled: torch.Tensor, source_batches: List[int], batch: int):
-        """pooled: float32 [sum(source_batches), D_me], the owner's rows for each source in
-        turn; batch: this rank's samples. -> (in-flight QuantizedAllToAllHandle, rows sent to
-        each rank, rows expected from each rank)."""
+    # -------------------------------------------------------------- message layouts
+
+    def receive_layout(self, batch: int, bags: Optional[RowBags], k: int = 0) -> Message:
+        """What this rank receives in exchange k (its `batch` samples of that micro-batch)."""
+        pooled, rows, offset = [], [], 0
+        for owner in range(self.layout.world_size):
+            pooled.append((offset, self.owner_dims[owner]))
+            offset += batch * self.owner_dims[owner]
+            for g in range(self.group_base[owner], self.group_base[owner + 1]):
+                count = int(bags.counts[g, k]) if bags is not None else 0
+                rows.append((offset, g, count, self.group_cols[g]))
+                offset += count * self.group_cols[g]
+        return Message(batch, pooled, rows, offset, bags, k)
+
+    def send_sizes(self, source_batches: Sequence[int], rows: Optional[RowInput],
+                   k: int = 0) -> List[int]:
+        """Values this owner sends each rank in exchange k."""
         me = self.layout.rank
-        rows_per_sample = self.owner_dims[me] // self.row_dim
-        send = [b * rows_per_sample for b in source_batches]
-        recv = [batch * dim // self.row_dim for dim in self.owner_dims]
-        for r in range(self.layout.world_size):
-            if r != me:
-                self.stats.embedding_bytes_sent += send[r] * self.fwd_row_bytes
-                self.stats.embedding_bytes_received += recv[r] * self.fwd_row_bytes
-        rows = pooled.reshape(-1, self.row_dim)
-        handle = quantized_all_to_all(rows, recv, send, group=self.group, fwd=self.fwd,
-                                      bwd=self.bwd, async_op=True, validate_splits=False)
+        groups = range(self.group_base[me + 1] - self.group_base[me])
+        return [b * self.owner_dims[me] + sum(rows.rows(g, k, s) * self.group_cols[
+            self.group_base[me] + g] for g in groups) if rows is not None else
+            b * self.owner_dims[me] for s, b in enumerate(source_batches)]
+
+    def _count(self, sent: Sequence[int], received: Sequence[int], forward: bool) -> None:
+        me = self.layout.rank
+        row_bytes = self.fwd_row_bytes if forward else self.bwd_row_bytes
+        out = sum(n for r, n in enumerate(sent) if r != me) // self.row_dim * row_bytes
+        into = sum(n for r, n in enumerate(received) if r != me) // self.row_dim * row_bytes
+        if forward:
+            self.stats.embedding_bytes_sent += out
+            self.stats.embedding_bytes_received += into
+        else:
+            self.stats.gradient_bytes_sent += out
+            self.stats.gradient_bytes_received += into
+
+    # -------------------------------------------------------------- forward exchange
+
+    def start(self, pooled: torch.Tensor, source_batches: List[int], message: Message,
+              row_outputs: Sequence[torch.Tensor] = (), rows: Optional[RowInput] = None):
+        """Starts exchange `message.micro_batch`. pooled: float32 [sum(source_batches),
+        D_me], the owner's pooled rows for each source in turn; row_outputs: per local row
+        group, its gathered rows [R_g, cols] (rows.ids order). -> (in-flight handle, values
+        sent to each rank, values expected from each rank)."""
+        k = message.micro_batch
+        me = self.layout.rank
+        pieces, start = [], 0
+        for s, b in enumerate(source_batches):
+            pieces.append(pooled[start: start + b].reshape(-1))
+            start += b
+            for g, out in enumerate(row_outputs):
+                first = rows.start(g, k, s)
+                pieces.append(out[first: first + rows.rows(g, k, s)].reshape(-1))
+        send = self.send_sizes(source_batches, rows, k)
+        recv = _owner_totals(message)
+        self._count(send, recv, forward=True)
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        handle = quantized_all_to_all(flat.view(-1, self.row_dim), [n // self.row_dim for n in recv],
+                                      [n // self.row_dim for n in send], group=self.group,
+                                      fwd=self.fwd, bwd=self.bwd, async_op=True,
+                                      validate_splits=False)
         return handle, send, recv
 
-    def assemble(self, received: torch.Tensor, batch: int,
+    def assemble(self, received: torch.Tensor, message: Message,
                  bag_lengths: Optional[torch.Tensor]) -> torch.Tensor:
-        """received rows (from `start`'s handle) -> [batch, sum of embedding dims], the
-        module's output columns; differentiable."""
+        """received rows -> [batch, sum of embedding dims], the module's output columns;
+        differentiable."""
         if bag_lengths is None:
-            bag_lengths = received.new_empty((batch, 0))
-        return AssembleColumns.apply(received, batch, self.owner_dims, self.copies,
-                                     self.out_dim, self.mean_ranges, bag_lengths)
+            bag_lengths = received.new_empty((message.batch, 0))
+        return AssembleOutput.apply(received, self, message, bag_lengths)
 
-    def start_gradient(self, grad_out: torch.Tensor, source_batches: List[int], batch: int,
-                       bag_lengths: Optional[torch.Tensor]):
-        """The backward exchange on its own (no autograd): grad_out float32 [batch, sum of
-        embedding dims] -> the in-flight handle whose wait() gives the owner's gradient rows,
-        [sum(source_batches) * D_me / wire_row_dim, wire_row_dim], sent in `bwd`."""
-        me = self.layout.rank
-        rows_per_sample = self.owner_dims[me] // self.row_dim
-        to_owners = [batch * dim // self.row_dim for dim in self.owner_dims]
-        from_sources = [b * rows_per_sample for b in source_batches]
-        if bag_lengths is None:
-            bag_lengths = grad_out.new_empty((batch, 0))
-        rows = split_columns(grad_out, (sum(to_owners), self.row_dim), batch, self.owner_dims,
-                             self.copies, self.mean_ranges, bag_lengths)
-        for r in range(self.layout.world_size):
-            if r != me:
-                self.stats.gradient_bytes_sent += to_owners[r] * self.bwd_row_bytes
-                self.stats.gradient_bytes_received += from_sources[r] * self.bwd_row_bytes
-        return quantized_all_to_all(rows, from_sources, to_owners, group=self.group,
-                                    fwd=self.bwd, bwd=self.bwd, async_op=True,
-                                    validate_splits=False)
-
-    def finish(self, handle, send: List[int], recv: List[int], batch: int,
+    def finish(self, handle, sent: List[int], message: Message,
                bag_lengths: Optional[torch.Tensor], on_backward) -> torch.Tensor:
-        """Waits for the rows and assembles [batch, sum of embedding dims]; `on_backward` runs
-        when the output's gradient arrives, before it is sent back."""
+        """Waits for the rows and assembles the output (autograd path); `on_backward` runs
+        when the output's gradient arrives, before it is sent back. sent: the values this
+        rank sent each rank in the forward exchange (`start`)."""
         received = handle.wait()
         if received.requires_grad:
-            me = self.layout.rank
-            gradient_sent = sum(n for r, n in enumerate(recv) if r != me) * self.bwd_row_bytes
-            gradient_received = sum(n for r, n in enumerate(send) if r != me) * \
-                self.bwd_row_bytes
+            back = _owner_totals(message)
 
             def hook(grad):
-                self.stats.gradient_bytes_sent += gradient_sent
-                self.stats.gradient_bytes_received += gradient_received
+                # The gradients retrace the forward's paths backwards.
+                self._count(back, sent, forward=False)
                 on_backward()
 
             received.register_hook(hook)
-        return self.assemble(received, batch, bag_lengths)
+        return self.assemble(received, message, bag_lengths)
+
+    # -------------------------------------------------------------- backward exchange
+
+    def start_gradient(self, grad_out: torch.Tensor, source_batches: List[int],
+                       message: Message, bag_lengths: Optional[torch.Tensor],
+                       rows: Optional[RowInput]):
+        """The backward exchange on its own (no autograd): grad_out float32 [batch, sum of
+        embedding dims] -> (in-flight handle whose wait() gives the owner's gradient message,
+        the sizes it will hold per source)."""
+        if bag_lengths is None:
+            bag_lengths = grad_out.new_empty((message.batch, 0))
+        template = grad_out.new_empty((message.total,))
+        grad = self._split(grad_out, template, message, bag_lengths)
+        to_owners = _owner_totals(message)
+        from_sources = self.send_sizes(source_batches, rows, message.micro_batch)
+        self._count(to_owners, from_sources, forward=False)
+        handle = quantized_all_to_all(grad.view(-1, self.row_dim),
+                                      [n // self.row_dim for n in from_sources],
+                                      [n // self.row_dim for n in to_owners], group=self.group,
+                                      fwd=self.bwd, bwd=self.bwd, async_op=True,
+                                      validate_splits=False)
+        return handle, from_sources
+
+    # -------------------------------------------------------------- the two passes
+
+    def _assemble(self, flat: torch.Tensor, message: Message,
+                  bag_lengths: torch.Tensor) -> torch.Tensor:
+        batch = message.batch
+        blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
+        for offset, g, count, cols in message.rows:
+            inverse, offsets, weights, _ = message.bags.bags(g, message.micro_batch,
+                                                            self.group_features[g])
+            rows = flat[offset: offset + count * cols].view(count, cols)
+            blocks.append(pool_rows(rows, inverse, offsets, weights, self.group_features[g],
+                                    self.group_pooling[g], batch))
+        out = flat.new_empty((batch, self.out_dim))
+        for c in self.copies:
+            source = blocks[c.block][:, c.src: c.src + c.width]
+            target = out[:, c.dst: c.dst + c.width]
+            if c.add:
+                target.add_(source)
+            else:
+                target.copy_(source)
+        for k, (lo, hi) in enumerate(self.mean_ranges):
+            out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
+        return out
+
+    def _split(self, grad_out: torch.Tensor, received: torch.Tensor, message: Message,
+               bag_lengths: torch.Tensor) -> torch.Tensor:
+        """The transpose of _assemble: -> a gradient shaped like `received`."""
+        batch = message.batch
+        grad_out = grad_out.contiguous()
+        if self.mean_ranges:
+            grad_out = grad_out.clone()
+            for k, (lo, hi) in enumerate(self.mean_ranges):
+                grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
+        grad = grad_out.new_empty(received.shape)
+        flat = grad.view(-1)
+        blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
+        pooled_grads = [grad_out.new_empty((batch, self.group_features[g] * cols))
+                        for _, g, _, cols in message.rows]
+        blocks.extend(pooled_grads)
+        for c in self.copies:
+            blocks[c.block][:, c.src: c.src + c.width].copy_(grad_out[:, c.dst: c.dst + c.width])
+        for (offset, g, count, cols), local in zip(message.rows, pooled_grads):
+            inverse, offsets, weights, _ = message.bags.bags(g, message.micro_batch,
+                                                            self.group_features[g])
+            rows = received.reshape(-1)[offset: offset + count * cols].view(count, cols)
+            flat[offset: offset + count * cols].view(count, cols).copy_(row_gradients(
+                local, rows, inverse, offsets, weights, self.group_features[g],
+                self.group_pooling[g], batch))
+        return grad
+
+
+def _owner_totals(message: Message) -> List[int]:
+    """Values received from each owner (its pooled block and its row groups' rows)."""
+    starts = [offset for offset, _ in message.pooled] + [message.total]
+    return [starts[i + 1] - starts[i] for i in range(len(message.pooled))]

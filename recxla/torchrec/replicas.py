@@ -135,7 +135,7 @@ class ReplicatedLookup(torch.autograd.Function):
         lookup = ctx.saved_tensors
         batch = ctx_batch(lookup[3], module)
         grad_output = grad_output.contiguous().float()
-        kinds, states, hparams = module.fused_optimizer.step_arguments()
+        kinds, states, hparams = module._step_arguments(0, len(weights))
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
         common = (module._slot_table, module._owner_pooling, batch)
         with torch.no_grad():

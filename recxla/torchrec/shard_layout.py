@@ -9,9 +9,14 @@ and table-row-wise cut rows. What follows from that:
 - A *local table* is one shard as a rank's lookup sees it: one weight [rows, cols]. A rank may
   hold several shards of one table (column-wise may put two column blocks on one rank); each is
   a local table of its own, and the ids of their table go to each of them.
-- A *slot* is (local table, feature of that table) on a rank, in a fixed order. The input dist
-  sends, per destination rank, the bags of its slots; the owner pools them into a [B, cols]
-  column block per slot, and the output all-to-all sends those blocks back.
+- A table is exchanged in one of two ways. *Pooled* (TorchRec's way): the owner pools every
+  bag and sends [B, cols] per feature back. *Rows*: the owner sends the unique rows a rank's
+  batch needs (per micro-batch) and that rank pools its own bags; with skewed keys far fewer
+  rows than bags cross the links. A rank's local tables list its pooled tables first, then its
+  row tables (its *row groups*).
+- A *slot* is (pooled local table, feature of that table) on a rank, in a fixed order. The input
+  dist sends, per destination rank, the bags of its slots; the owner pools them into a
+  [B, cols] column block per slot, and the output all-to-all sends those blocks back.
 - An id of feature f of table t goes to every rank that holds a shard of the row block it falls
   in: one rank for table-wise and row-wise, every column owner for column-wise.
 - The output columns of the module are TorchRec's (the unsharded module's): one column block
@@ -20,7 +25,7 @@ and table-row-wise cut rows. What follows from that:
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,12 +80,14 @@ class TableInfo:
 
 @dataclass
 class Route:
-    """Where the ids of one input slot's row block go: rank `dest`, its slot `dest_slot`,
-    with row_offset subtracted (ids arrive local to the owner's rows)."""
+    """Where the ids of one input slot's row block go: rank `dest`, its slot `dest_slot` (a
+    pooled table) or its row group `row_group` (a row table; dest_slot is then -1), with
+    row_offset subtracted (ids arrive local to the owner's rows)."""
 
     dest: int
     dest_slot: int
     row_offset: int
+    row_group: int = -1
 
 
 @dataclass
@@ -94,9 +101,12 @@ class ShardLayout:
     world_size: int
     tables: List[TableInfo]
     shards: List[List[Shard]]  # per table, in plan order
-    # Per rank: its local tables (ordered by table, then row offset) and slots.
+    # Per rank: its local tables (pooled ones, then row ones; each by table, then row offset),
+    # how many are pooled, and the slots of the pooled ones.
     local_tables: List[List[LocalTable]]
+    num_pooled: List[int]
     slots: List[List[Tuple[int, str]]]  # per rank: (local table index, feature name)
+    row_tables: FrozenSet[int] = frozenset()
     # The module's output: embedding names and dims in table order; one input slot per name.
     embedding_names: List[str] = field(default_factory=list)
     embedding_dims: List[int] = field(default_factory=list)
@@ -121,25 +131,41 @@ class ShardLayout:
         """Columns of rank's lookup output (the sum of its slots' widths)."""
         return sum(self.slot_cols(rank))
 
+    def row_groups(self, rank: int) -> List[LocalTable]:
+        """rank's local tables exchanged as rows, in order (row group g = local table
+        num_pooled[rank] + g)."""
+        return self.local_tables[rank][self.num_pooled[rank]:]
+
     def row_sharded(self, table: int) -> bool:
         """True when the table's rows are cut: its pooled sums arrive in parts."""
         return any(s.rows != self.tables[table].num_embeddings for s in self.shards[table])
 
     @staticmethod
     def build(tables: Sequence[TableInfo], shards: Sequence[Sequence[Shard]], rank: int,
-              world_size: int, max_wire_row_dim: Optional[int] = None) -> "ShardLayout":
+              world_size: int, max_wire_row_dim: Optional[int] = None,
+              row_tables: Iterable[int] = ()) -> "ShardLayout":
+        """row_tables: indices of the tables exchanged as rows (the others are pooled)."""
         _check_shards(tables, shards, world_size)
+        row_tables = frozenset(row_tables)
+        if not row_tables <= set(range(len(tables))):
+            raise ValueError(f"{OWNER}: row_tables {sorted(row_tables)} must index the "
+                             f"{len(tables)} tables")
         local_tables: List[List[LocalTable]] = [[] for _ in range(world_size)]
-        for t, table_shards in enumerate(shards):
-            for s in sorted(table_shards, key=lambda s: (s.row_offset, s.col_offset)):
-                local_tables[s.rank].append(LocalTable(t, s))
+        for rows_pass in (False, True):
+            for t, table_shards in enumerate(shards):
+                if (t in row_tables) != rows_pass:
+                    continue
+                for s in sorted(table_shards, key=lambda s: (s.row_offset, s.col_offset)):
+                    local_tables[s.rank].append(LocalTable(t, s))
+        num_pooled = [sum(1 for lt in rank_tables if lt.table not in row_tables)
+                      for rank_tables in local_tables]
         slots = [
-            [(lt, f) for lt, local in enumerate(local_tables[r])
+            [(lt, f) for lt, local in enumerate(local_tables[r][:num_pooled[r]])
              for f in tables[local.table].feature_names]
             for r in range(world_size)
         ]
         layout = ShardLayout(rank, world_size, list(tables), [list(s) for s in shards],
-                             local_tables, slots)
+                             local_tables, num_pooled, slots, row_tables)
         layout._build_inputs()
         widths = [s.cols for table_shards in shards for s in table_shards]
         layout.wire_row_dim = math.gcd(*widths) if widths else 1
@@ -174,8 +200,12 @@ class ShardLayout:
                 for start in starts:
                     block = sorted((s for s in self.shards[t] if s.row_offset == start),
                                    key=lambda s: (s.rank, s.col_offset))
-                    routes.append([Route(s.rank, slot_index[s.rank][(local_of[s.rank][s], f)],
-                                         start) for s in block])
+                    if t in self.row_tables:
+                        routes.append([Route(s.rank, -1, start, local_of[s.rank][s]
+                                             - self.num_pooled[s.rank]) for s in block])
+                    else:
+                        routes.append([Route(s.rank, slot_index[s.rank][(local_of[s.rank][s], f)],
+                                             start) for s in block])
                 self.block_routes.append(routes)
 
     def owner_pooling(self, rank: int) -> List[int]:
@@ -186,9 +216,19 @@ class ShardLayout:
             for local in self.local_tables[rank]
         ]
 
+    def output_offset(self, table: int, feature: str) -> int:
+        """The first output column of (table, feature)."""
+        offset = 0
+        for t, f, dim in zip(self.input_slot_table, self.input_slot_feature,
+                             self.embedding_dims):
+            if (t, f) == (table, feature):
+                return offset
+            offset += dim
+        raise KeyError((table, feature))
+
     def output_columns(self, rank: int) -> torch.Tensor:
-        """For each column of the received blocks, from owner 0, 1, ... in turn (each owner's
-        slots in order): the module output column it lands in.
+        """For each column of the received pooled blocks, from owner 0, 1, ... in turn (each
+        owner's slots in order): the module output column it lands in.
         int64 [sum over owners of output_dim(owner)]."""
         name_offset, offset = {}, 0
         for t, f, dim in zip(self.input_slot_table, self.input_slot_feature,

@@ -23,7 +23,7 @@ takes ShardedTensors or full unsharded tensors.
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer, table_update
 from recxla.torchrec.input_dist import IdRouter, LookupInput
 from recxla.torchrec.output_dist import OutputDist
 from recxla.torchrec.replicas import ReplicaSync, ReplicatedLookup
+from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup
 from recxla.torchrec.shard_layout import OWNER, Shard, ShardLayout, TableInfo
 
 SUPPORTED_SHARDING_TYPES = [
@@ -75,6 +76,8 @@ class ShardedEmbeddingBagContext(Multistreamable):
     batch_size: int = 0
     source_batches: List[int] = field(default_factory=list)
     bag_lengths: Optional[torch.Tensor] = None
+    row_bags: Optional[RowBags] = None  # this rank's bags of row tables (row_exchange.py)
+    rows: Optional[RowInput] = None  # the owner's requested rows
     # TorchRec's input-dist awaitables look for per-sharding contexts; recxla keeps none.
     sharding_contexts: List[Any] = field(default_factory=list)
 
@@ -100,6 +103,9 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         module_fqn: the module's path in the model.
         replicas: in 2D training (env is one node's shard group), how the copies of this
             rank's shards on the other nodes stay in step (recxla.torchrec.replicas); None: 1D.
+        row_exchange: which tables' owners send unique rows instead of pooled bags
+            (row_exchange.py): "off" (none), "all", or a list of table names. Tables in it
+            need a fused optimizer.
     forward(features: KeyedJaggedTensor) -> LazyAwaitable[KeyedTensor], values float32
     [B, sum of dims] as the unsharded module's. `comm_stats` counts the bytes.
     """
@@ -116,6 +122,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         dedup_ids: bool = True,
         module_fqn: Optional[str] = None,
         replicas: Optional[ReplicaSync] = None,
+        row_exchange: Union[str, Sequence[str]] = "off",
     ) -> None:
         # TorchRec's constructor builds FBGEMM lookups and its own dists; recxla builds its own.
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=None)
@@ -128,6 +135,9 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             raise ValueError(f"{OWNER}: shards must live on a real device, got meta")
         self._fwd_comm, self._bwd_comm = fwd_comm, bwd_comm
         self._replicas = replicas
+        if replicas is not None and row_exchange != "off":
+            raise ValueError(f"{OWNER}: row_exchange with 2D replicas is not supported yet; "
+                             "use row_exchange='off' with replicas")
         configs = module.embedding_bag_configs()
         self._embedding_bag_configs = configs
         self._table_names = [c.name for c in configs]
@@ -146,12 +156,19 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                                     MEAN if config.pooling == PoolingType.MEAN else SUM))
             shards.append(_plan_shards(t, config.name, sharding))
         group = env.process_group
-        self._layout = ShardLayout.build(tables, shards, env.rank, env.world_size)
+        row_tables = _row_tables(row_exchange, self._table_names)
+        self._layout = ShardLayout.build(tables, shards, env.rank, env.world_size,
+                                         row_tables=row_tables)
         self.comm_stats = CommStats()
         self._staged_outputs: Deque[KeyedTensor] = deque()
 
         unsharded = {c.name: module.embedding_bags[c.name].weight for c in configs}
         updates = [table_update(c.name, unsharded[c.name], fused_params) for c in configs]
+        for t in row_tables:
+            if updates[t].kind == NONE:
+                raise ValueError(f"{OWNER}: table '{self._table_names[t]}' is in row_exchange, "
+                                 "which needs a fused optimizer (fused_params or "
+                                 "apply_optimizer_in_backward)")
         me = env.rank
         local_tables = self._layout.local_tables[me]
         self._local_of_table: Dict[int, List[int]] = {}
@@ -208,7 +225,8 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                                 self.comm_stats)
         self._output = OutputDist(self._layout, group, fwd_comm, bwd_comm, self.comm_stats)
         self._slot_table = [lt for lt, _ in self._layout.slots[me]]
-        self._owner_pooling = self._layout.owner_pooling(me)
+        self._num_pooled = self._layout.num_pooled[me]
+        self._owner_pooling = self._layout.owner_pooling(me)[: self._num_pooled]
         self._embedding_names = list(self._layout.embedding_names)
         self._embedding_dims = list(self._layout.embedding_dims)
         self._register_state_dict_hook(ShardedEmbeddingBagCollection._state_dict_hook)
@@ -280,6 +298,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         if lengths is not None:
             ctx.batch_size = lengths.shape[1]
             ctx.bag_lengths = self.mean_bag_lengths(lengths)
+            ctx.row_bags = awaitable.row_bags
         return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
 
     def mean_bag_lengths(self, input_lengths: torch.Tensor) -> Optional[torch.Tensor]:
@@ -311,35 +330,69 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         """The next forward returns `output` instead of running (recxla.pipeline's FWP)."""
         self._staged_outputs.append(output)
 
-    def compute(self, ctx: ShardedEmbeddingBagContext, dist_input: KJTList) -> torch.Tensor:
-        """The owner's lookup. -> float32 [sum of the sources' batches, D_owner]."""
+    def compute(self, ctx: ShardedEmbeddingBagContext, dist_input: KJTList):
+        """The owner's lookup. -> (pooled float32 [sum of the sources' batches, D_owner],
+        per row group its gathered rows [R_g, cols_g])."""
         lookup_input: LookupInput = dist_input[0]
         ctx.source_batches = lookup_input.batch_sizes
-        if not self._local_weights:
-            # Nothing to look up; still part of the graph, so this rank takes part in the
-            # gradient all-to-all of backward.
-            return torch.zeros((lookup_input.batch_size, 0), device=self._device,
-                               requires_grad=torch.is_grad_enabled())
-        if self._replicas is not None:
-            return ReplicatedLookup.apply(
+        ctx.rows = lookup_input.rows
+        return self.lookup(lookup_input)
+
+    def lookup(self, lookup_input: LookupInput):
+        """compute() without a context: (lookup_pooled, lookup_rows)."""
+        row_outputs = self.lookup_rows(lookup_input)
+        return self.lookup_pooled(lookup_input, rows_follow=bool(row_outputs)), row_outputs
+
+    def lookup_rows(self, lookup_input: LookupInput):
+        """The row groups' rows that every rank asked for (RowLookup: the fused update of each
+        row once in backward). -> per row group [R_g, cols_g]."""
+        row_weights = self._local_weights[self._num_pooled:]
+        if not row_weights:
+            return ()
+        return tuple(RowLookup.apply(lambda: self._step_arguments(self._num_pooled, None),
+                                     tuple(lookup_input.rows.ids), *row_weights))
+
+    def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
+        """The pooled tables' lookup (fused optimizer in its backward). -> float32
+        [sum of the sources' batches, D_owner]."""
+        pooled_weights = self._local_weights[: self._num_pooled]
+        if not pooled_weights:
+            # Nothing pooled here; with no rows either, the zeros still join the graph, so
+            # this rank takes part in the gradient all-to-all of backward.
+            pooled = torch.zeros((lookup_input.batch_size, 0), device=self._device,
+                                 requires_grad=torch.is_grad_enabled() and not rows_follow)
+        elif self._replicas is not None:
+            pooled = ReplicatedLookup.apply(
                 self, lookup_input.unique_values, lookup_input.unique_offsets,
                 lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
-                *self._local_weights)
-        plan = LookupPlan(
-            feature_table=self._slot_table,
-            pooling=self._owner_pooling,
-            batch_size=lookup_input.batch_size,
-            optimizer_step=self._optim.step_arguments if self._has_fused_update else None,
-        )
-        return FusedPooledLookup.apply(
-            plan, lookup_input.unique_values, lookup_input.unique_offsets, lookup_input.inverse,
-            lookup_input.offsets, lookup_input.per_sample_weights, *self._local_weights)
+                *pooled_weights)
+        else:
+            plan = LookupPlan(
+                feature_table=self._slot_table,
+                pooling=self._owner_pooling,
+                batch_size=lookup_input.batch_size,
+                optimizer_step=(lambda: self._step_arguments(0, self._num_pooled))
+                if self._has_fused_update else None,
+            )
+            pooled = FusedPooledLookup.apply(
+                plan, lookup_input.unique_values, lookup_input.unique_offsets,
+                lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
+                *pooled_weights)
+        return pooled
 
-    def output_dist(self, ctx: ShardedEmbeddingBagContext,
-                    output: torch.Tensor) -> LazyAwaitable[KeyedTensor]:
-        """Starts the pooled rows' all-to-all. -> LazyAwaitable[KeyedTensor]."""
-        handle, send, recv = self._output.start(output, ctx.source_batches, ctx.batch_size)
-        return _PooledEmbeddingsAwaitable(self, handle, send, recv, ctx)
+    def _step_arguments(self, first: int, last: Optional[int]):
+        """The fused optimizer's (kinds, states, hparams) of local tables first .. last."""
+        kinds, states, hparams = self._optim.step_arguments()
+        last = len(kinds) if last is None else last
+        return kinds[first:last], states[first:last], hparams[4 * first: 4 * last]
+
+    def output_dist(self, ctx: ShardedEmbeddingBagContext, output) -> LazyAwaitable[KeyedTensor]:
+        """Starts the embeddings' all-to-all. -> LazyAwaitable[KeyedTensor]."""
+        pooled, row_outputs = output
+        message = self._output.receive_layout(ctx.batch_size, ctx.row_bags)
+        handle, send, _ = self._output.start(pooled, ctx.source_batches, message, row_outputs,
+                                             ctx.rows)
+        return _PooledEmbeddingsAwaitable(self, handle, send, message, ctx)
 
     def compute_and_output_dist(self, ctx: ShardedEmbeddingBagContext,
                                 input: KJTList) -> LazyAwaitable[KeyedTensor]:
@@ -415,20 +468,35 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
 
 
 class _PooledEmbeddingsAwaitable(LazyAwaitable[KeyedTensor]):
-    def __init__(self, module: ShardedEmbeddingBagCollection, handle, send, recv,
+    def __init__(self, module: ShardedEmbeddingBagCollection, handle, send, message,
                  ctx: ShardedEmbeddingBagContext):
         super().__init__()
-        self._module, self._handle, self._send, self._recv, self._ctx = \
-            module, handle, send, recv, ctx
+        self._module, self._handle, self._send, self._message, self._ctx = \
+            module, handle, send, message, ctx
 
     def _wait_impl(self) -> KeyedTensor:
         module = self._module
-        values = module._output.finish(self._handle, self._send, self._recv,
-                                       self._ctx.batch_size, self._ctx.bag_lengths,
-                                       module._optim.count_step)
+        values = module._output.finish(self._handle, self._send, self._message,
+                                       self._ctx.bag_lengths, module._optim.count_step)
         self._handle = None
         return KeyedTensor(keys=module._embedding_names,
                            length_per_key=module._embedding_dims, values=values)
+
+
+def _row_tables(row_exchange, names: List[str]) -> List[int]:
+    """Indices of the tables named by row_exchange ("off", "all" or a list of names)."""
+    if row_exchange == "off":
+        return []
+    if row_exchange == "all":
+        return list(range(len(names)))
+    if isinstance(row_exchange, str) or not all(isinstance(n, str) for n in row_exchange):
+        raise ValueError(f"{OWNER}: row_exchange must be 'off', 'all' or a list of table names, "
+                         f"got {row_exchange!r}")
+    unknown = [n for n in row_exchange if n not in names]
+    if unknown:
+        raise ValueError(f"{OWNER}: row_exchange names unknown table(s) {unknown} (tables: "
+                         f"{names})")
+    return [names.index(n) for n in row_exchange]
 
 
 def _weight_name(k: int) -> str:

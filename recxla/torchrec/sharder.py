@@ -14,7 +14,7 @@ EmbeddingBagCollection by default, `recxla.nn.EmbeddingBagCollection` with
 `module_type=recxla.nn.EmbeddingBagCollection`; `sharders(...)` returns both.
 """
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Sequence, Type, Union
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -51,12 +51,16 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
             or a subclass such as recxla.nn.EmbeddingBagCollection.
         replicas: 2D training: a recxla.torchrec.replicas.ReplicaSync for the replica group
             (plan and shard over one node's shard group; see make_topology_2d). None: 1D.
+        row_exchange: tables whose owners send each rank the unique rows its bags need
+            instead of pooled bags (fewer bytes when keys repeat; see
+            recxla/torchrec/row_exchange.py): "off", "all" or a list of table names.
     """
 
     def __init__(self, fused_params: Optional[Dict[str, Any]] = None, fwd_comm: str = "e4m3",
                  bwd_comm: str = "bf16", dedup_ids: bool = True,
                  module_type: Optional[Type[EmbeddingBagCollection]] = None,
-                 replicas: Optional[ReplicaSync] = None) -> None:
+                 replicas: Optional[ReplicaSync] = None,
+                 row_exchange: Union[str, Sequence[str]] = "off") -> None:
         super().__init__(fused_params=fused_params)
         get_format(fwd_comm, NAME, "fwd_comm")
         get_format(bwd_comm, NAME, "bwd_comm")
@@ -72,6 +76,7 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
             raise TypeError(f"{NAME}: replicas must be a recxla.torchrec.replicas.ReplicaSync, "
                             f"got {type(replicas).__name__}")
         self._replicas = replicas
+        self._row_exchange = row_exchange
 
     def shard(self, module: EmbeddingBagCollection, params: Dict[str, ParameterSharding],
               env: ShardingEnv, device: Optional[torch.device] = None,
@@ -79,7 +84,7 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
         return ShardedEmbeddingBagCollection(
             module, params, env, fused_params=self.fused_params, device=device,
             fwd_comm=self._fwd_comm, bwd_comm=self._bwd_comm, dedup_ids=self._dedup_ids,
-            module_fqn=module_fqn, replicas=self._replicas)
+            module_fqn=module_fqn, replicas=self._replicas, row_exchange=self._row_exchange)
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return list(SUPPORTED_SHARDING_TYPES)

@@ -1,0 +1,224 @@
+"""Row exchange: tables whose owners send rows, not pooled bags.
+
+Pooling at the owner sends one embedding per (sample, feature) back: B x F rows. Skewed keys
+make most of them copies: a batch of 1024 Criteo-like samples needs about 31% as many unique
+rows as it has bags. For a table in row exchange the owner sends, per rank and micro-batch, the
+unique rows that rank's bags need, and the rank pools its own bags from them; in backward the
+rank reduces its bags' gradients per unique row and sends those back. The owner then applies
+the fused optimizer once per row over the union of every rank's and micro-batch's rows.
+
+Sender (the rank whose samples they are), per step, vectorized:
+- the ids of each row group (owner, local table) and micro-batch are deduplicated; the unique
+  ids go to the owner (with the counts) in the input dist's second all-to-all;
+- the rank keeps its bags of those ids (`RowBags`): bag lengths per (group, feature, sample)
+  and each id's index into its group's unique rows.
+Owner: `RowInput` holds, per row group, the ids every rank asked for, micro-batch by
+micro-batch and rank by rank: the rows to gather and send, and where their gradients land.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from recxla.ops.dedup import segmented_unique
+from recxla.ops.embedding_bag import SUM, backward_update, pooled_forward, unique_grad
+from recxla.torchrec.shard_layout import ShardLayout
+
+
+class RowRouting:
+    """Static tables of the row groups, from the layout (every rank's view is the same)."""
+
+    def __init__(self, layout: ShardLayout, device: torch.device):
+        world = layout.world_size
+        self.groups_per_rank = [len(layout.row_groups(r)) for r in range(world)]
+        self.group_base = [sum(self.groups_per_rank[:r]) for r in range(world + 1)]
+        self.total = self.group_base[-1]
+        groups = [g for r in range(world) for g in layout.row_groups(r)]
+        self.tables = [g.table for g in groups]
+        self.features = [len(layout.tables[t].feature_names) for t in self.tables]
+        self.max_features = max(self.features, default=1)
+        # Pooling of a group's bags at the receiver: a row-sharded MEAN table's partial sums
+        # are divided by the whole bag's length at assembly, as for pooled exchange.
+        self.pooling = [SUM if layout.row_sharded(t) else layout.tables[t].pooling
+                        for t in self.tables]
+        self.cols = [g.cols for g in groups]
+        # Per input slot: its feature's position among its table's features.
+        self.slot_position = torch.tensor(
+            [layout.tables[t].feature_names.index(f)
+             for t, f in zip(layout.input_slot_table, layout.input_slot_feature)],
+            dtype=torch.int64, device=device)
+
+    @property
+    def active(self) -> bool:
+        return self.total > 0
+
+
+@dataclass
+class RowBags:
+    """The sender's bags of its row groups, for the receive side of its own batch.
+
+    counts: int64 [G, M] unique rows per (global row group, micro-batch); inverse: int64 [P]
+    each id's index into its (group, micro-batch)'s unique rows, ids ordered by (group,
+    micro-batch, feature, sample); bounds: P-offsets of the (group, micro-batch) runs
+    ([G * M + 1] ints); lengths: int64 [G, max features, B] bag lengths (samples in
+    micro-batch order); weights: float32 [P] or None; micro: the M micro-batch sizes.
+    """
+
+    counts: torch.Tensor
+    inverse: torch.Tensor
+    bounds: List[int]
+    lengths: torch.Tensor
+    weights: Optional[torch.Tensor]
+    micro: List[int]
+
+    def ids_to(self, dest: int, routing: "RowRouting") -> int:
+        """Id occurrences (before dedup) this rank routes to dest's row groups."""
+        num_micro = len(self.micro)
+        return (self.bounds[routing.group_base[dest + 1] * num_micro]
+                - self.bounds[routing.group_base[dest] * num_micro])
+
+    def bags(self, group: int, k: int, features: int):
+        """(inverse [n], offsets int64 [features * B_k + 1], weights [n] or None, unique rows)
+        of global row group `group` in micro-batch k."""
+        num_micro = len(self.micro)
+        run = group * num_micro + k
+        first, last = self.bounds[run], self.bounds[run + 1]
+        start = sum(self.micro[:k])
+        lengths = self.lengths[group, :features, start: start + self.micro[k]].reshape(-1)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        weights = None if self.weights is None else self.weights[first:last]
+        return self.inverse[first:last], offsets, weights, int(self.counts[group, k])
+
+
+def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
+                sample: torch.Tensor, local_ids: torch.Tensor, weights: Optional[torch.Tensor],
+                micro: Sequence[int], batch: int) -> Tuple[RowBags, torch.Tensor, List[int]]:
+    """The sender's half for the ids routed to row groups.
+
+    group, slot, sample, local_ids: int64 [P], per id (one entry per route of an id): its
+    global row group, input slot, sample (micro-batch order) and row local to the owner.
+    -> (RowBags, unique ids int64 [sum of counts] in (group, micro-batch) order,
+        unique counts per (group, micro-batch) as G * M ints).
+    """
+    num_micro = len(micro)
+    device = local_ids.device
+    micro_of_sample = torch.repeat_interleave(
+        torch.arange(num_micro, device=device), torch.tensor(list(micro), device=device),
+        output_size=batch)
+    k = micro_of_sample[sample] if sample.numel() else sample
+    position = routing.slot_position[slot] if slot.numel() else slot
+    fmax = routing.max_features
+    run = group * num_micro + k
+    order = torch.sort((run * fmax + position) * max(batch, 1) + sample, stable=True).indices
+    sorted_ids = local_ids[order]
+    run_counts = torch.bincount(run, minlength=routing.total * num_micro)
+    bounds = torch.zeros(routing.total * num_micro + 1, dtype=torch.int64, device=device)
+    torch.cumsum(run_counts, 0, out=bounds[1:])
+    unique, unique_offsets, inverse = segmented_unique(sorted_ids, bounds)
+    starts = torch.repeat_interleave(unique_offsets[:-1], run_counts, output_size=order.numel())
+    lengths = torch.bincount((group * fmax + position) * batch + sample,
+                             minlength=routing.total * fmax * batch).view(routing.total, fmax,
+                                                                          batch)
+    counts = unique_offsets.diff().view(routing.total, num_micro)
+    bags = RowBags(counts, inverse - starts, bounds.tolist(), lengths,
+                   None if weights is None else weights[order], list(micro))
+    return bags, unique, counts.flatten().tolist()
+
+
+@dataclass
+class RowInput:
+    """The owner's row groups for one batch: per local row group, the ids every rank asked for
+    (int64 [R_g], micro-batch by micro-batch, rank by rank inside one) and the counts
+    ([M][W] ints) that cut them."""
+
+    ids: List[torch.Tensor]
+    counts: List[List[List[int]]]
+
+    def start(self, group: int, k: int, source: int = 0) -> int:
+        """Index of (micro-batch k, source)'s first row in group's ids."""
+        before = sum(sum(c) for c in self.counts[group][:k])
+        return before + sum(self.counts[group][k][:source])
+
+    def rows(self, group: int, k: int, source: int) -> int:
+        return self.counts[group][k][source]
+
+
+def pool_rows(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
+              weights: Optional[torch.Tensor], features: int, pooling: int,
+              batch: int) -> torch.Tensor:
+    """The receiver pools its bags of one (owner, row group, micro-batch) from the rows sent:
+    rows float32 [U, cols] -> [batch, features * cols] (feature after feature)."""
+    unique = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
+    bounds = torch.tensor([0, rows.shape[0]], dtype=torch.int64, device=rows.device)
+    return pooled_forward([rows], unique, bounds, inverse, offsets, weights, [0] * features,
+                          [pooling], batch)
+
+
+def row_gradients(grad: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
+                  offsets: torch.Tensor, weights: Optional[torch.Tensor], features: int,
+                  pooling: int, batch: int) -> torch.Tensor:
+    """The transpose of pool_rows: grad float32 [batch, features * cols] -> [U, cols], each
+    row's gradient summed over the bags that read it."""
+    unique = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
+    bounds = torch.tensor([0, rows.shape[0]], dtype=torch.int64, device=rows.device)
+    return unique_grad(grad.contiguous(), [rows], unique, bounds, inverse, offsets, weights,
+                       [0] * features, [pooling], batch)[0]
+
+
+def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.Tensor],
+                        ids: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                        kinds: Sequence[int], hparams: Sequence[float]) -> None:
+    """The fused optimizer of each table once per distinct id, with the sum of that id's
+    gradients: ids int64 [R_t] (repeats allowed), grads float32 [R_t, D_t]. Runs
+    backward_update with one bag per gradient row, so the kernel sums the repeats."""
+    tables = len(weights)
+    if not tables:
+        return
+    device = weights[0].device
+    values = torch.cat([i.to(torch.int64) for i in ids])
+    bounds = torch.zeros(tables + 1, dtype=torch.int64, device=device)
+    bounds[1:] = torch.cumsum(torch.tensor([i.numel() for i in ids], device=device), 0)
+    unique, unique_offsets, inverse = segmented_unique(values, bounds)
+    batch = max((i.numel() for i in ids), default=0)
+    lengths = torch.zeros((tables, batch), dtype=torch.int64, device=device)
+    grad_output = torch.zeros((batch, sum(w.shape[1] for w in weights)), device=device)
+    column = 0
+    for t, (i, g) in enumerate(zip(ids, grads)):
+        lengths[t, : i.numel()] = 1
+        grad_output[: i.numel(), column: column + weights[t].shape[1]] = g
+        column += weights[t].shape[1]
+    offsets = torch.zeros(tables * batch + 1, dtype=torch.int64, device=device)
+    torch.cumsum(lengths.flatten(), 0, out=offsets[1:])
+    backward_update(grad_output, list(weights), list(states), unique, unique_offsets, inverse,
+                    offsets, None, list(range(tables)), [SUM] * tables, batch, list(kinds),
+                    list(hparams))
+
+
+class RowLookup(torch.autograd.Function):
+    """The owner's gather of its row groups' rows: forward weight[ids] per group; backward the
+    fused update of every requested row once (apply_row_gradients).
+
+    Inputs: (optimizer step callback, ids per group (tuple), *weights) -> one [R_g, D_g]
+    output per group.
+    """
+
+    @staticmethod
+    def forward(ctx, optimizer_step, ids, *weights):
+        ctx.optimizer_step = optimizer_step
+        ctx.ids = ids
+        ctx.weights = weights
+        return tuple(w.detach()[i] for w, i in zip(weights, ids))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        kinds, states, hparams = ctx.optimizer_step()
+        weights = [w.detach() for w in ctx.weights]
+        grads = [g if g is not None else torch.zeros(i.numel(), w.shape[1])
+                 for g, i, w in zip(grads, ctx.ids, weights)]
+        states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
+        with torch.no_grad():
+            apply_row_gradients(weights, states, ctx.ids, [g.float() for g in grads], kinds,
+                                hparams)
+        return (None, None) + (None,) * len(weights)
