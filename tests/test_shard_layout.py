@@ -111,3 +111,30 @@ def test_fused_optimizer_from_fused_params_and_attached_optimizers():
     update = table_update("t", attached, {"optimizer": EmbOptimType.EXACT_SGD})
     assert update.kind == ADAGRAD and update.hyperparameters["lr"] == 0.2
     assert update.hyperparameters["eps"] == 1e-10  # torch's Adagrad default, not FBGEMM's
+
+
+def test_choose_row_tables_against_counts():
+    """A table whose ids repeat within each micro-batch goes to rows; one whose bags hold many
+    distinct ids stays pooled; micro-batches count separately."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recxla.torchrec.row_exchange import choose_row_tables
+
+    configs = [EmbeddingBagConfig(name="hot", embedding_dim=4, num_embeddings=100,
+                                  feature_names=["a"]),
+               EmbeddingBagConfig(name="wide", embedding_dim=4, num_embeddings=10_000,
+                                  feature_names=["b"])]
+    batch = 64
+    hot = torch.randint(0, 5, (batch,))                    # one id per bag, 5 distinct
+    wide = torch.randperm(10_000)[: batch * 3]            # three distinct ids per bag
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.cat([hot, wide]),
+                            lengths=torch.cat([torch.ones(batch, dtype=torch.int64),
+                                               torch.full((batch,), 3)]))
+    assert choose_row_tables(configs, kjt, num_micro_batches=1) == ["hot"]
+    assert choose_row_tables(configs, kjt, num_micro_batches=4) == ["hot"]
+    # 64 distinct ids in 64 one-id bags: rows cost as much as bags.
+    unique = KeyedJaggedTensor(keys=["a", "b"], values=torch.cat([torch.randperm(100)[:batch],
+                                                                  wide]),
+                               lengths=kjt.lengths())
+    assert choose_row_tables(configs, unique) == []

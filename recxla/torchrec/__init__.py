@@ -3,7 +3,10 @@
 - `EmbeddingBagCollectionSharder` (and `sharders`): shards TorchRec's (and recxla.nn's)
   EmbeddingBagCollection onto recxla's kernels: deduplicated input dist, recxla's lookup with a
   fused optimizer, FP8 quantized output all-to-all, every sharding type including row-wise on
-  CPU. Its sharded module is `ShardedEmbeddingBagCollection`; `CommStats` counts its bytes.
+  CPU. Its sharded module is `ShardedEmbeddingBagCollection`; `CommStats` counts its bytes;
+  `choose_row_tables` picks the tables worth exchanging as unique rows (row_exchange=...).
+- `make_topology_2d`, `ReplicaSync`, `WorldDataParallelWrapper`: 2D parallelism (shard groups
+  inside a node, replica groups across nodes).
 - `qcomm_codecs_registry`: recxla's row codec as a QComms registry for TorchRec's own sharders.
 
 Importing this package does not import torchrec; the names load it on first use.
@@ -21,6 +24,10 @@ _LAZY = {
     "EmbeddingBagCollectionSharder": "recxla.torchrec.sharder",
     "sharders": "recxla.torchrec.sharder",
     "ShardedEmbeddingBagCollection": "recxla.torchrec.sharded_embedding_bag",
+    "choose_row_tables": "recxla.torchrec.row_exchange",
+    "ReplicaSync": "recxla.torchrec.replicas",
+    "make_topology_2d": "recxla.torchrec.replicas",
+    "WorldDataParallelWrapper": "recxla.torchrec.replicas",
 }
 
 __all__ = ["CodecStats", "RecxlaQuantizedCommCodec", "RowCodecContext", "qcomm_codecs_registry",

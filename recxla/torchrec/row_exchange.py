@@ -222,3 +222,42 @@ class RowLookup(torch.autograd.Function):
             apply_row_gradients(weights, states, ctx.ids, [g.float() for g in grads], kinds,
                                 hparams)
         return (None, None) + (None,) * len(weights)
+
+
+def choose_row_tables(configs, sample, num_micro_batches: int = 1,
+                      margin: float = 0.9) -> List[str]:
+    """The tables worth exchanging as rows, judged on a sample batch.
+
+    A pooled table sends B x F embeddings per micro-batch of B samples (F: its features); as
+    rows it sends the micro-batch's unique ids of the table (one owner's share of them when
+    its rows are cut). Tables whose unique ids per micro-batch, averaged over the sample's
+    micro-batches, are below `margin` times their bags are chosen.
+
+    Args:
+        configs: torchrec EmbeddingBagConfig list (the module's tables).
+        sample: a KeyedJaggedTensor batch like the training batches (every rank must pass the
+            same one, so that every rank chooses alike).
+        num_micro_batches: M, as the pipeline will split batches.
+        margin: how much smaller the rows must be.
+    Returns: the chosen table names, in table order.
+    """
+    from recxla.pipeline.micro_batches import even_sizes
+
+    batch = sample.stride()
+    sizes = even_sizes(batch, num_micro_batches)
+    by_key = sample.to_dict()
+    chosen = []
+    for config in configs:
+        rows = bags = 0
+        for k, size in enumerate(sizes):
+            start = sum(sizes[:k])
+            ids = []
+            for feature in config.feature_names:
+                jagged = by_key[feature]
+                offsets = jagged.offsets()
+                ids.append(jagged.values()[int(offsets[start]): int(offsets[start + size])])
+            rows += torch.unique(torch.cat(ids)).numel() if ids else 0
+            bags += size * len(config.feature_names)
+        if bags and rows < margin * bags:
+            chosen.append(config.name)
+    return chosen
