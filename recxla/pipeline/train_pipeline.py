@@ -96,6 +96,8 @@ class TrainPipeline:
             update, so it reads the updated tables) or "early" (while this batch's last
             gradients travel, then corrected for the rows the update changed; see
             EarlyLookup). Both give the sequential result.
+        dense_allreduce: "fp32" or "bf16": the wire format of the dense gradients' all-reduce
+            (DDP's buckets, see dense_sync.py).
         timeline: a Timeline to record spans into (None: none recorded).
     """
 
@@ -104,7 +106,7 @@ class TrainPipeline:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device, num_micro_batches: int = 1, overlap: bool = True,
                  dbp: bool = True, split: str = "contiguous", dbp_lookup: str = "after_update",
-                 timeline: Optional[Timeline] = None) -> None:
+                 dense_allreduce: str = "fp32", timeline: Optional[Timeline] = None) -> None:
         if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool) \
                 or num_micro_batches < 1:
             raise ValueError(f"{OWNER}: num_micro_batches must be an int >= 1, got "
@@ -133,8 +135,8 @@ class TrainPipeline:
         # Tests turn this off to plant a stale read and show that the checks catch it.
         self._correct_early_lookups = True
         ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
-        self._gradient_sync = MicroBatchGradientSync(ddp) \
-            if ddp is not None and num_micro_batches > 1 else None
+        self._gradient_sync = MicroBatchGradientSync(ddp, dense_allreduce) \
+            if ddp is not None and (num_micro_batches > 1 or dense_allreduce != "fp32") else None
         self._next: Optional[_Batch] = None
         self._exhausted = False
         self.timeline = timeline if timeline is not None else Timeline(enabled=False)
