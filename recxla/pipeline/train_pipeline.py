@@ -147,13 +147,18 @@ class TrainPipeline:
         """Loads a batch, splits it and starts its input dists. StopIteration when the loader
         is done; input errors are kept in the batch (every rank keeps them alike)."""
         batch = next(dataloader_iter)
-        if self._device.type != "cpu" and hasattr(batch, "to"):
-            batch = batch.to(self._device, non_blocking=True)
         micro = split_batch(batch, self._num_micro, self._split)
         sparse = batch_parts(micro.batch)[1]
+        if self._device.type != "cpu":
+            # The dense features and labels go to the device; the ids stay where the input
+            # dist runs (on the CPU: see ShardedEmbeddingBagCollection), and the sharded
+            # modules never read the model's copy of them.
+            dense, _, labels = batch_parts(micro.batch)
+            micro.batch = _replace_dense(micro.batch, dense.to(self._device, non_blocking=True),
+                                         labels.to(self._device, non_blocking=True))
         prepared = _Batch(micro)
         for module in self._modules:
-            meta = module._router.start(sparse, micro.sizes)
+            meta = module._router.start(module.ids_on_router(sparse), micro.sizes)
             module.comm_stats.steps += 1
             lengths = meta.input_lengths
             prepared.inputs.append(_ModuleInput(
@@ -193,8 +198,9 @@ class TrainPipeline:
         windows = []
         with timeline.span("lookup"):
             for module, state in zip(self._modules, current.inputs):
-                windows.append(FrozenWindow(module, state.lookup_input, state.bag_lengths,
-                                            state.row_bags, state.early,
+                row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
+                windows.append(FrozenWindow(module, module.to_device(state.lookup_input),
+                                            state.bag_lengths, row_bags, state.early,
                                             self._correct_early_lookups))
         ahead = 2 if self._overlap else 1
         for k in range(min(ahead, self._num_micro)):
@@ -244,6 +250,7 @@ class TrainPipeline:
                 # before this update; FrozenWindow corrects the rows the update changes.
                 with timeline.span("early lookup"):
                     for w, state in zip(windows, self._next.inputs):
+                        state.lookup_input = w.module.to_device(state.lookup_input)
                         state.early = EarlyLookup(w.module, state.lookup_input, w.input)
         with timeline.span("wait gradients", micro_batch=self._num_micro - 1):
             for w in windows:
@@ -254,6 +261,14 @@ class TrainPipeline:
                 w.update()
             self._optimizer.step()
         return micro.merge(outputs)
+
+
+def _replace_dense(batch: Any, dense: torch.Tensor, labels: torch.Tensor) -> Any:
+    """The batch with its dense features and labels replaced (same type)."""
+    if hasattr(batch, "sparse_features"):
+        return type(batch)(dense_features=dense, sparse_features=batch.sparse_features,
+                           labels=labels)
+    return type(batch)(sparse=batch.sparse, dense=dense, labels=labels)
 
 
 def _start_gradient(window: FrozenWindow, k: int, grad: torch.Tensor) -> None:

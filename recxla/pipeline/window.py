@@ -175,7 +175,7 @@ class EarlyLookup:
             module._local_weights[module._num_pooled:]))
         self.rows: List[torch.Tensor] = []
         self.before: List[torch.Tensor] = []
-        nxt, cur = next_input.unique_offsets.tolist(), current_input.unique_offsets.tolist()
+        nxt, cur = next_input.unique_bounds, current_input.unique_bounds
         for t, weight in enumerate(module._local_weights[: module._num_pooled]):
             reads = next_input.unique_values[nxt[t]: nxt[t + 1]]
             changes = current_input.unique_values[cur[t]: cur[t + 1]]
@@ -196,7 +196,7 @@ class EarlyLookup:
         pooling = module._owner_pooling
         for j, t in enumerate(module._slot_table):
             cols = weights[t].shape[1]
-            first, last = int(li.offsets[j * batch]), int(li.offsets[(j + 1) * batch])
+            first, last = li.slot_bounds(j)
             if self.rows[t].numel() and last > first:
                 ids = li.unique_values[li.inverse[first:last]]
                 where = torch.searchsorted(self.rows[t], ids).clamp(max=self.rows[t].numel() - 1)

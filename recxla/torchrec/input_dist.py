@@ -86,6 +86,14 @@ class LookupInput:
     micro_batch_sizes: List[List[int]]
     # The owner's row groups (row_exchange.RowInput), None when it has none.
     rows: Optional[RowInput] = None
+    # unique_offsets, and the first id of each slot (S + 1), as host ints: read without a
+    # device sync.
+    unique_bounds: Optional[List[int]] = None
+    slot_id_bounds: Optional[List[int]] = None
+
+    def slot_bounds(self, slot: int):
+        """The ids [first, last) of slot `slot` (all its bags)."""
+        return self.slot_id_bounds[slot], self.slot_id_bounds[slot + 1]
 
     @property
     def batch_sizes(self) -> List[int]:
@@ -103,6 +111,26 @@ class LookupInput:
     def micro_batch_start(self, k: int) -> int:
         """The owner's first sample of micro-batch k."""
         return sum(sum(m[:k]) for m in self.micro_batch_sizes)
+
+    def to(self, device: torch.device) -> "LookupInput":
+        """The same input on `device` (non-blocking copies; pinned first on CPU)."""
+        device = torch.device(device)
+        if self.offsets.device == device:
+            return self
+
+        def move(t):
+            if t is None:
+                return None
+            if device.type == "cuda" and not t.is_pinned():
+                t = t.pin_memory()
+            return t.to(device, non_blocking=True)
+
+        rows = None if self.rows is None else RowInput([move(i) for i in self.rows.ids],
+                                                       self.rows.counts)
+        return LookupInput(move(self.unique_values), move(self.unique_offsets),
+                           move(self.inverse), move(self.offsets), move(self.per_sample_weights),
+                           self.micro_batch_sizes, rows, self.unique_bounds,
+                           self.slot_id_bounds)
 
     def record_stream(self, stream) -> None:  # TorchRec's Multistreamable protocol
         for t in (self.unique_values, self.unique_offsets, self.inverse, self.offsets,
@@ -501,7 +529,10 @@ class IdRouter:
             counts = sizes.permute(1, 2, 0).tolist()
             per_group = [sum(sum(c) for c in group) for group in counts]
             rows = RowInput(list(torch.split(ordered, per_group)), counts)
-        return LookupInput(unique_values, unique_offsets, inverse, offsets, psw, micro, rows)
+        slot_id_bounds = offsets[::total_batch].tolist() if total_batch else \
+            [0] * (num_slots + 1)
+        return LookupInput(unique_values, unique_offsets, inverse, offsets, psw, micro, rows,
+                           unique_offsets.tolist(), slot_id_bounds)
 
 
 def _cumsum(values):

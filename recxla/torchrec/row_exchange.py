@@ -72,6 +72,15 @@ class RowBags:
     weights: Optional[torch.Tensor]
     micro: List[int]
 
+    def to(self, device: torch.device) -> "RowBags":
+        """The bags on `device` (counts stay where they are: they are read on the host)."""
+        device = torch.device(device)
+        if self.inverse.device == device:
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return RowBags(self.counts, move(self.inverse), self.bounds, move(self.lengths),
+                       move(self.weights), self.micro)
+
     def ids_to(self, dest: int, routing: "RowRouting") -> int:
         """Id occurrences (before dedup) this rank routes to dest's row groups."""
         num_micro = len(self.micro)
@@ -145,13 +154,21 @@ class RowInput:
         return self.counts[group][k][source]
 
 
+def _one_segment(rows: torch.Tensor):
+    """The rows as one table's unique rows: (arange(U), [0, U]), built on the rows' device
+    without a copy from the host."""
+    unique = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
+    bounds = torch.zeros(2, dtype=torch.int64, device=rows.device)
+    bounds[1] = rows.shape[0]
+    return unique, bounds
+
+
 def pool_rows(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
               weights: Optional[torch.Tensor], features: int, pooling: int,
               batch: int) -> torch.Tensor:
     """The receiver pools its bags of one (owner, row group, micro-batch) from the rows sent:
     rows float32 [U, cols] -> [batch, features * cols] (feature after feature)."""
-    unique = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
-    bounds = torch.tensor([0, rows.shape[0]], dtype=torch.int64, device=rows.device)
+    unique, bounds = _one_segment(rows)
     return pooled_forward([rows], unique, bounds, inverse, offsets, weights, [0] * features,
                           [pooling], batch)
 
@@ -161,8 +178,7 @@ def row_gradients(grad: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
                   pooling: int, batch: int) -> torch.Tensor:
     """The transpose of pool_rows: grad float32 [batch, features * cols] -> [U, cols], each
     row's gradient summed over the bags that read it."""
-    unique = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
-    bounds = torch.tensor([0, rows.shape[0]], dtype=torch.int64, device=rows.device)
+    unique, bounds = _one_segment(rows)
     return unique_grad(grad.contiguous(), [rows], unique, bounds, inverse, offsets, weights,
                        [0] * features, [pooling], batch)[0]
 

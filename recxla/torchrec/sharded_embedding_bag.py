@@ -221,8 +221,16 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                     param._in_backward_optimizers = [self._optim]
         self._has_fused_update = any(updates[local.table].kind != NONE for local in local_tables)
 
-        self._router = IdRouter(self._layout, group, self._device, self._is_weighted, dedup_ids,
-                                self.comm_stats)
+        # On GPU the ids go through the CPU (they come from the loader there): a gloo group
+        # carries them, and only the owner's decoded lookup input is copied to the device. No
+        # size ever has to come back from the GPU, so the hot path has no host sync.
+        id_group = group
+        if self._device.type == "cuda" and group is not None:
+            ranks = [self._global_rank(r) for r in range(env.world_size)]
+            id_group = dist.new_group(ranks=ranks, backend="gloo")
+        self._router = IdRouter(self._layout, id_group, torch.device("cpu")
+                                if self._device.type == "cuda" else self._device,
+                                self._is_weighted, dedup_ids, self.comm_stats)
         self._output = OutputDist(self._layout, group, fwd_comm, bwd_comm, self.comm_stats)
         self._slot_table = [lt for lt, _ in self._layout.slots[me]]
         self._num_pooled = self._layout.num_pooled[me]
@@ -292,7 +300,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
     def input_dist(self, ctx: ShardedEmbeddingBagContext, features: KeyedJaggedTensor):
         """Checks the batch and starts the id all-to-alls. -> Awaitable[Awaitable[KJTList]]
         whose KJTList holds one LookupInput (TorchRec's pipelines wait on it in two steps)."""
-        awaitable = self._router.start(features)
+        awaitable = self._router.start(self.ids_on_router(features))
         self.comm_stats.steps += 1
         lengths = awaitable.input_lengths
         if lengths is not None:
@@ -301,6 +309,17 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             ctx.row_bags = awaitable.row_bags
         return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
 
+    def ids_on_router(self, features):
+        """`features` where the input dist runs (CPU for a GPU module)."""
+        if isinstance(features, KeyedJaggedTensor) and \
+                features.values().device != self._router.device:
+            return features.to(self._router.device)
+        return features
+
+    def to_device(self, lookup_input: LookupInput) -> LookupInput:
+        """The decoded input on the module's device (non-blocking from pinned CPU memory)."""
+        return lookup_input.to(self._device)
+
     def mean_bag_lengths(self, input_lengths: torch.Tensor) -> Optional[torch.Tensor]:
         """The lengths of this rank's bags of row-sharded MEAN features (their sums arrive in
         parts and are divided at the receiver): input_lengths [input slots, B] -> float32
@@ -308,7 +327,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         if not self._output.mean_slots:
             return None
         return input_lengths[self._output.mean_slots].t().to(torch.float32).clamp(min=1.0) \
-            .contiguous()
+            .contiguous().to(self._device, non_blocking=True)
 
     def forward(self, *input, **kwargs):
         """TorchRec's forward (input dist, lookup, output dist), unless a pipeline staged this
@@ -333,9 +352,11 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
     def compute(self, ctx: ShardedEmbeddingBagContext, dist_input: KJTList):
         """The owner's lookup. -> (pooled float32 [sum of the sources' batches, D_owner],
         per row group its gathered rows [R_g, cols_g])."""
-        lookup_input: LookupInput = dist_input[0]
+        lookup_input: LookupInput = self.to_device(dist_input[0])
         ctx.source_batches = lookup_input.batch_sizes
         ctx.rows = lookup_input.rows
+        if ctx.row_bags is not None:
+            ctx.row_bags = ctx.row_bags.to(self._device)
         return self.lookup(lookup_input)
 
     def lookup(self, lookup_input: LookupInput):
