@@ -416,3 +416,16 @@ def test_distributed_model_parallel_accepts_the_plan(seed, with_row_wise):
         else:
             assert set(types_used) <= {"table_wise", "column_wise"}
         assert error < 1e-5
+
+
+def test_place_shards_keeps_a_group_on_distinct_ranks():
+    """Column blocks of one table go to different ranks while there are enough ranks."""
+    for _ in range(20):
+        world_size = int(torch.randint(2, 9, ()))
+        sizes = [int(torch.randint(1, world_size + 1, ())) for _ in range(6)]
+        groups = [g for g, k in enumerate(sizes) for _ in range(k)]
+        loads = torch.rand(len(groups), 3)
+        ranks = place_shards(loads, world_size, groups=groups).tolist()
+        for g in range(len(sizes)):
+            mine = [r for r, h in zip(ranks, groups) if h == g]
+            assert len(set(mine)) == len(mine)

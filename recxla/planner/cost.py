@@ -25,6 +25,7 @@ the same figures for the step model.
 from dataclasses import dataclass
 from typing import Dict, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from recxla.formats import get_format, row_bytes
@@ -79,8 +80,10 @@ class CostModel:
                 rank as a source (ids out, pooled rows in, gradients out).
             lookup_seconds: float64 [R].
         """
-        busiest = torch.maximum(owner_bytes, source_bytes).max(0).values
-        return float(busiest.sum()) / self.wire_bytes_per_s + float(lookup_seconds.max())
+        owner, source = np.asarray(owner_bytes), np.asarray(source_bytes)
+        busiest = np.maximum(owner, source).max(0)
+        lookups = float(np.asarray(lookup_seconds).max())
+        return float(busiest.sum()) / self.wire_bytes_per_s + lookups
 
 
 @dataclass(frozen=True)
@@ -206,14 +209,17 @@ def rank_totals(shard_loads: Sequence[ShardLoad], ranks: torch.Tensor, world_siz
         [R, 3] (the same collectives' other direction, as a source: every other rank's shards
         exchange per_source bytes with it); lookups: float64 [R]; lookup_seconds: float64 [R].
     """
-    per_owner = torch.tensor([s.owner for s in shard_loads], dtype=torch.float64).reshape(-1, 3)
-    per_source = torch.tensor([s.per_source for s in shard_loads],
-                              dtype=torch.float64).reshape(-1, 3)
-    owner = torch.zeros(world_size, 3, dtype=torch.float64).index_add_(0, ranks, per_owner)
-    own = torch.zeros(world_size, 3, dtype=torch.float64).index_add_(0, ranks, per_source)
-    source = per_source.sum(0).expand(world_size, 3) - own
-    lookups = torch.zeros(world_size, dtype=torch.float64).index_add_(
-        0, ranks, torch.tensor([s.lookups for s in shard_loads], dtype=torch.float64))
-    seconds = torch.zeros(world_size, dtype=torch.float64).index_add_(
-        0, ranks, torch.tensor([s.lookup_seconds for s in shard_loads], dtype=torch.float64))
-    return owner, source, lookups, seconds
+    # numpy: the planner calls this for every candidate, on tiny arrays.
+    ranks = np.asarray(ranks, dtype=np.int64)
+    per_owner = np.array([s.owner for s in shard_loads], np.float64).reshape(-1, 3)
+    per_source = np.array([s.per_source for s in shard_loads], np.float64).reshape(-1, 3)
+    owner = np.zeros((world_size, 3))
+    np.add.at(owner, ranks, per_owner)
+    own = np.zeros((world_size, 3))
+    np.add.at(own, ranks, per_source)
+    source = per_source.sum(0)[None, :] - own
+    lookups = np.zeros(world_size)
+    np.add.at(lookups, ranks, np.array([s.lookups for s in shard_loads], np.float64))
+    seconds = np.zeros(world_size)
+    np.add.at(seconds, ranks, np.array([s.lookup_seconds for s in shard_loads], np.float64))
+    return tuple(torch.from_numpy(x) for x in (owner, source, lookups, seconds))

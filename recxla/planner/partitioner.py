@@ -106,16 +106,17 @@ class BalancedPartitioner(Partitioner):
             _check_option(option)
         kind = _storage_kind(storage_constraint)
         shard_loads = option_loads(plan, self._loads, self._cost)
-        fixed, need = [], []
-        for option in plan:
+        fixed, need, groups = [], [], []
+        for t, option in enumerate(plan):
             uniform = option.partition_by == PartitionByType.UNIFORM.value
             for i, shard in enumerate(option.shards):
                 fixed.append(i if uniform else -1)
+                groups.append(t)
                 need.append(float(getattr(shard.storage, kind)) if shard.storage else 0.0)
         capacity = [float(getattr(d.storage, kind)) for d in storage_constraint.devices]
         try:
             ranks = place_shards(placement_loads(shard_loads), world_size, fixed, need,
-                                 capacity)
+                                 capacity, groups=groups)
         except ValueError as e:
             raise PlannerError(error_type=PlannerErrorType.INSUFFICIENT_STORAGE, message=str(e))
         flat = iter(ranks.tolist())

@@ -30,6 +30,7 @@ def place_shards(
     storage: Optional[Sequence[float]] = None,
     capacity: Optional[Sequence[float]] = None,
     max_rounds: Optional[int] = None,
+    groups: Optional[Sequence[int]] = None,
 ) -> torch.Tensor:
     """Ranks for N shards.
 
@@ -41,6 +42,9 @@ def place_shards(
         storage: N floats, bytes each shard needs; capacity: R floats, bytes per rank.
             A shard only goes where it fits.
         max_rounds: moves of the local search (default 4 N).
+        groups: N ints; shards of one group (>= 0: the column blocks of one table) go to
+            different ranks where there are enough (two blocks of a table on one rank would
+            receive the same ids twice and look the same rows up twice); -1: no group.
     Returns:
         int64 [N]: the rank of every shard.
     Raises:
@@ -66,7 +70,12 @@ def place_shards(
     mean = load.sum(0) / world_size
     load = load / np.where(mean > 0, mean, 1.0)
 
-    state = _State(fixed.copy(), load, need, np.zeros((world_size, load.shape[1])), room.copy())
+    group = np.full(n, -1, np.int64) if groups is None else np.array(groups, np.int64)
+    if group.shape != (n,):
+        raise ValueError(f"{op}: groups must have N entries")
+    members = np.zeros((world_size, int(group.max(initial=-1)) + 2), np.int64)  # last: none
+    state = _State(fixed.copy(), load, need, np.zeros((world_size, load.shape[1])), room.copy(),
+                   group, members)
     pinned = fixed >= 0
     for i in np.flatnonzero(pinned):
         state.shift(i, None, fixed[i])
@@ -75,6 +84,9 @@ def place_shards(
     for i in free[np.argsort(-load[free].sum(1), kind="stable")]:
         score = (state.total + load[i]).max(1)
         score[state.room < need[i]] = np.inf
+        crowded = state.crowded(i)
+        if not np.isinf(score[~crowded]).all():
+            score[crowded] = np.inf
         r = int(np.argmin(score))
         if not np.isfinite(score[r]):
             raise ValueError(
@@ -94,18 +106,37 @@ def place_shards(
 
 
 class _State:
-    """Ranks of the shards and the running per-rank totals and free storage."""
+    """Ranks of the shards, the running per-rank totals and free storage, and how many shards
+    of each group every rank holds (the last column counts shards of no group)."""
 
-    def __init__(self, ranks, load, need, total, room):
+    def __init__(self, ranks, load, need, total, room, group, members):
         self.ranks, self.load, self.need, self.total, self.room = ranks, load, need, total, room
+        self.group, self.members = group, members
+
+    def crowded(self, i, without=None) -> np.ndarray:
+        """bool [R]: ranks that already hold another shard of i's group (not `without`)."""
+        if self.group[i] < 0:
+            return np.zeros(self.members.shape[0], bool)
+        count = self.members[:, self.group[i]].copy()
+        count[self.ranks[i]] -= int(self.ranks[i] >= 0 and self.placed[i])
+        if without is not None and self.group[without] == self.group[i]:
+            count[self.ranks[without]] -= 1
+        return count > 0
+
+    @property
+    def placed(self):
+        return self.ranks >= 0
 
     def shift(self, i, src, dst):
-        self.ranks[i] = dst
+        g = self.group[i]
         if src is not None:
             self.total[src] -= self.load[i]
             self.room[src] += self.need[i]
+            self.members[src, g] -= 1
+        self.ranks[i] = dst
         self.total[dst] += self.load[i]
         self.room[dst] -= self.need[i]
+        self.members[dst, g] += 1
 
     def improve(self, top, pinned, worst) -> bool:
         """Apply the best move or swap of a shard of rank `top`; False when none lowers the
@@ -119,7 +150,7 @@ class _State:
         for i in mine:
             # Move i to any other rank.
             after = np.maximum((total + load[i]).max(1), (total[top] - load[i]).max())
-            after[(room < need[i])] = np.inf
+            after[(room < need[i]) | self.crowded(i)] = np.inf
             after[top] = np.inf
             q = int(np.argmin(after))
             if after[q] < best_score:
@@ -131,6 +162,14 @@ class _State:
             pair = np.maximum((total[top] - delta).max(1), (total[q_of] + delta).max(1))
             fits = (room[q_of] + need[others] >= need[i]) & (room[top] + need[i] >= need[others])
             pair[~fits] = np.inf
+            # No swap may put two shards of a group on one rank.
+            crowded_i = self.crowded(i)
+            same = self.group[others] == self.group[i]
+            pair[crowded_i[q_of] & ~(same & (self.members[q_of, self.group[i]] == 1))] = np.inf
+            gj = self.group[others]
+            top_has = np.where(gj >= 0, self.members[top, np.maximum(gj, 0)], 0)
+            top_has = top_has - (gj == self.group[i]) * (self.group[i] >= 0)
+            pair[(gj >= 0) & (top_has > 0)] = np.inf
             j = int(np.argmin(pair))
             if pair[j] < best_score:
                 best_score, best = float(pair[j]), (i, int(others[j]), int(q_of[j]))

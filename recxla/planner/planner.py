@@ -23,6 +23,7 @@ perf model (`recxla.planner.partitioner`), so its output is a plain TorchRec `Sh
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.proposers import GreedyProposer
@@ -109,14 +110,15 @@ def evaluate_splits(splits: Dict[str, TableSplit], loads: TableLoads, cost: Cost
     """Place the shards of `splits` (`place_shards`, `rounds` local-search moves, default
     its full search) and model the step."""
     cache = {} if cache is None else cache
-    shard_loads, fixed, owner = [], [], []
-    for config in loads.tables:
+    shard_loads, fixed, owner, groups = [], [], [], []
+    for t, config in enumerate(loads.tables):
         for load, rank in _shard_loads(config, splits[config.name], loads, cost, cache):
             shard_loads.append(load)
             fixed.append(rank)
             owner.append(config.name)
+            groups.append(t)
     ranks = place_shards(placement_loads(shard_loads), loads.world_size, fixed,
-                         max_rounds=rounds)
+                         max_rounds=rounds, groups=groups)
     owner_bytes, source_bytes, lookups, lookup_seconds = rank_totals(shard_loads, ranks,
                                                                      loads.world_size)
     by_table: Dict[str, List[int]] = {}
@@ -128,13 +130,13 @@ def evaluate_splits(splits: Dict[str, TableSplit], loads: TableLoads, cost: Cost
 
 def _key(result: SplitResult) -> Tuple[float, float]:
     """Order of results: modeled seconds, then a smooth stand-in for the maxima it is made of
-    (the L16 norm over ranks of each all-to-all's owner bytes and of the lookups, summed),
-    which also falls when one of several equally busy ranks gets lighter."""
-    parts = torch.cat([result.owner_bytes, result.lookups.unsqueeze(1)], 1)
-    scale = parts.max(0).values.clamp(min=1e-30)
-    smooth = float(((parts / scale) ** 16).sum(0).pow(1.0 / 16).mul(scale).div(
-        parts.sum(0).clamp(min=1e-30)).sum())
-    return result.seconds, smooth
+    (the L16 norm over ranks of each all-to-all's owner bytes and of the lookups, each over
+    its mean, summed), which also falls when one of several equally busy ranks gets lighter.
+    numpy: these arrays are tiny, and torch's per-op cost dominates the search otherwise."""
+    parts = np.concatenate([result.owner_bytes.numpy(), result.lookups.numpy()[:, None]], 1)
+    scale = np.maximum(parts.max(0), 1e-30)
+    norm = ((parts / scale) ** 16).sum(0) ** (1.0 / 16) * scale
+    return result.seconds, float((norm / np.maximum(parts.sum(0), 1e-30)).sum())
 
 
 def _better(a: SplitResult, b: SplitResult) -> bool:
@@ -266,7 +268,8 @@ def _greedy(best: SplitResult, options, evaluate, steps: int) -> SplitResult:
     """Accept the best single-table change while it helps (`_better`), at most `steps`."""
     for _ in range(steps):
         # Tables on a rank that is the busiest in some all-to-all, or looks up the most.
-        busiest = set(best.owner_bytes.argmax(0).tolist()) | {int(best.lookups.argmax())}
+        busiest = set(best.owner_bytes.numpy().argmax(0).tolist()) | {
+            int(best.lookups.numpy().argmax())}
         found = None
         for name, ranks in best.ranks.items():
             if not busiest & set(ranks):
