@@ -50,6 +50,7 @@ def random_config(**fixed) -> StepConfig:
 
 def random_case():
     hw = random.choice([H100_IB, A100_P4D, emulated(random.choice([0.2, 1.0]), 2)])
+    hw = replace(hw, fixed_step_s=random.choice([0.0, 1e-3]))
     return random_workload(), hw, random.randint(1, 64), random.randint(1, 8192)
 
 
@@ -100,7 +101,8 @@ def test_units():
         fast = replace(
             hw.scaled(intra_bytes_per_s=c, inter_bytes_per_s=c, peak_flops=c,
                       memory_bytes_per_s=c, codec_bytes_per_s=c),
-            intra_latency_s=hw.intra_latency_s / c, inter_latency_s=hw.inter_latency_s / c)
+            intra_latency_s=hw.intra_latency_s / c, inter_latency_s=hw.inter_latency_s / c,
+            fixed_step_s=hw.fixed_step_s / c)
         slow, quick = step(work, hw, nodes, batch, config), step(work, fast, nodes, batch, config)
         for name, value in slow.as_dict().items():
             if name == "examples_per_s":

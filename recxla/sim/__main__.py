@@ -12,6 +12,7 @@ and NestPipe's results; --check models measured runs (recxla.sim.check).
 
 import argparse
 import sys
+from dataclasses import replace
 from typing import List, Sequence, Tuple
 
 from recxla.sim.hardware import preset
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=4096, help="examples per rank per step")
     parser.add_argument("--dim", type=int, default=64, help="embedding dimension")
     parser.add_argument("--max-rows", type=int, default=None, help="cap on table rows")
+    parser.add_argument("--fixed-step-ms", type=float, default=0.0,
+                        help="a step's cost whatever its size (measure it on one node)")
     parser.add_argument("--imbalance", type=float, default=1.0,
                         help="max/mean of per-rank all-to-all bytes (recxla.planner)")
     parser.add_argument("--plot", default="scaling.png", help="PNG path ('' for none)")
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
                         help="model measured runs (format: recxla.sim.check)")
     args = parser.parse_args(argv)
     try:
-        hw = preset(args.hardware)
+        hw = replace(preset(args.hardware), fixed_step_s=args.fixed_step_ms / 1e3)
         nodes = [int(n) for n in args.nodes.split(",")]
         if not nodes or min(nodes) < 1:
             raise ValueError("--nodes must list node counts >= 1")

@@ -26,6 +26,9 @@ class Hardware:
     codec_bytes_per_s: fp32 bytes per second the FP8 row codec quantizes and dequantizes
         (both together); it reads fp32 and writes a quarter of it, so it runs at memory speed.
     source: where the figures come from.
+    fixed_step_s: time a step costs whatever its size (kernel launches, Python, bookkeeping).
+        No public figure for a TorchRec step: 0 unless measured (a one-node step of the real
+        model minus the model's terms for it), so short steps come out optimistic.
     """
 
     name: str
@@ -39,13 +42,14 @@ class Hardware:
     memory_bytes_per_s: float
     codec_bytes_per_s: float
     source: str = ""
+    fixed_step_s: float = 0.0
 
     def __post_init__(self):
         for field in ("gpus_per_node", "intra_bytes_per_s", "inter_bytes_per_s", "peak_flops",
                       "dense_efficiency", "memory_bytes_per_s", "codec_bytes_per_s"):
             if not getattr(self, field) > 0:
                 raise ValueError(f"recxla.sim.Hardware {self.name}: {field} must be > 0")
-        for field in ("intra_latency_s", "inter_latency_s"):
+        for field in ("intra_latency_s", "inter_latency_s", "fixed_step_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"recxla.sim.Hardware {self.name}: {field} must be >= 0")
 

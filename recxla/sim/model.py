@@ -93,6 +93,7 @@ class StepBreakdown:
     update: float
     dense_allreduce: float
     sync_2d: float
+    fixed: float
     step: float
     examples_per_s: float
     inter_node_bytes: float
@@ -104,8 +105,9 @@ class StepBreakdown:
 
     @property
     def exposed_communication(self) -> float:
-        """Step time not spent computing (lookup, codec, dense, update)."""
-        return max(0.0, self.step - (self.lookup + self.codec + self.dense + self.update))
+        """Step time not spent computing (lookup, codec, dense, update, fixed cost)."""
+        busy = self.lookup + self.codec + self.dense + self.update + self.fixed
+        return max(0.0, self.step - busy)
 
     def as_dict(self) -> Dict[str, float]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -197,15 +199,15 @@ def step(workload: Workload, hw: Hardware, nodes: int, batch_per_rank: int,
         # Two streams, compute and communication, each as busy as its terms add up to; the
         # step is the busier one plus the pipeline's fill and drain (the first micro-batch's
         # output all-to-all and the last one's gradients cannot hide behind dense work).
-        compute = lookup + codec + dense + update
+        compute = lookup + codec + dense + update + hw.fixed_step_s
         comm = ids_a2a + output_a2a + grad_a2a + dense_ar + sync_2d
         m = config.micro_batches
         total = max(compute, comm) + min(dense / m, (output_a2a + grad_a2a) / m)
     else:
         total = (ids_a2a + lookup + codec + output_a2a + dense + grad_a2a + update + dense_ar
-                 + sync_2d)
+                 + sync_2d + hw.fixed_step_s)
     return StepBreakdown(ids_a2a, lookup, codec, output_a2a, dense, grad_a2a, update, dense_ar,
-                         sync_2d, total, ranks * b / total, inter_bytes)
+                         sync_2d, hw.fixed_step_s, total, ranks * b / total, inter_bytes)
 
 
 @dataclass(frozen=True)
