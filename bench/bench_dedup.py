@@ -8,7 +8,9 @@ Batch: 8192 samples x 26 sparse features with Criteo Kaggle's table sizes; 20 fe
 or uniform over each table, hot keys scattered over the id space. One segment per table.
 
 Providers, all producing the same (unique_values, unique_offsets, inverse):
-- recxla: the C++ CPU kernel (torch.ops.recxla.segmented_unique);
+- recxla: the C++ CPU kernel (torch.ops.recxla.segmented_unique), fresh outputs every call;
+- recxla-out: the same into out= buffers made once (torch.ops.recxla.segmented_unique_out), as
+  recxla.nn.EmbeddingBagCollection calls it every step: no new memory per call;
 - reference: torch.unique per segment (recxla.reference.dedup, the tests' oracle);
 - torch-unique-combined: one torch.unique over (segment, key) packed into one int64, then the
   offsets from the segments of the uniques;
@@ -20,8 +22,9 @@ FBGEMM's jagged_unique_indices has no CPU kernel (fbgemm-gpu-cpu 1.9.0 registers
 there is no upstream provider on CPU. On a GPU, `make gpu-check` times the CUDA and Triton
 kernels against the combined torch.unique with the `gpu` cases.
 
-extra_info: threads, n_keys, n_unique, unique_ratio, bytes (the memcpy bytes) and gbps (bytes
-per second at the median, so providers compare as fractions of memcpy).
+extra_info: threads, allocator (bench/conftest.py keeps freed memory in the process unless
+RECXLA_BENCH_MALLOC=default), n_keys, n_unique, unique_ratio, bytes (the memcpy bytes) and gbps
+(bytes per second at the median, so providers compare as fractions of memcpy).
 """
 
 import os
@@ -96,8 +99,20 @@ def torch_unique_combined(values: torch.Tensor, offsets: torch.Tensor):
 
 
 ALL_THREADS = torch.get_num_threads()
+ALLOCATOR = "default" if os.environ.get("RECXLA_BENCH_MALLOC") == "default" else "tuned"
+
+
+def with_out_buffers(values: torch.Tensor, offsets: torch.Tensor):
+    """segmented_unique into out= buffers made once for this batch (kept by the closure)."""
+    n = values.numel()
+    out = (values.new_empty(n), torch.empty(offsets.numel(), dtype=torch.int64),
+           torch.empty(n, dtype=torch.int64))
+    return lambda v, o: segmented_unique(v, o, out=out)
+
+
 PROVIDERS = {
     "recxla": segmented_unique,
+    "recxla-out": None,  # with_out_buffers, made per batch
     "reference": segmented_unique_ref,
     "torch-unique-combined": torch_unique_combined,
 }
@@ -134,13 +149,14 @@ def test_dedup_cpu(benchmark, provider, distribution, dtype, threads):
         dst = torch.empty_like(src)
         benchmark(dst.copy_, src)
     else:
-        fn = PROVIDERS[provider]
+        fn = PROVIDERS[provider] or with_out_buffers(values, offsets)
         got = benchmark(fn, values, offsets)
         for g, w in zip(got, want):
             assert torch.equal(g, w), f"{provider} differs from the reference"
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
         threads=threads,
+        allocator=ALLOCATOR,
         n_keys=values.numel(),
         n_unique=want[0].numel(),
         unique_ratio=round(want[0].numel() / values.numel(), 4),

@@ -192,7 +192,8 @@ def test_per_sample_weight_grad_matches_reference_autograd(dtype, fused):
     def sgd():
         return [ops.SGD] * 3, [None] * 3, [0.5, 0.0, 0.0, 1.0] * 3
 
-    plan = ops.LookupPlan(a["feature_table"], a["pooling"], 8, optimizer_step=sgd if fused else None)
+    plan = ops.LookupPlan(a["feature_table"], a["pooling"], 8,
+                          optimizer_step=sgd if fused else None)
     rest = [a[k] for k in ("unique_values", "unique_offsets", "inverse", "offsets")]
     out = ops.FusedPooledLookup.apply(plan, *rest, psw, *weights)
     want = ref.embedding_bag_forward_ref(a["weights"], *rest, ref_psw, a["feature_table"],

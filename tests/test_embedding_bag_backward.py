@@ -27,11 +27,13 @@ def few_repeats_inputs(dtype, weighted, mean):
                          torch.randint(0, 4, (batch,))])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     n0 = int(lengths[: 2 * batch].sum())
-    values = torch.cat([zipf_ids(rows, n0, 0.0), zipf_ids(50, int(lengths[2 * batch :].sum()), 1.2)])
+    n1 = int(lengths[2 * batch :].sum())
+    values = torch.cat([zipf_ids(rows, n0, 0.0), zipf_ids(50, n1, 1.2)])
     uv, uo, inv = segmented_unique(values, torch.tensor([0, n0, values.numel()]))
     assert uo[1] * 64 * 4 > 4 << 20 and n0 < 2 * int(uo[1])  # the gather order's conditions
     return dict(weights=weights, unique_values=uv.to(dtype), unique_offsets=uo, inverse=inv,
-                offsets=offsets, per_sample_weights=torch.rand(values.numel()) if weighted else None,
+                offsets=offsets,
+                per_sample_weights=torch.rand(values.numel()) if weighted else None,
                 feature_table=feature_table, pooling=[ops.MEAN if mean else ops.SUM, ops.MEAN],
                 batch_size=batch)
 

@@ -120,7 +120,8 @@ def test_segmented_unique_out_on_the_reference_path(monkeypatch):
     values = values[: int(offsets[-1])]
     out = (torch.empty(1000, dtype=torch.int64), torch.empty(5, dtype=torch.int64),
            torch.empty(1000, dtype=torch.int64))
-    for g, w in zip(segmented_unique(values, offsets, out=out), segmented_unique_ref(values, offsets)):
+    got = segmented_unique(values, offsets, out=out)
+    for g, w in zip(got, segmented_unique_ref(values, offsets)):
         assert torch.equal(g, w)
 
 

@@ -146,11 +146,15 @@ RECXLA_INLINE void run_gather_part(
     const int64_t end = start[u + 1];
     for (int64_t e = start[u]; e < end; ++e) {
       // Gradient rows come in no useful order: keep a few loads in flight.
-      if (e + kPrefetchAhead < end) prefetch_row(grad + entries[e + kPrefetchAhead].grad_offset, dim);
+      if (e + kPrefetchAhead < end) {
+        prefetch_row(grad + entries[e + kPrefetchAhead].grad_offset, dim);
+      }
       sum.add(grad + entries[e].grad_offset, entries[e].scale);
     }
     sum.store(row_grad);
-    if (u + kPrefetchAhead < p.hi) prefetch_row(w + static_cast<int64_t>(rows[u + kPrefetchAhead]) * dim, dim);
+    if (u + kPrefetchAhead < p.hi) {
+      prefetch_row(w + static_cast<int64_t>(rows[u + kPrefetchAhead]) * dim, dim);
+    }
     const int64_t r = rows[u];
     apply_row(kind, h, dim, w + r * dim, state, r, row_grad,
               grad_out != nullptr ? grad_out + (u - segment) * dim : nullptr);
