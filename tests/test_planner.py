@@ -2,6 +2,7 @@
 counts, placement, plan validity (TorchRec plan, DMP on 2 gloo ranks) and balance."""
 
 import logging
+import math
 import warnings
 
 import pytest
@@ -30,7 +31,7 @@ from recxla.planner import (
     plan_shards,
     torchrec_imbalance_stats,
 )
-from recxla.planner.loads import COLLECTIVES, ID_BYTES, INDEX_BYTES, LENGTH_BYTES
+from recxla.planner.loads import COLLECTIVES
 
 FIELDS = ["ids_received", "lookups"] + [
     f"{c}_bytes_{d}" for c in COLLECTIVES for d in ("sent", "received")
@@ -117,36 +118,62 @@ def random_plan(tables, world_size: int) -> ShardingPlan:
     return ShardingPlan({"": module_plan})
 
 
+def _aligned(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
 def brute_force(plan, tables, batches, fwd_fmt, bwd_fmt):
-    """The same count with Python sets, shard by shard, source by source."""
+    """The same count with Python sets and loops, from the rules of recxla's sharded module:
+    per (source, owner) one block of lengths, ids (raw, or unique plus a 2-byte inverse
+    index where smaller), 8-byte aligned, plus a (6 + 1) x int64 size row per rank pair;
+    pooled rows cut at the gcd of all shard widths; each shard's distinct ids over all
+    sources looked up once."""
     world_size = len(batches)
     out = {name: [0] * world_size for name in FIELDS}
-    for s, kjt in enumerate(batches):
-        b = kjt.stride()
-        for config in tables:
-            ids = [i for f in config.feature_names for i in kjt[f].values().tolist()]
-            sharding = plan.plan[""][config.name]
-            if sharding.sharding_type == "data_parallel":
-                out["lookups"][s] += len(set(ids))
-                size = config.num_embeddings * config.embedding_dim * 4
+    ids_of = [{c.name: [i for f in c.feature_names for i in kjt[f].values().tolist()]
+               for c in tables} for kjt in batches]
+    owned = {d: [] for d in range(world_size)}
+    for config in tables:
+        sharding = plan.plan[""][config.name]
+        if sharding.sharding_type == "data_parallel":
+            size = config.num_embeddings * config.embedding_dim * 4
+            for s in range(world_size):
+                out["lookups"][s] += len(set(ids_of[s][config.name]))
                 out["allreduce_bytes"][s] += 2 * (world_size - 1) * size // world_size
+            continue
+        for meta in sharding.sharding_spec.shards:
+            (row, _), (rows, cols) = meta.shard_offsets, meta.shard_sizes
+            owned[meta.placement.rank()].append((config, row, row + rows, cols))
+    widths = [cols for shards in owned.values() for _, _, _, cols in shards]
+    if not widths:
+        return out
+    wire = math.gcd(*widths)
+    for r in range(world_size):
+        out["ids_bytes_sent"][r] += (world_size - 1) * 7 * 8
+        out["ids_bytes_received"][r] += (world_size - 1) * 7 * 8
+    for d, shards in owned.items():
+        slots = sum(len(c.feature_names) for c, _, _, _ in shards)
+        wire_rows = sum(cols * len(c.feature_names) for c, _, _, cols in shards) // wire
+        for c, lo, hi, _ in shards:
+            out["lookups"][d] += len({i for ids in ids_of for i in ids[c.name] if lo <= i < hi})
+        for s in range(world_size):
+            if s == d:
                 continue
-            for meta in sharding.sharding_spec.shards:
-                (row, _), (rows, cols) = meta.shard_offsets, meta.shard_sizes
-                r = meta.placement.rank()
-                mine = [i for i in ids if row <= i < row + rows]
-                u = len(set(mine))
-                out["lookups"][r] += u
-                if s == r:
-                    continue
-                out["ids_received"][r] += u
-                for collective, nbytes, to_owner in (
-                    ("ids", u * ID_BYTES + len(mine) * INDEX_BYTES + b * LENGTH_BYTES, True),
-                    ("fwd", b * row_bytes(cols, fwd_fmt), False),
-                    ("bwd", b * row_bytes(cols, bwd_fmt), True),
-                ):
-                    out[f"{collective}_bytes_{'received' if to_owner else 'sent'}"][r] += nbytes
-                    out[f"{collective}_bytes_{'sent' if to_owner else 'received'}"][s] += nbytes
+            b = batches[s].stride()
+            mine = [[i for i in ids_of[s][c.name] if lo <= i < hi] for c, lo, hi, _ in shards]
+            n = sum(len(m) for m in mine)
+            u = sum(len(set(m)) for m in mine)
+            inverse = 2 if u <= 65536 else 4
+            ids, index = (u * 4, n * inverse) if u * 4 + n * inverse < n * 4 else (n * 4, 0)
+            block = _aligned(slots * b * 4) + _aligned(ids) + _aligned(index)
+            out["ids_received"][d] += u
+            for collective, nbytes, to_owner in (
+                ("ids", block, True),
+                ("fwd", b * wire_rows * row_bytes(wire, fwd_fmt), False),
+                ("bwd", b * wire_rows * row_bytes(wire, bwd_fmt), True),
+            ):
+                out[f"{collective}_bytes_{'received' if to_owner else 'sent'}"][d] += nbytes
+                out[f"{collective}_bytes_{'sent' if to_owner else 'received'}"][s] += nbytes
     return out
 
 
@@ -208,12 +235,13 @@ def test_count_rank_loads_rejects_bad_input():
 
 
 def test_estimate_equals_count_when_every_rank_has_the_sample():
-    """With the sample batch as every rank's batch, a shard's estimated owner bytes and
-    lookups are exactly what the counter finds (whole tables, column blocks, row blocks)."""
+    """With the sample batch as every rank's batch, a shard alone on its owner is estimated as
+    the counter counts it: pooled rows exactly, ids up to the block's 8-byte alignment and the
+    sizes row, lookups exactly (the same batch everywhere: no new ids from more sources)."""
     world_size = 4
     tables = random_tables(5)
     batch = random_batch(tables, 32, random_pooling(tables))
-    loads = TableLoads.measure(tables, [batch], world_size, "e4m3", "e5m2")
+    loads = TableLoads.measure(tables, [batch, batch], world_size, "e4m3", "e5m2")
     for config in tables:
         rows, dim = config.num_embeddings, config.embedding_dim
         bounds = loads.bounds[loads.index[config.name]].tolist()
@@ -231,10 +259,14 @@ def test_estimate_equals_count_when_every_rank_has_the_sample():
                 "row_wise", "fused", [m.placement.rank() for m in metas],
                 EnumerableShardingSpec(metas))}
             counted = count_rank_loads(plan, [config], [batch] * world_size, "e4m3", "e5m2")
-            estimate = loads.shard_load(config.name, row, end, cols, CostModel())
-            owner = (float(counted.ids_bytes_received[1]), float(counted.fwd_bytes_sent[1]),
-                     float(counted.bwd_bytes_received[1]))
-            assert owner == pytest.approx(estimate.owner, rel=1e-12, abs=1e-6)
+            width = math.gcd(*(m.shard_sizes[1] for m in metas))
+            estimate = loads.shard_load(config.name, row, end, cols, CostModel(), width)
+            assert float(counted.fwd_bytes_sent[1]) == pytest.approx(estimate.owner[1], rel=1e-12)
+            assert float(counted.bwd_bytes_received[1]) == pytest.approx(estimate.owner[2],
+                                                                         rel=1e-12)
+            sizes_row = (world_size - 1) * 7 * 8
+            ids = float(counted.ids_bytes_received[1]) - sizes_row
+            assert estimate.owner[0] <= ids <= estimate.owner[0] + 3 * 7 * (world_size - 1)
             assert float(counted.lookups[1]) == pytest.approx(estimate.lookups, rel=1e-12)
 
 
@@ -360,12 +392,10 @@ def test_fixed_splits_and_bad_arguments():
 # ---- DistributedModelParallel takes the plan --------------------------------------------------
 
 
-def _dmp_forward(rank, world_size, seed, with_row_wise):
-    """Plan on every rank (the same seed, so the same plan), shard with DMP, copy the
-    unsharded weights into the shards and compare the pooled outputs: with TorchRec's own
-    sharder (table- and column-wise: it offers no row-wise on CPU), or with a row-wise table
-    and the stand-in sharder. (One DMP per process: a second one in the same process gave
-    wrong outputs with correct weights, in TorchRec 1.9.2 on gloo.)"""
+def _dmp_torchrec_sharder(rank, world_size, seed):
+    """Plan on every rank (the same seed, so the same plan) for TorchRec's own sharder (table-
+    and column-wise: it offers no row-wise on CPU), shard with DMP, copy the unsharded weights
+    into the shards and return the largest difference of the pooled outputs."""
     import logging
     import warnings
 
@@ -378,15 +408,9 @@ def _dmp_forward(rank, world_size, seed, with_row_wise):
     tables = random_tables(8, max_rows=2000, dims=(8, 16))
     pooling = random_pooling(tables)
     sample = [random_batch(tables, 32, pooling) for _ in range(2)]
-    topology = Topology(world_size=world_size, compute_device="cpu")
-    if with_row_wise:
-        planner = BalancedShardingPlanner(
-            topology, sample, fixed_splits={tables[0].name: TableSplit("row_wise", 2)})
-        sharder = RowWiseEverywhereSharder()
-    else:
-        planner = BalancedShardingPlanner(topology, sample,
-                                          sharding_types=("table_wise", "column_wise"))
-        sharder = EmbeddingBagCollectionSharder()
+    planner = BalancedShardingPlanner(Topology(world_size=world_size, compute_device="cpu"),
+                                      sample, sharding_types=("table_wise", "column_wise"))
+    sharder = EmbeddingBagCollectionSharder()
     unsharded = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     module = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     plan = planner.plan(module, [sharder])
@@ -407,15 +431,65 @@ def _dmp_forward(rank, world_size, seed, with_row_wise):
     return types_used, max(float((out[k] - want[k]).abs().max()) for k in want)
 
 
-@pytest.mark.parametrize("with_row_wise", [False, True])
-def test_distributed_model_parallel_accepts_the_plan(seed, with_row_wise):
-    for types_used, error in run_distributed(_dmp_forward, world_size=2,
-                                             args=(seed, with_row_wise)):
-        if with_row_wise:
-            assert "row_wise" in types_used
-        else:
-            assert set(types_used) <= {"table_wise", "column_wise"}
+def test_distributed_model_parallel_takes_the_plan_with_torchrecs_sharder(seed):
+    for types_used, error in run_distributed(_dmp_torchrec_sharder, world_size=2, args=(seed,)):
+        assert set(types_used) <= {"table_wise", "column_wise"}
         assert error < 1e-5
+
+
+def _dmp_recxla_sharder(rank, world_size, seed):
+    """Plan for recxla's sharder (a row-wise table pinned), run one forward and backward
+    through DMP, and return the module's own byte counters next to count_rank_loads' count
+    for this rank on the same batches."""
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from recxla.planner import planning_sharder
+
+    torch.manual_seed(seed)
+    tables = random_tables(8, max_rows=2000, dims=(8, 16))
+    pooling = random_pooling(tables)
+    sample = [random_batch(tables, 32, pooling) for _ in range(2)]
+    sharder = planning_sharder()  # recxla's own, with its default e4m3 / bf16 comms
+    planner = BalancedShardingPlanner(
+        Topology(world_size=world_size, compute_device="cpu"), sample,
+        fixed_splits={tables[0].name: TableSplit("row_wise", world_size)})
+    module = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    plan = planner.plan(module, [sharder])
+    dmp = DistributedModelParallel(module, device=torch.device("cpu"), plan=plan,
+                                   sharders=[sharder])
+    batches = []
+    for r in range(world_size):
+        torch.manual_seed(seed + 1 + r)
+        batches.append(random_batch(tables, int(torch.randint(4, 40, ())), pooling))
+    sharded = next(m for m in dmp.modules() if hasattr(m, "comm_stats"))
+    sharded.comm_stats.reset()
+    out = dmp(batches[rank])
+    (out.wait() if hasattr(out, "wait") else out).values().sum().backward()
+    counted = count_rank_loads(plan, tables, batches, "e4m3", "bf16")
+    mine = {
+        "id_bytes_sent": counted.ids_bytes_sent, "id_bytes_received": counted.ids_bytes_received,
+        "embedding_bytes_sent": counted.fwd_bytes_sent,
+        "embedding_bytes_received": counted.fwd_bytes_received,
+        "gradient_bytes_sent": counted.bwd_bytes_sent,
+        "gradient_bytes_received": counted.bwd_bytes_received,
+    }
+    types_used = sorted({s.sharding_type for s in plan.plan[""].values()})
+    stats = sharded.comm_stats.as_dict()
+    return types_used, {k: (int(v[rank]), stats[k]) for k, v in mine.items()}
+
+
+def test_counted_bytes_equal_recxla_modules_own_counters(seed):
+    """The one home of the count agrees with what recxla's sharded module moved, rank by
+    rank, on the same plan and batches (DMP on 2 gloo ranks, row-wise included)."""
+    for types_used, pairs in run_distributed(_dmp_recxla_sharder, world_size=2, args=(seed,)):
+        assert "row_wise" in types_used
+        for name, (counted, moved) in pairs.items():
+            assert counted == moved, name
 
 
 def test_place_shards_keeps_a_group_on_distinct_ranks():

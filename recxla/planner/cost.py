@@ -3,34 +3,39 @@
 `TableLoads.measure` counts, on a few sample batches of one rank, the unique ids and the id
 occurrences of every table per row-wise block (with `recxla.planner.loads.block_counts`, the
 counter the measured report uses too). Every rank's batch follows the same distribution, so a
-shard's load over the whole world is R times one source's: the planner needs no batch from
+shard's load over the whole world follows from one source's: the planner needs no batch from
 the other ranks. From those counts `TableLoads.shard_load` prices any shard (rows x columns)
-as recxla's sharded path moves it (see `recxla.planner.loads`):
+as recxla's sharded module moves it (see `recxla.planner.loads`), per other rank:
 
-    between the owner and each of the other R - 1 ranks, per step:
-      ids  U x 8 + N x 4 + B x 4 bytes to the owner     (input all-to-all)
-      fwd  B x row_bytes(c, fwd format) from the owner   (pooled rows)
-      bwd  B x row_bytes(c, bwd format) to the owner     (their gradients)
-    lookups: R x U rows of c columns
+    ids  min(N x 4, U x 4 + N x 2) + F x B x 4   to the owner (int32 ids, 2-byte inverse)
+    fwd  F x B x (c / w) x row_bytes(w, fwd)     from the owner (pooled rows, wire width w)
+    bwd  F x B x (c / w) x row_bytes(w, bwd)     to the owner (their gradients)
+    lookups  U x R^a rows: the sources' ids together, distinct (a from the sample)
 
-U and N are the expected unique ids and occurrences of one source in the shard's rows (so key
-skew and dedup enter through the sample), B the per-rank batch, c the shard's columns. Row
-ranges that cut a sampled block take the block's counts in proportion to the rows they cover.
+U and N are the expected unique ids and occurrences of one source in the shard's rows (key
+skew and dedup enter through the sample), F the table's features, B the per-rank batch, c the
+shard's columns and w the module's wire row width (the gcd of all shard widths: one narrow
+column block makes every table's FP8 rows carry a scale per w values). How the distinct ids
+grow with the number of sources, R^a, is measured on the sample batches together. Row ranges
+that cut a sampled block take the block's counts in proportion to the rows they cover. (The
+module chooses the id encoding per destination over all its tables and aligns sections to
+8 bytes; estimates price each shard on its own.)
 
 `CostModel` turns loads into seconds: each all-to-all waits for its busiest rank's link, rows
 are read at memory speed. Its defaults are published H100 figures (cited below); recxla.sim holds
 the same figures for the step model.
 """
 
+import math
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from recxla.formats import get_format, row_bytes
 from recxla.ops.dedup import row_wise_bounds
-from recxla.planner.loads import ID_BYTES, INDEX_BYTES, LENGTH_BYTES, block_counts
+from recxla.planner.loads import INT32_ROWS, LENGTH_BYTES, MAX_DEDUP16, block_counts
 
 OP = "recxla.planner.TableLoads"
 
@@ -119,7 +124,7 @@ class TableLoads:
     """
 
     def __init__(self, tables, world_size: int, bounds, unique, occurrences, batch_size: float,
-                 fwd_fmt: str, bwd_fmt: str):
+                 fwd_fmt: str, bwd_fmt: str, growth=None):
         self.tables = list(tables)
         self.index = {c.name: t for t, c in enumerate(self.tables)}
         self.world_size = world_size
@@ -129,6 +134,9 @@ class TableLoads:
         self.cum_occurrences = torch.cat([zero, occurrences.cumsum(1)], 1)
         self.batch_size = float(batch_size)
         self.fwd_fmt, self.bwd_fmt = fwd_fmt, bwd_fmt
+        # Distinct ids of k sources ~ one source's x k ** growth, per table (1: no repeats).
+        self.growth = torch.ones(len(self.tables), dtype=torch.float64) if growth is None \
+            else growth
 
     @classmethod
     def measure(cls, tables, sample_batches, world_size: int, fwd_fmt: str = "e4m3",
@@ -149,11 +157,16 @@ class TableLoads:
         if len(sample_batches) < 1:
             raise ValueError(f"{OP}: sample_batches must hold at least one batch")
         bounds = row_wise_bounds([c.num_embeddings for c in tables], world_size)
-        unique, occurrences, sizes = block_counts(sample_batches, tables, bounds)
+        unique, occurrences, sizes, union = block_counts(sample_batches, tables, bounds)
+        mean_unique = unique.to(torch.float64).mean(0)
+        growth = torch.ones(len(tables), dtype=torch.float64)
+        if len(sample_batches) > 1:
+            ratio = union.sum(1).to(torch.float64) / mean_unique.sum(1).clamp(min=1e-30)
+            growth = (ratio.clamp(min=1.0).log() / math.log(len(sample_batches))).clamp(max=1.0)
         return cls(
-            tables, world_size, bounds, unique.to(torch.float64).mean(0),
+            tables, world_size, bounds, mean_unique,
             occurrences.to(torch.float64).mean(0), float(sizes.to(torch.float64).mean()),
-            fwd_fmt, bwd_fmt,
+            fwd_fmt, bwd_fmt, growth,
         )
 
     def _cumulative(self, t: int, row: int) -> Tuple[float, float]:
@@ -179,17 +192,24 @@ class TableLoads:
         return u1 - u0, n1 - n0
 
     def shard_load(self, table: str, row_start: int, row_end: int, cols: int,
-                   cost: CostModel) -> ShardLoad:
-        """Expected load of a shard (rows [row_start, row_end) x `cols` columns)."""
+                   cost: CostModel, wire_dim: Optional[int] = None) -> ShardLoad:
+        """Expected load of a shard (rows [row_start, row_end) x `cols` columns), its pooled
+        rows cut into `wire_dim`-wide wire rows (default: its own width)."""
         u, n = self.per_source(table, row_start, row_end)
-        b = self.batch_size
+        config = self.tables[self.index[table]]
+        features, b = len(config.feature_names), self.batch_size
+        id_bytes = 4 if row_end - row_start < INT32_ROWS else 8
+        inverse = 2 if u <= MAX_DEDUP16 else 4
+        width = wire_dim or cols
+        wire_rows = features * b * (cols // width)
         per_source = (
-            u * ID_BYTES + n * INDEX_BYTES + b * LENGTH_BYTES,
-            b * row_bytes(cols, self.fwd_fmt),
-            b * row_bytes(cols, self.bwd_fmt),
+            min(n * id_bytes, u * id_bytes + n * inverse) + features * b * LENGTH_BYTES,
+            wire_rows * row_bytes(width, self.fwd_fmt),
+            wire_rows * row_bytes(width, self.bwd_fmt),
         )
         owner = tuple((self.world_size - 1) * x for x in per_source)
-        lookups = self.world_size * u
+        rows = row_end - row_start
+        lookups = min(u * self.world_size ** float(self.growth[self.index[table]]), rows)
         return ShardLoad(owner, per_source, lookups, cost.lookup_seconds(lookups, cols))
 
     def pooling_factors(self) -> Dict[str, float]:

@@ -1,24 +1,28 @@
 """What a sharding plan costs each rank, counted on real batches: the one home of that count.
 
-recxla's sharded embedding path (see DESIGN.md, "One training step") moves, per step and per
-table shard, between a source rank s (which holds a batch of B_s samples) and the shard's
-owner r:
-- input all-to-all: the ids of s that fall in the shard's rows, deduplicated per (table,
-  destination rank): U unique ids of ID_BYTES each, plus the bag structure the owner needs
-  to pool them: one INDEX_BYTES position into the unique list per id occurrence (N of them)
-  and one LENGTH_BYTES length per sample (B_s);
-- the owner looks up its U rows (a column-wise shard reads the same rows, narrower);
-- output all-to-all: one pooled row per sample of s, row_bytes(shard columns, fwd format),
-  B_s rows whatever the bags hold (a row-wise shard sends pooled partial sums that the source
-  adds up);
-- backward: the same B_s rows of gradient back to the owner, in the bwd format.
-Traffic from a rank to itself never leaves the process and is not counted as wire bytes; the
-owner still looks its own source's rows up.
+It counts what recxla's sharded EmbeddingBagCollection (`recxla.torchrec`, pooled exchange,
+its default) moves, with that module's own layout (`ShardLayout`: local tables, slots, the
+output's wire row width) and block format (`input_dist._section_bytes`). Per step, between a
+source rank s (a batch of B_s samples) and each owner d:
+- input all-to-all: a first exchange of sizes ((_META + 1) int64 per rank pair), then one block
+  of bytes per (s, d): the bag lengths of d's slots (int32, one per sample and slot), and the
+  ids of s that fall in d's shards, deduplicated per (d, local table): either raw ids or the
+  unique ids plus an inverse index (2 bytes below 65,536 uniques, else 4), whichever is
+  smaller; ids as int32 where d's shards have fewer than 2^31 rows; sections 8-byte aligned;
+- the owner puts every source's ids together and looks up each local table's unique rows once
+  (`lookups`: distinct rows over all sources, the module's own dedup);
+- output all-to-all: d's pooled columns for every sample of s (row-wise shards send partial
+  sums), cut into rows of the module's wire width (the gcd of all shard widths), each
+  row_bytes(width, fwd format): an FP8 row carries one scale per wire row;
+- backward: the same rows of gradient, in the bwd format.
+Traffic from a rank to itself never leaves the process and is not counted as wire bytes.
+Data-parallel tables (TorchRec's planner picks them for tiny tables) have no all-to-all: every
+rank looks its own batch up and the weight gradients are all-reduced.
 
 Counting needs, per source, table and row block, the unique ids and the id occurrences:
-`block_counts` gets them with recxla's own key ops (bucketize_by_rank, then one
-segmented_unique per source). The planner's load estimates use the same function on a sample
-of batches (`recxla.planner.cost`), so estimate and measurement cannot drift apart.
+`block_counts` gets them with recxla's key ops (bucketize_by_rank, then one segmented_unique
+per source). The planner's load estimates use the same function on a sample of batches
+(`recxla.planner.cost`), so estimate and measurement share their counts.
 """
 
 from dataclasses import dataclass, fields
@@ -28,11 +32,14 @@ import torch
 
 from recxla.formats import get_format, row_bytes
 from recxla.ops.dedup import bucketize_by_rank, segmented_unique
+from recxla.torchrec.input_dist import _META, _section_bytes, DEDUP16, DEDUP32, RAW
+from recxla.torchrec.shard_layout import Shard, ShardLayout, TableInfo
 
-# Bytes of the input all-to-all's entries (int64 ids; int32 positions and lengths).
-ID_BYTES = 8
-INDEX_BYTES = 4
+# The input dist's widths (recxla/torchrec/input_dist.py): int32 ids where the owner's rows
+# fit, int32 bag lengths, one int64 row of sizes per rank pair and micro-batch count.
+INT32_ROWS = 2**31
 LENGTH_BYTES = 4
+MAX_DEDUP16 = 65536
 
 OP = "recxla.planner.count_rank_loads"
 # The rank of a data-parallel table's one "shard": every rank holds it.
@@ -63,11 +70,12 @@ COLLECTIVES = ("ids", "fwd", "bwd")
 class RankLoads:
     """Per-rank load of one step; every field is an int64 tensor [R] indexed by rank.
 
-    ids_received: unique ids this rank receives from other ranks as an owner.
-    lookups: rows this rank looks up as an owner: unique ids per (source, shard), its own
-        source included.
-    {ids,fwd,bwd}_bytes_{sent,received}: bytes of the input all-to-all (ids, positions,
-        lengths), of the forward output all-to-all (pooled rows) and of the backward one
+    ids_received: unique ids this rank receives from other ranks as an owner (per source
+        and local table).
+    lookups: rows this rank looks up: distinct ids of each of its shards over all sources
+        (data-parallel tables: its own batch's).
+    {ids,fwd,bwd}_bytes_{sent,received}: bytes of the input all-to-all (sizes, lengths, ids,
+        inverse index), of the forward output all-to-all (pooled rows) and of the backward one
         (their gradients), at the formats counted.
     allreduce_bytes: bytes each rank sends (and receives) in the ring all-reduce of the fp32
         weight gradients of data-parallel tables: 2 (R - 1) / R of their size.
@@ -164,7 +172,8 @@ def table_ids(kjt, tables) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_counts(batches, tables, block_bounds: torch.Tensor):
-    """Unique ids and id occurrences per (source batch, table, row block).
+    """Unique ids and id occurrences per (source batch, table, row block), and unique ids per
+    (table, row block) over all batches together.
 
     Args:
         batches: S batches (KeyedJaggedTensor or recxla.data.Batch), one per source.
@@ -175,22 +184,38 @@ def block_counts(batches, tables, block_bounds: torch.Tensor):
     Returns:
         unique: int64 [S, T, K], distinct ids of source s in block k of table t;
         occurrences: int64 [S, T, K], ids (with repeats) there;
-        batch_sizes: int64 [S], samples of each source.
+        batch_sizes: int64 [S], samples of each source;
+        union: int64 [T, K], distinct ids of all sources together.
     """
     num_tables, num_blocks = block_bounds.shape[0], block_bounds.shape[1] - 1
     unique = torch.zeros(len(batches), num_tables, num_blocks, dtype=torch.int64)
     occurrences = torch.zeros_like(unique)
     batch_sizes = torch.zeros(len(batches), dtype=torch.int64)
+    per_table: List[List[torch.Tensor]] = [[] for _ in range(num_tables)]
     for s, batch in enumerate(batches):
         kjt = _sparse_features(batch)
         batch_sizes[s] = kjt.stride()
         values, offsets = table_ids(kjt, tables)
-        # Buckets are block-major (bucket b = k * T + t), as for the ranks of an all-to-all.
-        permutation, bucket_offsets = bucketize_by_rank(values, offsets, block_bounds)
-        _, unique_offsets, _ = segmented_unique(values[permutation], bucket_offsets)
-        unique[s] = unique_offsets.diff().reshape(num_blocks, num_tables).t()
-        occurrences[s] = bucket_offsets.diff().reshape(num_blocks, num_tables).t()
-    return unique, occurrences, batch_sizes
+        unique[s], occurrences[s] = _bucket_counts(values, offsets, block_bounds)
+        bounds = offsets.tolist()
+        for t in range(num_tables):
+            per_table[t].append(values[bounds[t]:bounds[t + 1]])
+    values = [torch.cat(v) if v else torch.zeros(0, dtype=torch.int64) for v in per_table]
+    offsets = torch.zeros(num_tables + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor([v.numel() for v in values], dtype=torch.int64), 0)
+    flat = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64)
+    union, _ = _bucket_counts(flat, offsets, block_bounds)
+    return unique, occurrences, batch_sizes, union
+
+
+def _bucket_counts(values, offsets, block_bounds):
+    """(unique, occurrences), int64 [T, K]: keys of table t in row block k."""
+    num_tables, num_blocks = block_bounds.shape[0], block_bounds.shape[1] - 1
+    # Buckets are block-major (bucket b = k * T + t), as for the ranks of an all-to-all.
+    permutation, bucket_offsets = bucketize_by_rank(values, offsets, block_bounds)
+    _, unique_offsets, _ = segmented_unique(values[permutation], bucket_offsets)
+    return (unique_offsets.diff().reshape(num_blocks, num_tables).t(),
+            bucket_offsets.diff().reshape(num_blocks, num_tables).t())
 
 
 def plan_shards(plan, tables, module_path: str = "") -> List[ShardPlacement]:
@@ -257,12 +282,12 @@ def count_rank_loads(
     bwd_fmt: str = "bf16",
     module_path: str = "",
 ) -> RankLoads:
-    """Per-rank load of one training step of `plan` on real batches, as recxla's sharded path
-    would move it (see the module docstring for what is counted).
+    """Per-rank load of one training step of `plan` on real batches, as recxla's sharded
+    EmbeddingBagCollection moves it (see the module docstring for what is counted).
 
     Args:
         plan: TorchRec ShardingPlan (module at `module_path`) or one module's plan.
-        tables: the EmbeddingBagConfig of the sharded tables.
+        tables: the EmbeddingBagConfig of the module's tables.
         batches: R batches (KeyedJaggedTensor or recxla.data.Batch): batch s is source rank
             s's, so len(batches) is the world size.
         fwd_fmt / bwd_fmt: wire formats of the pooled rows and of their gradients
@@ -286,44 +311,86 @@ def count_rank_loads(
                 f"{world_size} ranks of the batches"
             )
     bounds = shard_block_bounds(shards, tables)
-    unique, occurrences, batch_sizes = block_counts(batches, tables, bounds)
-    index = {c.name: t for t, c in enumerate(tables)}
-    return loads_from_counts(shards, index, bounds, unique, occurrences, batch_sizes, fwd_fmt,
-                             bwd_fmt)
+    counts = block_counts(batches, tables, bounds)
+    return loads_from_counts(shards, tables, bounds, *counts, fwd_fmt, bwd_fmt)
 
 
-def loads_from_counts(shards, table_index, bounds, unique, occurrences, batch_sizes, fwd_fmt,
-                      bwd_fmt) -> RankLoads:
+def module_layout(shards: Sequence[ShardPlacement], tables, world_size: int) -> ShardLayout:
+    """The sharded module's layout (seen from rank 0) of the all-to-all tables of `shards`."""
+    infos, per_table = [], []
+    for config in tables:
+        mine = [s for s in shards if s.table == config.name and s.rank != REPLICATED]
+        if not mine:
+            continue
+        t = len(infos)
+        infos.append(TableInfo(config.name, config.num_embeddings, config.embedding_dim,
+                               list(config.feature_names), 0))
+        per_table.append([Shard(t, k, s.rank, s.row_start, s.row_end - s.row_start,
+                                s.col_start, s.cols) for k, s in enumerate(mine)])
+    return ShardLayout.build(infos, per_table, 0, world_size)
+
+
+def loads_from_counts(shards, tables, bounds, unique, occurrences, batch_sizes, union,
+                      fwd_fmt, bwd_fmt) -> RankLoads:
     """RankLoads of `shards` from `block_counts` output (source s is rank s)."""
     world_size = unique.shape[0]
     loads = RankLoads(*(torch.zeros(world_size, dtype=torch.int64) for _ in fields(RankLoads)))
-    remote = torch.ones(world_size, dtype=torch.bool)
+    index = {c.name: t for t, c in enumerate(tables)}
+
+    def rows_of(t, row_start, row_end):
+        k0 = int(torch.searchsorted(bounds[t], row_start, right=True)) - 1
+        k1 = int(torch.searchsorted(bounds[t], row_end, right=False))
+        return slice(k0, k1)
+
     for shard in shards:
-        t = table_index[shard.table]
-        k0 = int(torch.searchsorted(bounds[t], shard.row_start, right=True)) - 1
-        k1 = int(torch.searchsorted(bounds[t], shard.row_end, right=False))
-        u = unique[:, t, k0:k1].sum(1)  # [S]
-        n = occurrences[:, t, k0:k1].sum(1)
-        r = shard.rank
-        if r == REPLICATED:  # every rank looks its own batch up; gradients all-reduced
-            loads.lookups += u
+        if shard.rank == REPLICATED:  # every rank looks its own batch up; gradients all-reduced
+            t = index[shard.table]
+            loads.lookups += unique[:, t].sum(1)
             size = (shard.row_end - shard.row_start) * shard.cols * 4
             loads.allreduce_bytes += 2 * (world_size - 1) * size // world_size
-            continue
-        remote.fill_(True)
-        remote[r] = False
-        per_source = {
-            "ids": u * ID_BYTES + n * INDEX_BYTES + batch_sizes * LENGTH_BYTES,
-            "fwd": batch_sizes * row_bytes(shard.cols, fwd_fmt),
-            "bwd": batch_sizes * row_bytes(shard.cols, bwd_fmt),
-        }
-        loads.lookups[r] += int(u.sum())
-        loads.ids_received[r] += int(u[remote].sum())
-        for collective, nbytes in per_source.items():
-            # ids and gradients flow from the sources to the owner, pooled rows back.
-            to_owner = collective != "fwd"
-            owner_side = f"{collective}_bytes_{'received' if to_owner else 'sent'}"
-            source_side = f"{collective}_bytes_{'sent' if to_owner else 'received'}"
-            getattr(loads, owner_side)[r] += int(nbytes[remote].sum())
-            getattr(loads, source_side).add_(torch.where(remote, nbytes, 0))
+    layout = module_layout(shards, tables, world_size)
+    if not layout.tables:
+        return loads
+    # Per owner d: [S] ids and unique ids of every source in d's local tables, and the rows d
+    # looks up (each local table's distinct ids over all sources).
+    n_to = torch.zeros(world_size, world_size, dtype=torch.int64)  # [d, s]
+    u_to = torch.zeros_like(n_to)
+    for d in range(world_size):
+        for local in layout.local_tables[d]:
+            t = index[layout.tables[local.table].name]
+            blocks = rows_of(t, local.row_offset, local.row_offset + local.rows)
+            n_to[d] += occurrences[:, t, blocks].sum(1)
+            u_to[d] += unique[:, t, blocks].sum(1)
+            loads.lookups[d] += int(union[t, blocks].sum())
+    meta = (world_size - 1) * (_META + 1) * 8
+    loads.ids_bytes_sent += meta
+    loads.ids_bytes_received += meta
+    width = layout.wire_row_dim
+    fwd_row, bwd_row = row_bytes(width, fwd_fmt), row_bytes(width, bwd_fmt)
+    for d in range(world_size):
+        slots = len(layout.slots[d])
+        id_bytes = 4 if all(lt.rows < INT32_ROWS for lt in layout.local_tables[d]) else 8
+        rows = layout.output_dim(d) // width  # wire rows per sample
+        for s in range(world_size):
+            if s == d:
+                continue
+            n, u, b = int(n_to[d, s]), int(u_to[d, s]), int(batch_sizes[s])
+            block = sum(_section_bytes(slots, b, n, u, _encoding(n, u, id_bytes), id_bytes,
+                                       False, 0, 0))
+            loads.ids_bytes_sent[s] += block
+            loads.ids_bytes_received[d] += block
+            loads.ids_received[d] += u
+            loads.fwd_bytes_sent[d] += b * rows * fwd_row
+            loads.fwd_bytes_received[s] += b * rows * fwd_row
+            loads.bwd_bytes_sent[s] += b * rows * bwd_row
+            loads.bwd_bytes_received[d] += b * rows * bwd_row
     return loads
+
+
+def _encoding(num_ids: int, num_unique: int, id_bytes: int) -> int:
+    """The input dist's choice for one block: unique ids plus an inverse index where that is
+    smaller than the raw ids (recxla/torchrec/input_dist.py, _pack)."""
+    inverse = 2 if num_unique <= MAX_DEDUP16 else 4
+    if num_unique * id_bytes + num_ids * inverse < num_ids * id_bytes:
+        return DEDUP16 if inverse == 2 else DEDUP32
+    return RAW

@@ -9,6 +9,7 @@ rated, come from recxla's measured loads (`recxla.planner.cost`).
 """
 
 import copy
+import math
 from typing import Dict, List
 
 import torch
@@ -51,10 +52,12 @@ def _check_option(option: ShardingOption) -> None:
 
 def option_loads(options: List[ShardingOption], loads: TableLoads,
                  cost: CostModel) -> List[ShardLoad]:
-    """ShardLoad of every shard of sharding options, in option then shard order."""
+    """ShardLoad of every shard of sharding options, in option then shard order, pooled rows
+    cut at the module's wire width (the gcd of all shard widths)."""
+    width = math.gcd(*(shard.size[1] for option in options for shard in option.shards))
     return [
         loads.shard_load(option.name, shard.offset[0], shard.offset[0] + shard.size[0],
-                         shard.size[1], cost)
+                         shard.size[1], cost, width)
         for option in options
         for shard in option.shards
     ]

@@ -20,6 +20,7 @@ The result becomes TorchRec constraints (one sharding type per table, the column
 perf model (`recxla.planner.partitioner`), so its output is a plain TorchRec `ShardingPlan`.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -111,8 +112,9 @@ def evaluate_splits(splits: Dict[str, TableSplit], loads: TableLoads, cost: Cost
     its full search) and model the step."""
     cache = {} if cache is None else cache
     shard_loads, fixed, owner, groups = [], [], [], []
+    width = wire_width(splits, loads.tables)
     for t, config in enumerate(loads.tables):
-        for load, rank in _shard_loads(config, splits[config.name], loads, cost, cache):
+        for load, rank in _shard_loads(config, splits[config.name], loads, cost, cache, width):
             shard_loads.append(load)
             fixed.append(rank)
             owner.append(config.name)
@@ -147,23 +149,31 @@ def _better(a: SplitResult, b: SplitResult) -> bool:
     return ka[0] <= kb[0] * (1 + 1e-9) and ka[1] < kb[1] * (1 - 1e-3)
 
 
-def _shard_loads(config, split: TableSplit, loads: TableLoads, cost: CostModel, cache: dict):
-    """[(ShardLoad, fixed rank)] of a split table, computed once per (table, split)."""
-    key = (config.name, split)
+def wire_width(splits: Dict[str, TableSplit], tables) -> int:
+    """The module's output wire row width for these splits: the gcd of all shard widths."""
+    return math.gcd(*(splits[c.name].cols(c.embedding_dim) for c in tables))
+
+
+def _shard_loads(config, split: TableSplit, loads: TableLoads, cost: CostModel, cache: dict,
+                 width: int):
+    """[(ShardLoad, fixed rank)] of a split table, computed once per (table, split, width)."""
+    key = (config.name, split, width)
     if key not in cache:
         shards = split_shards(config, split, loads.world_size)
         if split.sharding_type == ROW_WISE:
-            cache[key] = [(loads.shard_load(config.name, r0, r1, cols, cost), rank)
+            cache[key] = [(loads.shard_load(config.name, r0, r1, cols, cost, width), rank)
                           for r0, r1, cols, rank in shards]
         else:  # equal pieces of all rows: one load
             r0, r1, cols, rank = shards[0]
-            cache[key] = [(loads.shard_load(config.name, r0, r1, cols, cost), rank)] * len(shards)
+            load = loads.shard_load(config.name, r0, r1, cols, cost, width)
+            cache[key] = [(load, rank)] * len(shards)
     return cache[key]
 
 
-def _piece(config, split, loads, cost, cache) -> Tuple[torch.Tensor, torch.Tensor]:
+def _piece(config, split, loads, cost, cache, width) -> Tuple[torch.Tensor, torch.Tensor]:
     """(largest piece, total) of a split table's owner bytes (ids, fwd, bwd): float64 [3]."""
-    parts = placement_loads([load for load, _ in _shard_loads(config, split, loads, cost, cache)])
+    parts = placement_loads([load for load, _ in _shard_loads(config, split, loads, cost, cache,
+                                                               width)])
     parts = parts[:, :3]
     return parts[parts.sum(1).argmax()], parts.sum(0)
 
@@ -174,7 +184,9 @@ def _refined(loads: TableLoads, cost: CostModel, options, alpha: float, cache: d
     not divide) goes row-wise, any other one column-wise step finer."""
     splits = {c.name: options[c.name][0] for c in loads.tables}
     for _ in range(8 * len(loads.tables)):
-        pieces = {c.name: _piece(c, splits[c.name], loads, cost, cache) for c in loads.tables}
+        width = wire_width(splits, loads.tables)
+        pieces = {c.name: _piece(c, splits[c.name], loads, cost, cache, width)
+                  for c in loads.tables}
         mean = float(sum(total.sum() for _, total in pieces.values())) / loads.world_size
         changed = False
         for config in loads.tables:

@@ -1,10 +1,10 @@
 """The sharder whose sharding types the planner may choose from.
 
 recxla's own sharder (`recxla.torchrec.EmbeddingBagCollectionSharder`) offers row-wise sharding
-on CPU as well, since recxla owns the all-to-all that row-wise needs there. Until it exists,
-planning uses a stand-in: TorchRec's EmbeddingBagCollectionSharder with row_wise added for
-every device. The stand-in is for planning and for checking that DistributedModelParallel
-accepts a plan; TorchRec's own row-wise forward needs a reduce-scatter that gloo lacks.
+on CPU as well, since recxla owns the all-to-all that row-wise needs there; the planner uses
+it. `RowWiseEverywhereSharder` gives TorchRec's own planner the same sharding types (TorchRec's
+EmbeddingBagCollectionSharder with row_wise added for every device), so that a comparison of
+planners is not a comparison of sharding types.
 """
 
 from typing import List
@@ -24,9 +24,7 @@ class RowWiseEverywhereSharder(EmbeddingBagCollectionSharder):
 
 
 def planning_sharder():
-    """recxla's EmbeddingBagCollectionSharder where it exists, the stand-in otherwise."""
-    try:
-        from recxla.torchrec import EmbeddingBagCollectionSharder as RecxlaSharder
-    except ImportError:
-        return RowWiseEverywhereSharder()
-    return RecxlaSharder()
+    """recxla's EmbeddingBagCollectionSharder (default comms: e4m3 forward, bf16 backward)."""
+    from recxla.torchrec import EmbeddingBagCollectionSharder
+
+    return EmbeddingBagCollectionSharder()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple
 
 from recxla.formats import row_bytes
-from recxla.planner.loads import ID_BYTES, INDEX_BYTES, LENGTH_BYTES
+from recxla.planner.loads import LENGTH_BYTES
 
 # TorchRec's DLRM example for Criteo (torchrec/examples/dlrm): dense arch 512-256-D,
 # over arch 512-512-256-1.
@@ -57,10 +57,12 @@ class Workload:
 
     @property
     def id_bytes(self) -> float:
-        """Bytes of one example's input all-to-all entries: unique ids, one position per id,
-        one length per feature (recxla.planner.loads)."""
-        return (self.unique_per_example * ID_BYTES + self.ids_per_example * INDEX_BYTES
-                + len(self.dims) * LENGTH_BYTES)
+        """Bytes of one example's input all-to-all entries as recxla's module sends them
+        (recxla.planner.loads): int32 unique ids plus a 2-byte inverse index per id, or the
+        raw int32 ids where that is smaller, and one int32 length per feature."""
+        ids = min(self.ids_per_example * 4,
+                  self.unique_per_example * 4 + self.ids_per_example * 2)
+        return ids + len(self.dims) * LENGTH_BYTES
 
     @property
     def lookup_bytes(self) -> float:
