@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -110,7 +111,13 @@ def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan,
                 device: torch.device) -> DistributedModelParallel:
     """DMP of `model` with `sharder` and `plan`. The dense part's gradient all-reduce goes
     through torch's Python all-reduce hook (the same math as DDP's built-in one), so that the
-    communication meter sees it."""
+    communication meter sees it.
+
+    Embedding gradients are the sum over ranks of each rank's mean-loss gradient on both paths:
+    recxla's sharder sends them back that way, and TorchRec's pooled all-to-all would divide
+    them by the world size (its GRADIENT_DIVISION default), which with SGD trains the tables
+    at 1/W of the learning rate; it is switched off so that both paths train the same model."""
+    set_gradient_division(False)
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), device=device,
         sharders=[sharder], plan=plan)
