@@ -64,10 +64,17 @@ def option_loads(options: List[ShardingOption], loads: TableLoads,
 
 
 def placement_loads(shard_loads: List[ShardLoad]) -> torch.Tensor:
-    """The resources placement evens out, float64 [N, 4]: an owner's bytes in each of the
-    three all-to-alls and its rows looked up."""
-    return torch.tensor([[*s.owner, s.lookups] for s in shard_loads],
-                        dtype=torch.float64).reshape(-1, 4)
+    """What placement weighs, float64 [N, 5]: an owner's bytes in each of the three
+    all-to-alls, its lookup seconds and its rows looked up."""
+    return torch.tensor([[*s.owner, s.lookup_seconds, s.lookups] for s in shard_loads],
+                        dtype=torch.float64).reshape(-1, 5)
+
+
+def placement_weights(cost: CostModel) -> List[float]:
+    """Seconds per unit of each `placement_loads` column: the step pays each all-to-all's
+    busiest rank at the link rate and the slowest lookup; rows looked up only break ties."""
+    per_byte = 1.0 / cost.wire_bytes_per_s
+    return [per_byte, per_byte, per_byte, 1.0, 0.0]
 
 
 def step_seconds(shard_loads: List[ShardLoad], ranks, world_size: int,
@@ -119,7 +126,8 @@ class BalancedPartitioner(Partitioner):
         capacity = [float(getattr(d.storage, kind)) for d in storage_constraint.devices]
         try:
             ranks = place_shards(placement_loads(shard_loads), world_size, fixed, need,
-                                 capacity, groups=groups)
+                                 capacity, groups=groups,
+                                 weights=placement_weights(self._cost))
         except ValueError as e:
             raise PlannerError(error_type=PlannerErrorType.INSUFFICIENT_STORAGE, message=str(e))
         flat = iter(ranks.tolist())

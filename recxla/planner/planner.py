@@ -6,9 +6,10 @@ looks up every row; row-wise cuts the ids and lookups into R row blocks, but eve
 a full pooled partial row per sample, so its bytes grow with R. Which is best depends on the
 table's measured load (`recxla.planner.cost.TableLoads`) and the world size.
 
-`choose_splits` searches greedily, twice: from table-wise everywhere and from a start where
-every table is cut until no piece carries much more than a fraction of a rank's mean bytes
-(row-wise where the bytes are mostly ids, finer column blocks otherwise). At each step it
+`choose_splits` searches greedily, twice: from table-wise everywhere and from the best of a few
+uniform starts (every table in k column blocks; every table cut until no piece carries much
+more than a fraction of a rank's mean bytes: row-wise where the bytes are mostly ids, finer
+column blocks otherwise). At each step it
 tries every other split of each table that has a shard on a busiest rank (of an all-to-all,
 or of lookups), places all shards (`place_shards`), and keeps the change that lowers the
 modeled step seconds (`CostModel.step_seconds`: each all-to-all waits for its busiest rank) the
@@ -37,6 +38,7 @@ from recxla.planner.partitioner import (
     BalancedPartitioner,
     BottleneckPerfModel,
     placement_loads,
+    placement_weights,
 )
 from recxla.planner.placement import place_shards
 
@@ -120,7 +122,7 @@ def evaluate_splits(splits: Dict[str, TableSplit], loads: TableLoads, cost: Cost
             owner.append(config.name)
             groups.append(t)
     ranks = place_shards(placement_loads(shard_loads), loads.world_size, fixed,
-                         max_rounds=rounds, groups=groups)
+                         max_rounds=rounds, groups=groups, weights=placement_weights(cost))
     owner_bytes, source_bytes, lookups, lookup_seconds = rank_totals(shard_loads, ranks,
                                                                      loads.world_size)
     by_table: Dict[str, List[int]] = {}
@@ -215,8 +217,9 @@ def choose_splits(loads: TableLoads, cost: CostModel = CostModel(),
                   fixed_splits: Optional[Dict[str, TableSplit]] = None) -> SplitResult:
     """The per-table splits whose placed shards give the fastest modeled step.
 
-    Start from table-wise everywhere and from the best of the `_refined` splits (no piece
-    above 1, 1/2, ... 1/16 of a rank's mean owner bytes); from each, improve greedily: try
+    Start from table-wise everywhere and from the best of: every table in k column blocks
+    (k = 2 ... 32), and the `_refined` splits (no piece above 1, 1/2, ... 1/16 of a rank's
+    mean owner bytes). From each, improve greedily: try
     every other split of each table that has a shard on a busiest rank (of an all-to-all, or
     of lookups) and keep the change that lowers the modeled seconds most, or evens out ranks
     tied at the maximum, until nothing helps. Keep the better end. Candidates are placed with `search_rounds`
@@ -260,16 +263,22 @@ def choose_splits(loads: TableLoads, cost: CostModel = CostModel(),
     coarse = evaluate({c.name: options[c.name][0] for c in loads.tables})
     if loads.world_size == 1:
         return coarse
-    refined = None
+    # Starts: every table as one piece; every table cut into k column blocks (one wire width
+    # for all: a single narrow block would make every table pay its FP8 scales); every table
+    # cut until no piece dominates a rank.
+    starts = [coarse]
+    for k in (2, 4, 8, 16, 32):
+        uniform = {c.name: next((o for o in options[c.name] if o.sharding_type == COLUMN_WISE
+                                 and o.pieces == k), options[c.name][0]) for c in loads.tables}
+        starts.append(evaluate(uniform))
     for alpha in (1.0, 0.5, 0.25, 0.125, 0.0625):
-        trial = evaluate(_refined(loads, cost, options, alpha, cache))
-        if refined is None or _better(trial, refined):
-            refined = trial
-    # Greedy from the coarsest start and from the best refined one: each finds what the other
+        starts.append(evaluate(_refined(loads, cost, options, alpha, cache)))
+    # Greedy from the coarsest start and from the best other one: each finds what the other
     # misses (few ranks: a handful of well-chosen splits; many: fine splits everywhere).
+    others = sorted(starts[1:], key=_key)
     steps = 8 * len(loads.tables) if max_steps is None else max_steps
     best = None
-    for start in (coarse, refined):
+    for start in (coarse, others[0]):
         found = _greedy(start, options, evaluate, steps)
         if best is None or _better(found, best):
             best = found
