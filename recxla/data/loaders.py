@@ -108,6 +108,9 @@ class LocalLoader:
     def __iter__(self) -> BatchIterator:
         return BatchIterator(self._batches(), self.dataset.start, self.dataset.identity)
 
+    def close(self) -> None:
+        """Nothing to release: workers stop when their iterator is closed or exhausted."""
+
 
 def make_loader(
     path: str,
@@ -149,7 +152,8 @@ def make_loader(
     Returns:
         An iterable of `recxla.data.Batch`; `iter()` gives an iterator with `state_dict()`
         (the JSON-able position) and `close()`. The loader also has `metadata` (features,
-        dense width, rows, ...), `check_tables(tables, num_dense)` and `num_batches(epoch)`.
+        dense width, rows, ...), `check_tables(tables, num_dense)`, `num_batches(epoch)` and
+        `close()` (shuts down a Ray the loader started; call it when training ends).
     """
     op = "recxla.data.make_loader"
     if loader not in LOADERS:

@@ -144,6 +144,10 @@ class ParquetDataset:
     def __iter__(self) -> BatchIterator:
         return BatchIterator(self._batches(), self.start, self.identity, self.prefetch)
 
+    def close(self) -> None:
+        """Nothing to release (iterators close themselves); here so that every loader that
+        `make_loader` returns can be closed alike."""
+
     def __getstate__(self):
         # Worker processes and Ray actors get the footers' content, not open files.
         state = dict(self.__dict__)
