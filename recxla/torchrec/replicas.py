@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
-from recxla.ops.embedding_bag import NONE, SUM, backward_update, pooled_forward, unique_grad
+from recxla.ops.embedding_bag import NONE, backward_update, pooled_forward, unique_grad
+from recxla.torchrec.row_exchange import apply_row_gradients
 from recxla.torchrec.shard_layout import OWNER
 
 SYNCS = ("gradients", "weights")
@@ -148,7 +149,11 @@ class ReplicatedLookup(torch.autograd.Function):
                 uoff = lookup[1].tolist()
                 mine = [lookup[0][uoff[t]: uoff[t + 1]] for t in range(len(weights))]
                 union, summed = sum_over_replicas(mine, rows, replicas)
-                apply_row_update(weights, states, union, summed, kinds, hparams)
+                if any(k == NONE for k in kinds):
+                    raise ValueError(f"{OWNER}: 2D training with replica sync needs a fused "
+                                     "optimizer on every table (fused_params or "
+                                     "apply_optimizer_in_backward)")
+                apply_row_gradients(weights, states, union, summed, kinds, hparams)
         return (None,) * 6 + (None,) * len(weights)
 
 
@@ -196,33 +201,6 @@ def sum_over_replicas(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         start += union.numel() * width
     dist.all_reduce(buffer, group=group)
     return unions, [v.float() for v in views]
-
-
-def apply_row_update(weights, states, rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                     kinds: Sequence[int], hparams: Sequence[float]) -> None:
-    """The fused optimizer of each local table on given rows with given gradients, through
-    backward_update: one bag of one id per row, the row's gradient as the bag's."""
-    if any(k == NONE for k in kinds):
-        raise ValueError(f"{OWNER}: 2D training with replica sync needs a fused optimizer on "
-                         "every table (fused_params or apply_optimizer_in_backward)")
-    tables = len(weights)
-    batch = max((r.numel() for r in rows), default=0)
-    device = weights[0].device if weights else None
-    lengths = torch.zeros((tables, batch), dtype=torch.int64, device=device)
-    grad_output = torch.zeros((batch, sum(w.shape[1] for w in weights)), device=device)
-    column = 0
-    for t, (r, g) in enumerate(zip(rows, grads)):
-        lengths[t, : r.numel()] = 1
-        grad_output[: r.numel(), column: column + g.shape[1]] = g
-        column += weights[t].shape[1]
-    offsets = torch.zeros(tables * batch + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths.flatten(), 0, out=offsets[1:])
-    unique_values = torch.cat(list(rows)) if rows else torch.zeros(0, dtype=torch.int64)
-    unique_offsets = torch.zeros(tables + 1, dtype=torch.int64, device=device)
-    unique_offsets[1:] = torch.cumsum(torch.tensor([r.numel() for r in rows], device=device), 0)
-    inverse = torch.arange(unique_values.numel(), device=device)
-    backward_update(grad_output, weights, states, unique_values, unique_offsets, inverse, offsets,
-                    None, list(range(tables)), [SUM] * tables, batch, kinds, hparams)
 
 
 def average_replicas(weights: Sequence[torch.Tensor], states: Sequence[torch.Tensor],
