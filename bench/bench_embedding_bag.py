@@ -34,12 +34,13 @@ TorchRec's unsharded EmbeddingBagCollection (torch.nn.EmbeddingBag per table, th
 and under torch.compile.
 Providers run interleaved: each round times every provider once, in an order that rotates, so
 that the other jobs of a shared machine slow them alike; extra_info holds each provider's
-median_ms and min_ms (and threads, allocator, n_ids, n_unique, bytes, memcpy_gbps,
-recxla_of_memcpy); pytest-benchmark's own columns time whole rounds.
+median_ms, min_ms and median_faults (minor page faults per step) and threads, allocator, n_ids,
+n_unique, bytes, memcpy_gbps, recxla_of_memcpy; pytest-benchmark's own columns time whole rounds.
 """
 
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -209,34 +210,42 @@ def threads(request):
     torch.set_num_threads(before)
 
 
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def interleaved(benchmark, steps: Dict[str, Callable[[int], object]], rounds: int,
-                warmup: int) -> Dict[str, List[float]]:
+                warmup: int) -> Dict[str, List[tuple]]:
     """Times every provider once per round, in an order that rotates from round to round, so
-    that load from other processes lands on all of them alike. Returns seconds per provider.
-    pytest-benchmark's own statistics are those of whole rounds."""
+    that load from other processes lands on all of them alike. Returns (seconds, minor page
+    faults) per provider and timed round. pytest-benchmark's own statistics are those of whole
+    rounds."""
     names = list(steps)
-    times: Dict[str, List[float]] = {name: [] for name in names}
+    times: Dict[str, List[tuple]] = {name: [] for name in names}
     counter = iter(range(10**9))
 
     def one_round():
         r = next(counter)
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
-            start = time.perf_counter()
+            faults, start = minor_faults(), time.perf_counter()
             steps[name](r)
             if r >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append((time.perf_counter() - start, minor_faults() - faults))
 
     benchmark.pedantic(one_round, rounds=rounds, iterations=1, warmup_rounds=warmup)
     return times
 
 
-def record(benchmark, times: Dict[str, List[float]], **extra) -> None:
-    """Medians and minimums per provider (ms) into extra_info."""
+def record(benchmark, times: Dict[str, List[tuple]], **extra) -> None:
+    """Per provider into extra_info: median and minimum ms, median minor page faults (first
+    touches of fresh memory: about 3 us each on these machines)."""
     benchmark.extra_info.update(extra)
-    benchmark.extra_info["median_ms"] = {k: round(statistics.median(v) * 1e3, 2)
-                                         for k, v in times.items()}
-    benchmark.extra_info["min_ms"] = {k: round(min(v) * 1e3, 2) for k, v in times.items()}
+    for key, pick, scale in (("median_ms", statistics.median, 1e3), ("min_ms", min, 1e3)):
+        benchmark.extra_info[key] = {k: round(pick(s for s, _ in v) * scale, 2)
+                                     for k, v in times.items()}
+    benchmark.extra_info["median_faults"] = {k: int(statistics.median(f for _, f in v))
+                                             for k, v in times.items()}
 
 
 @pytest.mark.parametrize("threads", THREADS, indirect=True)
@@ -257,11 +266,12 @@ def test_embedding_bag_step_cpu(benchmark, optimizer, distribution, threads):
     copy = memcpy_fn(nbytes // 2)
     steps["memcpy"] = lambda r: copy()
     times = interleaved(benchmark, steps, rounds=10, warmup=3)
-    memcpy_s = statistics.median(times["memcpy"])
+    memcpy_s = statistics.median(s for s, _ in times["memcpy"])
+    recxla_s = statistics.median(s for s, _ in times["recxla"])
     record(benchmark, times, n_ids=kjts[0].values().numel(), n_unique=n_unique, bytes=nbytes,
            dim=DIM, threads=threads, allocator=ALLOCATOR,
            memcpy_gbps=round(gbps(nbytes, memcpy_s), 2),
-           recxla_of_memcpy=round(memcpy_s / statistics.median(times["recxla"]), 3))
+           recxla_of_memcpy=round(memcpy_s / recxla_s, 3))
 
 
 FORWARD_PROVIDERS = ["recxla", "fbgemm-tbe", "torchrec-ebc", "torchrec-ebc-compile"]
@@ -341,11 +351,11 @@ def test_embedding_bag_step_gpu(benchmark, monkeypatch, backend, distribution):
     benchmark.pedantic(step, rounds=10, iterations=1, warmup_rounds=2)
 
 
-def _medians(path: str, test: str, fields) -> Dict[tuple, Dict[str, float]]:
-    """{params of `fields`: {provider: median ms}} of the tests named `test` in a JSON file."""
+def _medians(path: str, test: str, fields, key: str = "median_ms") -> Dict[tuple, dict]:
+    """{params of `fields`: {provider: extra_info[key]}} of the tests named `test`."""
     with open(path) as f:
         runs = json.load(f)["benchmarks"]
-    return {tuple(r["params"][k] for k in fields): r["extra_info"]["median_ms"]
+    return {tuple(r["params"][k] for k in fields): r["extra_info"].get(key, {})
             for r in runs if r["name"].startswith(test)}
 
 
@@ -381,6 +391,14 @@ def summarize(default_path: str, tuned_path: Optional[str] = None) -> str:
                 cells = [_ms(v) for v in row] + [_ratio(row[i], row[0]) for i in (1, 2, 3)]
                 cells += [_ms(tr), _ms(tt), _ratio(tt, tr)]
                 lines.append(f"| {o} | {d} | {t} | " + " | ".join(cells) + " |")
+    faults = _medians(default_path, "test_embedding_bag_step_cpu", fields, "median_faults")
+    if any(faults.values()):
+        lines += ["", "| minor page faults per step | keys | threads | "
+                  + " | ".join(PROVIDERS[:-1]) + " |", "|---|---|---|" + "---|" * 4]
+        for (o, d, t), m in faults.items():
+            if m:
+                lines.append(f"| {o} | {d} | {t} | " + " | ".join(
+                    str(m.get(p, "-")) for p in PROVIDERS[:-1]) + " |")
     forward = _medians(default_path, "test_embedding_bag_forward_cpu", ("distribution", "threads"))
     if forward:
         lines += ["", "| forward only | threads | " + " | ".join(FORWARD_PROVIDERS) + " |",

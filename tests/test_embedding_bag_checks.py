@@ -162,3 +162,29 @@ def test_op_rejects_bad_hparams_before_writing(index, bad, match):
     with pytest.raises(ValueError, match=match):
         torch.ops.recxla.embedding_bag_backward_update(*args)
     assert all(torch.equal(x, y) for x, y in zip(args[1] + args[2], before))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_bad_input_raises_before_any_kernel(monkeypatch, backend):
+    """The same cases on a GPU (`make gpu-check`): the errors of the CPU kernel, rows and states
+    untouched, and no device assert (which would poison the CUDA context for the process)."""
+    import recxla
+
+    if backend == "cuda" and not recxla.built_with_cuda():
+        pytest.skip("this build has no CUDA kernels")
+    monkeypatch.setenv("RECXLA_BACKEND", backend)
+    a = op_inputs(batch=9, weighted=True)
+    args = fused_args(a, ops.ROWWISE_ADAGRAD, torch.randn(a["batch_size"], 34))
+    for name, value, exc, match in _bad_inputs(a) + more_bad_inputs(a):
+        bad = list(args)
+        bad[3 + NAMES.index(name)] = value
+        want = _raised(torch.ops.recxla.embedding_bag_backward_update, *bad)
+        cuda = [x.cuda() if isinstance(x, torch.Tensor) else
+                [t.cuda() for t in x] if isinstance(x, list) and x and
+                isinstance(x[0], torch.Tensor) else x for x in bad]
+        before = [x.clone() for x in cuda[1] + cuda[2]]
+        with pytest.raises(type(want), match=match):
+            ops.backward_update(*cuda)
+        torch.cuda.synchronize()
+        assert all(torch.equal(x, y) for x, y in zip(cuda[1] + cuda[2], before)), name
