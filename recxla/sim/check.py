@@ -9,8 +9,11 @@ configuration it ran under:
      "overlap": true, "micro_batches": 4, "imbalance": 1.0,
      "examples_per_s": 8800.0, "exposed_comm_fraction": 0.3}
 
-`batch_size` is per rank; `imbalance`, `micro_batches`, `exposed_comm_fraction` and
-`max_rows` (the tables' row cap, default 100,000 as in the trainer's runs) are optional. The
+`batch_size` is per rank; `imbalance`, `micro_batches`, `exposed_comm_fraction`,
+`wire_bytes_per_step` (per rank, the trainer's counted bytes) and `max_rows` (the tables' row
+cap, default 100,000 as in the trainer's runs) are optional. Where the run gives its bytes, the
+row shows them next to the model's: a miss in bytes (the plan: data-parallel tables, say) is
+then told apart from a miss in rates. The
 hardware is `emulated(link_gbit, ranks_per_node)` (measured figures of this machine) and the
 workload is recxla.data's Criteo profile at that dimension and batch. `compare_runs` returns
 one row per run: measured and modeled examples/s and their ratio.
@@ -68,5 +71,7 @@ def compare_runs(runs: List[dict]) -> List[Dict[str, object]]:
             "modeled / measured": modeled.examples_per_s / float(run["examples_per_s"]),
             "modeled exposed comm fraction": modeled.exposed_communication / modeled.step,
             "measured exposed comm fraction": run.get("exposed_comm_fraction"),
+            "modeled wire bytes/step": modeled.wire_bytes,
+            "measured wire bytes/step": run.get("wire_bytes_per_step"),
         })
     return rows

@@ -82,7 +82,8 @@ class StepConfig:
 
 @dataclass(frozen=True)
 class StepBreakdown:
-    """Seconds of every term of one step (before overlap), the step itself, and throughput."""
+    """Seconds of every term of one step (before overlap), the step itself, throughput, and a
+    rank's bytes to other nodes and to other ranks at all (all-to-alls, all-reduces, sync)."""
 
     ids_a2a: float
     lookup: float
@@ -97,6 +98,7 @@ class StepBreakdown:
     step: float
     examples_per_s: float
     inter_node_bytes: float
+    wire_bytes: float
 
     @property
     def communication(self) -> float:
@@ -192,8 +194,11 @@ def step(workload: Workload, hw: Hardware, nodes: int, batch_per_rank: int,
             sync_bytes = 2 * (nodes - 1) / nodes * workload.table_bytes / g / config.sync_every
         sync_2d = sync_bytes / hw.inter_bytes_per_s + hw.inter_latency_s
     inter_share = (group - min(group, g)) / group
-    inter_bytes = (ids_bytes + fwd_bytes + bwd_bytes) * inter_share + sync_bytes + (
-        2 * (nodes - 1) / nodes * workload.dense_param_bytes / g if nodes > 1 else 0.0)
+    dense_inter = 2 * (nodes - 1) / nodes * workload.dense_param_bytes / g if nodes > 1 else 0.0
+    inter_bytes = (ids_bytes + fwd_bytes + bwd_bytes) * inter_share + sync_bytes + dense_inter
+    dense_intra = 2 * (g - 1) / g * workload.dense_param_bytes if g > 1 else 0.0
+    wire_bytes = ((ids_bytes + fwd_bytes + bwd_bytes) * (group - 1) / group + sync_bytes
+                  + dense_inter + dense_intra)
 
     if config.overlap:
         # Two streams, compute and communication, each as busy as its terms add up to; the
@@ -207,7 +212,8 @@ def step(workload: Workload, hw: Hardware, nodes: int, batch_per_rank: int,
         total = (ids_a2a + lookup + codec + output_a2a + dense + grad_a2a + update + dense_ar
                  + sync_2d + hw.fixed_step_s)
     return StepBreakdown(ids_a2a, lookup, codec, output_a2a, dense, grad_a2a, update, dense_ar,
-                         sync_2d, hw.fixed_step_s, total, ranks * b / total, inter_bytes)
+                         sync_2d, hw.fixed_step_s, total, ranks * b / total, inter_bytes,
+                         wire_bytes)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ ASSUMPTIONS = (
 # Imbalance of TorchRec's default plan (max/mean of the output all-to-all's per-rank bytes)
 # and of recxla's, measured on the Criteo profile at 8 ranks (bench/bench_planner.py).
 TORCHREC_IMBALANCE_8 = 1.155
-RECXLA_IMBALANCE_8 = 1.02
+RECXLA_IMBALANCE_8 = 1.0
 
 
 @dataclass(frozen=True)
