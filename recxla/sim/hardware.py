@@ -116,9 +116,11 @@ def emulated(link_gbit: float = 1.0, ranks_per_node: int = 2) -> Hardware:
     namespaces, nodes joined by veths shaped to `link_gbit`, gloo over TCP.
 
     Measured here (bench/results/quantized_all_to_all.md, embedding_bag.md, fp8_rows.md):
-    - across nodes: gloo gets about half the link each way when a pair sends and receives at
-      once (16 MiB per rank all-to-all, 2 nodes x 1 rank at 1 Gbit/s: 141.7 ms), so one
-      direction gets link / 2;
+    - across nodes, one rank per node: gloo gets about half the link each way when a pair
+      sends and receives at once (16 MiB per rank all-to-all, 2 x 1 at 0.953 Gbit/s: 8 MiB
+      each way in 141.7 ms, 0.49 of the link); two ranks per node fill it better (2 x 2 at
+      0.965 Gbit/s: 8 MiB of each rank's 12 crossed in 162.9 ms, 0.43 of the link per rank,
+      0.85 for the node);
     - inside a node (loopback): 16 MiB per rank all-to-all between 2 ranks in 5.07 ms, 8 MiB
       each way: 1.65 GB/s;
     - lookups: recxla's EmbeddingBagCollection forward, 701k ids of dim 64 in 12 ms on 2
@@ -135,7 +137,8 @@ def emulated(link_gbit: float = 1.0, ranks_per_node: int = 2) -> Hardware:
         gpus_per_node=ranks_per_node,
         intra_bytes_per_s=8 * 2**20 / 5.07e-3,
         intra_latency_s=50e-6,
-        inter_bytes_per_s=link_gbit * 1e9 / 8 / 2 / ranks_per_node,
+        inter_bytes_per_s=link_gbit * 1e9 / 8 * (0.49 if ranks_per_node == 1
+                                                  else 0.85 / ranks_per_node),
         inter_latency_s=100e-6,
         peak_flops=320e9 * share,
         dense_efficiency=DENSE_EFFICIENCY,
