@@ -23,8 +23,8 @@ from recxla.sim.model import StepConfig, scaling, step
 from recxla.sim.workload import Workload
 
 ASSUMPTIONS = (
-    "Pinterest's instance type is not public: AWS p4d (8x A100, 400 Gbps EFA), the EFA "
-    "generation their 2024-25 posts describe; p5 shown as a second column.",
+    "Pinterest names AWS and EFA, not the instance: AWS p4d (8x A100, 400 Gbps EFA) first, "
+    "p5 (8x H100, 3200 Gbps EFA) as a second column.",
     "Workload: recxla.data's Criteo Kaggle DLRM (26 pooled features, one user-history bag of "
     "10-100 ids), embedding dim 128 before and 64 after (Pinterest halved theirs), 4096 "
     "examples per GPU.",
