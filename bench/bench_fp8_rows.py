@@ -37,9 +37,14 @@ import tempfile
 import pytest
 import torch
 
-import recxla
-from bench.common import memcpy_fn, run_and_record, tensor_bytes
-from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref
+# Run as a script (`python bench/bench_fp8_rows.py`), the repository root is not on sys.path.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+import recxla  # noqa: E402
+from bench.common import memcpy_fn, run_and_record, tensor_bytes  # noqa: E402
+from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref  # noqa: E402
 
 ROWS, DIM, FMT = 65536, 128, "e4m3"
 FP8_MAX = 448.0
@@ -248,8 +253,7 @@ def _run(allocator: str, json_path: str, extra) -> None:
     env = dict(os.environ, RECXLA_BENCH_MALLOC=ALLOCATORS[allocator])
     cmd = [sys.executable, "-m", "pytest", "-q", os.path.abspath(__file__), "--benchmark-only",
            f"--benchmark-json={json_path}", "-p", "no:cacheprovider"] + list(extra)
-    subprocess.run(cmd, check=True, env=env, cwd=os.path.dirname(os.path.dirname(
-        os.path.abspath(__file__))))
+    subprocess.run(cmd, check=True, env=env, cwd=_ROOT)
 
 
 def _load(json_path: str) -> dict:

@@ -78,12 +78,14 @@ inline void check_quantize_out(const char* op, const at::Tensor& x, const at::Te
   check_out(op, x, out, x.size(0), fp8::row_bytes(x.size(1)), at::kByte);
 }
 
+// packed (as check_dequantize_input) and out, whose dtype is the result's.
 inline void check_dequantize_out(
     const char* op, const at::Tensor& packed, int64_t dim, const at::Tensor& out) {
   TORCH_CHECK_TYPE(
       out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16 ||
           out.scalar_type() == at::kHalf,
       op, ": out must be float32, bfloat16 or float16, got ", out.scalar_type());
+  check_dequantize_input(op, packed, dim, out.scalar_type());
   check_out(op, packed, out, packed.size(0), dim, out.scalar_type());
 }
 
