@@ -99,13 +99,15 @@ def random_plan(tables, world_size: int) -> ShardingPlan:
                 ranks=list(range(world_size)), sharding_spec=None)
             continue
         if kind == 0:
-            metas = [ShardMetadata([0, 0], [rows, dim], _placement(int(torch.randint(0, world_size, ()))))]
+            rank = int(torch.randint(0, world_size, ()))
+            metas = [ShardMetadata([0, 0], [rows, dim], _placement(rank))]
             sharding_type = "table_wise"
         elif kind == 1:
             cuts = [0] + sorted(torch.randperm(dim // 4 - 1)[: int(torch.randint(0, 3, ()))]
                                 .add(1).mul(4).tolist()) + [dim]
-            metas = [ShardMetadata([0, a], [rows, b - a], _placement(int(torch.randint(0, world_size, ()))))
-                     for a, b in zip(cuts, cuts[1:])]
+            ranks = torch.randint(0, world_size, (len(cuts) - 1,)).tolist()
+            metas = [ShardMetadata([0, a], [rows, b - a], _placement(r))
+                     for r, a, b in zip(ranks, cuts, cuts[1:])]
             sharding_type = "column_wise"
         else:
             cuts = [0] + sorted(torch.randperm(rows - 1)[: world_size - 1].add(1).tolist()) + [rows]
@@ -338,7 +340,8 @@ def assert_valid(plan, tables, planner, world_size):
         metas = sharding.sharding_spec.shards
         assert sharding.ranks == [m.placement.rank() for m in metas]
         if split.sharding_type == "column_wise":
-            assert [m.shard_sizes[1] for m in metas] == [config.embedding_dim // split.pieces] * split.pieces
+            width = config.embedding_dim // split.pieces
+            assert [m.shard_sizes[1] for m in metas] == [width] * split.pieces
         if split.sharding_type == "row_wise":
             assert sharding.ranks == list(range(world_size))
         assert planner.splits.ranks[config.name] == sharding.ranks
@@ -377,8 +380,9 @@ def test_fixed_splits_and_bad_arguments():
     plan = planner.plan(ebc)
     assert plan.plan[""][tables[0].name].sharding_type == "row_wise"
     with pytest.raises(ValueError, match="column_wise/3 is not a split of"):
-        BalancedShardingPlanner(topology, sample,
-                                fixed_splits={tables[0].name: TableSplit("column_wise", 3)}).plan(ebc)
+        BalancedShardingPlanner(
+            topology, sample, fixed_splits={tables[0].name: TableSplit("column_wise", 3)}
+        ).plan(ebc)
     with pytest.raises(ValueError, match="sharding_types must include table_wise"):
         BalancedShardingPlanner(topology, sample, sharding_types=("row_wise",)).plan(ebc)
     with pytest.raises(TypeError, match="topology must be a TorchRec Topology"):

@@ -106,10 +106,6 @@ class ShardLoad:
     lookups: float
     lookup_seconds: float
 
-    @property
-    def owner_bytes(self) -> float:
-        return sum(self.owner)
-
 
 class TableLoads:
     """Per-source unique ids and occurrences of every table, by row-wise block, from a sample.

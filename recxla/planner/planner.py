@@ -222,8 +222,8 @@ def choose_splits(loads: TableLoads, cost: CostModel = CostModel(),
     mean owner bytes). From each, improve greedily: try
     every other split of each table that has a shard on a busiest rank (of an all-to-all, or
     of lookups) and keep the change that lowers the modeled seconds most, or evens out ranks
-    tied at the maximum, until nothing helps. Keep the better end. Candidates are placed with `search_rounds`
-    local-search moves, the result with the full search.
+    tied at the maximum, until nothing helps. Keep the better end. Candidates are placed with
+    `search_rounds` local-search moves, the result with the full search.
 
     Args:
         loads: measured table loads (their world size is the plan's).
