@@ -1,5 +1,7 @@
-"""Key-centric sample clustering: against its Python reference, its invariants, and a random
-split on the synthetic ranking log."""
+"""Key-centric sample clustering (`recxla.cluster_samples`, `permute_samples`): the C++ kernel
+against the plain-PyTorch reference bit for bit, the split's invariants, its quality against a
+random split on the synthetic ranking log, and clear errors on bad input. The per-key passes
+(CPU, Triton, CUDA) are tested in tests/test_cluster_kernels.py."""
 
 import pytest
 import torch
@@ -11,7 +13,8 @@ import recxla
 from recxla import clustering
 from recxla.clustering import micro_batch_unique_keys, random_split
 from recxla.data import SyntheticRankingDataset, criteo_kaggle_profile
-from recxla.reference.cluster import cluster_samples_ref, micro_batch_unique_keys_ref
+from recxla.reference import cluster as reference
+from recxla.reference.cluster import cluster_samples_ref
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -27,6 +30,29 @@ def random_kjt(batch, num_features, max_len=4, key_range=12, dtype=torch.int64):
 def dataset_kjt(seed, batch, **kwargs):
     ds = SyntheticRankingDataset(criteo_kaggle_profile(**kwargs), batch_size=batch, seed=seed)
     return ds.batch(0)
+
+
+def micro_batch_unique_keys_ref(kjt, permutation, offsets, key_bytes=None):
+    """float64 [M]: per micro-batch, the sum over features of key_bytes[f] * |unique keys|,
+    with Python sets."""
+    batch, keys = kjt.stride(), kjt.keys()
+    weights = [1.0] * len(keys) if key_bytes is None else list(key_bytes)
+    lengths, values = kjt.lengths().tolist(), kjt.values().tolist()
+    bags, pos = [], 0
+    for n in lengths:
+        bags.append(values[pos:pos + n])
+        pos += n
+    out = []
+    for j in range(len(offsets) - 1):
+        samples = permutation[int(offsets[j]):int(offsets[j + 1])].tolist()
+        total = 0.0
+        for f in range(len(keys)):
+            unique = set()
+            for i in samples:
+                unique.update(bags[f * batch + i])
+            total += weights[f] * len(unique)
+        out.append(total)
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def check_split(perm, offsets, batch, num_micro_batches):
@@ -72,6 +98,29 @@ def test_matches_reference_on_random_bags(batch, num_features, m_frac, torch_see
     )
 
 
+def test_matches_reference_on_a_full_batch(seed):
+    """The bench's batch: 8192 samples, 700,000 ids, with int64 and int32 ids."""
+    kjt = dataset_kjt(seed % 1000, 8192).sparse
+    as_int32 = KeyedJaggedTensor(
+        keys=kjt.keys(), values=kjt.values().int(), lengths=kjt.lengths(), stride=8192
+    )
+    want = cluster_samples_ref(kjt, 4)
+    for k in (kjt, as_int32):
+        perm, offsets = recxla.cluster_samples(k, 4)
+        assert torch.equal(perm, want[0]) and torch.equal(offsets, want[1])
+
+
+@pytest.mark.parametrize("num_micro_batches", [9, 64, 65, 150])
+def test_matches_reference_with_many_micro_batches(num_micro_batches):
+    """The move rounds keep bins as bit masks up to 64 micro-batches (fixed-width up to 8) and
+    as count rows beyond: each path against the reference."""
+    kjt = random_kjt(300, 3, max_len=3, key_range=60)
+    perm, offsets = recxla.cluster_samples(kjt, num_micro_batches)
+    want_perm, want_offsets = cluster_samples_ref(kjt, num_micro_batches)
+    assert torch.equal(perm, want_perm) and torch.equal(offsets, want_offsets)
+    check_split(perm, offsets, 300, num_micro_batches)
+
+
 def test_unique_key_cost_matches_reference(seed):
     kjt = random_kjt(57, 3, key_range=30)
     perm, offsets = random_split(57, 5)
@@ -106,9 +155,9 @@ def test_far_fewer_unique_keys_than_a_random_split(seed, num_micro_batches):
 
 def test_gain_estimate_ranks_like_exact_counts(seed):
     kjt = dataset_kjt(seed % 1000, 4096).sparse
-    slices = clustering._feature_slices(kjt)
-    hashes = [clustering.key_hash(v) for _, v in slices]
-    est = clustering.clustering_gains(hashes, torch.ones(26, dtype=torch.float64), 4096, 4)
+    slices = reference.feature_slices(kjt.values(), kjt.lengths(), 4096)
+    hashes = [reference.key_hash(v) for _, v in slices]
+    est = reference.feature_gains(hashes, 4096, 4).double()
     exact = []
     for _, values in slices:
         c = values.unique(return_counts=True)[1]
@@ -124,7 +173,7 @@ def test_fingerprints_tie_exactly_the_equal_bags():
     nearly linear there); a fingerprint must tie bags iff they are equal as multisets."""
     lengths = torch.randint(0, 5, (3000,))
     values = torch.randint(-4, 5, (int(lengths.sum()),))
-    fp = clustering.bag_fingerprints(lengths, clustering.key_hash(values)).tolist()
+    fp = reference.bag_fingerprints(lengths, reference.key_hash(values)).tolist()
     bags = [tuple(sorted(b.tolist())) for b in values.split(lengths.tolist())]
     bag_of = {}
     for f, bag in zip(fp, bags):
@@ -278,3 +327,66 @@ def test_permute_samples_bad_arguments():
         clustering.permute_samples(kjt, torch.arange(10).int())
     with pytest.raises(ValueError, match=f"{op}: kjt must be a torchrec KeyedJaggedTensor"):
         clustering.permute_samples(torch.zeros(10), torch.arange(10))
+
+
+def test_permute_samples_rejects_what_is_not_a_permutation():
+    """Zeros used to copy sample 0 into every position; out-of-range entries gave a bare
+    IndexError."""
+    kjt = random_kjt(10, 2)
+    op = "permute_samples"
+    once = rf"{op}: permutation must hold each of range\(10\) once"
+    with pytest.raises(ValueError, match=once + r", but 0 appears 10 times and 1 is missing"):
+        clustering.permute_samples(kjt, torch.zeros(10, dtype=torch.int64))
+    swapped = torch.randperm(10)
+    swapped[3] = swapped[7]  # one entry twice, one missing
+    with pytest.raises(ValueError, match=once):
+        clustering.permute_samples(kjt, swapped)
+    for bad in (10, -1, 2**40):
+        perm = torch.randperm(10)
+        perm[int(torch.randint(0, 10, ()))] = bad
+        with pytest.raises(ValueError, match=rf"{op}: permutation entries must lie in \[0, 10\), got {bad}"):
+            clustering.permute_samples(kjt, perm)
+    with pytest.raises(ValueError, match=r"micro_batch_unique_keys: permutation must hold each"):
+        micro_batch_unique_keys(kjt, torch.zeros(10, dtype=torch.int64), torch.tensor([0, 10]))
+
+
+def kjt_with_lengths(lengths, num_values, dtype=torch.int64):
+    """A KJT of 2 features whose lengths are given as they are (no checks), over num_values ids."""
+    lengths = torch.tensor(lengths, dtype=torch.int32)
+    values = torch.randint(0, 50, (num_values,)).to(dtype)
+    return KeyedJaggedTensor(keys=["a", "b"], values=values, lengths=lengths, stride=lengths.numel() // 2)
+
+
+CLUSTER_OPS = [
+    ("cluster_samples", lambda kjt: recxla.cluster_samples(kjt, 2)),
+    ("cluster_samples_ref", lambda kjt: cluster_samples_ref(kjt, 2)),
+    ("micro_batch_unique_keys", lambda kjt: micro_batch_unique_keys(kjt, torch.arange(5), torch.tensor([0, 5]))),
+]
+
+
+@pytest.mark.parametrize("name,call", CLUSTER_OPS)
+def test_float_ids_raise_type_error(name, call):
+    """Float ids used to be truncated into other keys silently."""
+    kjt = kjt_with_lengths(torch.randint(0, 3, (10,)).tolist(), 30, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"kjt.values\(\) must be int32 or int64 ids, got torch.float32"):
+        call(kjt)
+
+
+@pytest.mark.parametrize("name,call", CLUSTER_OPS + [
+    ("permute_samples", lambda kjt: clustering.permute_samples(kjt, torch.arange(5))),
+])  # fmt: skip
+def test_bad_lengths_raise_value_error(name, call):
+    """Negative lengths and lengths past the values used to give bare torch errors (or, in
+    the C++ kernel, would read out of bounds)."""
+    lengths = torch.randint(0, 3, (10,))
+    bag = int(torch.randint(0, 10, ()))
+    lengths[bag] = -2
+    kjt = kjt_with_lengths(lengths.tolist(), 40)
+    feature, sample = ("a", "b")[bag // 5], bag % 5
+    where = rf"at index {bag} \(feature (\'{feature}\'|{bag // 5}), sample {sample}\)"
+    with pytest.raises(ValueError, match=rf"lengths(\(\))? must be >= 0, got -2 {where}"):
+        call(kjt)
+    lengths[bag] = 2
+    kjt = kjt_with_lengths(lengths.tolist(), int(lengths.sum()) - 1)
+    with pytest.raises(ValueError, match=r"lengths(\(\))? overrun (kjt\.)?values"):
+        call(kjt)
