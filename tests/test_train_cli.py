@@ -113,7 +113,8 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
     # The recxla path through torchrun itself (its store, its variables).
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "recxla.train", *common, "--metrics", str(tmp_path / "recxla.json")],
+         "-m", "recxla.train", *common, "--row-exchange", "off",  # pooled bags' arithmetic
+         "--metrics", str(tmp_path / "recxla.json")],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
         timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -166,7 +167,11 @@ def _parse_error(capsys, argv) -> str:
 
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "--batch-size: must be an int >= 1, got 0"),
-    (["--micro-batches", "2"], "only 1 is supported for now"),
+    (["--baseline", "torchrec", "--micro-batches", "2"], "--micro-batches sets recxla's"),
+    (["--topology", "2d", "--ranks-per-node", "2", "--checkpoint-dir", "/tmp"],
+     "sharded checkpoints of replicated shards"),
+    (["--replica-sync", "weights", "--replica-precision", "bf16"],
+     "--replica-precision bf16 applies to --replica-sync gradients"),
     (["--baseline", "torchrec", "--sharding", "row_wise"], "no row-wise sharding on CPU"),
     (["--baseline", "torchrec", "--fwd-comm", "e4m3"], "--fwd-comm sets the recxla path"),
     (["--baseline-comms", "bf16"], "--baseline-comms needs --baseline torchrec"),
@@ -196,11 +201,11 @@ def test_bad_options_exit_before_any_process_group(tmp_path):
     env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=REPO)
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "recxla.train", "--micro-batches", "4",
-                           "--timeout", "60"], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "recxla.train", "--baseline", "torchrec",
+                           "--micro-batches", "4", "--timeout", "60"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "--micro-batches 4" in proc.stderr
+    assert "--micro-batches sets recxla's pipeline" in proc.stderr
     assert time.monotonic() - start < 30
 
 

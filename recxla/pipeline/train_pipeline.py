@@ -34,9 +34,10 @@ samples (DLRMTrain does), and no layer mixes samples across the batch (no batch 
 micro-batch's gradient must be its samples' part of the whole batch's.
 """
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -99,6 +100,8 @@ class TrainPipeline:
         dense_allreduce: "fp32" or "bf16": the wire format of the dense gradients' all-reduce
             (DDP's buckets, see dense_sync.py).
         timeline: a Timeline to record spans into (None: none recorded).
+        phase: a context-manager factory told which phase each part of the step is in
+            ("input", "forward", "backward", "optimizer"; e.g. recxla-train's CommMeter.phase).
     """
 
     DBP_LOOKUPS = ("after_update", "early")
@@ -106,7 +109,8 @@ class TrainPipeline:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device, num_micro_batches: int = 1, overlap: bool = True,
                  dbp: bool = True, split: str = "contiguous", dbp_lookup: str = "after_update",
-                 dense_allreduce: str = "fp32", timeline: Optional[Timeline] = None) -> None:
+                 dense_allreduce: str = "fp32", timeline: Optional[Timeline] = None,
+                 phase: Optional[Callable[[str], Any]] = None) -> None:
         if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool) \
                 or num_micro_batches < 1:
             raise ValueError(f"{OWNER}: num_micro_batches must be an int >= 1, got "
@@ -136,10 +140,24 @@ class TrainPipeline:
         self._correct_early_lookups = True
         ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
         self._gradient_sync = MicroBatchGradientSync(ddp, dense_allreduce) \
-            if ddp is not None and (num_micro_batches > 1 or dense_allreduce != "fp32") else None
+            if ddp is not None else None
         self._next: Optional[_Batch] = None
         self._exhausted = False
         self.timeline = timeline if timeline is not None else Timeline(enabled=False)
+        self._phase = phase
+
+    def _span(self, name: str, phase: str, **args):
+        """A timeline span that also tells `phase` (see __init__) what runs."""
+        if self._phase is None:
+            return self.timeline.span(name, **args)
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.timeline.span(name, **args))
+        stack.enter_context(self._phase(phase))
+        return stack
+
+    def detach(self) -> torch.nn.Module:
+        """TorchRec's pipeline interface: the model, as it was (nothing was rewritten)."""
+        return self._model
 
     # ------------------------------------------------------------------ input dist
 
@@ -186,8 +204,7 @@ class TrainPipeline:
         """Trains one batch; -> the model's output for it."""
         if self._exhausted and self._next is None:
             raise StopIteration
-        timeline = self.timeline
-        with timeline.span("input dist"):
+        with self._span("input dist", "input"):
             current = self._next if self._next is not None else self._prepare(dataloader_iter)
             self._next = None
             self._advance(current, decode=True)
@@ -196,7 +213,7 @@ class TrainPipeline:
         self._optimizer.zero_grad()
         micro = current.micro
         windows = []
-        with timeline.span("lookup"):
+        with self._span("lookup", "forward"):
             for module, state in zip(self._modules, current.inputs):
                 row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
                 windows.append(FrozenWindow(module, module.to_device(state.lookup_input),
@@ -207,14 +224,14 @@ class TrainPipeline:
             for w in windows:
                 w.start_output(k)
         if self._dbp and not self._exhausted:
-            with timeline.span("next batch"):
+            with self._span("next batch", "input"):
                 try:
                     self._next = self._prepare(dataloader_iter)
                 except StopIteration:
                     self._exhausted = True
         outputs = []
         for k in range(self._num_micro):
-            with timeline.span("wait embeddings", micro_batch=k):
+            with self._span("wait embeddings", "forward", micro_batch=k):
                 embeddings = [w.receive_output(k) for w in windows]
             if self._overlap and k + 1 < self._num_micro:
                 for w in windows:
@@ -225,7 +242,7 @@ class TrainPipeline:
                     kt.values().register_hook(functools.partial(_start_gradient, w, k))
             if self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
-            with timeline.span("dense", micro_batch=k):
+            with self._span("dense", "backward", micro_batch=k):
                 loss, output = self._model(micro.micro_batch(k))
                 weight = micro.sizes[k] / max(micro.batch_size, 1)
                 (loss * weight).backward()
@@ -234,29 +251,29 @@ class TrainPipeline:
                 for w, kt in zip(windows, embeddings):
                     if kt.values().grad is not None:
                         w.start_gradient(k, kt.values().grad)
-            with timeline.span("wait gradients", micro_batch=k):
+            with self._span("wait gradients", "backward", micro_batch=k):
                 for w in windows:
                     for j in w.pending_gradients():
                         if j < k or not self._overlap:
                             w.receive_gradient(j)
             if self._next is not None and k == 0:
-                with timeline.span("next batch"):
+                with self._span("next batch", "input"):
                     self._advance(self._next, decode=False)
         if self._next is not None:
-            with timeline.span("next batch"):
+            with self._span("next batch", "input"):
                 self._advance(self._next, decode=True)
             if self._dbp_lookup == "early" and self._next.error is None:
                 # While the last gradients travel: the next batch's lookup with the weights
                 # before this update; FrozenWindow corrects the rows the update changes.
-                with timeline.span("early lookup"):
+                with self._span("early lookup", "input"):
                     for w, state in zip(windows, self._next.inputs):
                         state.lookup_input = w.module.to_device(state.lookup_input)
                         state.early = EarlyLookup(w.module, state.lookup_input, w.input)
-        with timeline.span("wait gradients", micro_batch=self._num_micro - 1):
+        with self._span("wait gradients", "backward", micro_batch=self._num_micro - 1):
             for w in windows:
                 for j in w.pending_gradients():
                     w.receive_gradient(j)
-        with timeline.span("update"):
+        with self._span("update", "optimizer"):
             for w in windows:
                 w.update()
             self._optimizer.step()

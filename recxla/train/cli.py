@@ -117,7 +117,7 @@ def _train(config, conn, watchdog, meter) -> dict:
     from recxla.train.models import build_model, init_embedding_tables
     from recxla.train.sharding import (
         build_optimizer, build_sharder, embedding_tables, plan_sharding, plan_summary,
-        shard_model, sharder_description)
+        resolve_row_exchange, shard_model, sharder_description)
 
     place, device = conn.place, conn.device
     world = place.world_size
@@ -126,9 +126,23 @@ def _train(config, conn, watchdog, meter) -> dict:
     model = build_model(config, tables, data.num_dense, device)
     watchdog.progress("planning")
     with meter.phase("setup"):
-        plan = plan_sharding(model, config, tables, world, place.local_world_size, device)
+        topology, replicas = None, None
+        if config.topology == "2d":
+            from recxla.torchrec.replicas import ReplicaSync, make_topology_2d
+
+            topology = make_topology_2d(config.ranks_per_node)
+            replicas = ReplicaSync(topology.replica_group, config.replica_sync,
+                                   config.sync_every, config.replica_precision)
+            plan = plan_sharding(model, config, tables, topology.ranks_per_node,
+                                 topology.ranks_per_node, device, topology.shard_group)
+        else:
+            plan = plan_sharding(model, config, tables, world, place.local_world_size, device)
+        # Every rank judges row exchange on the same batch (rank 0's first).
+        sample = next(TrainData(config, 0, world).train(0, 1)).sparse_features
+        row_tables = resolve_row_exchange(config, tables, sample)
         watchdog.progress("sharding")
-        dmp = shard_model(model, build_sharder(config), plan, device)
+        dmp = shard_model(model, build_sharder(config, row_tables, replicas), plan, device,
+                          config, topology)
         init_embedding_tables(embedding_tables(dmp), tables, config.seed)
         optimizer = build_optimizer(dmp, config)
         start = 0
@@ -136,7 +150,18 @@ def _train(config, conn, watchdog, meter) -> dict:
             watchdog.progress("loading the checkpoint")
             start = checkpoint.load(checkpoint.latest_checkpoint(config.checkpoint_dir)[1],
                                     dmp, optimizer)
-    pipeline = MeteredPipeline(dmp, optimizer, device, meter)
+    timeline = None
+    if config.baseline:
+        pipeline = MeteredPipeline(dmp, optimizer, device, meter)
+    else:
+        from recxla.pipeline import Timeline, TrainPipeline
+
+        timeline = Timeline(enabled=config.trace is not None)
+        pipeline = TrainPipeline(dmp, optimizer, device, num_micro_batches=config.micro_batches,
+                                 overlap=config.overlap, dbp=config.dbp, split=config.split,
+                                 dbp_lookup=config.dbp_lookup,
+                                 dense_allreduce=config.dense_allreduce, timeline=timeline,
+                                 phase=meter.phase)
     progress = Progress(place.rank == 0 and config.progress, config.steps, start,
                         config.batch_size * world)
     log = StepLog(first=start)
@@ -179,6 +204,10 @@ def _train(config, conn, watchdog, meter) -> dict:
         iface = {k: end[k] - iface_start[k] for k in end}
     if config.checkpoint_dir:
         _checkpoint(config.steps)
+    if config.trace:
+        from recxla.train.metrics import write_trace
+
+        write_trace(config.trace, timeline, meter, place.rank, world)
     watchdog.progress("evaluation")
     pipeline.detach()
     with meter.phase("eval"):
@@ -191,7 +220,11 @@ def _train(config, conn, watchdog, meter) -> dict:
         dist.all_gather_object(gathered, figures)
     summary = {
         "name": config.display_name, "path": config.path,
-        "sharder": sharder_description(config), "world_size": world,
+        "sharder": sharder_description(config, row_tables), "world_size": world,
+        "pipeline": "torchrec TrainPipelineSparseDist" if config.baseline else (
+            f"recxla TrainPipeline: {config.micro_batches} micro-batches, overlap "
+            f"{'on' if config.overlap else 'off'}, dbp {'on' if config.dbp else 'off'}"),
+        "topology": config.topology,
         "nodes": world // place.local_world_size, "device": str(device),
         "resumed_from_step": start if config.resume else None,
         **summarize(config, gathered, world), **evaluation,

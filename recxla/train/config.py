@@ -52,6 +52,18 @@ class TrainConfig:
     dedup_ids: bool = True
     sharding: str = "auto"
     micro_batches: int = 1
+    overlap: bool = True
+    dbp: bool = True
+    split: str = "contiguous"
+    dbp_lookup: str = "after_update"
+    row_exchange: str = "auto"
+    dense_allreduce: str = "fp32"
+    topology: str = "1d"
+    ranks_per_node: Optional[int] = None
+    replica_sync: str = "gradients"
+    sync_every: int = 1
+    replica_precision: str = "fp32"
+    trace: Optional[str] = None
     checkpoint_dir: Optional[str] = None
     checkpoint_every: int = 0
     resume: bool = False
@@ -177,7 +189,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recxla: the input dist sends unique ids (default on)")
     c.add_argument("--sharding", choices=SHARDINGS, default=d.sharding,
                    help="one sharding type for every table, or auto (TorchRec's planner)")
-    c.add_argument("--micro-batches", type=_int_at_least(1), default=d.micro_batches)
+    c.add_argument("--row-exchange", default=None,
+                   help="recxla: tables whose owners send unique rows instead of pooled bags: "
+                   "auto (those where rows are fewer, judged on a sample batch; default), off, "
+                   "all, or comma-separated table names")
+    c.add_argument("--dense-allreduce", choices=("fp32", "bf16"), default=d.dense_allreduce,
+                   help="wire format of the dense gradients' all-reduce (both paths)")
+
+    o = p.add_argument_group("overlap pipeline (recxla path)")
+    o.add_argument("--micro-batches", type=_int_at_least(1), default=None,
+                   help="micro-batches per batch (frozen-window pipelining; default 1)")
+    o.add_argument("--overlap", choices=("on", "off"), default=None,
+                   help="all-to-alls in flight while the dense part computes (default on)")
+    o.add_argument("--dbp", choices=("on", "off"), default=None,
+                   help="the next batch's input dist during this batch (default on)")
+    o.add_argument("--split", choices=("contiguous", "clustered"), default=None,
+                   help="micro-batches as loaded, or by recxla.cluster_samples")
+    o.add_argument("--dbp-lookup", choices=("after_update", "early"), default=None,
+                   help="the next batch's lookup after this update, or before it, corrected")
+    o.add_argument("--trace", default=None, metavar="PATH",
+                   help="write a Chrome trace (chrome://tracing, Perfetto) of every rank's "
+                   "steps: compute, waits and collectives")
+
+    g = p.add_argument_group("topology (recxla path)")
+    g.add_argument("--topology", choices=("1d", "2d"), default=d.topology,
+                   help="2d: embeddings sharded inside each node (all-to-alls on intra-node "
+                   "links), nodes as replicas")
+    g.add_argument("--ranks-per-node", type=_int_at_least(1), default=None,
+                   help="2d: ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")
+    g.add_argument("--replica-sync", choices=("gradients", "weights"), default=d.replica_sync,
+                   help="2d: sum embedding gradients across nodes every step (exact), or "
+                   "average weights every --sync-every steps")
+    g.add_argument("--sync-every", type=_int_at_least(1), default=d.sync_every)
+    g.add_argument("--replica-precision", choices=("fp32", "bf16"), default=d.replica_precision,
+                   help="2d: wire format of the gradient sync across nodes")
     c.add_argument("--baseline", choices=("torchrec",), default=None,
                    help="train with plain TorchRec (DMP + TrainPipelineSparseDist) instead")
     c.add_argument("--baseline-comms", choices=BASELINE_COMMS, default=None,
@@ -240,9 +285,31 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
     elif ns.baseline_comms is not None:
         err("--baseline-comms needs --baseline torchrec (the recxla path takes --fwd-comm and "
             "--bwd-comm)")
-    if ns.micro_batches != 1:
-        err(f"--micro-batches {ns.micro_batches}: only 1 is supported for now; splitting a batch "
-            "into micro-batches needs the overlap pipeline, which comes in a later issue")
+    if ns.baseline:
+        for flag, value in (("--micro-batches", ns.micro_batches), ("--overlap", ns.overlap),
+                            ("--dbp", ns.dbp), ("--split", ns.split),
+                            ("--dbp-lookup", ns.dbp_lookup), ("--row-exchange", ns.row_exchange),
+                            ("--ranks-per-node", ns.ranks_per_node)):
+            if value is not None:
+                err(f"{flag} sets recxla's pipeline or sharder; the TorchRec baseline runs "
+                    "TrainPipelineSparseDist")
+        if ns.topology != "1d":
+            err("--topology 2d: TorchRec's 2D (DMPCollection) needs CUDA; the baseline is 1D")
+    if ns.topology == "2d":
+        per_node = ns.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if not per_node:
+            err("--topology 2d needs --ranks-per-node, or torchrun's LOCAL_WORLD_SIZE")
+        if ns.checkpoint_dir:
+            err("--checkpoint-dir with --topology 2d: sharded checkpoints of replicated shards "
+                "are not supported yet")
+        if ns.row_exchange not in (None, "off"):
+            err("--row-exchange with --topology 2d is not supported yet (use off)")
+    if ns.sync_every != 1 and ns.replica_sync != "weights":
+        err("--sync-every applies to --replica-sync weights")
+    if ns.replica_sync == "weights" and ns.replica_precision != "fp32":
+        err("--replica-precision bf16 applies to --replica-sync gradients (weights are averaged "
+            "in fp32)")
+    row_exchange = ns.row_exchange or ("off" if ns.topology == "2d" else "auto")
     try:
         device = resolve_device(ns.device)
     except ValueError as e:
@@ -265,7 +332,8 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
 
         if latest_checkpoint(ns.checkpoint_dir) is None:
             err(f"--resume: no checkpoint in --checkpoint-dir {ns.checkpoint_dir!r}")
-    for flag, path in (("--metrics", ns.metrics), ("--checkpoint-dir", ns.checkpoint_dir)):
+    for flag, path in (("--metrics", ns.metrics), ("--checkpoint-dir", ns.checkpoint_dir),
+                       ("--trace", ns.trace)):
         parent = os.path.dirname(os.path.abspath(path)) if path else None
         if parent and not os.path.isdir(parent):
             err(f"{flag} {path!r}: the folder {parent!r} does not exist")
@@ -294,7 +362,15 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
         sparse_optimizer=ns.sparse_optimizer, fwd_comm=ns.fwd_comm or d.fwd_comm,
         bwd_comm=ns.bwd_comm or d.bwd_comm,
         dedup_ids=False if ns.baseline else (ns.dedup_ids is not False),
-        sharding=ns.sharding, micro_batches=ns.micro_batches,
+        sharding=ns.sharding, micro_batches=ns.micro_batches or 1,
+        overlap=ns.overlap != "off", dbp=ns.dbp != "off", split=ns.split or "contiguous",
+        dbp_lookup=ns.dbp_lookup or "after_update",
+        row_exchange="off" if ns.baseline else row_exchange,
+        dense_allreduce=ns.dense_allreduce, topology=ns.topology,
+        ranks_per_node=(ns.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                        if ns.topology == "2d" else None),
+        replica_sync=ns.replica_sync, sync_every=ns.sync_every,
+        replica_precision=ns.replica_precision, trace=ns.trace,
         checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
         resume=ns.resume, metrics=ns.metrics, baseline=ns.baseline,
         baseline_comms=ns.baseline_comms or "fp32", seed=ns.seed, timeout=ns.timeout,

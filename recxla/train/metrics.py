@@ -228,3 +228,28 @@ def read_metrics(path: str) -> dict:
     return data
 
 
+
+
+def write_trace(path: str, timeline, meter, rank: int, world: int) -> None:
+    """Every rank's timeline spans and metered collectives, gathered to rank 0 and written as
+    one Chrome trace (a collective over the job; the clocks are the machine's monotonic clock,
+    shared by the ranks of one machine)."""
+    import torch.distributed as dist
+
+    from recxla.pipeline.timeline import Timeline, write_chrome_trace
+
+    mine = (timeline.spans if timeline is not None else [],
+            [r for r in meter.records if r.done is not None])
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank != 0:
+        return
+    starts = [s.start for spans, _ in gathered for s in spans] + \
+        [r.issued for _, records in gathered for r in records]
+    origin = min(starts) if starts else 0.0
+    traces = []
+    for r, (spans, records) in enumerate(gathered):
+        view = Timeline()
+        view.spans = list(spans)
+        traces.append(view.chrome_trace(rank=r, collectives=records, origin=origin))
+    write_chrome_trace(path, traces)

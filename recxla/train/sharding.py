@@ -50,10 +50,11 @@ def _baseline_codecs(comms: str) -> Optional[dict]:
     return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs}
 
 
-def build_sharder(config: TrainConfig):
+def build_sharder(config: TrainConfig, row_tables=None, replicas=None):
     """The EmbeddingBagCollection sharder of this run's path: a TorchRec
     EmbeddingBagCollectionSharder (the baseline) or recxla's subclass, for DMP and the
-    planner."""
+    planner. row_tables: the tables in row exchange (resolve_row_exchange); replicas: 2D's
+    ReplicaSync."""
     if config.baseline:
         return EmbeddingBagCollectionSharder(
             fused_params=fused_params(config),
@@ -61,19 +62,42 @@ def build_sharder(config: TrainConfig):
     from recxla.torchrec import EmbeddingBagCollectionSharder as RecxlaSharder
 
     return RecxlaSharder(fused_params=fused_params(config), fwd_comm=config.fwd_comm,
-                         bwd_comm=config.bwd_comm, dedup_ids=config.dedup_ids)
+                         bwd_comm=config.bwd_comm, dedup_ids=config.dedup_ids,
+                         row_exchange=row_tables if row_tables else "off", replicas=replicas)
 
 
-def sharder_description(config: TrainConfig) -> str:
+def resolve_row_exchange(config: TrainConfig, tables, sample) -> List[str]:
+    """The table names in row exchange: --row-exchange auto judges on `sample` (a
+    KeyedJaggedTensor every rank builds alike), all, off, or the names given."""
+    names = [t.name for t in tables]
+    choice = config.row_exchange
+    if config.baseline or choice == "off":
+        return []
+    if choice == "all":
+        return names
+    if choice == "auto":
+        from recxla.torchrec import choose_row_tables
+
+        return choose_row_tables(tables, sample, config.micro_batches)
+    wanted = [n.strip() for n in choice.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise ValueError(f"--row-exchange: unknown table(s) {unknown}; tables: {names}")
+    return wanted
+
+
+def sharder_description(config: TrainConfig, row_tables=()) -> str:
     if config.baseline:
         return f"torchrec EmbeddingBagCollectionSharder, {config.baseline_comms} comms"
     dedup = "dedup'd ids" if config.dedup_ids else "ids not dedup'd"
+    rows = f", row exchange for {len(row_tables)} tables" if row_tables else ""
     return (f"recxla EmbeddingBagCollectionSharder, {config.fwd_comm}/{config.bwd_comm} comms, "
-            f"{dedup}")
+            f"{dedup}{rows}")
 
 
 def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_size: int,
-                  local_world_size: int, device: torch.device) -> ShardingPlan:
+                  local_world_size: int, device: torch.device,
+                  group: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
     """One plan for both paths: TorchRec's planner (collectively, so every rank agrees) with
     TorchRec's sharder, every table restricted to `config.sharding` (auto: the types both
     sharders offer on this device)."""
@@ -94,7 +118,7 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
         sharder = build_sharder(config)  # only recxla's offers it
     else:
         sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(config))
-    return planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    return planner.collective_plan(model, [sharder], group or dist.GroupMember.WORLD)
 
 
 def plan_summary(plan: ShardingPlan) -> Dict[str, dict]:
@@ -107,8 +131,8 @@ def plan_summary(plan: ShardingPlan) -> Dict[str, dict]:
     return out
 
 
-def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan,
-                device: torch.device) -> DistributedModelParallel:
+def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan, device: torch.device,
+                config: Optional[TrainConfig] = None, topology=None) -> DistributedModelParallel:
     """DMP of `model` with `sharder` and `plan`. The dense part's gradient all-reduce goes
     through torch's Python all-reduce hook (the same math as DDP's built-in one), so that the
     communication meter sees it.
@@ -116,14 +140,28 @@ def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan,
     Embedding gradients are the sum over ranks of each rank's mean-loss gradient on both paths:
     recxla's sharder sends them back that way, and TorchRec's pooled all-to-all would divide
     them by the world size (its GRADIENT_DIVISION default), which with SGD trains the tables
-    at 1/W of the learning rate; it is switched off so that both paths train the same model."""
+    at 1/W of the learning rate; it is switched off so that both paths train the same model.
+
+    The recxla path's all-reduce hook is recxla.pipeline's (it accumulates micro-batches and
+    sends bf16 with --dense-allreduce bf16); the baseline's is torch's allreduce_hook or
+    bf16_compress_hook. topology: 2D's Topology2D (DMP over one node's shard group, DDP over
+    every rank)."""
     set_gradient_division(False)
-    dmp = DistributedModelParallel(
-        model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD), device=device,
-        sharders=[sharder], plan=plan)
+    options = {}
+    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+    if topology is not None:
+        from recxla.torchrec.replicas import WorldDataParallelWrapper
+
+        env = topology.shard_env
+        options["data_parallel_wrapper"] = WorldDataParallelWrapper()
+    dmp = DistributedModelParallel(model, env=env, device=device, sharders=[sharder],
+                                   plan=plan, **options)
     ddp = dmp._dmp_wrapped_module
-    if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \
+            (config is None or config.baseline):
+        bf16 = config is not None and config.dense_allreduce == "bf16"
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if bf16
+                               else default_hooks.allreduce_hook)
     return dmp
 
 
