@@ -37,17 +37,17 @@ if TYPE_CHECKING:  # torchrec is imported on first use: `import recxla` stays li
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
-@torch.library.register_fake("recxla::cluster_permutation")
+@_extension.register_fake("recxla::cluster_permutation")
 def _cluster_permutation_fake(values, lengths, batch_size, num_micro_batches, key_bytes):
     return values.new_empty(batch_size, dtype=torch.int64)
 
 
-@torch.library.register_fake("recxla::cluster_feature_gains")
+@_extension.register_fake("recxla::cluster_feature_gains")
 def _cluster_feature_gains_fake(values, feature_offsets, batch_size, num_micro_batches):
     return values.new_empty(len(feature_offsets) - 1, dtype=torch.int64)
 
 
-@torch.library.register_fake("recxla::cluster_bag_signatures")
+@_extension.register_fake("recxla::cluster_bag_signatures")
 def _cluster_bag_signatures_fake(values, offsets):
     bags = offsets.shape[0] - 1
     return offsets.new_empty(bags), offsets.new_empty(bags)
@@ -247,6 +247,32 @@ def cluster_permutation_with_passes(
     )
     int_weights = reference.integer_weights(weights)
     return reference.order_samples(sort_keys, bags, [int_weights[f] for f in refine], m)
+
+
+if _extension.HAVE_EXTENSION:
+    # The op's CUDA kernel is the composite GPU path: its two passes over every key are kernels,
+    # the sorts and group moves are torch ops (a grid-wide sort has no place in one kernel).
+    @torch.library.impl("recxla::cluster_permutation", "CUDA")
+    def _cluster_permutation_cuda(values, lengths, batch_size, num_micro_batches, key_bytes):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        op = "recxla::cluster_permutation"
+        if values.dim() != 1 or lengths.dim() != 1:
+            raise ValueError(f"{op}: values and lengths must be 1-D")
+        if batch_size < 1 or lengths.numel() % batch_size:
+            raise ValueError(
+                f"{op}: lengths must hold F * batch_size entries, got {lengths.numel()} for "
+                f"batch_size {batch_size}"
+            )
+        features = [f"feature {f}" for f in range(lengths.numel() // batch_size)]
+        kjt = KeyedJaggedTensor(features, values, lengths=lengths, stride=batch_size)
+        num_micro_batches = check_num_micro_batches(num_micro_batches, batch_size, op)
+        weights = key_bytes_tensor(kjt, list(key_bytes), op)
+        check_ids(kjt, op)
+        return cluster_permutation_with_passes(
+            values, lengths, batch_size, num_micro_batches, weights,
+            gpu_passes(_extension.gpu_backend()),
+        )
 
 
 def check_permutation(permutation, batch: int, device, op: str) -> torch.Tensor:

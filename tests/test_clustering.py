@@ -247,6 +247,11 @@ def test_cuda_matches_cpu(seed):
         assert perm.is_cuda and offsets.is_cuda
         want = recxla.cluster_samples(kjt, m)
         assert torch.equal(perm.cpu(), want[0]) and torch.equal(offsets.cpu(), want[1])
+        # The op itself dispatches to the same GPU path.
+        direct = torch.ops.recxla.cluster_permutation(
+            kjt.values().cuda(), kjt.lengths().cuda(), kjt.stride(), m, [1.0] * len(kjt.keys())
+        )
+        assert torch.equal(direct.cpu(), want[0])
 
 
 def test_bad_arguments_raise():

@@ -189,6 +189,30 @@ def test_a_steady_codec_loop_has_no_page_faults():
     assert sum(counts[2:]) <= 64, counts
 
 
+def test_a_loop_of_varying_sizes_keeps_a_bounded_pool():
+    # Deduplicated rows vary from step to step: without size classes every new row count mapped
+    # a new buffer and the pool filled up to its capacity with idle storages (a leak in effect).
+    torch.ops.recxla.release_idle_buffers()
+    x = random_rows(5000, 128)
+
+    def step(rows: int) -> int:
+        packed = recxla.quantize_rows(x[:rows])
+        y = recxla.dequantize_rows(packed, 128)
+        assert torch.equal(y, dequantize_rows_ref(packed, 128))
+        del packed, y
+        in_use, idle, _, _ = torch.ops.recxla.buffer_pool_stats()
+        return in_use + idle
+
+    # Every size class between 3000 and 5000 rows, then random sizes: the pool must not grow.
+    warm = max(step(rows) for rows in [*range(3000, 5001, 97), 5000])
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    pooled = [step(int(torch.randint(3000, 5001, (), generator=gen))) for _ in range(40)]
+    assert max(pooled) <= warm, (warm, pooled)
+    # Classes are 1.14-1.25x apart: at most four of them per output span 3000..5000 rows.
+    largest = 5000 * 128 * 4 + 5000 * recxla.row_bytes(128, "e4m3")
+    assert warm <= 4 * largest, warm
+
+
 # ---------------------------------------------------------------- streaming stores
 
 

@@ -6,12 +6,17 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
 
     torchrec fp32        the baseline: DMP + TrainPipelineSparseDist, fp32 all-to-alls
     torchrec bf16        the baseline with TorchRec's bf16 codec both ways (its best on CPU)
-    recxla               the defaults: FP8 e4m3 forward, e5m2 backward, dedup'd input dist
-    recxla bf16 bwd      the same with bf16 gradients (twice e5m2's gradient bytes)
-    recxla no FP8        the same, fp32 all-to-alls (FP8 switched off)
-    recxla no dedup      the same, every id sent (dedup switched off)
+    torchrec bf16+AR     ... and DDP's bf16 all-reduce of the dense gradients
+    recxla sequential    recxla's sharder, nothing overlapped: FP8 e4m3 forward, e5m2 backward,
+                         dedup'd input dist, every table pooled at its owner
+    recxla no FP8 / no dedup / bf16 bwd   the same with one feature switched off
+    recxla rows (+AR)    row exchange where it is smaller (--row-exchange auto); +AR: bf16
+                         dense all-reduce
+    recxla DBP           the next batch's ids during this batch (and overlap on)
+    recxla FWP m=4       4 micro-batches, all-to-alls behind the dense compute, no DBP
+    recxla FWP+DBP m=M   both, M = 2, 4, 8; "clustered": micro-batches by cluster_samples
+    recxla 2D m=4        the all-to-alls inside each node, gradients summed across nodes
 
-(Key-centric clustering needs micro-batches, which come with the overlap pipeline: not yet.)
 Each row gives examples/s, the step's exposed communication, and the bytes on the wire per
 step: counted by the trainer's collective meter (all ranks, and the part between nodes) and
 measured on the links themselves (each node's veth tx counter over the same steps). It prints
@@ -34,13 +39,29 @@ from bench.cluster import netns
 from bench.cluster.launch import EmulatedCluster
 from bench.cluster.run_a2a import _machine, json_safe
 
+# The recxla path runs recxla's pipeline; "sequential" waits for every exchange at once (no
+# overlap, no double buffering) and pools every table at its owner: the sharder alone.
+_SEQ = ["--overlap", "off", "--dbp", "off", "--row-exchange", "off"]
 VARIANTS = {
     "torchrec fp32": ["--baseline", "torchrec"],
     "torchrec bf16": ["--baseline", "torchrec", "--baseline-comms", "bf16"],
-    "recxla": ["--fwd-comm", "e4m3", "--bwd-comm", "e5m2"],
-    "recxla bf16 bwd": ["--fwd-comm", "e4m3", "--bwd-comm", "bf16"],
-    "recxla no FP8": ["--fwd-comm", "fp32", "--bwd-comm", "fp32"],
-    "recxla no dedup": ["--fwd-comm", "e4m3", "--bwd-comm", "e5m2", "--no-dedup-ids"],
+    "torchrec bf16+AR": ["--baseline", "torchrec", "--baseline-comms", "bf16",
+                         "--dense-allreduce", "bf16"],
+    "recxla sequential": [*_SEQ],
+    "recxla no FP8": [*_SEQ, "--fwd-comm", "fp32", "--bwd-comm", "fp32"],
+    "recxla no dedup": [*_SEQ, "--no-dedup-ids"],
+    "recxla bf16 bwd": [*_SEQ, "--bwd-comm", "bf16"],
+    "recxla rows": ["--overlap", "off", "--dbp", "off"],
+    "recxla rows+AR": ["--overlap", "off", "--dbp", "off", "--dense-allreduce", "bf16"],
+    "recxla DBP": ["--dense-allreduce", "bf16"],
+    "recxla FWP m=4": ["--micro-batches", "4", "--dbp", "off", "--dense-allreduce", "bf16"],
+    "recxla FWP+DBP m=2": ["--micro-batches", "2", "--dense-allreduce", "bf16"],
+    "recxla FWP+DBP m=4": ["--micro-batches", "4", "--dense-allreduce", "bf16"],
+    "recxla FWP+DBP m=8": ["--micro-batches", "8", "--dense-allreduce", "bf16"],
+    "recxla m=4 clustered": ["--micro-batches", "4", "--split", "clustered",
+                             "--dense-allreduce", "bf16"],
+    "recxla 2D m=4": ["--micro-batches", "4", "--dense-allreduce", "bf16", "--topology", "2d",
+                      "--row-exchange", "off"],
 }
 RATES = ("1gbit", "200mbit")
 # The issue's setting: batch 1024 per rank, dim 64, tables of at most 100k rows, FBGEMM's (and
@@ -86,7 +107,7 @@ def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
     mb = lambda x: f"{x / 1e6:7.2f}"  # noqa: E731
     base = rows.get("torchrec fp32")
     base_eps = _median(base, lambda r: r["examples_per_s"]) if base else float("nan")
-    head = (f"{'variant':<17}{'ex/s':>9}{'vs fp32':>8}{'step ms':>9}{'exposed':>9}"
+    head = (f"{'variant':<22}{'ex/s':>9}{'vs fp32':>8}{'step ms':>9}{'exposed':>9}"
             f"{'wire MB':>9}{'x-node MB':>10}{'link MB':>9}{'emb fwd':>8}{'emb bwd':>8}"
             f"{'ids':>7}{'AUC':>7}")
     lines = [f"{rate} ({mode}; medians of {max(len(v) for v in rows.values())} runs; MB per "
@@ -96,7 +117,7 @@ def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
         kind = lambda k: _median(runs, lambda r: r["wire_bytes_per_step_by_kind"].get(k, 0))  # noqa
         link = _median(runs, lambda r: r.get("iface_tx_bytes_per_step"))
         lines.append(
-            f"{label:<17}{eps:>9,.0f}{eps / base_eps:>7.2f}x"
+            f"{label:<22}{eps:>9,.0f}{eps / base_eps:>7.2f}x"
             f"{_median(runs, lambda r: r['step_time_s']['mean']) * 1e3:>9.0f}"
             f"{_median(runs, lambda r: r['exposed_comm_fraction']):>9.0%}"
             f"{mb(_median(runs, lambda r: r['wire_bytes_per_step']))}  "

@@ -10,8 +10,10 @@
 // How: the pool keeps a reference to every storage it hands out. A storage whose only reference
 // is the pool's (use_count() == 1) is idle: no tensor, view, autograd node or in-flight
 // collective holds it, so nothing can read or write it any more, and it is handed out again for
-// a request of the same size. A storage that anything still references is never reused: an
-// async all-to-all's buffers stay out of the pool until its handle lets them go. New buffers of
+// a request of the same size class (sizes round up to 2^k * {4, 5, 6, 7} / 4 bytes: a loop whose
+// sizes vary a little from call to call, as deduplicated rows do, reuses the same storages). A
+// storage that anything still references is never reused: an async all-to-all's buffers stay
+// out of the pool until its handle lets them go. New buffers of
 // 4 MiB or more are mapped 2 MiB-aligned with MADV_HUGEPAGE, so their first touch costs one fault
 // per 2 MiB instead of one per 4 KiB (where the kernel has transparent huge pages in "madvise"
 // mode, the default of most distributions).
