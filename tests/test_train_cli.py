@@ -179,7 +179,7 @@ def _parse_error(capsys, argv) -> str:
     (["--steps", "4", "--warmup-steps", "4"], "--warmup-steps 4 must be less than"),
     (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
     (["--timeout", "0"], "--timeout: must be a number > 0"),
-    (["--data", "/nonexistent/x.parquet"], "not available yet"),
+    (["--data", "/nonexistent/x.parquet"], "/nonexistent/x.parquet: no such file or folder"),
     (["--device", "cuda"], "no CUDA device"),
 ])
 def test_bad_options(capsys, argv, message):

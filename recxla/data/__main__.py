@@ -1,10 +1,12 @@
 """Command line of recxla.data.
 
     python -m recxla.data write --out PATH --batches N [--sort-by KEY] [--batch-size 8192]
-                                [--seed 0] [--max-rows R] [--rows-per-file N] [--overwrite]
+                                [--seed 0] [--max-rows 100000] [--rows-per-file N] [--overwrite]
         Writes N synthetic batches (`SyntheticRankingDataset`, the Criteo Kaggle profile with
         tables capped at R rows) to PATH (a .parquet file, or a folder) with
         `recxla.data.write_parquet`, and prints the size on disk next to the unsorted layout's.
+        R defaults to the trainer's default --max-rows, so that `python -m recxla.train --data
+        PATH` trains on the output with its default tables (--max-rows 0: the full tables).
         --sort-by: none (default), auto (the key that compresses best on the first row group),
         a feature name (cat_0 ... cat_25) or request_id.
 
@@ -19,13 +21,16 @@ import time
 
 from recxla.data.errors import DataFormatError
 
+# recxla.train's default --max-rows (not imported: recxla.data does not depend on the trainer).
+TRAINER_MAX_ROWS = 100_000
+
 
 def _write(args) -> int:
     from recxla.data import SyntheticRankingDataset, criteo_kaggle_profile, write_parquet
     from recxla.data.parquet_layout import DatasetInfo
 
     sort_by = None if args.sort_by == "none" else args.sort_by
-    profile = criteo_kaggle_profile(max_rows=args.max_rows)
+    profile = criteo_kaggle_profile(max_rows=args.max_rows or None)
     data = SyntheticRankingDataset(profile, batch_size=args.batch_size,
                                    num_batches=args.batches, seed=args.seed)
     start = time.perf_counter()
@@ -65,8 +70,9 @@ def main(argv=None) -> int:
                    help="none, auto, a feature name or request_id (default none)")
     w.add_argument("--batch-size", type=int, default=8192, help="rows per batch and row group")
     w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--max-rows", type=int, default=None,
-                   help="cap every table at this many rows (match the trainer's tables)")
+    w.add_argument("--max-rows", type=int, default=TRAINER_MAX_ROWS,
+                   help="cap every table at this many rows, to match the trainer's tables "
+                   f"(default {TRAINER_MAX_ROWS:,}, the trainer's default; 0: the full tables)")
     w.add_argument("--rows-per-file", type=int, default=None, help="folders: rows per file")
     w.add_argument("--overwrite", action="store_true", help="replace existing .parquet files")
     i = sub.add_parser("info", help="print a dataset's metadata")
@@ -74,6 +80,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "write" and args.batches < 1:
         parser.error("--batches must be >= 1")
+    if args.command == "write" and args.max_rows < 0:
+        parser.error("--max-rows must be >= 0 (0: the full tables)")
     try:
         return _write(args) if args.command == "write" else _info(args)
     except (FileNotFoundError, FileExistsError, DataFormatError, ValueError, TypeError) as e:

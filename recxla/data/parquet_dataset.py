@@ -8,7 +8,7 @@ where it is read, so every loader yields the same batches in the same order.
 
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
-from recxla.data.batch_iterator import BatchIterator, check_position
+from recxla.data.batch_iterator import POSITION_FORMAT, BatchIterator, check_position
 from recxla.data.parquet_layout import DatasetInfo
 from recxla.data.parquet_reader import OP, EpochPlan, _check_int, _GroupReader, read_batches
 
@@ -111,6 +111,16 @@ class ParquetDataset:
     def num_batches(self, epoch: int = 0) -> int:
         """Batches every rank yields in `epoch`."""
         return self.plan(epoch).num_batches
+
+    def position_after(self, batches: int) -> Dict:
+        """The position (as an iterator's `state_dict()`) after `batches` batches counted from
+        the start of epoch 0: what a trainer that consumed that many batches resumes from.
+        Every rank yields as many batches per epoch, so it is the same on every rank."""
+        remaining, epoch = _check_int(batches, "batches", 0), 0
+        while remaining >= self.num_batches(epoch):
+            remaining -= self.num_batches(epoch)
+            epoch += 1
+        return {"format": POSITION_FORMAT, **self.identity, "epoch": epoch, "batch": remaining}
 
     def _epochs(self) -> Iterator[int]:
         epoch = self.start[0]

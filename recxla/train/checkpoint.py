@@ -4,9 +4,10 @@ A checkpoint is a folder `<checkpoint-dir>/step_<N>` written by DCP, every rank 
 shards: the model's state_dict (embedding tables as ShardedTensors, dense layers once), the
 combined optimizer's state_dict (the fused embedding optimizer's sharded state, e.g. row-wise
 Adagrad's accumulators, and the dense optimizer's), and the training state (steps done, which is
-the data position: see recxla.train.data). It is written under `step_<N>.partial` and renamed
-once every rank has finished, with `train_state.json` (the training state and the options it
-depends on) added last: a folder without it is not a checkpoint, so a run killed while saving
+the data position: see recxla.train.data; with --data, `train_state.json` also records the
+files' fingerprint, so that resuming on other files fails). It is written under
+`step_<N>.partial` and renamed once every rank has finished, with `train_state.json` (the
+training state and the options it depends on) added last: a folder without it is not a checkpoint, so a run killed while saving
 resumes from the previous one. `train_state.json` also lets --resume be checked before any
 process group exists.
 
@@ -66,6 +67,11 @@ def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
         diff.append(f"world size {state['world_size']} (now {world_size})")
     if state["path"] != config.path:
         diff.append(f"path {state['path']} (now {config.path})")
+    files = _data_fingerprint(config)
+    if state.get("data_fingerprint") != files:
+        saved_data = saved.get("data")
+        diff.append(f"--data {saved_data!r} (now {config.data!r}, "
+                    + ("other files)" if saved_data and config.data else "other data)"))
     if diff:
         raise ValueError("--resume: the checkpoint was written with other options: "
                          + ", ".join(diff))
@@ -74,14 +80,23 @@ def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
                          f"fewer than --steps {config.steps}: nothing left to train")
 
 
+def _data_fingerprint(config: TrainConfig) -> Optional[str]:
+    """The --data files' fingerprint (names and row groups; footers only), None without."""
+    if config.data is None:
+        return None
+    from recxla.data.parquet_layout import DatasetInfo
+
+    return DatasetInfo(config.data, "--data").fingerprint
+
+
 def _plain(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
 def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
-         world_size: int) -> str:
+         world_size: int, data_fingerprint: Optional[str] = None) -> str:
     """Write checkpoint `step_<steps_done>` (a collective: every rank calls it). Returns the
-    folder."""
+    folder. `data_fingerprint`: TrainData.fingerprint (None: synthetic logs)."""
     final = checkpoint_path(directory, steps_done)
     partial = final + ".partial"
     rank = dist.get_rank()
@@ -97,6 +112,7 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         train_state = {"steps_done": steps_done, "data_position": steps_done,
+                       "data_fingerprint": data_fingerprint,
                        "world_size": world_size, "path": config.path,
                        "config": config.asdict()}
         tmp = os.path.join(final, STATE_FILE + ".tmp")

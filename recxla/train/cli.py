@@ -138,7 +138,7 @@ def _train(config, conn, watchdog, meter) -> dict:
         else:
             plan = plan_sharding(model, config, tables, world, place.local_world_size, device)
         # Every rank judges row exchange on the same batch (rank 0's first).
-        sample = next(TrainData(config, 0, world).train(0, 1)).sparse_features
+        sample = data.sample().sparse_features
         row_tables = resolve_row_exchange(config, tables, sample)
         watchdog.progress("sharding")
         dmp = shard_model(model, build_sharder(config, row_tables, replicas), plan, device,
@@ -186,7 +186,8 @@ def _train(config, conn, watchdog, meter) -> dict:
         began = time.perf_counter()
         watchdog.progress(f"checkpoint at step {done}")
         with meter.phase("checkpoint"):
-            checkpoint.save(config.checkpoint_dir, done, dmp, optimizer, config, world)
+            checkpoint.save(config.checkpoint_dir, done, dmp, optimizer, config, world,
+                            data.fingerprint)
         log.checkpoint_s += time.perf_counter() - began
         watchdog.progress(f"step {done}, checkpoint written")
 
@@ -194,8 +195,11 @@ def _train(config, conn, watchdog, meter) -> dict:
     if place.rank == 0:
         print(f"recxla-train: {config.display_name}: steps {start}..{config.steps} on {world} "
               f"ranks ({device})", file=sys.stderr, flush=True)
-    run_steps(pipeline, data.train(start, config.steps), start, config.steps, meter, progress,
-              on_step_done, log)
+    try:
+        run_steps(pipeline, data.train(start, config.steps), start, config.steps, meter,
+                  progress, on_step_done, log)
+    finally:
+        data.close()  # the loader's workers, and a Ray it started
     progress.close()
     sharder_stats = _comm_stats(stats_modules)  # before the evaluation's forwards add to them
     iface = None

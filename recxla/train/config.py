@@ -4,10 +4,16 @@ process group exists (a bad option costs no rendezvous and no peer's time).
 `parse_config(argv)` returns a TrainConfig or exits with status 2 and a message naming the
 option and its limit (argparse's convention). Option names are fixed (scripts rely on them):
 `--steps --batch-size --fwd-comm --bwd-comm --sharding --micro-batches --checkpoint-dir --resume
---metrics --baseline torchrec --baseline-comms --seed --timeout --device`.
+--metrics --baseline torchrec --baseline-comms --seed --timeout --device --data --loader
+--loader-workers --eval-data`.
+
+With --data (and --eval-data) the files are opened here too, footers only: a missing path, an
+unreadable file, too few rows for one batch per rank, or features that do not fit the model's
+tables (see recxla.train.data) exit 2 naming the files, before any process group exists.
 """
 
 import argparse
+import importlib.util
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -75,6 +81,10 @@ class TrainConfig:
     device: str = "cpu"
     profile: str = "criteo"
     max_rows: int = 100_000
+    data: Optional[str] = None
+    loader: str = "local"
+    loader_workers: int = 1
+    eval_data: Optional[str] = None
     zipf: float = 1.05
     allocator: str = "keep"
     threads: int = 1
@@ -235,8 +245,26 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-rows", type=_int_at_least(1), default=None,
                       help=f"cap on table rows (criteo default {d.max_rows})")
     data.add_argument("--zipf", type=float, default=d.zipf, help="key skew, 0 = uniform")
-    data.add_argument("--data", default=None, help="training files (recxla.data.make_loader)")
-    data.add_argument("--loader", choices=("local", "ray"), default="local")
+    data.add_argument("--data", default=None, metavar="PATH",
+                      help="train on Parquet files (a .parquet file or a folder, written by "
+                      "recxla.data.write_parquet or `python -m recxla.data write`) instead of "
+                      "the synthetic logs. The tables stay the profile's (--profile, "
+                      "--max-rows): the files must hold its features cat_0..cat_25 with ids "
+                      "below the tables' rows, and 13 dense features; `python -m recxla.data "
+                      "write` output fits the defaults. An epoch (--epochs) is one pass over "
+                      "the files; --train-batches and --zipf apply to the synthetic logs only")
+    data.add_argument("--loader", choices=("local", "ray"), default=None,
+                      help="--data: read in worker processes on this machine (local, default) "
+                      "or in Ray Data tasks (ray: pip install 'recxla[ray]')")
+    data.add_argument("--loader-workers", type=_int_at_least(0), default=None, metavar="N",
+                      help=f"--data: reader processes or Ray tasks per rank (default "
+                      f"{d.loader_workers}; 0 with --loader local: read in the rank's own "
+                      "process, in a background thread)")
+    data.add_argument("--eval-data", default=None, metavar="PATH",
+                      help="held-out Parquet files for the final AUC (the first --eval-batches "
+                      "batches of each rank's share); default: the synthetic held-out split, "
+                      "also with --data (the same task when the files were written from the "
+                      "synthetic logs with the same --seed and profile)")
 
     r = p.add_argument_group("run")
     r.add_argument("--checkpoint-dir", default=None)
@@ -320,8 +348,12 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
             f"{', '.join(TORCHREC_CPU_SHARDINGS)} or auto, or the recxla path")
     if ns.steps is not None and ns.epochs is not None:
         err("--steps and --epochs: give one or the other")
-    steps = ns.epochs * ns.train_batches if ns.epochs is not None else (
-        ns.steps if ns.steps is not None else TrainConfig.steps)
+    loader, loader_workers = _check_loader(err, ns)
+    if ns.epochs is not None and ns.data is not None:
+        steps = _file_epochs_steps(err, ns)
+    else:
+        steps = ns.epochs * ns.train_batches if ns.epochs is not None else (
+            ns.steps if ns.steps is not None else TrainConfig.steps)
     if ns.warmup_steps >= steps:
         err(f"--warmup-steps {ns.warmup_steps} must be less than the {steps} steps, or no step "
             "is left to measure")
@@ -340,9 +372,6 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
     if ns.checkpoint_dir and os.path.exists(ns.checkpoint_dir) and \
             not os.path.isdir(ns.checkpoint_dir):
         err(f"--checkpoint-dir {ns.checkpoint_dir!r} is a file, not a folder")
-    if ns.data is not None:
-        err(f"--data {ns.data!r}: training from files needs recxla.data.make_loader, which is "
-            "not available yet; omit --data to train on the synthetic logs")
     if ns.net_iface is not None and not os.path.isdir(
             os.path.join(NET_SYSFS, os.path.basename(ns.net_iface))):
         err(f"--net-iface {ns.net_iface!r}: no such network interface here ({NET_SYSFS})")
@@ -374,17 +403,77 @@ def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
         checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
         resume=ns.resume, metrics=ns.metrics, baseline=ns.baseline,
         baseline_comms=ns.baseline_comms or "fp32", seed=ns.seed, timeout=ns.timeout,
-        device=device, profile=ns.profile, max_rows=max_rows, zipf=ns.zipf,
+        device=device, profile=ns.profile, max_rows=max_rows, zipf=ns.zipf, data=ns.data,
+        loader=loader, loader_workers=loader_workers, eval_data=ns.eval_data,
         allocator=ns.allocator, threads=threads, progress=ns.progress, label=ns.label,
         net_iface=ns.net_iface,
     )
+
+
+def _world_size() -> int:
+    """The job's ranks as torchrun announces them (1 outside torchrun)."""
+    return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
+
+
+def _check_loader(err, ns: argparse.Namespace) -> Tuple[str, int]:
+    """(loader, loader workers) of --data; exits on a bad mix."""
+    if ns.data is None:
+        for flag, value in (("--loader", ns.loader), ("--loader-workers", ns.loader_workers)):
+            if value is not None:
+                err(f"{flag} applies to --data (the synthetic logs are generated in the rank)")
+    loader = ns.loader or TrainConfig.loader
+    workers = TrainConfig.loader_workers if ns.loader_workers is None else ns.loader_workers
+    if loader == "ray":
+        if workers == 0:
+            err("--loader-workers 0 applies to --loader local (Ray reads in at least 1 task)")
+        if importlib.util.find_spec("ray") is None:
+            err("--loader ray needs Ray Data, which is not installed: pip install 'recxla[ray]'"
+                ", or use --loader local")
+    return loader, workers
+
+
+def _file_epochs_steps(err, ns: argparse.Namespace) -> int:
+    """Steps of --epochs passes over --data: every rank's batches per epoch, summed (epochs
+    differ by a batch or so where row groups differ in size)."""
+    from recxla.data import ParquetDataset
+
+    try:
+        files = ParquetDataset(ns.data, ns.batch_size, 0, _world_size(), ns.seed)
+        return sum(files.num_batches(e) for e in range(ns.epochs))
+    except (FileNotFoundError, ValueError) as e:  # DataFormatError is a ValueError
+        err(f"--data: {e}")
+
+
+def _check_files(err, config: TrainConfig) -> None:
+    """--data and --eval-data open (footers) and fit the model's tables; exits otherwise."""
+    from recxla.data import ParquetDataset, embedding_bag_configs
+    from recxla.train.data import make_profile
+
+    profile = make_profile(config)
+    tables = embedding_bag_configs(profile, embedding_dim=1)
+    for flag, path in (("--data", config.data), ("--eval-data", config.eval_data)):
+        if path is None:
+            continue
+        try:
+            files = ParquetDataset(path, config.batch_size, 0, _world_size(), config.seed)
+        except (FileNotFoundError, ValueError) as e:  # DataFormatError is a ValueError
+            err(f"{flag}: {e}")
+        try:
+            files.check_tables(tables, profile.num_dense)
+        except ValueError as e:
+            err(f"{flag}: {e}; the model's tables are --profile {config.profile} capped at "
+                f"--max-rows {config.max_rows} (`python -m recxla.data write --max-rows "
+                f"{config.max_rows}` writes files that fit)")
 
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     """TrainConfig from command-line arguments; exits with status 2 on a bad option."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    return TrainConfig(**_check(parser, ns))
+    config = TrainConfig(**_check(parser, ns))
+    if config.data is not None or config.eval_data is not None:
+        _check_files(parser.error, config)
+    return config
 
 
 def split_compare(argv: Sequence[str]) -> Optional[List[str]]:
