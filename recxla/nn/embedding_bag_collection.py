@@ -17,6 +17,11 @@ between the two), and replaces the forward:
 The large tensors of a step (bag offsets, the dedup outputs, the pooled output) come from a
 recxla.nn.workspace.Workspace, so that a steady-state training step on CPU allocates no new
 large blocks (the buffers of a step are reused once nothing refers to them any more).
+
+Sharding: TorchRec's DistributedModelParallel picks a sharder by the module's exact class, so
+its default sharders leave this subclass unsharded (DDP then replicates the tables and trips over
+their fused optimizers). Pass recxla's: `DistributedModelParallel(model, sharders=
+recxla.torchrec.sharders())`, which shards TorchRec's class and this one alike.
 """
 
 from typing import Dict, List, Optional
