@@ -248,9 +248,10 @@ class TrainPipeline:
                 (loss * weight).backward()
             outputs.append(output)
             if not self._overlap:
-                for w, kt in zip(windows, embeddings):
-                    if kt.values().grad is not None:
-                        w.start_gradient(k, kt.values().grad)
+                with self._span("send gradients", "backward", micro_batch=k):
+                    for w, kt in zip(windows, embeddings):
+                        if kt.values().grad is not None:
+                            w.start_gradient(k, kt.values().grad)
             with self._span("wait gradients", "backward", micro_batch=k):
                 for w in windows:
                     for j in w.pending_gradients():

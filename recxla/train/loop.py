@@ -1,10 +1,11 @@
-"""The training loop: TorchRec's TrainPipelineSparseDist, step by step, measured.
+"""The training loop: a pipeline's `progress()`, step by step, measured.
 
-Both paths run the same pipeline (TorchRec's, which overlaps the next batch's id all-to-all
-with the current step), so the comparison is of the sharded modules and their communication,
-not of two loops. `MeteredPipeline` only tells the CommMeter which phase each collective belongs
-to: "input" (the id all-to-alls of the input dist), "forward", "backward" (the embedding
-gradients' all-to-all and the dense all-reduce) and "optimizer".
+The TorchRec baseline runs TorchRec's TrainPipelineSparseDist (which overlaps the next batch's
+id all-to-all with the current step) as `MeteredPipeline`; the recxla path runs
+recxla.pipeline.TrainPipeline, which tags its own phases. `MeteredPipeline` only tells the
+CommMeter which phase each collective belongs to: "input" (the id all-to-alls of the input
+dist), "forward", "backward" (the embedding gradients' all-to-all and the dense all-reduce) and
+"optimizer".
 
 The dense all-reduce waits inside DDP's C++ finalize at the end of backward, where no Python
 wait() can time it: a callback queued when backward starts runs once the autograd graph is done
@@ -124,10 +125,11 @@ class Progress:
             self.bar.close()
 
 
-def run_steps(pipeline: MeteredPipeline, batches: Iterator, first: int, last: int,
+def run_steps(pipeline, batches: Iterator, first: int, last: int,
               meter: CommMeter, progress: Progress, on_step_done: Callable[[int], None],
               log: Optional[StepLog] = None) -> StepLog:
-    """Train steps first .. last - 1 (`batches` yields exactly their batches).
+    """Train steps first .. last - 1 with `pipeline` (MeteredPipeline or recxla's
+    TrainPipeline: anything with `progress(iterator)`; `batches` yields exactly their batches).
 
     on_step_done(steps_done) runs after each step (watchdog, checkpoints); its time is not
     part of the step. Returns the StepLog.
