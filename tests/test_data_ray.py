@@ -5,6 +5,7 @@ import glob
 import json
 import os
 import random
+import threading
 
 import pytest
 from data_pipeline_cases import assert_batches_equal, random_batches, write
@@ -69,3 +70,21 @@ def test_ray_task_errors_reach_the_trainer(tmp_path, run_dir):
         f.truncate(os.path.getsize(path) // 3)
     with pytest.raises(DataFormatError, match=r"f\.parquet"):
         list(loader)
+
+
+def test_close_mid_epoch_stops_ray_data_threads_before_shutdown(tmp_path, run_dir):
+    # Last in the file: closing the loader that started Ray shuts that Ray down. Threads of an
+    # iteration closed mid-epoch held ObjectRefs past ray.shutdown(), and Ray ended the process
+    # when they were released (the trainer closes its endless loader mid-epoch, then evaluates).
+    path = write(random_batches(4, 20), tmp_path / "f.parquet")
+    if ray.is_initialized():
+        ray.shutdown()
+    loader = _loader(path, 10, run_dir)  # endless
+    it = iter(loader)
+    for _ in range(random.randint(1, 5)):
+        next(it)
+    it.close()
+    loader.close()
+    assert not ray.is_initialized()
+    left = [t.name for t in threading.enumerate() if t.name in ("Prefetcher", "iter_threaded")]
+    assert not left

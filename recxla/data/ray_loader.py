@@ -14,11 +14,14 @@ too deep the files go to a short folder under the system's temporary folder inst
 `run_dir/ray` a symbolic link to it.
 """
 
+import gc
 import json
 import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 from itertools import groupby
 from typing import Dict, Optional, Sequence
 
@@ -66,6 +69,33 @@ def _encode_run(row: Dict, dataset: ParquetDataset, compress: bool):
 
 
 _ERRORS = {"DataFormatError": DataFormatError, "FileNotFoundError": FileNotFoundError}
+# Background threads of a Ray Data iteration (ray/data/_internal/block_batching/util.py).
+_RAY_DATA_THREADS = ("Prefetcher", "iter_threaded")
+_RELEASE_TIMEOUT_S = 5.0
+
+
+def _release_ray_data_threads() -> None:
+    """Stop the threads of Ray Data iterations closed before their end, before Ray shuts down.
+
+    Such an iteration leaves its block prefetcher's thread parked for good (the thread is what
+    keeps the prefetcher alive, so the prefetcher's __del__, which would stop it, never runs),
+    holding ObjectRefs of the last blocks it fetched; its format threads end a moment after the
+    close. A reference released after `ray.shutdown()` makes Ray's core worker end the whole
+    process (exit status 1, "The core worker has already been shutdown"): a trainer that closed
+    its loader and went on to evaluate died so. Stopping the prefetchers and joining the
+    threads releases the references while Ray is up.
+    """
+    gc.collect()
+    deadline = time.monotonic() + _RELEASE_TIMEOUT_S
+    for thread in threading.enumerate():
+        if thread.name not in _RAY_DATA_THREADS or thread is threading.current_thread():
+            continue
+        owner = getattr(getattr(thread, "_target", None), "__self__", None)
+        stop = getattr(owner, "stop", None)
+        if thread.name == "Prefetcher" and callable(stop):
+            stop()
+        thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+    gc.collect()
 
 
 class RayLoader:
@@ -179,6 +209,7 @@ class RayLoader:
     def close(self) -> None:
         """Shut down the Ray this loader started and remove the temporary folders it made."""
         if self._owns_ray and self.ray.is_initialized():
+            _release_ray_data_threads()
             self.ray.shutdown()
         self._owns_ray = False
         for path in self._cleanup:
