@@ -34,6 +34,7 @@ import time
 
 from bench.cluster.launch import REPO_ROOT, EmulatedCluster
 from bench.cluster.rank import rank_info
+from recxla.train.metrics import json_safe
 
 # (label, fwd format, bwd format); "torch" is plain all_to_all_single of the fp32 rows.
 VARIANTS = {
@@ -354,16 +355,12 @@ def print_table(results, out=sys.stdout) -> None:
         print("* namespaces unavailable: ran on plain loopback, NOT across shaped links", file=out)
 
 
-def json_safe(value):
-    """`value` with every infinite float (the SQNR of an exact result) as the string "inf", so
-    that the file is strict JSON that any reader accepts."""
-    if isinstance(value, float) and math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
+def write_json(path: str, doc: dict) -> None:
+    """Writes `doc` to `path` as strict JSON (see json_safe), creating its folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(json_safe(doc), f, indent=1, allow_nan=False)
+    print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
@@ -401,10 +398,7 @@ def main(argv=None) -> int:
            "iters": args.iters, "warmup": args.warmup, "wall_s": time.time() - t0,
            "results": results}
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(json_safe(doc), f, indent=1, allow_nan=False)
-        print(f"wrote {args.json}")
+        write_json(args.json, doc)
     return 0
 
 

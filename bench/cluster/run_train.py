@@ -28,7 +28,6 @@ table shows medians.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ from typing import Dict, List
 
 from bench.cluster import netns
 from bench.cluster.launch import EmulatedCluster
-from bench.cluster.run_a2a import _machine, json_safe
+from bench.cluster.run_a2a import _machine, write_json
 
 # The recxla path runs recxla's pipeline; "sequential" waits for every exchange at once (no
 # overlap, no double buffering) and pools every table at its owner: the sharder alone.
@@ -85,7 +84,11 @@ def rank_main(argv: List[str]) -> dict:
 
 def run_variant(cluster: EmulatedCluster, label: str, args, timeout: float) -> dict:
     iface = ["--net-iface", netns.IFACE] if cluster.mode == "netns" else []
-    argv = [*TRAIN_ARGS, *args.train_args, "--steps", str(args.steps), "--warmup-steps",
+    # The emulated nodes share this machine's cores: the trainer's default (cores / ranks of
+    # its node) would oversubscribe them with 1 rank per node; give each rank its share.
+    threads = [] if "--threads" in args.train_args else \
+        ["--threads", str(max(1, (os.cpu_count() or 1) // (args.nodes * args.ranks_per_node)))]
+    argv = [*TRAIN_ARGS, *threads, *args.train_args, "--steps", str(args.steps), "--warmup-steps",
             str(args.warmup), "--seed", str(args.seed), "--label", label,
             "--timeout", str(args.rank_timeout), *iface, *VARIANTS[label]]
     started = time.monotonic()
@@ -170,10 +173,7 @@ def main(argv=None) -> int:
            "machine": dict(_machine(), loadavg_1m_before=load_before),
            "wall_s": time.time() - t0, "results": results}
     if args.json:
-        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(json_safe(doc), f, indent=1, allow_nan=False)
-        print(f"wrote {args.json}")
+        write_json(args.json, doc)
     return 0
 
 
