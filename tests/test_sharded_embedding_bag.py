@@ -76,45 +76,45 @@ def _sgd_body(rank, world, seed, kinds, batch_sizes, weighted, fwd, bwd, steps, 
     return results
 
 
-def test_sharded_equals_unsharded_every_sharding_type(seed):
-    kinds = ["table_wise", "row_wise", "column_wise", "mixed"]
-    results = run_distributed(_sgd_body, world_size=2,
-                              args=(seed, kinds, [5, 3], False, "fp32", "fp32", 3))
-    for rank, per_kind in enumerate(results):
-        for kind, (out_errors, weight_error, _, _) in per_kind.items():
-            assert max(out_errors) <= 1e-5, (rank, kind, out_errors)
-            assert weight_error <= 1e-5, (rank, kind, weight_error)
+def _sgd_bodies(rank, world, calls):
+    """Several `_sgd_body` runs in one process group (starting ranks costs more than a run):
+    calls = {name: args after (rank, world)} -> {name: result}."""
+    return {name: _sgd_body(rank, world, *args) for name, args in calls.items()}
 
 
-@pytest.mark.parametrize("row_exchange", ["all", ["t0", "t3"]])
-def test_row_exchange_equals_unsharded(seed, row_exchange):
+def test_row_exchange_equals_unsharded(seed):
     """Owners send unique rows and the ranks pool their own bags (every table, or two of
     them next to pooled ones): same outputs and weights as the unsharded module, MEAN and
     row-sharded tables included; and with per-sample weights on a rank with no samples."""
     kinds = ["table_wise", "row_wise", "column_wise", "mixed"]
-    results = run_distributed(_sgd_body, world_size=2,
-                              args=(seed, kinds, [5, 3], False, "fp32", "fp32", 3, True,
-                                    row_exchange))
-    weighted = run_distributed(_sgd_body, world_size=2,
-                               args=(seed, ["mixed"], [6, 0], True, "fp32", "fp32", 2, True,
-                                     row_exchange))
-    for rank in range(2):
-        for kind, (out_errors, weight_error, _, _) in {**results[rank],
-                                                       **weighted[rank]}.items():
-            assert max(out_errors) <= 1e-5, (rank, kind, out_errors)
-            assert weight_error <= 1e-5, (rank, kind, weight_error)
+    calls = {}
+    for row_exchange in ("all", ["t0", "t3"]):
+        calls[f"{row_exchange}"] = (seed, kinds, [5, 3], False, "fp32", "fp32", 3, True,
+                                    row_exchange)
+        calls[f"{row_exchange} weighted"] = (seed, ["mixed"], [6, 0], True, "fp32", "fp32", 2,
+                                             True, row_exchange)
+    results = run_distributed(_sgd_bodies, world_size=2, args=(calls,))
+    for rank, per_call in enumerate(results):
+        for call, per_kind in per_call.items():
+            for kind, (out_errors, weight_error, _, _) in per_kind.items():
+                assert max(out_errors) <= 1e-5, (rank, call, kind, out_errors)
+                assert weight_error <= 1e-5, (rank, call, kind, weight_error)
 
 
-def test_sharded_weighted_mean_and_empty_batch(seed):
-    """Per-sample weights, and a rank with no samples at all. (MEAN bags split across row
-    shards, summed at the owners and divided at the receiver, are in the test above.)"""
-    kinds = ["row_wise", "column_wise"]
-    results = run_distributed(_sgd_body, world_size=2,
-                              args=(seed, kinds, [6, 0], True, "fp32", "fp32", 2))
-    for rank, per_kind in enumerate(results):
-        for kind, (out_errors, weight_error, _, _) in per_kind.items():
-            assert max(out_errors) <= 1e-5, (rank, kind, out_errors)
-            assert weight_error <= 1e-5, (rank, kind, weight_error)
+def test_sharded_equals_unsharded_every_sharding_type(seed):
+    """Every sharding type; then per-sample weights and a rank with no samples at all. (MEAN
+    bags split across row shards, summed at the owners and divided at the receiver, are in
+    the row exchange test.)"""
+    calls = {"unweighted": (seed, ["table_wise", "row_wise", "column_wise", "mixed"], [5, 3],
+                            False, "fp32", "fp32", 3),
+             "weighted, empty rank": (seed, ["row_wise", "column_wise"], [6, 0], True, "fp32",
+                                      "fp32", 2)}
+    results = run_distributed(_sgd_bodies, world_size=2, args=(calls,))
+    for rank, per_call in enumerate(results):
+        for call, per_kind in per_call.items():
+            for kind, (out_errors, weight_error, _, _) in per_kind.items():
+                assert max(out_errors) <= 1e-5, (rank, call, kind, out_errors)
+                assert weight_error <= 1e-5, (rank, call, kind, weight_error)
 
 
 def test_sharded_fp8_comms_within_fp8_error(seed):
@@ -126,11 +126,11 @@ def test_sharded_fp8_comms_within_fp8_error(seed):
     few times that, relative to the largest update (2x allowed; a wrong row or sum is O(1)).
     3 ranks."""
     update_bound = {"bf16": 2 * 2**-8, "e5m2": 2 * 2**-3}
-    for bwd in ("bf16", "e5m2"):
-        results = run_distributed(_sgd_body, world_size=3,
-                                  args=(seed, ["row_wise", "mixed"], [4, 5, 3], False, "e4m3",
-                                        bwd, 3))
-        for rank, per_kind in enumerate(results):
+    calls = {bwd: (seed, ["row_wise", "mixed"], [4, 5, 3], False, "e4m3", bwd, 3)
+             for bwd in update_bound}
+    results = run_distributed(_sgd_bodies, world_size=3, args=(calls,))
+    for rank, per_bwd in enumerate(results):
+        for bwd, per_kind in per_bwd.items():
             for kind, (out_errors, _, update_error, stats) in per_kind.items():
                 assert 0 < out_errors[0] <= 0.07, (bwd, rank, kind, out_errors)
                 assert 0 < update_error <= update_bound[bwd], (bwd, rank, kind, update_error)
