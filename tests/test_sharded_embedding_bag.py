@@ -82,6 +82,16 @@ def _sgd_bodies(rank, world, calls):
     return {name: _sgd_body(rank, world, *args) for name, args in calls.items()}
 
 
+def _assert_equal_to_unsharded(calls):
+    """`calls` on 2 ranks: outputs and weights within 1e-5 of the unsharded module's."""
+    results = run_distributed(_sgd_bodies, world_size=2, args=(calls,))
+    for rank, per_call in enumerate(results):
+        for call, per_kind in per_call.items():
+            for kind, (out_errors, weight_error, _, _) in per_kind.items():
+                assert max(out_errors) <= 1e-5, (rank, call, kind, out_errors)
+                assert weight_error <= 1e-5, (rank, call, kind, weight_error)
+
+
 def test_row_exchange_equals_unsharded(seed):
     """Owners send unique rows and the ranks pool their own bags (every table, or two of
     them next to pooled ones): same outputs and weights as the unsharded module, MEAN and
@@ -93,12 +103,7 @@ def test_row_exchange_equals_unsharded(seed):
                                     row_exchange)
         calls[f"{row_exchange} weighted"] = (seed, ["mixed"], [6, 0], True, "fp32", "fp32", 2,
                                              True, row_exchange)
-    results = run_distributed(_sgd_bodies, world_size=2, args=(calls,))
-    for rank, per_call in enumerate(results):
-        for call, per_kind in per_call.items():
-            for kind, (out_errors, weight_error, _, _) in per_kind.items():
-                assert max(out_errors) <= 1e-5, (rank, call, kind, out_errors)
-                assert weight_error <= 1e-5, (rank, call, kind, weight_error)
+    _assert_equal_to_unsharded(calls)
 
 
 def test_sharded_equals_unsharded_every_sharding_type(seed):
@@ -109,12 +114,7 @@ def test_sharded_equals_unsharded_every_sharding_type(seed):
                             False, "fp32", "fp32", 3),
              "weighted, empty rank": (seed, ["row_wise", "column_wise"], [6, 0], True, "fp32",
                                       "fp32", 2)}
-    results = run_distributed(_sgd_bodies, world_size=2, args=(calls,))
-    for rank, per_call in enumerate(results):
-        for call, per_kind in per_call.items():
-            for kind, (out_errors, weight_error, _, _) in per_kind.items():
-                assert max(out_errors) <= 1e-5, (rank, call, kind, out_errors)
-                assert weight_error <= 1e-5, (rank, call, kind, weight_error)
+    _assert_equal_to_unsharded(calls)
 
 
 def test_sharded_fp8_comms_within_fp8_error(seed):
