@@ -116,8 +116,8 @@ struct Pool {
   int64_t total_bytes = 0;
   uint64_t clock = 0;
 
-  // An idle storage of exactly nbytes, a size class (the most recently used one: its pages are
-  // the likeliest to be in cache), or an empty one.
+  // An idle storage of nbytes, a size class (the most recently used one: its pages are the
+  // likeliest to be in cache), or an empty one.
   c10::Storage take(int64_t nbytes) {
     Entry* best = nullptr;
     for (Entry& e : entries) {
