@@ -17,8 +17,9 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     recxla FWP+DBP m=M   both, M = 2, 4, 8; "clustered": micro-batches by cluster_samples
     recxla 2D m=4        the all-to-alls inside each node, gradients summed across nodes
 
-Each row gives examples/s, the step's exposed communication, and the bytes on the wire per
-step: counted by the trainer's collective meter (all ranks, and the part between nodes) and
+Each row gives examples/s, the step's compute, the time communication is in flight, exposed
+communication (as a share of the step, and of the time in flight: 0% is fully hidden), and the
+bytes on the wire per step: counted by the trainer's collective meter (all ranks, and the part between nodes) and
 measured on the links themselves (each node's veth tx counter over the same steps). It prints
 one table per rate and writes everything to JSON (--json).
 
@@ -105,12 +106,19 @@ def _median(runs: List[dict], get) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _exposed_of_comm(run: dict) -> float:
+    """Time blocked on communication / time it was in flight (0: fully hidden)."""
+    t = run["step_time_s"]
+    return t["exposed_comm"] / t["comm_in_flight"] if t["comm_in_flight"] else 0.0
+
+
 def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
     """One rate's table: medians over repeats, ratios against the fp32 baseline's medians."""
     mb = lambda x: f"{x / 1e6:7.2f}"  # noqa: E731
     base = rows.get("torchrec fp32")
     base_eps = _median(base, lambda r: r["examples_per_s"]) if base else float("nan")
-    head = (f"{'variant':<22}{'ex/s':>9}{'vs fp32':>8}{'step ms':>9}{'exposed':>9}"
+    head = (f"{'variant':<22}{'ex/s':>9}{'vs fp32':>8}{'step ms':>9}{'compute':>9}"
+            f"{'in flight':>10}{'exposed':>9}{'exp/comm':>9}"
             f"{'wire MB':>9}{'x-node MB':>10}{'link MB':>9}{'emb fwd':>8}{'emb bwd':>8}"
             f"{'ids':>7}{'AUC':>7}")
     lines = [f"{rate} ({mode}; medians of {max(len(v) for v in rows.values())} runs; MB per "
@@ -122,7 +130,10 @@ def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
         lines.append(
             f"{label:<22}{eps:>9,.0f}{eps / base_eps:>7.2f}x"
             f"{_median(runs, lambda r: r['step_time_s']['mean']) * 1e3:>9.0f}"
+            f"{_median(runs, lambda r: r['step_time_s']['compute']) * 1e3:>9.0f}"
+            f"{_median(runs, lambda r: r['step_time_s']['comm_in_flight']) * 1e3:>10.0f}"
             f"{_median(runs, lambda r: r['exposed_comm_fraction']):>9.0%}"
+            f"{_median(runs, _exposed_of_comm):>9.0%}"
             f"{mb(_median(runs, lambda r: r['wire_bytes_per_step']))}  "
             f"{mb(_median(runs, lambda r: r['cross_node_bytes_per_step']))} "
             f"{mb(link) if link == link else '      -'}"
