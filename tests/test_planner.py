@@ -396,22 +396,28 @@ def test_fixed_splits_and_bad_arguments():
 # ---- DistributedModelParallel takes the plan --------------------------------------------------
 
 
-def _dmp_torchrec_sharder(rank, world_size, seed):
-    """Plan on every rank (the same seed, so the same plan) for TorchRec's own sharder (table-
-    and column-wise: it offers no row-wise on CPU), shard with DMP, copy the unsharded weights
-    into the shards and return the largest difference of the pooled outputs."""
+def _rank_setup(seed):
+    """On a spawned rank: TorchRec's planner logs and warnings off, then the same tables,
+    pooling factors and sample batches on every rank (seeded)."""
     import logging
     import warnings
 
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-
     torch.manual_seed(seed)
     tables = random_tables(8, max_rows=2000, dims=(8, 16))
     pooling = random_pooling(tables)
-    sample = [random_batch(tables, 32, pooling) for _ in range(2)]
+    return tables, pooling, [random_batch(tables, 32, pooling) for _ in range(2)]
+
+
+def _dmp_torchrec_sharder(rank, world_size, seed):
+    """Plan on every rank (the same seed, so the same plan) for TorchRec's own sharder (table-
+    and column-wise: it offers no row-wise on CPU), shard with DMP, copy the unsharded weights
+    into the shards and return the largest difference of the pooled outputs."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    tables, pooling, sample = _rank_setup(seed)
     planner = BalancedShardingPlanner(Topology(world_size=world_size, compute_device="cpu"),
                                       sample, sharding_types=("table_wise", "column_wise"))
     sharder = EmbeddingBagCollectionSharder()
@@ -445,19 +451,11 @@ def _dmp_recxla_sharder(rank, world_size, seed):
     """Plan for recxla's sharder (a row-wise table pinned), run one forward and backward
     through DMP, and return the module's own byte counters next to count_rank_loads' count
     for this rank on the same batches."""
-    import logging
-    import warnings
-
-    logging.disable(logging.WARNING)
-    warnings.simplefilter("ignore")
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     from recxla.planner import planning_sharder
 
-    torch.manual_seed(seed)
-    tables = random_tables(8, max_rows=2000, dims=(8, 16))
-    pooling = random_pooling(tables)
-    sample = [random_batch(tables, 32, pooling) for _ in range(2)]
+    tables, pooling, sample = _rank_setup(seed)
     sharder = planning_sharder()  # recxla's own, with its default e4m3 / bf16 comms
     planner = BalancedShardingPlanner(
         Topology(world_size=world_size, compute_device="cpu"), sample,
