@@ -19,6 +19,10 @@ Pipeline (files, loaders, wire format):
 - `CompactBatch.encode(batch, compress=True) -> bytes` / `CompactBatch.decode(data) -> Batch`:
   one contiguous buffer per batch, for moving batches between processes or machines.
 - `DataFormatError` (a ValueError): a truncated, corrupt or mismatched file or buffer.
+Datasets of your own (recxla.data.schema, recxla.data.convert; docs/your-data.md):
+- `read_dataset_spec(path) -> DatasetSpec`: the features, tables (rows, pooling, dim, id
+  mapping), dense feature names, label and timestamp of a dataset, from its metadata.
+- `load_schema(toml_path)`: the schema file that `python -m recxla.data convert` reads.
 The command line: `python -m recxla.data write --out PATH --batches N [--sort-by KEY]`.
 """
 
@@ -34,6 +38,7 @@ from recxla.data.profiles import (
     criteo_kaggle_profile,
     embedding_bag_configs,
 )
+from recxla.data.schema import DatasetSpec, TableSpec, load_schema, read_dataset_spec
 from recxla.data.synthetic import Batch, SyntheticRankingDataset
 
 __all__ = [
@@ -41,13 +46,17 @@ __all__ = [
     "CRITEO_KAGGLE_NUM_EMBEDDINGS",
     "CompactBatch",
     "DataFormatError",
+    "DatasetSpec",
     "LocalLoader",
     "ParquetDataset",
     "Profile",
     "SparseFeature",
     "SyntheticRankingDataset",
+    "TableSpec",
     "criteo_kaggle_profile",
     "embedding_bag_configs",
+    "load_schema",
     "make_loader",
+    "read_dataset_spec",
     "write_parquet",
 ]

@@ -10,13 +10,16 @@ Columns, one row per sample (B rows make a batch):
                                       of one feature compress better than interleaved rows
     label              float32
     request_id         int64          only when the batches carry request ids
+    timestamp          int64          only in converted datasets whose source has a timestamp
+                                      column (see recxla.data.convert); not part of a Batch
 Value dtypes follow the batches written (int32 or int64 ids, int32 or int64 lengths, float32 or
 float64 floats), so that a read returns exactly what was written.
 
 Metadata (Parquet key-value pairs): "recxla.data.layout" (JSON, written with the schema: the
 features, dense width and dtypes above) and "recxla.data.stats" (JSON, written when the file is
 complete: rows, the smallest and largest id of every feature, the sort key and the trial that
-chose it). The writer renames a file into place only once it is complete, so a file without
+chose it). Converted datasets also carry "recxla.data.spec" (JSON: feature and table names,
+rows, pooling, id mapping; see recxla.data.schema). The writer renames a file into place only once it is complete, so a file without
 stats was not written by `write_parquet` or was cut short.
 """
 
@@ -34,6 +37,7 @@ from recxla.data.errors import DataFormatError
 
 LAYOUT_KEY = b"recxla.data.layout"
 STATS_KEY = b"recxla.data.stats"
+SPEC_KEY = b"recxla.data.spec"
 FORMAT_NAME = "recxla.data.parquet"
 FORMAT_VERSION = 1
 
@@ -112,6 +116,7 @@ class Layout:
     weights_dtype: str = "float32"
     dense_dtype: str = "float32"
     labels_dtype: str = "float32"
+    timestamp: bool = False
 
     @staticmethod
     def of_batch(batch, where: str) -> "Layout":
@@ -153,6 +158,8 @@ class Layout:
         fields.append(pa.field("label", DTYPES[self.labels_dtype][1]))
         if self.request_ids:
             fields.append(pa.field("request_id", pa.int64()))
+        if self.timestamp:
+            fields.append(pa.field("timestamp", pa.int64()))
         return pa.schema(fields, metadata={LAYOUT_KEY: self.to_json()})
 
     def to_json(self) -> str:
