@@ -30,15 +30,16 @@ def test_encode_decode_match_the_row_codec_reference(fmt, dtype):
     ctx = codec.create_context()
     wire = codec.encode(x, ctx)
     n = x.numel()
-    assert wire.dim() == 1 and wire.dtype == codec.quantized_dtype
-    assert wire.numel() == codec.calc_quantized_size(n, ctx)
+    # FP8 rows travel as 1-D bytes; the casts keep the input's shape (FBGEMM's contract).
+    want_shape = (codec.calc_quantized_size(n, ctx),) if FORMATS[fmt].is_fp8 else x.shape
+    assert wire.shape == want_shape and wire.dtype == codec.quantized_dtype
     rows = x.reshape(-1, row_dim) if FORMATS[fmt].is_fp8 else x.reshape(1, -1)
     want = quantize_rows_ref(rows, fmt).view(-1)
-    assert torch.equal(wire.view(torch.uint8), want)
+    assert torch.equal(wire.reshape(-1).contiguous().view(torch.uint8), want)
     out = codec.decode(wire, ctx)
-    assert out.shape == (n,) and out.dtype == torch.float32
+    assert out.shape == ((n,) if FORMATS[fmt].is_fp8 else x.shape) and out.dtype == torch.float32
     ref = dequantize_rows_ref(want.view(rows.shape[0], -1), rows.shape[1], fmt, torch.float32)
-    assert torch.equal(out, ref.view(-1))
+    assert torch.equal(out.reshape(-1), ref.view(-1))
     if FORMATS[fmt].is_fp8:
         assert ctx.row_dim == row_dim and ctx.row_dim_quant == row_dim + 4
         assert codec.stats.bytes_encoded == n // row_dim * (row_dim + 4)
@@ -107,7 +108,7 @@ def test_codec_defects(fmt):
             codec.decode(wire[:7])
     # Empty tensors encode and decode (no special case in between).
     empty = codec.encode(torch.randn(0, 4)[:, :0])
-    assert empty.numel() == 0 and codec.decode(empty).shape == (0,)
+    assert empty.numel() == 0 and codec.decode(empty).numel() == 0
 
 
 def test_auto_row_dim_is_the_largest_divisor_of_every_ranks_dims():
@@ -319,3 +320,75 @@ def _column_wise_body(rank, world, seed):
 def test_column_wise_shards_of_a_dim_16_table_pick_their_row_dim(seed):
     reports = run_distributed(_column_wise_body, 2, args=(seed,), timeout=180)
     assert all(reports)
+
+
+# The shapes FBGEMM's codecs (fbgemm_gpu/quantize_comm.py) return, which TorchRec's collectives
+# are written against: its all-to-alls flatten first, its reduce-scatters and all-gathers do not.
+CONTRACT_SHAPES = [(7,), (5, 12), (3, 4, 2), (0, 4)]
+
+
+def _fbgemm_codec(fmt):
+    from fbgemm_gpu.quantize_comm import QuantizedCommCodec
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    return QuantizedCommCodec({"fp32": SparseType.FP32, "fp16": SparseType.FP16,
+                               "bf16": SparseType.BF16}[fmt])
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", CONTRACT_SHAPES, ids=str)
+def test_casts_return_the_shapes_fbgemm_codecs_return(fmt, shape):
+    ours, theirs = RecxlaQuantizedCommCodec(fmt), _fbgemm_codec(fmt)
+    x = torch.randn(*shape[:-1], 2 * shape[-1])[..., ::2]  # strided, as a batch's slice can be
+    wire, want_wire = ours.encode(x, ours.create_context()), theirs.encode(x)
+    assert (wire.shape, wire.dtype) == (want_wire.shape, want_wire.dtype)
+    out, want_out = ours.decode(wire, ours.create_context()), theirs.decode(want_wire)
+    assert (out.shape, out.dtype) == (want_out.shape, want_out.dtype)
+    assert torch.equal(out, want_out)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_round_trip_within_torchrecs_codec_tolerance(fmt):
+    """TorchRec's codec test (test_fbgemm_qcomm_codec.py): a random [rows, cols] in [0, 1)
+    comes back from encode then decode within rtol = atol = 0.005 (FP8: 0.05), in the shape
+    FBGEMM gives: the input's for the casts; FP8 rows take the flat tensor, as TorchRec's test
+    hands FBGEMM's row-wise FP8."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rows, cols = (int(v) for v in torch.randint(4, 257, (2,), generator=gen))
+    cols -= cols % 4
+    x = torch.rand(rows, cols, generator=gen, requires_grad=True)
+    codec = RecxlaQuantizedCommCodec(fmt, row_dim=4)
+    if FORMATS[fmt].is_fp8:
+        x = x.view(-1)
+    ctx = codec.create_context()
+    out = codec.decode(codec.encode(x, ctx), ctx)
+    tol = 0.05 if FORMATS[fmt].is_fp8 else 0.005
+    torch.testing.assert_close(x.detach(), out.detach(), rtol=tol, atol=tol)
+
+
+def _reduce_scatter_body(rank, world, seed):
+    from torchrec.distributed import comm_ops
+    from torchrec.distributed.fbgemm_qcomm_codec import (
+        CommType, QCommsConfig, get_qcomm_codecs_registry)
+
+    op = CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name
+    torch.manual_seed(seed + rank)
+    x = torch.randn(6, 8)
+    out = {}
+    for name, reg in (
+        ("fbgemm", get_qcomm_codecs_registry(QCommsConfig(
+            forward_precision=CommType.FP16, backward_precision=CommType.BF16))),
+        ("recxla", qcomm_codecs_registry("fp16", "bf16")),
+    ):
+        codecs = reg[op]
+        out[name] = [comm_ops.reduce_scatter_base_pooled(x, codecs=codecs).wait().tolist(),
+                     comm_ops.reduce_scatter_v_pooled(x, [2, 4], codecs=codecs).wait().tolist()]
+    return out
+
+
+@pytest.mark.distributed
+def test_torchrecs_reduce_scatters_run_on_recxla_codecs(seed):
+    """TorchRec's row-wise output dist (even and uneven splits) with recxla's casts gives what it
+    gives with FBGEMM's; with 1-D codec outputs it failed reading `.size(1)`."""
+    for result in run_distributed(_reduce_scatter_body, 2, args=(seed,), timeout=180):
+        assert result["recxla"] == result["fbgemm"]

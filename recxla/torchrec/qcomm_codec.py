@@ -104,8 +104,11 @@ class RecxlaQuantizedCommCodec:
         auto_row_dim: pick each call's row_dim from the dims TorchRec passes to padded_size.
         widths: the SplitWidths this codec records into (forward) or picks from (backward);
             qcomm_codecs_registry shares one between the two codecs of an entry.
-    encode takes a float tensor (float32/bfloat16/float16) of any shape and returns a 1-D
-    tensor of the wire dtype (FP8: calc_quantized_size(x.numel()) bytes); decode returns 1-D.
+    encode takes a float tensor (float32/bfloat16/float16) of any shape. Shapes are those of
+    FBGEMM's codecs (fbgemm_gpu/quantize_comm.py), which TorchRec's collectives rely on: the
+    casts return the input's shape from encode and the wire's shape from decode (TorchRec's
+    reduce-scatters encode [B, D] and read `.size(1)`); FP8 rows, like FBGEMM's row-wise FP8,
+    encode to 1-D bytes (calc_quantized_size(x.numel()) of them) and decode to 1-D.
     """
 
     def __init__(
@@ -225,7 +228,9 @@ class RecxlaQuantizedCommCodec:
         self.stats.encode_calls += 1
         self.stats.values_encoded += x.numel()
         if not self._format.is_fp8:
-            wire = x.reshape(-1).to(self._format.wire_dtype).contiguous()
+            # The input's shape, as FBGEMM's casts keep it: TorchRec's reduce-scatters hand over
+            # [B, D] and size their output from it (an fp32 wire is the input itself).
+            wire = x.to(self._format.wire_dtype)
         else:
             row_dim = self._row_dim(ctx)
             self._check_rows(x.numel(), row_dim, "the tensor to encode")
@@ -245,7 +250,7 @@ class RecxlaQuantizedCommCodec:
                             f"elements, got {wire.dtype}")
         self.stats.decode_calls += 1
         if not self._format.is_fp8:
-            return wire.reshape(-1).to(self.output_dtype)
+            return wire.to(self.output_dtype)
         row_dim = self._row_dim(ctx)
         row_bytes = self._format.row_bytes(row_dim)
         if wire.numel() % row_bytes:
