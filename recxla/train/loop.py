@@ -26,6 +26,7 @@ from torch.autograd import Variable
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
 from recxla.train.comm_meter import CommMeter
+from recxla.train.faults import kill_point
 from recxla.train.memory import minor_faults
 
 
@@ -150,4 +151,5 @@ def run_steps(pipeline, batches: Iterator, first: int, last: int,
         log.loss.append(float(loss))
         progress.update(seconds, log.loss[-1])
         on_step_done(step + 1)
+        kill_point(f"step {step + 1}")  # fault injection for tests (recxla.train.faults)
     return log
