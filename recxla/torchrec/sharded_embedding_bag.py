@@ -131,8 +131,10 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         self._module_fqn = module_fqn
         self._env = env
         self._device = torch.device(device) if device is not None else torch.device("cpu")
-        if self._device.type == "meta":
-            raise ValueError(f"{OWNER}: shards must live on a real device, got meta")
+        # On the meta device (DistributedModelParallel(device="meta"), as with TorchRec's
+        # sharder) the shards have shapes and no values: enough for state_dict layouts and
+        # checkpoint planning; running it needs a module sharded onto a real device.
+        self._on_meta = self._device.type == "meta"
         self._fwd_comm, self._bwd_comm = fwd_comm, bwd_comm
         self._replicas = replicas
         if replicas is not None and row_exchange != "off":
@@ -229,7 +231,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             ranks = [self._global_rank(r) for r in range(env.world_size)]
             id_group = dist.new_group(ranks=ranks, backend="gloo")
         self._router = IdRouter(self._layout, id_group, torch.device("cpu")
-                                if self._device.type == "cuda" else self._device,
+                                if self._device.type in ("cuda", "meta") else self._device,
                                 self._is_weighted, dedup_ids, self.comm_stats)
         self._output = OutputDist(self._layout, group, fwd_comm, bwd_comm, self.comm_stats)
         self._slot_table = [lt for lt, _ in self._layout.slots[me]]
@@ -244,6 +246,8 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
 
     def _initial_weight(self, shard: Shard, unsharded: torch.Tensor, config) -> torch.Tensor:
         weight = torch.empty((shard.rows, shard.cols), dtype=torch.float32, device=self._device)
+        if self._on_meta:
+            return weight
         with torch.no_grad():
             if unsharded.device.type != "meta":
                 weight.copy_(unsharded[shard.row_offset: shard.row_offset + shard.rows,
@@ -263,7 +267,11 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         metadata = []
         for s in all_shards:
             # ShardedTensor places shards by global rank; the plan numbers the group's ranks.
-            placement = f"rank:{self._global_rank(s.rank)}/{plan_shards[s.index].placement.device()}"
+            device = plan_shards[s.index].placement.device()
+            if device.type != self._device.type:
+                # A plan made for another device (e.g. CPU, used for a meta-device module).
+                device = self._device
+            placement = f"rank:{self._global_rank(s.rank)}/{device}"
             if column_state:
                 offsets, sizes = [s.row_offset, column_blocks.index(s.col_offset)], [s.rows, 1]
             else:
@@ -300,6 +308,10 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
     def input_dist(self, ctx: ShardedEmbeddingBagContext, features: KeyedJaggedTensor):
         """Checks the batch and starts the id all-to-alls. -> Awaitable[Awaitable[KJTList]]
         whose KJTList holds one LookupInput (TorchRec's pipelines wait on it in two steps)."""
+        if self._on_meta:
+            raise ValueError(f"{OWNER}: this module was sharded on the meta device: its shards "
+                             "have no values; shard the model onto a real device (e.g. "
+                             "DistributedModelParallel(..., device=torch.device('cpu'))) to run it")
         awaitable = self._router.start(self.ids_on_router(features))
         self.comm_stats.steps += 1
         lengths = awaitable.input_lengths

@@ -1,0 +1,160 @@
+"""recxla's sharder where it replaces TorchRec's: the models and inputs TorchRec's sharder takes.
+
+Every test runs TorchRec's EmbeddingBagCollectionSharder and recxla's on the same model, plan and
+batches (2 gloo ranks, one spawn per test with several cases inside) and compares: meta-device
+models, input validation (duplicate keys), data-parallel tables, FP16 tables, variable batch
+per feature.
+"""
+
+import copy
+
+import pytest
+import torch
+from distributed_utils import run_distributed
+
+import sharded_cases as cases
+
+pytestmark = pytest.mark.distributed
+
+WORLD = 2
+LR = 0.1
+
+
+def _configs(seed: int, data_type=None):
+    """Four small tables: two dims, a feature read by two tables (f1), MEAN pooling on one."""
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+
+    generator = torch.Generator().manual_seed(seed)
+    rows = [int(r) for r in torch.randint(20, 60, (4,), generator=generator)]
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=rows[0],
+                           feature_names=["f0", "f1"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=rows[1],
+                           feature_names=["f2"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=rows[2],
+                           feature_names=["f3", "f1"],
+                           data_type=data_type if data_type is not None else DataType.FP32),
+        EmbeddingBagConfig(name="t3", embedding_dim=12, num_embeddings=rows[3],
+                           feature_names=["f4"]),
+    ]
+
+
+def _plan(module, kinds, sharder):
+    """TorchRec's planner, one sharding type per table (kinds), for `sharder`."""
+    import torch.distributed as dist
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+
+    constraints = {c.name: ParameterConstraints(sharding_types=[k])
+                   for c, k in zip(module.embedding_bag_configs(), kinds)}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=WORLD, compute_device="cpu"),
+                                       constraints=constraints)
+    return planner.collective_plan(module, [sharder], dist.group.WORLD)
+
+
+def _dmp(module, sharder, plan, device="cpu"):
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    # DMP rewrites the plan's placements to its device: each DMP gets its own copy.
+    return DistributedModelParallel(module, env, torch.device(device), sharders=[sharder],
+                                    plan=copy.deepcopy(plan))
+
+
+def _sharders(fused_params=None):
+    """TorchRec's sharder and recxla's (fp32 wire formats: the comparison is exact)."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    import recxla.torchrec as rt
+
+    return (EmbeddingBagCollectionSharder(fused_params=fused_params),
+            rt.EmbeddingBagCollectionSharder(fused_params=fused_params, fwd_comm="fp32",
+                                             bwd_comm="fp32"))
+
+
+def _quiet():
+    import logging
+
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+
+
+def _shard_layout(value):
+    """(offsets, sizes, placement) of every shard of a ShardedTensor, in metadata order."""
+    return [(list(m.shard_offsets), list(m.shard_sizes), str(m.placement))
+            for m in value.metadata().shards_metadata]
+
+
+def _keyed_error(got, want) -> float:
+    """Largest relative difference between two KeyedTensors, key by key (TorchRec's sharded
+    output orders its keys by sharding type; recxla's keeps the unsharded module's order)."""
+    if sorted(got.keys()) != sorted(want.keys()):
+        return float("inf")
+    got_dict, want_dict = got.to_dict(), want.to_dict()
+    return max(cases.relative(got_dict[k].detach(), want_dict[k].detach()) for k in want.keys())
+
+
+# ---------------------------------------------------------------------------- meta device
+
+
+def _meta_body(rank, world, seed):
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    _quiet()
+    configs = _configs(seed)
+    kinds = ["table_wise", "column_wise", "table_column_wise", "table_wise"]
+    torchrec_sharder, recxla_sharder = _sharders()
+    meta = torch.device("meta")
+    plan = _plan(EmbeddingBagCollection(configs, device=meta), kinds, torchrec_sharder)
+    checks = {}
+
+    # 1. DistributedModelParallel(device="meta"): shapes, keys and layouts, no values.
+    states = []
+    for sharder in (torchrec_sharder, recxla_sharder):
+        dmp = _dmp(EmbeddingBagCollection(configs, device=meta), sharder, plan, device="meta")
+        states.append(dmp.state_dict())
+    want, got = states
+    checks["meta_keys"] = (sorted(got), sorted(want))
+    checks["meta_layouts"] = all(
+        isinstance(got[k], ShardedTensor) and _shard_layout(got[k]) == _shard_layout(want[k])
+        and all(s.tensor.device.type == "meta" for s in got[k].local_shards())
+        and [tuple(s.tensor.shape) for s in got[k].local_shards()]
+        == [tuple(s.tensor.shape) for s in want[k].local_shards()]
+        for k in want)
+
+    # 2. A model built on meta, materialised by DMP on the CPU: weights from each table's
+    # init_fn (uniform in +-sqrt(1 / rows), as TorchRec's), then TorchRec's weights load
+    # into it and both forward alike.
+    models = [_dmp(EmbeddingBagCollection(configs, device=meta), s, plan)
+              for s in (torchrec_sharder, recxla_sharder)]
+    in_range = True
+    for key, value in models[1].state_dict().items():
+        bound = (1.0 / next(c.num_embeddings for c in configs
+                            if key == f"embedding_bags.{c.name}.weight")) ** 0.5
+        for shard in value.local_shards():
+            t = shard.tensor
+            in_range &= bool(t.numel() == 0 or (t.abs().max() <= bound and t.std() > 0))
+    checks["init_in_range"] = in_range
+    missing = models[1].load_state_dict(models[0].state_dict())
+    checks["load_missing"] = (list(missing.missing_keys), list(missing.unexpected_keys))
+    generator = torch.Generator().manual_seed(seed + 1 + rank)
+    errors = []
+    for _ in range(2):
+        batch = cases.global_batch(configs, 6, generator)
+        errors.append(_keyed_error(models[1](batch).wait(), models[0](batch).wait()))
+    checks["forward_errors"] = errors
+    return checks
+
+
+def test_meta_device_models_match_torchrec(seed):
+    for checks in run_distributed(_meta_body, WORLD, args=(seed,), timeout=300):
+        got_keys, want_keys = checks["meta_keys"]
+        assert got_keys == want_keys
+        assert checks["meta_layouts"], "meta-device ShardedTensors differ from TorchRec's"
+        assert checks["init_in_range"], "materialised shards are not from the tables' init_fn"
+        assert checks["load_missing"] == ([], [])
+        assert max(checks["forward_errors"]) < 1e-6, checks["forward_errors"]
