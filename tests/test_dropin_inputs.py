@@ -158,3 +158,79 @@ def test_meta_device_models_match_torchrec(seed):
         assert checks["init_in_range"], "materialised shards are not from the tables' init_fn"
         assert checks["load_missing"] == ([], [])
         assert max(checks["forward_errors"]) < 1e-6, checks["forward_errors"]
+
+
+# ---------------------------------------------------------------------------- input validation
+
+
+def _raises(fn):
+    """The exception fn() raises, as (type name, message), or None."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares what each sharder raises
+        return type(e).__name__, str(e), isinstance(e, ValueError)
+    return None
+
+
+def _bad_batches(configs, generator):
+    """Batches TorchRec's input validation refuses: a key twice, weights of the wrong size."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    good = cases.global_batch(configs, 5, generator)
+    keys = good.keys()
+    lengths = good.lengths().view(len(keys), -1)
+    twice = KeyedJaggedTensor(
+        keys=keys + [keys[0]],
+        values=torch.cat([good.values(), good.values()[: int(lengths[0].sum())]]),
+        lengths=torch.cat([lengths, lengths[:1]]).flatten())
+    weights = KeyedJaggedTensor(keys=keys, values=good.values(), lengths=good.lengths(),
+                                weights=torch.rand(good.values().numel() + 1, generator=generator))
+    return good, {"duplicate_keys": twice, "weights_size": weights}
+
+
+def _validation_body(rank, world, seed):
+    import torch.distributed as dist
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    _quiet()
+    configs = _configs(seed)
+    kinds = ["table_wise", "column_wise", "table_wise", "table_column_wise"]
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    torch.manual_seed(seed)
+    unsharded = EmbeddingBagCollection(configs)
+    modules = []
+    for sharder in _sharders():
+        plan = _plan(unsharded, kinds, sharder)
+        module = EmbeddingBagCollection(configs)
+        module.load_state_dict(unsharded.state_dict())
+        modules.append(sharder.shard(module, plan.plan[""], env, torch.device("cpu")))
+    generator = torch.Generator().manual_seed(seed + 1)
+    good, bad = _bad_batches(configs, generator)
+    checks = {}
+    for name, batch in bad.items():
+        # Every rank passes the bad batch (TorchRec's sharder raises before any collective).
+        checks[name] = [_raises(lambda m=m: m(batch).wait()) for m in modules]
+    # Only rank 1's batch is bad: recxla raises on both ranks, no rank waits forever.
+    checks["one_rank"] = _raises(lambda: modules[1](bad["duplicate_keys"] if rank == 1
+                                                     else good).wait())
+    # A good batch afterwards: recxla's module (which copied the unsharded weights) still
+    # gives the unsharded module's output.
+    checks["after"] = _keyed_error(modules[1](good).wait(), unsharded(good))
+    return checks
+
+
+def test_input_validation_refuses_what_torchrec_refuses(seed):
+    ranks = run_distributed(_validation_body, WORLD, args=(seed,), timeout=300)
+    for rank, checks in enumerate(ranks):
+        for name, reason in (("duplicate_keys", "keys must be unique"),
+                             ("weights_size", "weights size must equal to values size")):
+            torchrec_error, recxla_error = checks[name]
+            assert torchrec_error is not None and reason in torchrec_error[1], torchrec_error
+            assert recxla_error is not None, f"recxla accepted the batch with {name}"
+            assert recxla_error[2] and reason in recxla_error[1], recxla_error
+            assert "ShardedEmbeddingBagCollection" in recxla_error[1]
+        error = checks["one_rank"]
+        assert error is not None and error[2], error
+        assert ("keys must be unique" if rank == 1 else "rank(s) [1]") in error[1], error
+        assert checks["after"] < 1e-6, checks["after"]

@@ -2,7 +2,8 @@
 own their rows, deduplicated per (destination rank, table), in two all-to-alls.
 
 Sender, per step (every op vectorized over all ids):
-1. check the batch (keys, lengths, id ranges), then route every id to the owner(s) of its row
+1. check the batch (TorchRec's KeyedJaggedTensor checks: unique keys, lengths, weights; then
+   features, id ranges), then route every id to the owner(s) of its row
    block (`ShardLayout`: one owner for table-wise and row-wise, every column owner for
    column-wise), as an id local to the owner's rows;
 2. order ids by destination slot (stable: each bag keeps its order), count each slot's bag
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from recxla.ops.dedup import segmented_unique
 from recxla.torchrec.comm_stats import CommStats
@@ -350,6 +352,13 @@ class IdRouter:
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"{OWNER}: features must be a KeyedJaggedTensor, got "
                             f"{type(features).__name__}")
+        try:
+            # TorchRec's own checks of a sharded module's input (unique keys, lengths and
+            # offsets that agree with the values, one weight per id), on every batch: recxla
+            # reads the keys of each batch anew, where TorchRec checks its first batch only.
+            validate_keyed_jagged_tensor(features)
+        except ValueError as e:
+            raise ValueError(f"{OWNER}: invalid KeyedJaggedTensor: {e}") from None
         keys = features.keys()
         position = {k: i for i, k in enumerate(keys)}
         missing = [f for f in layout.feature_names if f not in position]
