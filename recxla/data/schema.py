@@ -62,7 +62,8 @@ class TableSpec:
     mapping: how raw ids became rows: "hash", "vocab", "modulo", or "given" (written by
     write_parquet: the ids are rows as they are). min_count: vocab only, the least count of an
     id with a row of its own. vocabulary: vocab only, the vocabulary file's path relative to
-    the dataset folder (see recxla.data.id_mapping).
+    the dataset folder (see recxla.data.id_mapping). id_type: "int" or "string", the raw
+    ids' type (strings and integers hash differently).
     """
 
     name: str
@@ -74,6 +75,7 @@ class TableSpec:
     mapping: str = "given"
     min_count: int = 1
     vocabulary: Optional[str] = None
+    id_type: str = "int"
 
 
 @dataclasses.dataclass(frozen=True)

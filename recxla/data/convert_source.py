@@ -1,0 +1,163 @@
+"""The files `python -m recxla.data convert` reads: which files and format, their columns, and
+their rows as a stream of Arrow tables of bounded size (a file larger than memory is never
+read whole).
+
+    parquet      pyarrow.parquet.ParquetFile.iter_batches (one row group's pages at a time)
+    csv          pyarrow.csv.open_csv, a header line, comma-separated, column types inferred
+                 from the first block of the first file and then fixed for every file
+    criteo-tsv   the Criteo Kaggle / Terabyte layout, see recxla.data.convert_criteo
+"""
+
+import os
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+
+from recxla.data.errors import DataFormatError
+
+OP = "recxla.data.convert"
+FORMATS = ("parquet", "csv", "criteo-tsv")
+_EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "criteo-tsv"}
+CSV_BLOCK_BYTES = 4 << 20
+
+
+def format_of(path: str) -> Optional[str]:
+    name = path[:-3] if path.endswith(".gz") else path
+    return _EXTENSIONS.get(os.path.splitext(name)[1].lower())
+
+
+def list_sources(src, fmt: Optional[str]) -> Tuple[List[str], str]:
+    """The files of SRC (a file, or a folder's files of the format, by name) and the format
+    (given, or from the extension). FileNotFoundError / ValueError naming SRC."""
+    src = os.fspath(src)
+    if fmt is not None and fmt not in FORMATS:
+        raise ValueError(f"{OP}: format must be one of {FORMATS}, got {fmt!r}")
+    if os.path.isdir(src):
+        names = sorted(n for n in os.listdir(src) if not n.startswith((".", "_")))
+        files = [os.path.join(src, n) for n in names if os.path.isfile(os.path.join(src, n))
+                 and (fmt is None and format_of(n) is not None or fmt is not None
+                      and (format_of(n) == fmt or fmt == "criteo-tsv"))]
+        if not files:
+            raise DataFormatError(f"{OP}: {src}: the folder holds no {fmt or 'parquet/csv'} "
+                                  "files")
+    elif os.path.isfile(src):
+        files = [src]
+    else:
+        raise FileNotFoundError(f"{OP}: {src}: no such file or folder")
+    if fmt is None:
+        found = {format_of(f) for f in files}
+        if len(found) != 1 or None in found:
+            raise ValueError(f"{OP}: {src}: cannot tell the format from the name(s); pass "
+                             f"--format ({', '.join(FORMATS)})")
+        fmt = found.pop()
+    return files, fmt
+
+
+def check_not_empty(path: str) -> None:
+    if os.path.getsize(path) == 0:
+        raise DataFormatError(f"{OP}: {path}: the file is empty")
+
+
+def _line_of(path: str, text: str) -> Optional[int]:
+    """1-based number of the first line of `path` whose text is `text` (after a bad row was
+    found: pyarrow's streaming CSV reader does not know row numbers)."""
+    want = text.encode()
+    opener = open
+    if path.endswith(".gz"):
+        import gzip
+
+        opener = gzip.open
+    with opener(path, "rb") as f:
+        for i, line in enumerate(f, 1):
+            if line.rstrip(b"\r\n") == want:
+                return i
+    return None
+
+
+class _RaggedRow:
+    """invalid_row_handler: remembers the first bad row and stops the reader."""
+
+    def __init__(self):
+        self.row = None
+
+    def __call__(self, row):
+        if self.row is None:
+            self.row = row
+        return "error"
+
+    def error(self, path: str, header_lines: int, what: str) -> DataFormatError:
+        r = self.row
+        line = _line_of(path, r.text)
+        where = "" if line is None else f"row {line - header_lines} (line {line}): "
+        return DataFormatError(f"{OP}: {path}: {where}{r.actual_columns} {what}, expected "
+                               f"{r.expected_columns}: {r.text[:200]!r}")
+
+
+def read_csv(path: str, *, column_names=None, column_types=None, delimiter=",",
+             header=True, what="fields", block_bytes=CSV_BLOCK_BYTES,
+             include_columns=None) -> Iterator[pa.Table]:
+    """The rows of a delimited text file, a block (`block_bytes` of text) at a time.
+    DataFormatError naming the file, row and line for a row with the wrong number of fields,
+    and naming the file and column for a value of the wrong type."""
+    check_not_empty(path)
+    ragged = _RaggedRow()
+    read = pcsv.ReadOptions(block_size=block_bytes, column_names=column_names,
+                            autogenerate_column_names=False)
+    parse = pcsv.ParseOptions(delimiter=delimiter, invalid_row_handler=ragged,
+                              quote_char=False if delimiter == "\t" else '"')
+    convert = pcsv.ConvertOptions(column_types=column_types or {},
+                                  include_columns=include_columns or [])
+    try:
+        reader = pcsv.open_csv(path, read_options=read, parse_options=parse,
+                               convert_options=convert)
+        for batch in reader:
+            yield pa.Table.from_batches([batch])
+    except pa.ArrowInvalid as e:
+        if ragged.row is not None:
+            raise ragged.error(path, 1 if header else 0, what) from None
+        raise DataFormatError(f"{OP}: {path}: {e}") from None
+
+
+def csv_types(path: str) -> Dict[str, pa.DataType]:
+    """Column types inferred from the first block of a CSV file (header names -> Arrow type)."""
+    for table in read_csv(path):
+        return {f.name: f.type for f in table.schema}
+    raise DataFormatError(f"{OP}: {path}: the file holds a header but no rows")
+
+
+def source_schema(path: str, fmt: str) -> pa.Schema:
+    """The columns of one source file (Criteo: the fixed layout after parsing)."""
+    check_not_empty(path)
+    if fmt == "parquet":
+        try:
+            return pq.read_schema(path)
+        except (OSError, pa.ArrowException) as e:
+            raise DataFormatError(f"{OP}: {path}: not a readable Parquet file: {e}") from None
+    if fmt == "csv":
+        return pa.schema(list(csv_types(path).items()))
+    from recxla.data.convert_criteo import CRITEO_SCHEMA
+
+    return CRITEO_SCHEMA
+
+
+def read_source(path: str, fmt: str, columns: List[str], rows: int,
+                column_types: Optional[Dict[str, pa.DataType]] = None) -> Iterator[pa.Table]:
+    """The rows of `path` (only `columns`), in tables of at most about `rows` rows (CSV:
+    blocks of text). DataFormatError naming the file for unreadable input."""
+    check_not_empty(path)
+    if fmt == "parquet":
+        try:
+            f = pq.ParquetFile(path)
+            for batch in f.iter_batches(batch_size=rows, columns=columns):
+                yield pa.Table.from_batches([batch])
+        except (OSError, pa.ArrowException) as e:
+            raise DataFormatError(f"{OP}: {path}: unreadable Parquet: {e}") from None
+    elif fmt == "csv":
+        yield from read_csv(path, column_types=column_types, include_columns=columns)
+    else:
+        from recxla.data.convert_criteo import read_criteo
+
+        for t in read_criteo(path):
+            yield t.select(columns)
