@@ -167,14 +167,23 @@ def _parse_error(capsys, argv) -> str:
 
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "--batch-size: must be an int >= 1, got 0"),
-    (["--baseline", "torchrec", "--micro-batches", "2"], "--micro-batches sets recxla's"),
+    (["--baseline", "torchrec", "--micro-batches", "2"],
+     "--micro-batches applies to the recxla path only"),
+    (["--baseline", "torchrec", "--trace", "t.json"], "--trace applies to the recxla path only"),
+    (["--baseline", "torchrec", "--replica-sync", "weights"],
+     "--replica-sync applies to the recxla path only"),
+    (["--baseline", "torchrec", "--no-overlap"], "--overlap applies to the recxla path only"),
     (["--topology", "2d", "--ranks-per-node", "2", "--checkpoint-dir", "/tmp"],
      "sharded checkpoints of replicated shards"),
     (["--replica-sync", "weights", "--replica-precision", "bf16"],
      "--replica-precision bf16 applies to --replica-sync gradients"),
     (["--baseline", "torchrec", "--sharding", "row_wise"], "no row-wise sharding on CPU"),
-    (["--baseline", "torchrec", "--fwd-comm", "e4m3"], "--fwd-comm sets the recxla path"),
-    (["--baseline-comms", "bf16"], "--baseline-comms needs --baseline torchrec"),
+    (["--baseline", "torchrec", "--fwd-comm", "e4m3"],
+     "--fwd-comm applies to the recxla path only"),
+    (["--baseline-comms", "bf16"], "--baseline-comms applies to --baseline torchrec only"),
+    (["--eval-fraction", "0.2"], "--eval-fraction applies to --data"),
+    (["--eval-fraction", "1"], "--eval-fraction: must be a number in (0, 1), got 1.0"),
+    (["--overlap", "maybe"], "unrecognized arguments: maybe"),
     (["--fwd-comm", "int8"], "invalid choice: 'int8'"),
     (["--steps", "4", "--warmup-steps", "4"], "--warmup-steps 4 must be less than"),
     (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
@@ -205,7 +214,7 @@ def test_bad_options_exit_before_any_process_group(tmp_path):
                            "--micro-batches", "4", "--timeout", "60"], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "--micro-batches sets recxla's pipeline" in proc.stderr
+    assert "--micro-batches applies to the recxla path only" in proc.stderr
     assert time.monotonic() - start < 30
 
 
@@ -215,3 +224,33 @@ def test_compare_rejects_a_file_that_is_not_metrics(tmp_path):
     from recxla.train.compare import main
 
     assert main(["--compare", str(bad)]) == 2
+
+
+def test_options_are_declared_once():
+    """Every TrainConfig field is an option whose --help states its path and its one default,
+    the parser's namespace holds only what was given, and the older spellings still parse."""
+    import dataclasses
+
+    from recxla.train import options
+    from recxla.train.config import TrainConfig, build_parser, parse_config
+
+    text = build_parser().format_help()
+    fields = dataclasses.fields(TrainConfig)
+    assert all("option" in f.metadata for f in fields)
+    for field, meta in options.options_of(TrainConfig):
+        assert options.flag_of(field) in text
+    assert "--no-overlap" in text and "--no-dedup-ids" in text and "--no-progress" in text
+    assert vars(build_parser().parse_args(["--steps", "3"])) == {"steps": 3}
+    default = parse_config([])
+    assert (default.overlap, default.dbp, default.resume, default.device) == (
+        True, True, False, "cpu" if not __import__("torch").cuda.is_available() else "cuda")
+    legacy = parse_config(["--overlap", "off", "--dbp=off", "--no-dedup-ids"])
+    assert (legacy.overlap, legacy.dbp, legacy.dedup_ids) == (False, False, False)
+    assert parse_config(["--overlap", "on"]).overlap is True
+    # The baseline ignores the recxla path's defaults; its sharder sends every id, as bags.
+    baseline = parse_config(["--baseline", "torchrec"])
+    assert (baseline.dedup_ids, baseline.row_exchange, baseline.comms) == (
+        False, "off", ("fp32", "fp32"))
+    from recxla.formats import DEFAULT_BWD_COMM
+
+    assert default.bwd_comm == DEFAULT_BWD_COMM

@@ -97,7 +97,8 @@ def test_files_that_do_not_fit_are_rejected(capsys, tmp_path, seed):
     assert f"--eval-data: recxla.data: {big}: feature 'cat_" in err
     missing = str(tmp_path / "nowhere")
     err = _parse_error(capsys, ["--data", missing])
-    assert f"--data: recxla.data.ParquetDataset: {missing}: no such file or folder" in err
+    assert err.count(f"--data: recxla.data.read_dataset_spec: {missing}: no such file or "
+                     "folder") == 1
     err = _parse_error(capsys, ["--profile", "small", "--data", big])  # 128 rows, batch 1024
     assert "fill no batch of 1024" in err
 

@@ -127,6 +127,7 @@ def make_loader(
     compress: Optional[bool] = None,
     run_dir: Optional[str] = None,
     ray_address: Optional[str] = None,
+    row_groups: Optional[Sequence[int]] = None,
 ):
     """The batches of the Parquet dataset at `path` for one rank: what a trainer iterates.
 
@@ -149,6 +150,7 @@ def make_loader(
             folder, removed when the loader is closed).
         ray_address: "ray" only: an existing cluster to join (None: start a local Ray bound to
             127.0.0.1, shut down by `close()`).
+        row_groups: read only these row groups (see ParquetDataset); None: all.
     Returns:
         An iterable of `recxla.data.Batch`; `iter()` gives an iterator with `state_dict()`
         (the JSON-able position) and `close()`. The loader also has `metadata` (features,
@@ -160,7 +162,7 @@ def make_loader(
         raise ValueError(f"{op}: loader must be one of {LOADERS}, got {loader!r}")
     _check_workers(num_workers, op, 0 if loader == "local" else 1)
     dataset = ParquetDataset(path, batch_size, rank, world_size, seed, shuffle=shuffle,
-                             num_epochs=num_epochs, position=position)
+                             num_epochs=num_epochs, position=position, row_groups=row_groups)
     if loader == "ray":
         from recxla.data.ray_loader import RayLoader
 

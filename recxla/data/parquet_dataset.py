@@ -28,6 +28,8 @@ class ParquetDataset:
             the last batch that iterator returned (same seed, batch size, world size, shuffle
             and files, else ValueError).
         prefetch: batches an iterator reads ahead in a background thread (0: none).
+        row_groups: read only these row groups (indices into the dataset's row groups in file
+            order, e.g. a training or held-out split); None: all of them.
     Iterating yields `recxla.data.Batch` (KJT with the written ids, lengths, weights; dense
     [B, num_dense]; labels [B]; request_ids [B] or None), in an order fixed by the arguments.
     Each `iter()` starts at `position` (or the beginning); the iterator's `state_dict()` gives
@@ -50,6 +52,7 @@ class ParquetDataset:
         num_epochs: Optional[int] = 1,
         position: Optional[Dict] = None,
         prefetch: int = 2,
+        row_groups: Optional[Sequence[int]] = None,
     ):
         self.batch_size = _check_int(batch_size, "batch_size", 1)
         self.world_size = _check_int(world_size, "world_size", 1)
@@ -63,6 +66,8 @@ class ParquetDataset:
         self.num_epochs = None if num_epochs is None else _check_int(num_epochs, "num_epochs", 1)
         self.prefetch = _check_int(prefetch, "prefetch", 0)
         self.info = DatasetInfo(path, OP)
+        if row_groups is not None:
+            self.info = _only_row_groups(self.info, row_groups)
         self.layout = self.info.layout
         self._reader = _GroupReader(self.info)
         self._plan: Optional[EpochPlan] = None
@@ -70,6 +75,8 @@ class ParquetDataset:
             "seed": seed, "batch_size": batch_size, "world_size": world_size,
             "shuffle": shuffle, "dataset": self.info.fingerprint,
         }  # fmt: skip
+        if row_groups is not None:  # a position is a position in the same split
+            self.identity["row_groups"] = self.info.split_fingerprint
         self.plan(0)  # a dataset too small for one batch per rank fails here
         self.start = (0, 0) if position is None else self._normalize(
             check_position(position, self.identity, OP))
@@ -167,3 +174,20 @@ class ParquetDataset:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._reader = _GroupReader(self.info)
+
+
+def _only_row_groups(info: DatasetInfo, indices: Sequence[int]) -> DatasetInfo:
+    """A copy of `info` that holds only the row groups `indices` (file order kept)."""
+    import copy
+    import hashlib
+
+    n = len(info.row_groups)
+    keep = sorted(set(int(i) for i in indices))
+    if not keep or keep[0] < 0 or keep[-1] >= n:
+        raise ValueError(f"{OP}: row_groups must be a non-empty set of indices in [0, {n}), got "
+                         f"{list(indices)[:8]}")
+    out = copy.copy(info)
+    out.row_groups = [info.row_groups[i] for i in keep]
+    out.num_rows = sum(r for _, _, r in out.row_groups)
+    out.split_fingerprint = hashlib.sha1(repr(keep).encode()).hexdigest()[:16]
+    return out

@@ -122,8 +122,8 @@ def _train(config, conn, watchdog, meter) -> dict:
     place, device = conn.place, conn.device
     world = place.world_size
     data = TrainData(config, place.rank, world)
-    tables = data.tables(config.embedding_dim)
-    model = build_model(config, tables, data.num_dense, device)
+    tables = data.tables()
+    model = build_model(config, tables, data.num_dense, device, data.weighted)
     watchdog.progress("planning")
     with meter.phase("setup"):
         topology, replicas = None, None
@@ -232,6 +232,7 @@ def _train(config, conn, watchdog, meter) -> dict:
         "nodes": world // place.local_world_size, "device": str(device),
         "resumed_from_step": start if config.resume else None,
         **summarize(config, gathered, world), **evaluation,
+        "eval_data": data.held_out_description, "tables": len(tables),
         "sharder_comm_stats_per_step": _sum_stats([g["sharder_comm_stats"] for g in gathered],
                                                   max(config.steps - start - warmup, 1)),
         "plan": plan_summary(plan), "config": config.asdict(), "machine": machine(),

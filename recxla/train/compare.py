@@ -1,7 +1,8 @@
 """`recxla-train --compare A.json B.json ... [--chart out.png]`: runs side by side.
 
 Prints one column per metrics file (throughput, the step's time split, bytes on the wire per
-step by kind, loss, AUC), with each run's throughput and bytes as a ratio to the first file's
+step by kind, training loss, and the held-out AUC and log loss with what they were measured
+on), with each run's throughput and bytes as a ratio to the first file's
 (the reference: list the baseline first), and writes a PNG bar chart (matplotlib, no display
 needed) of examples/s, exposed communication and wire bytes.
 """
@@ -54,8 +55,13 @@ def rows(runs: List[dict]) -> List[List[str]]:
         out.append([f"  {kind} MB"] + [_mb(r.get("wire_bytes_per_step_by_kind", {}).get(kind, 0))
                                        for r in runs])
     out.append(["final loss"] + [f"{r['final_loss']:.4f}" for r in runs])
+    out.append(["held-out data"] + [r.get("eval_data", "-") for r in runs])
+    out.append(["  examples"] + [f"{r.get('eval_examples', 0):,}" for r in runs])
     out.append(["AUC"] + [f"{r['auc']:.4f}" for r in runs])
     out.append(["  vs first"] + [f"{r['auc'] - ref['auc']:+.4f}" for r in runs])
+    if all("eval_loss" in r for r in runs):
+        out.append(["log loss (held-out)"] + [f"{r['eval_loss']:.4f}" for r in runs])
+        out.append(["  vs first"] + [f"{r['eval_loss'] - ref['eval_loss']:+.4f}" for r in runs])
     return out
 
 

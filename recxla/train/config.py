@@ -1,96 +1,205 @@
-"""The trainer's options: one argparse parser, one TrainConfig, every check done before any
-process group exists (a bad option costs no rendezvous and no peer's time).
+"""The trainer's options: each declared once, as a TrainConfig field (recxla.train.options says
+how), and checked before any process group exists (a bad option costs no rendezvous and no
+peer's time).
 
 `parse_config(argv)` returns a TrainConfig or exits with status 2 and a message naming the
-option and its limit (argparse's convention). Option names are fixed (scripts rely on them):
-`--steps --batch-size --fwd-comm --bwd-comm --sharding --micro-batches --checkpoint-dir --resume
---metrics --baseline torchrec --baseline-comms --seed --timeout --device --data --loader
---loader-workers --eval-data`.
-
-With --data (and --eval-data) the files are opened here too, footers only: a missing path, an
-unreadable file, too few rows for one batch per rank, or features that do not fit the model's
-tables (see recxla.train.data) exit 2 naming the files, before any process group exists.
+option and its limit (argparse's convention). Flag names are fixed (scripts rely on them). The
+parser, the check that an option applies to the chosen path (recxla, or --baseline torchrec),
+the defaults in --help and the config's values all come from the fields below; the checks that
+involve several options are in `_check`, the ones that open files in recxla.train.preflight.
 """
 
-import argparse
-import importlib.util
 import dataclasses
 import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, FORMATS
+from recxla.pipeline.dense_sync import PRECISIONS as DENSE_ALLREDUCE_FORMATS
+from recxla.pipeline.micro_batches import SPLITS
+from recxla.pipeline.train_pipeline import TrainPipeline
+from recxla.torchrec.replicas import PRECISIONS as REPLICA_PRECISIONS
+from recxla.torchrec.replicas import SYNCS as REPLICA_SYNCS
+from recxla.train import options
+from recxla.train.options import BOTH, RECXLA, TORCHREC, option
+from recxla.train.options import int_at_least as at_least
+
 PROG = "recxla-train"
-WIRE_FORMATS = ("e4m3", "e5m2", "bf16", "fp16", "fp32")
+WIRE_FORMATS = tuple(FORMATS)
+# TorchRec's own codecs (FBGEMM's) that the baseline offers on CPU and GPU.
 BASELINE_COMMS = ("fp32", "fp16", "bf16")
 SHARDINGS = ("auto", "table_wise", "column_wise", "table_column_wise", "row_wise")
 # TorchRec's own sharders offer these on CPU (gloo lacks the reduce-scatter row-wise needs).
 TORCHREC_CPU_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")
 PROFILES = ("criteo", "small")
-# Backward wire format of the recxla path, from bench/results/training.md (convergence): after
-# 300 steps on 2 ranks, 2 seeds, e4m3 forward with e5m2 backward stayed within 0.0002 AUC of
-# fp32 communication, as close as with bf16 backward, for half bf16's gradient bytes.
-DEFAULT_BWD_COMM = "e5m2"
+MODELS = ("dlrm", "dcn")
+DENSE_OPTIMIZERS = ("adagrad", "sgd")
+SPARSE_OPTIMIZERS = ("rowwise_adagrad", "sgd")
+LOADERS = ("local", "ray")
+DEVICES = ("auto", "cpu", "cuda")
+TOPOLOGIES = ("1d", "2d")
+ALLOCATORS = ("keep", "default")
+# --embedding-dim when the dataset names no dim; --max-rows of the small profile.
+FALLBACK_EMBEDDING_DIM = 64
+SMALL_PROFILE_MAX_ROWS = 2000
+CRITEO_PROFILE_MAX_ROWS = 100_000
 NET_SYSFS = "/sys/class/net"
+DEFAULT_EVAL_FRACTION = 0.1
+
+_M, _T, _C = "model", "training", "communication and sharding"
+_O, _G, _D, _R = "overlap pipeline", "topology", "data", "run"
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run depends on; `asdict()` goes into the metrics JSON."""
+    """Everything a training run depends on; `asdict()` goes into the metrics JSON. Fields whose
+    default depends on other options (steps, max_rows, threads, ...) hold the resolved value
+    after `parse_config`."""
 
-    model: str = "dlrm"
-    embedding_dim: int = 64
-    dense_arch: Tuple[int, ...] = (512, 256)
-    over_arch: Tuple[int, ...] = (512, 256)
-    dcn_layers: int = 3
-    dcn_low_rank: int = 64
-    batch_size: int = 1024
-    steps: int = 100
-    epochs: Optional[int] = None
-    train_batches: int = 10_000
-    eval_batches: int = 8
-    warmup_steps: int = 5
-    dense_lr: float = 0.003
-    sparse_lr: float = 0.05
-    dense_optimizer: str = "adagrad"
-    sparse_optimizer: str = "rowwise_adagrad"
-    fwd_comm: str = "e4m3"
-    bwd_comm: str = DEFAULT_BWD_COMM
-    dedup_ids: bool = True
-    sharding: str = "auto"
-    micro_batches: int = 1
-    overlap: bool = True
-    dbp: bool = True
-    split: str = "contiguous"
-    dbp_lookup: str = "after_update"
-    row_exchange: str = "auto"
-    dense_allreduce: str = "fp32"
-    topology: str = "1d"
-    ranks_per_node: Optional[int] = None
-    replica_sync: str = "gradients"
-    sync_every: int = 1
-    replica_precision: str = "fp32"
-    trace: Optional[str] = None
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    metrics: Optional[str] = None
-    baseline: Optional[str] = None
-    baseline_comms: str = "fp32"
-    seed: int = 0
-    timeout: float = 120.0
-    device: str = "cpu"
-    profile: str = "criteo"
-    max_rows: int = 100_000
-    data: Optional[str] = None
-    loader: str = "local"
-    loader_workers: int = 1
-    eval_data: Optional[str] = None
-    zipf: float = 1.05
-    allocator: str = "keep"
-    threads: int = 1
-    progress: bool = True
-    label: Optional[str] = None
-    net_iface: Optional[str] = None
+    model: str = option("dlrm", "dlrm: torchrec.models.dlrm.DLRM; dcn: DLRM_DCN", group=_M,
+                        choices=MODELS)
+    embedding_dim: Optional[int] = option(
+        None, "columns of every table (overrides the dataset's dims)", group=_M,
+        parse=at_least(1), default_text=f"the dataset's, else {FALLBACK_EMBEDDING_DIM}")
+    dense_arch: Tuple[int, ...] = option(
+        (512, 256), "bottom MLP hidden sizes; the embedding dim is appended", group=_M,
+        parse=options.layer_sizes)
+    over_arch: Tuple[int, ...] = option(
+        (512, 256), "top MLP hidden sizes; the output size 1 is appended", group=_M,
+        parse=options.layer_sizes)
+    dcn_layers: int = option(3, "--model dcn: cross layers", group=_M, parse=at_least(1))
+    dcn_low_rank: int = option(64, "--model dcn: low-rank dim", group=_M, parse=at_least(1))
+
+    batch_size: int = option(1024, "samples per rank per step", group=_T, parse=at_least(1))
+    steps: int = option(100, "total steps", group=_T, parse=at_least(1),
+                        default_text="100, or what --epochs makes")
+    epochs: Optional[int] = option(None, "passes over the training split, instead of --steps",
+                                   group=_T, parse=at_least(1))
+    train_batches: int = option(
+        10_000, "batches per rank in the synthetic training split (an epoch); later epochs see "
+        "the same batches again", group=_T, parse=at_least(1))
+    eval_batches: int = option(8, "held-out batches per rank for the final AUC and log loss",
+                               group=_T, parse=at_least(1))
+    warmup_steps: int = option(5, "first steps left out of the throughput figures", group=_T,
+                               parse=at_least(0))
+    dense_lr: float = option(0.003, "dense optimizer's learning rate", group=_T,
+                             parse=options.positive_float)
+    sparse_lr: float = option(0.05, "embedding optimizer's learning rate", group=_T,
+                              parse=options.positive_float)
+    dense_optimizer: str = option("adagrad", "optimizer of the MLPs", group=_T,
+                                  choices=DENSE_OPTIMIZERS)
+    sparse_optimizer: str = option("rowwise_adagrad", "fused into the embedding backward",
+                                   group=_T, choices=SPARSE_OPTIMIZERS)
+    seed: int = option(0, "seeds data, weights and the order of files", group=_T,
+                       parse=at_least(0))
+
+    fwd_comm: str = option(DEFAULT_FWD_COMM, "wire format of the forward embeddings", group=_C,
+                           applies=RECXLA, choices=WIRE_FORMATS)
+    bwd_comm: str = option(DEFAULT_BWD_COMM, "wire format of the backward gradients", group=_C,
+                           applies=RECXLA, choices=WIRE_FORMATS)
+    dedup_ids: bool = option(True, "the input dist sends unique ids", group=_C, applies=RECXLA)
+    sharding: str = option("auto", "one sharding type for every table, or auto (TorchRec's "
+                           "planner)", group=_C, choices=SHARDINGS)
+    row_exchange: str = option(
+        "auto", "tables whose owners send unique rows instead of pooled bags: auto (those where "
+        "rows are fewer, judged on a sample batch), off, all, or comma-separated table names",
+        group=_C, applies=RECXLA, default_text="auto; off with --topology 2d")
+    dense_allreduce: str = option("fp32", "wire format of the dense gradients' all-reduce",
+                                  group=_C, choices=DENSE_ALLREDUCE_FORMATS)
+    baseline: Optional[str] = option(
+        None, "train with plain TorchRec (DMP + TrainPipelineSparseDist) instead", group=_C,
+        choices=("torchrec",))
+    baseline_comms: str = option("fp32", "TorchRec's own codecs, both ways", group=_C,
+                                 applies=TORCHREC, choices=BASELINE_COMMS)
+
+    micro_batches: int = option(1, "micro-batches per batch (frozen-window pipelining)",
+                                group=_O, applies=RECXLA, parse=at_least(1))
+    overlap: bool = option(True, "all-to-alls in flight while the dense part computes",
+                           group=_O, applies=RECXLA)
+    dbp: bool = option(True, "the next batch's input dist during this batch", group=_O,
+                       applies=RECXLA)
+    split: str = option("contiguous", "micro-batches as loaded, or by recxla.cluster_samples",
+                        group=_O, applies=RECXLA, choices=SPLITS)
+    dbp_lookup: str = option("after_update", "the next batch's lookup after this update, or "
+                             "before it, corrected", group=_O, applies=RECXLA,
+                             choices=TrainPipeline.DBP_LOOKUPS)
+    trace: Optional[str] = option(
+        None, "write a Chrome trace (chrome://tracing, Perfetto) of every rank's steps: "
+        "compute, waits and collectives", group=_O, applies=RECXLA, metavar="PATH")
+
+    topology: str = option("1d", "2d: embeddings sharded inside each node (all-to-alls on "
+                           "intra-node links), nodes as replicas", group=_G, applies=RECXLA,
+                           choices=TOPOLOGIES)
+    ranks_per_node: Optional[int] = option(
+        None, "2d: ranks per node", group=_G, applies=RECXLA, parse=at_least(1),
+        default_text="torchrun's LOCAL_WORLD_SIZE")
+    replica_sync: str = option(
+        "gradients", "2d: sum embedding gradients across nodes every step (exact), or average "
+        "weights every --sync-every steps", group=_G, applies=RECXLA, choices=REPLICA_SYNCS)
+    sync_every: int = option(1, "2d, --replica-sync weights: steps between averages", group=_G,
+                             applies=RECXLA, parse=at_least(1))
+    replica_precision: str = option("fp32", "2d: wire format of the gradient sync across nodes",
+                                    group=_G, applies=RECXLA, choices=REPLICA_PRECISIONS)
+
+    profile: str = option(
+        "criteo", "synthetic tables: criteo (the 26 Criteo Kaggle tables) or small (the same, "
+        "at most 2000 rows, short history bags); with --data it makes the model the profile's "
+        "instead of the dataset's", group=_D, choices=PROFILES)
+    max_rows: Optional[int] = option(
+        None, "cap on the profile's table rows", group=_D, parse=at_least(1),
+        default_text=f"{CRITEO_PROFILE_MAX_ROWS}; {SMALL_PROFILE_MAX_ROWS} with --profile small")
+    zipf: float = option(1.05, "synthetic logs' key skew, 0 = uniform", group=_D,
+                         parse=options.non_negative_float)
+    data: Optional[str] = option(
+        None, "train on a Parquet dataset (a folder or .parquet file converted by `python -m "
+        "recxla.data convert` or written by recxla.data.write_parquet): one table per sparse "
+        "feature or shared group, with the dataset's rows, pooling, weights and dims, and its "
+        "dense width; --embedding-dim and --table-rows override them, --profile/--max-rows "
+        "train the profile's tables instead. An epoch (--epochs) is one pass over the files",
+        group=_D, metavar="PATH")
+    table_rows: Tuple[Tuple[str, int], ...] = option(
+        (), "--data: rows of the named tables, TABLE=ROWS,... (at least the ids' range)",
+        group=_D, parse=options.table_sizes, metavar="TABLE=ROWS,...",
+        default_text="the dataset's")
+    eval_data: Optional[str] = option(
+        None, "held-out Parquet dataset for the final AUC and log loss (the first "
+        "--eval-batches batches of each rank's share)", group=_D, metavar="PATH",
+        default_text="--eval-fraction of --data; the synthetic held-out split without --data")
+    eval_fraction: Optional[float] = option(
+        None, "--data: the share of its rows held out for the final AUC and log loss: the "
+        "latest row groups by the dataset's timestamp when it has one, else the last row "
+        "groups", group=_D, parse=options.fraction,
+        default_text=f"{DEFAULT_EVAL_FRACTION} with the dataset's model and no --eval-data; "
+        "none with --profile (the synthetic held-out split)")
+    loader: str = option("local", "--data: read in worker processes on this machine, or in "
+                         "Ray Data tasks (pip install 'recxla[ray]')", group=_D, choices=LOADERS)
+    loader_workers: int = option(
+        1, "--data: reader processes or Ray tasks per rank (0 with --loader local: read in "
+        "the rank's own process, in a background thread)", group=_D, parse=at_least(0),
+        metavar="N")
+
+    checkpoint_dir: Optional[str] = option(None, "folder of the run's checkpoints", group=_R,
+                                           metavar="PATH")
+    checkpoint_every: int = option(0, "steps between checkpoints (0: only at the end)",
+                                   group=_R, parse=at_least(0))
+    resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir",
+                          group=_R)
+    metrics: Optional[str] = option(None, "write the summary as JSON here", group=_R,
+                                    metavar="PATH")
+    label: Optional[str] = option(None, "this run's name in --compare tables", group=_R)
+    timeout: float = option(120.0, "seconds without progress after which every rank exits, "
+                            "naming the rank that stopped", group=_R,
+                            parse=options.positive_float)
+    device: str = option("auto", "where to train (auto: cuda when visible)", group=_R,
+                         choices=DEVICES)
+    threads: Optional[int] = option(None, "compute threads per rank", group=_R,
+                                    parse=at_least(1), default_text="cores / ranks on this node")
+    allocator: str = option("keep", "keep: freed memory stays in the process (no page faults "
+                            "per step); default: glibc's defaults", group=_R, choices=ALLOCATORS)
+    progress: bool = option(True, "rank 0's progress bar", group=_R)
+    net_iface: Optional[str] = option(
+        None, "also report the bytes this network interface sent per measured step (each "
+        "node's, read by its local rank 0 from /sys/class/net)", group=_R, metavar="NAME")
 
     @property
     def path(self) -> str:
@@ -112,184 +221,22 @@ class TrainConfig:
         dedup = "" if self.baseline or self.dedup_ids else ", no dedup"
         return f"{self.path} {fwd}/{bwd}{dedup}"
 
+    @property
+    def model_from_data(self) -> bool:
+        """The tables come from the --data dataset (not from --profile)."""
+        return self.data is not None and self.max_rows is None
+
     def asdict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _int_at_least(lo: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {value}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
-    return value
-
-
-def _layer_sizes(text: str) -> Tuple[int, ...]:
-    try:
-        sizes = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}")
-    return sizes
-
-
-def build_parser() -> argparse.ArgumentParser:
-    d = TrainConfig()
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Train TorchRec's DLRM (or DLRM_DCN) on synthetic ranking logs across "
-        "ranks with recxla's communication, or with plain TorchRec (--baseline torchrec). "
-        "Launch with torchrun (gloo on CPU, NCCL on GPU). `recxla-train --compare A.json "
-        "B.json ...` compares metrics files instead.",
-    )
-    m = p.add_argument_group("model")
-    m.add_argument("--model", choices=("dlrm", "dcn"), default=d.model,
-                   help="dlrm: torchrec.models.dlrm.DLRM; dcn: DLRM_DCN")
-    m.add_argument("--embedding-dim", type=_int_at_least(1), default=d.embedding_dim)
-    m.add_argument("--dense-arch", type=_layer_sizes, default=d.dense_arch,
-                   help="bottom MLP hidden sizes; the embedding dim is appended")
-    m.add_argument("--over-arch", type=_layer_sizes, default=d.over_arch,
-                   help="top MLP hidden sizes; the output size 1 is appended")
-    m.add_argument("--dcn-layers", type=_int_at_least(1), default=d.dcn_layers)
-    m.add_argument("--dcn-low-rank", type=_int_at_least(1), default=d.dcn_low_rank)
-
-    t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=_int_at_least(1), default=d.batch_size,
-                   help="samples per rank per step")
-    t.add_argument("--steps", type=_int_at_least(1), default=None,
-                   help=f"total steps (default {d.steps}, or --epochs x --train-batches)")
-    t.add_argument("--epochs", type=_int_at_least(1), default=None,
-                   help="passes over the training split, instead of --steps")
-    t.add_argument("--train-batches", type=_int_at_least(1), default=d.train_batches,
-                   help="batches per rank in the synthetic training split (an epoch); later "
-                   "epochs see the same batches again")
-    t.add_argument("--eval-batches", type=_int_at_least(1), default=d.eval_batches,
-                   help="held-out batches per rank for the final AUC")
-    t.add_argument("--warmup-steps", type=_int_at_least(0), default=d.warmup_steps,
-                   help="first steps left out of the throughput figures")
-    t.add_argument("--dense-lr", type=_positive_float, default=d.dense_lr)
-    t.add_argument("--sparse-lr", type=_positive_float, default=d.sparse_lr)
-    t.add_argument("--dense-optimizer", choices=("adagrad", "sgd"), default=d.dense_optimizer)
-    t.add_argument("--sparse-optimizer", choices=("rowwise_adagrad", "sgd"),
-                   default=d.sparse_optimizer, help="fused into the embedding backward")
-    t.add_argument("--seed", type=_int_at_least(0), default=d.seed)
-
-    c = p.add_argument_group("communication and sharding")
-    c.add_argument("--fwd-comm", choices=WIRE_FORMATS, default=None,
-                   help=f"recxla: wire format of the forward embeddings (default {d.fwd_comm})")
-    c.add_argument("--bwd-comm", choices=WIRE_FORMATS, default=None,
-                   help=f"recxla: wire format of the backward gradients (default {d.bwd_comm})")
-    c.add_argument("--dedup-ids", action=argparse.BooleanOptionalAction, default=None,
-                   help="recxla: the input dist sends unique ids (default on)")
-    c.add_argument("--sharding", choices=SHARDINGS, default=d.sharding,
-                   help="one sharding type for every table, or auto (TorchRec's planner)")
-    c.add_argument("--row-exchange", default=None,
-                   help="recxla: tables whose owners send unique rows instead of pooled bags: "
-                   "auto (those where rows are fewer, judged on a sample batch; default), off, "
-                   "all, or comma-separated table names")
-    c.add_argument("--dense-allreduce", choices=("fp32", "bf16"), default=d.dense_allreduce,
-                   help="wire format of the dense gradients' all-reduce (both paths)")
-
-    o = p.add_argument_group("overlap pipeline (recxla path)")
-    o.add_argument("--micro-batches", type=_int_at_least(1), default=None,
-                   help="micro-batches per batch (frozen-window pipelining; default 1)")
-    o.add_argument("--overlap", choices=("on", "off"), default=None,
-                   help="all-to-alls in flight while the dense part computes (default on)")
-    o.add_argument("--dbp", choices=("on", "off"), default=None,
-                   help="the next batch's input dist during this batch (default on)")
-    o.add_argument("--split", choices=("contiguous", "clustered"), default=None,
-                   help="micro-batches as loaded, or by recxla.cluster_samples")
-    o.add_argument("--dbp-lookup", choices=("after_update", "early"), default=None,
-                   help="the next batch's lookup after this update, or before it, corrected")
-    o.add_argument("--trace", default=None, metavar="PATH",
-                   help="write a Chrome trace (chrome://tracing, Perfetto) of every rank's "
-                   "steps: compute, waits and collectives")
-
-    g = p.add_argument_group("topology (recxla path)")
-    g.add_argument("--topology", choices=("1d", "2d"), default=d.topology,
-                   help="2d: embeddings sharded inside each node (all-to-alls on intra-node "
-                   "links), nodes as replicas")
-    g.add_argument("--ranks-per-node", type=_int_at_least(1), default=None,
-                   help="2d: ranks per node (default: torchrun's LOCAL_WORLD_SIZE)")
-    g.add_argument("--replica-sync", choices=("gradients", "weights"), default=d.replica_sync,
-                   help="2d: sum embedding gradients across nodes every step (exact), or "
-                   "average weights every --sync-every steps")
-    g.add_argument("--sync-every", type=_int_at_least(1), default=d.sync_every)
-    g.add_argument("--replica-precision", choices=("fp32", "bf16"), default=d.replica_precision,
-                   help="2d: wire format of the gradient sync across nodes")
-    c.add_argument("--baseline", choices=("torchrec",), default=None,
-                   help="train with plain TorchRec (DMP + TrainPipelineSparseDist) instead")
-    c.add_argument("--baseline-comms", choices=BASELINE_COMMS, default=None,
-                   help="TorchRec's own codecs for the baseline (default fp32)")
-
-    data = p.add_argument_group("data")
-    data.add_argument("--profile", choices=PROFILES, default=d.profile,
-                      help="criteo: the 26 Criteo Kaggle tables; small: the same, tables of "
-                      "at most 2000 rows and short history bags (tests, demos)")
-    data.add_argument("--max-rows", type=_int_at_least(1), default=None,
-                      help=f"cap on table rows (criteo default {d.max_rows})")
-    data.add_argument("--zipf", type=float, default=d.zipf, help="key skew, 0 = uniform")
-    data.add_argument("--data", default=None, metavar="PATH",
-                      help="train on Parquet files (a .parquet file or a folder, written by "
-                      "recxla.data.write_parquet or `python -m recxla.data write`) instead of "
-                      "the synthetic logs. The tables stay the profile's (--profile, "
-                      "--max-rows): the files must hold its features cat_0..cat_25 with ids "
-                      "below the tables' rows, and 13 dense features; `python -m recxla.data "
-                      "write` output fits the defaults. An epoch (--epochs) is one pass over "
-                      "the files; --train-batches and --zipf apply to the synthetic logs only")
-    data.add_argument("--loader", choices=("local", "ray"), default=None,
-                      help="--data: read in worker processes on this machine (local, default) "
-                      "or in Ray Data tasks (ray: pip install 'recxla[ray]')")
-    data.add_argument("--loader-workers", type=_int_at_least(0), default=None, metavar="N",
-                      help=f"--data: reader processes or Ray tasks per rank (default "
-                      f"{d.loader_workers}; 0 with --loader local: read in the rank's own "
-                      "process, in a background thread)")
-    data.add_argument("--eval-data", default=None, metavar="PATH",
-                      help="held-out Parquet files for the final AUC (the first --eval-batches "
-                      "batches of each rank's share); default: the synthetic held-out split, "
-                      "also with --data (the same task when the files were written from the "
-                      "synthetic logs with the same --seed and profile)")
-
-    r = p.add_argument_group("run")
-    r.add_argument("--checkpoint-dir", default=None)
-    r.add_argument("--checkpoint-every", type=_int_at_least(0), default=d.checkpoint_every,
-                   help="steps between checkpoints (0: only at the end)")
-    r.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --checkpoint-dir")
-    r.add_argument("--metrics", default=None, help="write the summary as JSON here")
-    r.add_argument("--label", default=None, help="this run's name in --compare tables")
-    r.add_argument("--timeout", type=_positive_float, default=d.timeout,
-                   help="seconds without progress after which every rank exits, naming the "
-                   "rank that stopped")
-    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    r.add_argument("--threads", type=_int_at_least(1), default=None,
-                   help="compute threads per rank (default: cores / ranks on this node)")
-    r.add_argument("--allocator", choices=("keep", "default"), default=d.allocator,
-                   help="keep: freed memory stays in the process (no page faults per step); "
-                   "default: glibc's defaults")
-    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
-                   help="rank 0's progress bar")
-    r.add_argument("--net-iface", default=None, metavar="NAME",
-                   help="also report the bytes this network interface sent per measured step "
-                   "(each node's, read by its local rank 0 from /sys/class/net): the link's "
-                   "count, next to the collectives' own")
-    return p
+def build_parser():
+    return options.build_parser(
+        TrainConfig, prog=PROG,
+        description="Train TorchRec's DLRM (or DLRM_DCN) across ranks with recxla's "
+        "communication, or with plain TorchRec (--baseline torchrec), on synthetic ranking logs "
+        "or on your own converted data (--data). Launch with torchrun (gloo on CPU, NCCL on "
+        "GPU). `recxla-train --compare A.json B.json ...` compares metrics files instead.")
 
 
 def resolve_device(requested: str) -> str:
@@ -302,178 +249,88 @@ def resolve_device(requested: str) -> str:
     return requested
 
 
-def _check(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> dict:
-    """Cross-option checks; returns the TrainConfig fields. Calls parser.error on a bad mix."""
-    err = parser.error
-    if ns.baseline:
-        for flag, value in (("--fwd-comm", ns.fwd_comm), ("--bwd-comm", ns.bwd_comm),
-                            ("--dedup-ids", ns.dedup_ids)):
-            if value is not None:
-                err(f"{flag} sets the recxla path; with --baseline torchrec use --baseline-comms")
-    elif ns.baseline_comms is not None:
-        err("--baseline-comms needs --baseline torchrec (the recxla path takes --fwd-comm and "
-            "--bwd-comm)")
-    if ns.baseline:
-        for flag, value in (("--micro-batches", ns.micro_batches), ("--overlap", ns.overlap),
-                            ("--dbp", ns.dbp), ("--split", ns.split),
-                            ("--dbp-lookup", ns.dbp_lookup), ("--row-exchange", ns.row_exchange),
-                            ("--ranks-per-node", ns.ranks_per_node)):
-            if value is not None:
-                err(f"{flag} sets recxla's pipeline or sharder; the TorchRec baseline runs "
-                    "TrainPipelineSparseDist")
-        if ns.topology != "1d":
-            err("--topology 2d: TorchRec's 2D (DMPCollection) needs CUDA; the baseline is 1D")
-    if ns.topology == "2d":
-        per_node = ns.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-        if not per_node:
+def local_world_size() -> int:
+    """Ranks on this node as torchrun announces them (1 outside torchrun)."""
+    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+
+
+def _check(err, given: dict) -> dict:
+    """Checks that involve several options; returns the TrainConfig fields, resolved. `given`:
+    the options on the command line; `err(message)` exits."""
+    v = options.values(TrainConfig, given)
+    path = TORCHREC if v["baseline"] else RECXLA
+    for message in options.path_errors(TrainConfig, given, path):
+        err(message)
+    if v["topology"] == "2d":
+        if "ranks_per_node" not in given and "LOCAL_WORLD_SIZE" not in os.environ:
             err("--topology 2d needs --ranks-per-node, or torchrun's LOCAL_WORLD_SIZE")
-        if ns.checkpoint_dir:
+        if v["checkpoint_dir"]:
             err("--checkpoint-dir with --topology 2d: sharded checkpoints of replicated shards "
                 "are not supported yet")
-        if ns.row_exchange not in (None, "off"):
+        if given.get("row_exchange", "off") != "off":
             err("--row-exchange with --topology 2d is not supported yet (use off)")
-    if ns.sync_every != 1 and ns.replica_sync != "weights":
+        v["ranks_per_node"] = v["ranks_per_node"] or local_world_size()
+        v["row_exchange"] = "off"
+    if "sync_every" in given and v["replica_sync"] != "weights":
         err("--sync-every applies to --replica-sync weights")
-    if ns.replica_sync == "weights" and ns.replica_precision != "fp32":
+    if v["replica_sync"] == "weights" and v["replica_precision"] != "fp32":
         err("--replica-precision bf16 applies to --replica-sync gradients (weights are averaged "
             "in fp32)")
-    row_exchange = ns.row_exchange or ("off" if ns.topology == "2d" else "auto")
     try:
-        device = resolve_device(ns.device)
+        v["device"] = resolve_device(v["device"])
     except ValueError as e:
         err(str(e))
-    if ns.baseline and device == "cpu" and ns.sharding == "row_wise":
-        err("--sharding row_wise with --baseline torchrec: TorchRec's sharders offer no row-wise "
-            "sharding on CPU (gloo lacks the reduce-scatter it needs); use one of "
-            f"{', '.join(TORCHREC_CPU_SHARDINGS)} or auto, or the recxla path")
-    if ns.steps is not None and ns.epochs is not None:
+    if v["baseline"]:
+        if v["device"] == "cpu" and v["sharding"] == "row_wise":
+            err("--sharding row_wise with --baseline torchrec: TorchRec's sharders offer no "
+                "row-wise sharding on CPU (gloo lacks the reduce-scatter it needs); use one of "
+                f"{', '.join(TORCHREC_CPU_SHARDINGS)} or auto, or the recxla path")
+        # What the baseline's sharder does, for the summary and the metrics file.
+        v["dedup_ids"], v["row_exchange"] = False, "off"
+    if "steps" in given and "epochs" in given:
         err("--steps and --epochs: give one or the other")
-    loader, loader_workers = _check_loader(err, ns)
-    if ns.epochs is not None and ns.data is not None:
-        steps = _file_epochs_steps(err, ns)
-    else:
-        steps = ns.epochs * ns.train_batches if ns.epochs is not None else (
-            ns.steps if ns.steps is not None else TrainConfig.steps)
-    if ns.warmup_steps >= steps:
-        err(f"--warmup-steps {ns.warmup_steps} must be less than the {steps} steps, or no step "
-            "is left to measure")
-    if (ns.resume or ns.checkpoint_every) and not ns.checkpoint_dir:
+    if v["data"] is None:
+        for name in ("loader", "loader_workers", "table_rows", "eval_fraction"):
+            if name in given:
+                err(f"--{name.replace('_', '-')} applies to --data (the synthetic logs are "
+                    "generated in the rank)")
+    if v["loader"] == "ray" and v["loader_workers"] == 0:
+        err("--loader-workers 0 applies to --loader local (Ray reads in at least 1 task)")
+    if v["data"] is not None and ("profile" in given or "max_rows" in given):
+        if "table_rows" in given:
+            err("--table-rows sets the dataset's tables; --profile and --max-rows train the "
+                "profile's tables instead: give one or the other")
+    # The model: the dataset's tables (--data alone), or the profile's (max_rows resolved).
+    if v["data"] is None or "profile" in given or "max_rows" in given:
+        if v["max_rows"] is None:
+            v["max_rows"] = SMALL_PROFILE_MAX_ROWS if v["profile"] == "small" else \
+                CRITEO_PROFILE_MAX_ROWS
+        if v["embedding_dim"] is None:
+            v["embedding_dim"] = FALLBACK_EMBEDDING_DIM
+    if "eval_data" in given and "eval_fraction" in given:
+        err("--eval-data and --eval-fraction: give one or the other (the held-out rows come "
+            "from other files, or from --data)")
+    if v["data"] is not None and v["max_rows"] is None and v["eval_data"] is None and \
+            v["eval_fraction"] is None:
+        v["eval_fraction"] = DEFAULT_EVAL_FRACTION  # the dataset's model: its own held-out rows
+    if v["epochs"] is not None and v["data"] is None:
+        v["steps"] = v["epochs"] * v["train_batches"]
+    if (v["resume"] or v["checkpoint_every"]) and not v["checkpoint_dir"]:
         err("--resume and --checkpoint-every need --checkpoint-dir")
-    if ns.resume:
-        from recxla.train.checkpoint import latest_checkpoint
-
-        if latest_checkpoint(ns.checkpoint_dir) is None:
-            err(f"--resume: no checkpoint in --checkpoint-dir {ns.checkpoint_dir!r}")
-    for flag, path in (("--metrics", ns.metrics), ("--checkpoint-dir", ns.checkpoint_dir),
-                       ("--trace", ns.trace)):
-        parent = os.path.dirname(os.path.abspath(path)) if path else None
-        if parent and not os.path.isdir(parent):
-            err(f"{flag} {path!r}: the folder {parent!r} does not exist")
-    if ns.checkpoint_dir and os.path.exists(ns.checkpoint_dir) and \
-            not os.path.isdir(ns.checkpoint_dir):
-        err(f"--checkpoint-dir {ns.checkpoint_dir!r} is a file, not a folder")
-    if ns.net_iface is not None and not os.path.isdir(
-            os.path.join(NET_SYSFS, os.path.basename(ns.net_iface))):
-        err(f"--net-iface {ns.net_iface!r}: no such network interface here ({NET_SYSFS})")
-    if not ns.zipf >= 0:
-        err(f"--zipf must be >= 0, got {ns.zipf}")
-    max_rows = ns.max_rows if ns.max_rows is not None else (
-        2000 if ns.profile == "small" else TrainConfig.max_rows)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    threads = ns.threads or max(1, (os.cpu_count() or 1) // max(local_ranks, 1))
-    d = TrainConfig()
-    return dict(
-        model=ns.model, embedding_dim=ns.embedding_dim, dense_arch=tuple(ns.dense_arch),
-        over_arch=tuple(ns.over_arch), dcn_layers=ns.dcn_layers, dcn_low_rank=ns.dcn_low_rank,
-        batch_size=ns.batch_size, steps=steps, epochs=ns.epochs, train_batches=ns.train_batches,
-        eval_batches=ns.eval_batches, warmup_steps=ns.warmup_steps, dense_lr=ns.dense_lr,
-        sparse_lr=ns.sparse_lr, dense_optimizer=ns.dense_optimizer,
-        sparse_optimizer=ns.sparse_optimizer, fwd_comm=ns.fwd_comm or d.fwd_comm,
-        bwd_comm=ns.bwd_comm or d.bwd_comm,
-        dedup_ids=False if ns.baseline else (ns.dedup_ids is not False),
-        sharding=ns.sharding, micro_batches=ns.micro_batches or 1,
-        overlap=ns.overlap != "off", dbp=ns.dbp != "off", split=ns.split or "contiguous",
-        dbp_lookup=ns.dbp_lookup or "after_update",
-        row_exchange="off" if ns.baseline else row_exchange,
-        dense_allreduce=ns.dense_allreduce, topology=ns.topology,
-        ranks_per_node=(ns.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-                        if ns.topology == "2d" else None),
-        replica_sync=ns.replica_sync, sync_every=ns.sync_every,
-        replica_precision=ns.replica_precision, trace=ns.trace,
-        checkpoint_dir=ns.checkpoint_dir, checkpoint_every=ns.checkpoint_every,
-        resume=ns.resume, metrics=ns.metrics, baseline=ns.baseline,
-        baseline_comms=ns.baseline_comms or "fp32", seed=ns.seed, timeout=ns.timeout,
-        device=device, profile=ns.profile, max_rows=max_rows, zipf=ns.zipf, data=ns.data,
-        loader=loader, loader_workers=loader_workers, eval_data=ns.eval_data,
-        allocator=ns.allocator, threads=threads, progress=ns.progress, label=ns.label,
-        net_iface=ns.net_iface,
-    )
-
-
-def _world_size() -> int:
-    """The job's ranks as torchrun announces them (1 outside torchrun)."""
-    return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
-
-
-def _check_loader(err, ns: argparse.Namespace) -> Tuple[str, int]:
-    """(loader, loader workers) of --data; exits on a bad mix."""
-    if ns.data is None:
-        for flag, value in (("--loader", ns.loader), ("--loader-workers", ns.loader_workers)):
-            if value is not None:
-                err(f"{flag} applies to --data (the synthetic logs are generated in the rank)")
-    loader = ns.loader or TrainConfig.loader
-    workers = TrainConfig.loader_workers if ns.loader_workers is None else ns.loader_workers
-    if loader == "ray":
-        if workers == 0:
-            err("--loader-workers 0 applies to --loader local (Ray reads in at least 1 task)")
-        if importlib.util.find_spec("ray") is None:
-            err("--loader ray needs Ray Data, which is not installed: pip install 'recxla[ray]'"
-                ", or use --loader local")
-    return loader, workers
-
-
-def _file_epochs_steps(err, ns: argparse.Namespace) -> int:
-    """Steps of --epochs passes over --data: every rank's batches per epoch, summed (epochs
-    differ by a batch or so where row groups differ in size)."""
-    from recxla.data import ParquetDataset
-
-    try:
-        files = ParquetDataset(ns.data, ns.batch_size, 0, _world_size(), ns.seed)
-        return sum(files.num_batches(e) for e in range(ns.epochs))
-    except (FileNotFoundError, ValueError) as e:  # DataFormatError is a ValueError
-        err(f"--data: {e}")
-
-
-def _check_files(err, config: TrainConfig) -> None:
-    """--data and --eval-data open (footers) and fit the model's tables; exits otherwise."""
-    from recxla.data import ParquetDataset, embedding_bag_configs
-    from recxla.train.data import make_profile
-
-    profile = make_profile(config)
-    tables = embedding_bag_configs(profile, embedding_dim=1)
-    for flag, path in (("--data", config.data), ("--eval-data", config.eval_data)):
-        if path is None:
-            continue
-        try:
-            files = ParquetDataset(path, config.batch_size, 0, _world_size(), config.seed)
-        except (FileNotFoundError, ValueError) as e:  # DataFormatError is a ValueError
-            err(f"{flag}: {e}")
-        try:
-            files.check_tables(tables, profile.num_dense)
-        except ValueError as e:
-            err(f"{flag}: {e}; the model's tables are --profile {config.profile} capped at "
-                f"--max-rows {config.max_rows} (`python -m recxla.data write --max-rows "
-                f"{config.max_rows}` writes files that fit)")
+    v["threads"] = v["threads"] or max(1, (os.cpu_count() or 1) // local_world_size())
+    return v
 
 
 def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
     """TrainConfig from command-line arguments; exits with status 2 on a bad option."""
+    from recxla.train import preflight
+
     parser = build_parser()
-    ns = parser.parse_args(argv)
-    config = TrainConfig(**_check(parser, ns))
-    if config.data is not None or config.eval_data is not None:
-        _check_files(parser.error, config)
-    return config
+    given = vars(parser.parse_args(options.normalize_argv(
+        argv if argv is not None else __import__("sys").argv[1:])))
+    fields = _check(parser.error, given)
+    fields = preflight.check(parser.error, fields, given)
+    return TrainConfig(**fields)
 
 
 def split_compare(argv: Sequence[str]) -> Optional[List[str]]:

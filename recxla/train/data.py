@@ -1,41 +1,39 @@
-"""The trainer's data: this rank's shard of the synthetic ranking logs, or of Parquet files
-(--data), as TorchRec batches.
+"""The trainer's data: this rank's shard of the synthetic ranking logs, or of a Parquet dataset
+(--data), as TorchRec batches, and the tables of the model that reads them.
 
-Synthetic logs (the default): training step k of this rank trains on batch k mod
-`train_batches` of its shard of `recxla.data.SyntheticRankingDataset` (rank r of W takes the
-global batches r, r + W, ...).
+The model (`TrainData.tables`, `num_dense`, `weighted`):
+- --data alone: the dataset's own (`recxla.data.read_dataset_spec`): one table per sparse
+  feature, or per group of features that share one, with the dataset's rows, pooling and
+  per-id weights; one embedding dim for all (DLRM's interaction needs it): --embedding-dim,
+  else the dim the dataset names, else 64; --table-rows overrides rows; the dense width is the
+  dataset's.
+- synthetic logs, or --data with --profile/--max-rows: the profile's tables (`t_cat_<i>`
+  reading `cat_<i>`, 13 dense features); files must then hold those features with ids below
+  the tables' rows (`check_tables` names what does not fit).
 
-Files (--data PATH, written by `recxla.data.write_parquet` or `python -m recxla.data write`):
-the batches come from `recxla.data.make_loader(PATH, batch_size, rank, world_size, seed,
-loader=--loader, num_workers=--loader-workers)`, endless: an epoch is one pass over this rank's
-share of the row groups, a new seeded order every epoch, and --steps may run past the end of
-the files. The model's tables stay those of the profile (--profile, --max-rows: tables
-`t_cat_<i>` reading features `cat_<i>`), so the files must hold those features with ids below
-the tables' rows and 13 dense features; `check_tables` says which feature or table does not
-fit, naming the files, before any process group exists (see config.py). `python -m recxla.data
-write` writes the default profile capped at the trainer's default --max-rows, so its output
-trains with the default flags.
+Batches: synthetic step k of this rank trains on batch k mod `train_batches` of its shard of
+`recxla.data.SyntheticRankingDataset` (rank r of W takes global batches r, r + W, ...). With
+--data they come from `recxla.data.make_loader`, endless: an epoch is one pass over this rank's
+share of the training row groups, a new seeded order every epoch. Either way the data position
+is the step count alone, so a resumed run sees exactly the batches an uninterrupted one would.
 
-Either way the data position is the step count alone, so a resumed run sees exactly the
-batches an uninterrupted one would (see `TrainData.train`).
-
-Held-out split for the AUC: `eval_batches` batches per rank of the synthetic logs at indices
-training never reaches (same users, items and hidden label model; other requests), also with
---data: it measures the same task when the files were written from the synthetic logs with the
-same --seed and profile. --eval-data PATH takes the held-out batches from files instead (the
-first `eval_batches` of this rank's share, in file order).
+Held-out batches (AUC and log loss): --eval-data; else with --eval-fraction (default with the
+dataset's model) the row groups `split_row_groups` holds out of --data, never trained on; else
+the synthetic held-out split (`eval_batches` batches per rank at indices training never
+reaches). Each rank evaluates the first `eval_batches` batches of its share.
 """
 
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from torchrec.datasets.utils import Batch as TorchRecBatch
 
 from recxla.data import Profile, SyntheticRankingDataset, criteo_kaggle_profile
-from recxla.train.config import TrainConfig
+from recxla.train.config import FALLBACK_EMBEDDING_DIM, TrainConfig
 
 # First batch index of the held-out split: training never reaches it (2**40 batches of even
 # one sample per rank is far beyond any run).
 HELD_OUT_START = 1 << 40
+TIMESTAMP_COLUMN = "timestamp"
 
 
 def make_profile(config: TrainConfig) -> Profile:
@@ -49,58 +47,160 @@ def make_profile(config: TrainConfig) -> Profile:
 
 def to_torchrec(batch) -> TorchRecBatch:
     """recxla.data.Batch -> torchrec.datasets.utils.Batch (what TorchRec's pipelines move and
-    DLRMTrain reads): dense_features float32 [B, 13], sparse_features KJT, labels float32 [B]."""
+    DLRMTrain reads): dense_features float32 [B, num_dense], sparse_features KJT, labels
+    float32 [B]."""
     return TorchRecBatch(dense_features=batch.dense, sparse_features=batch.sparse,
                          labels=batch.labels)
 
 
-def open_files(path: str, config: TrainConfig, rank: int, world_size: int, tables, num_dense,
-               **kwargs):
-    """`recxla.data.ParquetDataset` of `path` for this rank (footers only, no reading), checked
-    against the model's tables and dense width. Raises FileNotFoundError, or DataFormatError
-    (a ValueError) naming the files: unreadable, too few rows for one batch per rank, or
-    features that do not fit the tables."""
-    from recxla.data import ParquetDataset
+def embedding_dim_of(spec, given: Optional[int]) -> int:
+    """The model's one embedding dim: `given` (--embedding-dim), else the dim the dataset's
+    tables name, else FALLBACK_EMBEDDING_DIM. ValueError when the tables name several."""
+    if given is not None:
+        return given
+    dims = sorted({t.embedding_dim for t in spec.tables if t.embedding_dim is not None})
+    if len(dims) > 1:
+        named = {t.name: t.embedding_dim for t in spec.tables if t.embedding_dim is not None}
+        raise ValueError(f"the dataset's tables name several embedding dims {named}; DLRM's "
+                         "interaction needs one for all tables: pass --embedding-dim")
+    return dims[0] if dims else FALLBACK_EMBEDDING_DIM
 
-    files = ParquetDataset(path, config.batch_size, rank, world_size, config.seed, **kwargs)
-    files.check_tables(tables, num_dense)
-    return files
+
+def dataset_tables(spec, embedding_dim: int, table_rows: Sequence[Tuple[str, int]] = ()):
+    """TorchRec EmbeddingBagConfigs of a DatasetSpec: one per TableSpec, its features, rows
+    (or `table_rows`' override) and pooling, `embedding_dim` columns."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    names = [t.name for t in spec.tables]
+    rows = dict(table_rows)
+    unknown = sorted(set(rows) - set(names))
+    if unknown:
+        raise ValueError(f"--table-rows: unknown table(s) {unknown}; the dataset's tables: "
+                         f"{names}")
+    return [EmbeddingBagConfig(
+        name=t.name, embedding_dim=embedding_dim, num_embeddings=rows.get(t.name, t.num_rows),
+        feature_names=list(t.features),
+        pooling=PoolingType.MEAN if t.pooling == "mean" else PoolingType.SUM)
+        for t in spec.tables]
+
+
+def split_row_groups(info, fraction: float, world_size: int,
+                     timestamp: Optional[str]) -> Tuple[List[int], List[int]]:
+    """(training, held-out) row group indices of a dataset (DatasetInfo): the held-out ones are
+    the latest by their largest timestamp (Parquet statistics of the timestamp column) when the
+    dataset has one, else the last in file order, as many as hold `fraction` of the rows and
+    at least one per rank. ValueError when either side would have fewer groups than ranks."""
+    n = len(info.row_groups)
+    order = list(range(n))
+    if timestamp is not None:
+        order.sort(key=lambda i: (_largest_timestamp(info, i), i))
+    held, rows = [], 0
+    while order and (rows < fraction * info.num_rows or len(held) < world_size):
+        i = order.pop()
+        held.append(i)
+        rows += info.row_groups[i][2]
+    if len(order) < world_size:
+        raise ValueError(f"{info.path}: {n} row groups: holding out {fraction} of the rows "
+                         f"({len(held)} row groups, at least one per rank) leaves {len(order)} "
+                         f"for training on {world_size} ranks; lower --eval-fraction, or give "
+                         "--eval-data (or write smaller row groups)")
+    return sorted(order), sorted(held)
+
+
+def _largest_timestamp(info, group: int) -> int:
+    import pyarrow.parquet as pq
+
+    fi, gi, _ = info.row_groups[group]
+    md = pq.ParquetFile(info.files[fi].path).metadata
+    names = md.schema.names
+    if TIMESTAMP_COLUMN not in names:
+        return 0
+    stats = md.row_group(gi).column(names.index(TIMESTAMP_COLUMN)).statistics
+    return stats.max if stats is not None and stats.has_min_max else 0
 
 
 class TrainData:
-    """This rank's training and held-out batches.
+    """This rank's training and held-out batches, and the model's tables.
 
     Args:
-        config: batch size, seed, profile, train/eval batch counts, --data and its loader.
+        config: batch size, seed, profile or dataset, train/eval batch counts, the loader.
         rank, world_size: this rank's shard.
-    Raises (with --data or --eval-data) FileNotFoundError or DataFormatError naming the files.
+    Raises (with --data or --eval-data) FileNotFoundError or ValueError (DataFormatError)
+    starting with the option's flag and naming the files.
     """
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int):
         self.config = config
         self.rank, self.world_size = rank, world_size
-        self.profile = make_profile(config)
-        self.dataset = SyntheticRankingDataset(
-            self.profile, batch_size=config.batch_size, seed=config.seed, rank=rank,
-            world_size=world_size)
+        self.spec = self.profile = self.dataset = None
         self._loader = self._iter = None
         self.files = self.eval_files = None
-        # Any dim will do for the check: only names and rows are compared.
-        tables = self.tables(1)
+        self.train_groups: Optional[List[int]] = None
+        self.eval_groups: Optional[List[int]] = None
+        if config.model_from_data:
+            from recxla.data import read_dataset_spec
+
+            self.spec = _flagged("--data", read_dataset_spec, config.data)
+            if self.spec.label_kind != "binary":
+                raise ValueError(f"--data: {config.data}: the label {self.spec.label!r} is a "
+                                 "float target; the trainer trains a click task (0/1 labels, "
+                                 "BCE loss, AUC)")
+            self.embedding_dim = _flagged("--data", embedding_dim_of, self.spec,
+                                          config.embedding_dim)
+            self.num_dense = len(self.spec.dense_features)
+            self.weighted = any(t.weighted for t in self.spec.tables)
+        else:
+            self.profile = make_profile(config)
+            self.dataset = SyntheticRankingDataset(
+                self.profile, batch_size=config.batch_size, seed=config.seed, rank=rank,
+                world_size=world_size)
+            self.embedding_dim = config.embedding_dim
+            self.num_dense = self.profile.num_dense
+            self.weighted = False
+        tables = _flagged("--table-rows", self.tables, 1)  # names and rows: any dim will do
         if config.data is not None:
-            self.files = open_files(config.data, config, rank, world_size, tables,
-                                    self.num_dense, num_epochs=None)
+            if config.eval_fraction is not None:
+                from recxla.data.parquet_layout import DatasetInfo
+
+                info = _flagged("--data", DatasetInfo, config.data)
+                self.train_groups, self.eval_groups = _flagged(
+                    "--eval-fraction", split_row_groups, info, config.eval_fraction,
+                    world_size, self.spec.timestamp if self.spec else None)
+            self.files = self._open("--data", config.data, tables, num_epochs=None,
+                                    row_groups=self.train_groups)
+            if self.eval_groups is not None:
+                self.eval_files = self._open("--eval-fraction", config.data, tables,
+                                             row_groups=self.eval_groups, shuffle=False,
+                                             num_epochs=1, prefetch=0)
         if config.eval_data is not None:
-            self.eval_files = open_files(config.eval_data, config, rank, world_size, tables,
-                                         self.num_dense, shuffle=False, num_epochs=1, prefetch=0)
+            self.eval_files = self._open("--eval-data", config.eval_data, tables, shuffle=False,
+                                         num_epochs=1, prefetch=0)
 
-    def tables(self, embedding_dim: int) -> list:
-        """TorchRec EmbeddingBagConfigs of the profile, `embedding_dim` columns each."""
-        return self.dataset.embedding_bag_configs(embedding_dim)
+    def _open(self, flag: str, path: str, tables, **kwargs):
+        """`recxla.data.ParquetDataset` of `path` for this rank (footers only), checked against
+        the model's tables and dense width."""
+        from recxla.data import ParquetDataset
 
-    @property
-    def num_dense(self) -> int:
-        return self.profile.num_dense
+        files = _flagged(flag, ParquetDataset, path, self.config.batch_size, self.rank,
+                         self.world_size, self.config.seed, **kwargs)
+        try:
+            files.check_tables(tables, self.num_dense)
+        except ValueError as e:
+            hint = "" if self.spec is not None else (
+                f"; the model's tables are --profile {self.config.profile} capped at --max-rows "
+                f"{self.config.max_rows} (`python -m recxla.data write --max-rows "
+                f"{self.config.max_rows}` writes files that fit; without --profile and "
+                "--max-rows the model is the dataset's)")
+            raise type(e)(f"{flag}: {e}{hint}") from None
+        return files
+
+    def tables(self, embedding_dim: Optional[int] = None) -> list:
+        """TorchRec EmbeddingBagConfigs of the model, `embedding_dim` columns each (default:
+        the run's dim)."""
+        dim = self.embedding_dim if embedding_dim is None else embedding_dim
+        if self.spec is not None:
+            return dataset_tables(self.spec, dim, self.config.table_rows)
+        return self.dataset.embedding_bag_configs(dim)
 
     @property
     def fingerprint(self) -> Optional[str]:
@@ -119,7 +219,7 @@ class TrainData:
         from recxla.data import ParquetDataset
 
         first = ParquetDataset(self.config.data, self.config.batch_size, 0, self.world_size,
-                               self.config.seed, prefetch=0)
+                               self.config.seed, prefetch=0, row_groups=self.train_groups)
         it = iter(first)
         try:
             return to_torchrec(next(it))
@@ -147,14 +247,26 @@ class TrainData:
         self._loader = make_loader(
             self.config.data, self.config.batch_size, self.rank, self.world_size,
             self.config.seed, loader=self.config.loader, num_workers=self.config.loader_workers,
-            position=self.files.position_after(start_step))
+            position=self.files.position_after(start_step), row_groups=self.train_groups)
         it = self._iter = iter(self._loader)
         # The loader is endless: next() never raises StopIteration here.
         return (to_torchrec(next(it)) for _ in range(start_step, end_step))
 
+    @property
+    def held_out_description(self) -> str:
+        """What `held_out` reads, for the summary: the files, or the synthetic split."""
+        if self.config.eval_data is not None:
+            return f"--eval-data {self.config.eval_data}"
+        if self.eval_groups is not None:
+            by = "latest by timestamp" if self.spec is not None and self.spec.timestamp else \
+                "last in file order"
+            return (f"--eval-fraction {self.config.eval_fraction} of --data: "
+                    f"{len(self.eval_groups)} row groups, {by}")
+        return "the synthetic held-out split"
+
     def held_out(self) -> Iterator[TorchRecBatch]:
-        """The held-out batches: `config.eval_batches` of the synthetic held-out split, or the
-        first ones of this rank's share of --eval-data (fewer if the files hold fewer)."""
+        """The held-out batches: the first `config.eval_batches` of this rank's share of the
+        held-out files (fewer if they hold fewer), or of the synthetic held-out split."""
         if self.eval_files is None:
             for i in range(self.config.eval_batches):
                 yield to_torchrec(self.dataset.batch(HELD_OUT_START + i))
@@ -174,3 +286,11 @@ class TrainData:
             it.close()  # stops the worker processes
         if loader is not None:
             loader.close()
+
+
+def _flagged(flag: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs), its FileNotFoundError or ValueError prefixed with `flag`."""
+    try:
+        return fn(*args, **kwargs)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"{flag}: {e}") from None

@@ -11,8 +11,9 @@ gathers them and builds the summary that is printed and written as JSON (--metri
 - wire_bytes_per_step: bytes all ranks together send to other ranks per step (a rank's own
   split never leaves it), by what they carry: ids (input dist), embeddings forward, embedding
   gradients backward, dense all-reduce; cross_node_bytes_per_step: the part between nodes;
-- final_loss: mean training loss over the last steps, over all ranks; auc and eval_loss on the
-  held-out split (torchmetrics' exact BinaryAUROC, synced over the ranks).
+- final_loss: mean training loss over the last steps, over all ranks; auc and eval_loss (log
+  loss, mean BCE) on the held-out data (torchmetrics' exact BinaryAUROC, synced over the
+  ranks), eval_data saying which (TrainData.held_out_description).
 """
 
 import json
@@ -188,8 +189,9 @@ def format_summary(s: dict) -> str:
         lines.append(f"    sent on {s['config']['net_iface']}  "
                      f"{_si(s['iface_tx_bytes_per_step'], 'B')} (the interface's counters)")
     lines += [
-        f"  loss            {s['final_loss']:.4f} (train, last steps), eval {s['eval_loss']:.4f}",
-        f"  AUC             {s['auc']:.4f} ({s['eval_examples']:,} held-out examples)",
+        f"  loss            {s['final_loss']:.4f} (train, last steps)",
+        f"  held-out        AUC {s['auc']:.4f}, log loss {s['eval_loss']:.4f} "
+        f"({s['eval_examples']:,} examples: {s.get('eval_data', 'held-out split')})",
         f"  page faults     {s['page_faults_per_step']['p50']:.0f} p50, "
         f"{s['page_faults_per_step']['max']} max per step (allocator: {s['config']['allocator']})",
     ]

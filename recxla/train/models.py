@@ -21,13 +21,19 @@ _TAG_INIT = 0x1A17
 
 
 def build_model(config: TrainConfig, tables: List[EmbeddingBagConfig],
-                num_dense: int, device: torch.device) -> DLRMTrain:
-    """DLRMTrain(DLRM or DLRM_DCN) on `tables` (meta-device embeddings, dense layers on
-    `device`). forward(torchrec Batch of B samples) -> (loss scalar, (loss, logits [B],
+                num_dense: int, device: torch.device, weighted: bool = False) -> DLRMTrain:
+    """DLRMTrain(DLRM or DLRM_DCN) on `tables` (meta-device embeddings, all of one dim, dense
+    layers on `device`); `weighted`: the batches' KJTs carry per-id weights. forward(torchrec
+    Batch of B samples, dense float32 [B, num_dense]) -> (loss scalar, (loss, logits [B],
     labels [B]))."""
+    dims = sorted({t.embedding_dim for t in tables})
+    if len(dims) != 1:
+        raise ValueError(f"recxla-train: build_model: DLRM needs one embedding dim for all "
+                         f"tables, got {dims}")
     torch.manual_seed(config.seed)
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    dense_arch = list(config.dense_arch) + [config.embedding_dim]
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted,
+                                 device=torch.device("meta"))
+    dense_arch = list(config.dense_arch) + [dims[0]]
     over_arch = list(config.over_arch) + [1]
     if config.model == "dcn":
         model = DLRM_DCN(ebc, num_dense, dense_arch, over_arch, dcn_num_layers=config.dcn_layers,

@@ -1,0 +1,200 @@
+"""Options declared once: a dataclass field carries its flag, help, choices, parser and the path
+it applies to, and the argparse parser, the path check and the config's values all derive from
+those fields.
+
+    steps: int = option(100, "total steps", group="training", parse=int_at_least(1))
+
+- flag: "--" + the field name with dashes (or `flag=`); older spellings in `aliases`;
+- a bool field is a switch, `--x/--no-x` (argparse.BooleanOptionalAction);
+- applies: "both", "recxla" or "torchrec" (the path of --baseline). Given on the other path,
+  the option is an error (`path_errors`); left at its default, it is ignored there;
+- the parser's defaults are argparse.SUPPRESS, so that the namespace holds exactly the options
+  given on the command line: the config takes the field's default for the others (one default
+  per option), and checks can tell "given" from "left at its default".
+"""
+
+import argparse
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+BOTH, RECXLA, TORCHREC = "both", "recxla", "torchrec"
+PATHS = (BOTH, RECXLA, TORCHREC)
+# The command-line groups, in --help order.
+GROUPS = ("model", "training", "communication and sharding", "overlap pipeline",
+          "topology", "data", "run")
+# Switches older scripts spell `--overlap off`: rewritten to `--no-overlap` before parsing.
+ON_OFF_SWITCHES = ("--overlap", "--dbp")
+
+
+def option(default: Any, help: str, *, group: str, applies: str = BOTH,
+           choices: Optional[Sequence[str]] = None, parse: Optional[Callable] = None,
+           flag: Optional[str] = None, aliases: Sequence[str] = (), metavar: Optional[str] = None,
+           default_text: Optional[str] = None):
+    """A TrainConfig field declared as a command-line option.
+
+    default: the option's one default; default_text: how --help states it when the config
+    resolves it from other options (e.g. "the dataset's, else 64")."""
+    if group not in GROUPS:
+        raise ValueError(f"option: group must be one of {GROUPS}, got {group!r}")
+    if applies not in PATHS:
+        raise ValueError(f"option: applies must be one of {PATHS}, got {applies!r}")
+    meta = dict(help=help, group=group, applies=applies, choices=choices, parse=parse,
+                flag=flag, aliases=tuple(aliases), metavar=metavar, default_text=default_text)
+    return dataclasses.field(default=default, metadata={"option": meta})
+
+
+def options_of(cls) -> List[Tuple[dataclasses.Field, dict]]:
+    """(field, option metadata) of every option field of dataclass `cls`, in declaration order."""
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    return field.metadata["option"]["flag"] or "--" + field.name.replace("_", "-")
+
+
+def default_text(field: dataclasses.Field) -> str:
+    meta = field.metadata["option"]
+    if meta["default_text"] is not None:
+        return meta["default_text"]
+    value = field.default
+    if field.type in (bool, "bool"):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return "none" if value is None else str(value)
+
+
+def _help(field: dataclasses.Field) -> str:
+    meta = field.metadata["option"]
+    path = {BOTH: "", RECXLA: "recxla path only; ", TORCHREC: "--baseline torchrec only; "}
+    return f"{meta['help']} ({path[meta['applies']]}default: {default_text(field)})"
+
+
+def build_parser(cls, **parser_kwargs) -> argparse.ArgumentParser:
+    """The argparse parser of dataclass `cls`'s option fields, grouped as declared."""
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS, **parser_kwargs)
+    groups = {name: parser.add_argument_group(name) for name in GROUPS}
+    for field, meta in options_of(cls):
+        kwargs: Dict[str, Any] = dict(dest=field.name, help=_help(field))
+        if field.type in (bool, "bool"):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            if meta["choices"] is not None:
+                kwargs["choices"] = tuple(meta["choices"])
+            if meta["parse"] is not None:
+                kwargs["type"] = meta["parse"]
+            if meta["metavar"] is not None:
+                kwargs["metavar"] = meta["metavar"]
+        groups[meta["group"]].add_argument(flag_of(field), *meta["aliases"], **kwargs)
+    return parser
+
+
+def normalize_argv(argv: Sequence[str]) -> List[str]:
+    """`--overlap off` -> `--no-overlap`, `--overlap on` -> `--overlap` (older scripts)."""
+    out: List[str] = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ON_OFF_SWITCHES and i + 1 < len(argv) and argv[i + 1] in ("on", "off"):
+            out.append(arg if argv[i + 1] == "on" else "--no-" + arg[2:])
+            i += 2
+            continue
+        for switch in ON_OFF_SWITCHES:
+            if arg in (f"{switch}=on", f"{switch}=off"):
+                arg = switch if arg.endswith("=on") else "--no-" + switch[2:]
+        out.append(arg)
+        i += 1
+    return out
+
+
+def path_errors(cls, given: Dict[str, Any], path: str) -> List[str]:
+    """Messages for the options in `given` that do not apply to `path` ("recxla"/"torchrec")."""
+    errors = []
+    for field, meta in options_of(cls):
+        if field.name not in given or meta["applies"] in (BOTH, path):
+            continue
+        if meta["applies"] == RECXLA:
+            errors.append(f"{flag_of(field)} applies to the recxla path only; the TorchRec "
+                          "baseline (--baseline torchrec) runs TorchRec's own sharder and "
+                          "TrainPipelineSparseDist")
+        else:
+            errors.append(f"{flag_of(field)} applies to --baseline torchrec only")
+    return errors
+
+
+def values(cls, given: Dict[str, Any]) -> Dict[str, Any]:
+    """Every option field's value: the given one, else the field's default."""
+    return {field.name: given.get(field.name, field.default) for field, _ in options_of(cls)}
+
+
+# Parsers of option values: argparse turns their ArgumentTypeError into "--flag: message".
+
+def int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {value}")
+    return value
+
+
+def layer_sizes(text: str) -> Tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated ints >= 1, got {text!r}")
+    return sizes
+
+
+def table_sizes(text: str) -> Tuple[Tuple[str, int], ...]:
+    """"name=rows,name=rows" -> ((name, rows), ...)."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        name, sep, rows = part.partition("=")
+        try:
+            n = int(rows)
+        except ValueError:
+            n = 0
+        if not sep or not name.strip() or n < 1:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated TABLE=ROWS with ROWS an int >= 1, got {part!r}")
+        out.append((name.strip(), n))
+    return tuple(out)
