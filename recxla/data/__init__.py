@@ -23,11 +23,16 @@ Datasets of your own (recxla.data.schema, recxla.data.convert; docs/your-data.md
 - `read_dataset_spec(path) -> DatasetSpec`: the features, tables (rows, pooling, dim, id
   mapping), dense feature names, label and timestamp of a dataset, from its metadata.
 - `load_schema(toml_path)`: the schema file that `python -m recxla.data convert` reads.
-The command line: `python -m recxla.data write --out PATH --batches N [--sort-by KEY]`.
+- `convert(src, out, schema=None, fmt=None)`: Parquet, CSV or Criteo TSV -> a dataset folder.
+- `IdMapper.from_dataset(path).map(feature, raw_ids)`: raw ids -> rows as the conversion did.
+The command line: `python -m recxla.data write --out PATH --batches N [--sort-by KEY]`,
+`python -m recxla.data convert SRC --out DIR [--schema FILE] [--format ...]`, `... info PATH`.
 """
 
 from recxla.data.compact_batch import CompactBatch
+from recxla.data.convert import convert
 from recxla.data.errors import DataFormatError
+from recxla.data.id_mapping import IdMapper
 from recxla.data.loaders import LocalLoader, make_loader
 from recxla.data.parquet_dataset import ParquetDataset
 from recxla.data.parquet_writer import write_parquet
@@ -47,12 +52,14 @@ __all__ = [
     "CompactBatch",
     "DataFormatError",
     "DatasetSpec",
+    "IdMapper",
     "LocalLoader",
     "ParquetDataset",
     "Profile",
     "SparseFeature",
     "SyntheticRankingDataset",
     "TableSpec",
+    "convert",
     "criteo_kaggle_profile",
     "embedding_bag_configs",
     "load_schema",

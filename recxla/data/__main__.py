@@ -11,7 +11,15 @@
         a feature name (cat_0 ... cat_25) or request_id.
 
     python -m recxla.data info PATH
-        Prints the dataset's metadata (layout, rows, bytes, sort key and trial) as JSON.
+        Prints the dataset's metadata (layout, rows, bytes, sort key and trial) as JSON, and
+        its DatasetSpec (features, tables, dense features, label, id mapping).
+
+    python -m recxla.data convert SRC --out DIR [--schema FILE] [--format parquet|csv|criteo-tsv]
+                                  [--workers N] [--rows-per-group 65536] [--sort-by auto]
+                                  [--overwrite] [--no-progress]
+        Converts a click log (a file, or a folder of files of one format) into a dataset folder
+        that `python -m recxla.train --data DIR` trains with no other flags (recxla.data.convert;
+        docs/your-data.md describes the formats, the schema file and the id mapping).
 """
 
 import argparse
@@ -53,9 +61,41 @@ def _write(args) -> int:
 
 
 def _info(args) -> int:
+    import dataclasses
+
+    from recxla.data.parquet_layout import DatasetInfo
+    from recxla.data.schema import read_dataset_spec
+
+    summary = DatasetInfo(args.path, "python -m recxla.data info").summary()
+    summary["spec"] = dataclasses.asdict(read_dataset_spec(args.path))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _convert(args) -> int:
+    from recxla.data.convert import convert, left_out_columns
+
+    sort_by = None if args.sort_by == "none" else args.sort_by
+    left_out = left_out_columns(args.src, args.schema, args.format)
+    if left_out:
+        print(f"left out (no role in the schema, none inferred): {left_out}", file=sys.stderr)
+    start = time.perf_counter()
+    spec = convert(args.src, args.out, args.schema, args.format, workers=args.workers,
+                   rows_per_group=args.rows_per_group, sort_by=sort_by,
+                   overwrite=args.overwrite, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
     from recxla.data.parquet_layout import DatasetInfo
 
-    print(json.dumps(DatasetInfo(args.path, "python -m recxla.data info").summary(), indent=2))
+    info = DatasetInfo(args.out, "python -m recxla.data convert").summary()
+    print(f"converted {info['rows']:,} rows in {seconds:.1f} s ({info['rows'] / seconds:,.0f} "
+          f"rows/s) to {args.out}: {info['files']} file(s), {info['bytes']:,} bytes")
+    print(f"dense features ({len(spec.dense_features)}): {list(spec.dense_features)}; label "
+          f"{spec.label!r} ({spec.label_kind}); timestamp {spec.timestamp!r}")
+    for t in spec.tables:
+        print(f"table {t.name}: {t.num_rows:,} rows, {t.mapping}"
+              f"{f' (min count {t.min_count})' if t.mapping == 'vocab' else ''}, {t.pooling}"
+              f"{'' if t.embedding_dim is None else f', dim {t.embedding_dim}'}"
+              f"{', weighted' if t.weighted else ''}: {list(t.features)}")
     return 0
 
 
@@ -77,13 +117,31 @@ def main(argv=None) -> int:
     w.add_argument("--overwrite", action="store_true", help="replace existing .parquet files")
     i = sub.add_parser("info", help="print a dataset's metadata")
     i.add_argument("path")
+    c = sub.add_parser("convert", help="convert Parquet, CSV or Criteo TSV into a dataset")
+    c.add_argument("src", help="a file, or a folder of files of one format")
+    c.add_argument("--out", required=True, help="the dataset folder to create")
+    c.add_argument("--schema", default=None, help="a schema file (TOML); default: infer")
+    c.add_argument("--format", default=None, choices=("parquet", "csv", "criteo-tsv"),
+                   help="default: from the file extension (.parquet, .csv, .tsv)")
+    c.add_argument("--workers", type=int, default=None,
+                   help="processes converting files in parallel (default: min(files, CPUs))")
+    c.add_argument("--rows-per-group", type=int, default=65536,
+                   help="rows per row group, the unit of sharding and shuffling")
+    c.add_argument("--sort-by", default="auto",
+                   help="auto (default), none, or a sparse feature's name")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "write" and args.batches < 1:
         parser.error("--batches must be >= 1")
     if args.command == "write" and args.max_rows < 0:
         parser.error("--max-rows must be >= 0 (0: the full tables)")
+    if args.command == "convert" and args.workers is not None and args.workers < 1:
+        parser.error("--workers must be >= 1")
+    if args.command == "convert" and args.rows_per_group < 1:
+        parser.error("--rows-per-group must be >= 1")
     try:
-        return _write(args) if args.command == "write" else _info(args)
+        return {"write": _write, "info": _info, "convert": _convert}[args.command](args)
     except (FileNotFoundError, FileExistsError, DataFormatError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -86,7 +86,7 @@ def _count_file(i: int) -> Dict[str, Optional[pa.Table]]:
             if parts.get(f.table) is None:
                 continue
             tp = plan.tables[f.table]
-            _, ids, _ = id_bags(t.column(f.column).combine_chunks(), f.is_list)
+            _, ids, _ = id_bags(t.column(f.column).combine_chunks(), f.is_list, f.separator)
             raw = ids.cast(pa.large_string() if tp.id_type == "string" else pa.int64())
             parts[f.table].append(count_ids(keys_of(ids, tp.id_type), raw))
         for name, p in parts.items():

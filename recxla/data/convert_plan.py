@@ -54,6 +54,7 @@ class FeaturePlan:
     table: str
     weights: Optional[str]
     is_list: bool
+    separator: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -127,6 +128,9 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
     sparse: List[Tuple[str, SparseSchema]] = list(schema.sparse)
     for feature, s in sparse:
         t = need(s.column, f"sparse feature {feature}")
+        if s.separator is not None and not _is_string(t):
+            raise ValueError(f"{where}: column {s.column!r} holds {t}: a separator splits "
+                             "string columns only")
         inner = _base(t.value_type) if _is_list(t) else t
         if not _is_id(inner):
             raise ValueError(f"{where}: column {s.column!r} holds {t}: a sparse feature needs "
@@ -134,7 +138,7 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
         if s.weights is not None:
             wt = need(s.weights, f"weights of {feature}")
             w_inner = wt.value_type if _is_list(wt) else wt
-            if not _is_number(w_inner) or _is_list(wt) != _is_list(t):
+            if not _is_number(w_inner) or _is_list(wt) != _is_list(t) or s.separator:
                 raise ValueError(f"{where}: column {s.weights!r} holds {wt}: the weights of "
                                  f"{feature} ({t}) must be {'lists of ' if _is_list(t) else ''}"
                                  "floats")
@@ -160,16 +164,18 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
                 left_out.append(name)
     else:
         left_out = [n for n in types if n not in taken]
-    features = [FeaturePlan(f, s.column, s.table, s.weights, _is_list(_base(types[s.column])))
-                for f, s in sparse]
+    features = [FeaturePlan(f, s.column, s.table, s.weights,
+                            _is_list(_base(types[s.column])) or s.separator is not None,
+                            s.separator) for f, s in sparse]
     if not features:
         raise ValueError(f"{where}: no sparse features: the schema names none and no column "
                          f"holds integer or string ids (columns: {list(types)})")
     plans: Dict[str, TablePlan] = {}
     for name, ts in tables.items():
         fs = [f for f in features if f.table == name]
-        strings = any(_is_string(_base(types[f.column]).value_type if f.is_list
-                                 else _base(types[f.column])) for f in fs)
+        strings = any(f.separator is not None or _is_string(
+            _base(types[f.column]).value_type if f.is_list else _base(types[f.column]))
+            for f in fs)
         if strings and ts.mapping == "modulo":
             raise ValueError(f"{where}: table {name}: mapping \"modulo\" needs integer ids; "
                              f"{[f.column for f in fs]} hold strings")
@@ -192,10 +198,14 @@ def check_same_columns(plan: Plan, columns: pa.Schema, path: str) -> None:
                              f"holds {plan.source_types[c]}")
 
 
-def id_bags(col: pa.Array, is_list: bool) -> Tuple[np.ndarray, pa.Array, Optional[np.ndarray]]:
-    """(lengths int64 [n], the ids without nulls, mask of the kept flat elements or None)."""
+def id_bags(col: pa.Array, is_list: bool, separator: Optional[str] = None
+            ) -> Tuple[np.ndarray, pa.Array, Optional[np.ndarray]]:
+    """(lengths int64 [n], the ids without nulls, mask of the kept flat elements or None).
+    With a separator, a string column's values are bags: "a|b" -> [a, b], "" -> []."""
     if pa.types.is_dictionary(col.type):
         col = col.dictionary_decode()
+    if separator is not None:
+        col = pc.split_pattern(pc.if_else(pc.equal(col, ""), None, col), separator)
     if not is_list:
         valid = col.is_valid()
         return (valid.to_numpy(zero_copy_only=False).astype(np.int64), col.filter(valid), None)
@@ -233,7 +243,7 @@ def convert_rows(t: pa.Table, plan: Plan, tables: Dict, vocabs: Dict, where: str
     for f in plan.features:
         spec = tables[f.table]
         col = t.column(f.column).combine_chunks()
-        lengths, ids, keep = id_bags(col, f.is_list)
+        lengths, ids, keep = id_bags(col, f.is_list, f.separator)
         keys = keys_of(ids, spec.id_type)
         rows = map_keys(spec, keys, vocabs.get(f.table), f"{where}: column {f.column!r}")
         cols[sparse_column(f.name)] = _list_array(lengths, rows, pa.int64())

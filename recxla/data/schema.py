@@ -23,6 +23,7 @@ The schema file, every key optional (docs/your-data.md has the full description)
     column = "user_id"           #   its column (default: the feature's name)
     table = "users"              #   the table it reads (default: its own, "t_<feature>")
     weights = "w"                #   a float (or list<float>) column of per-id weights
+    separator = "|"              #   a string column holding a bag: "3|17|4" (CSV lists)
     rows, dim, pooling, mapping, min_count   # table keys, for a feature with its own table
     [tables.<name>]              # a table shared by the features that name it
     rows = 100000                #   rows (vocab: a cap; hash/modulo: the modulus)
@@ -212,12 +213,14 @@ class TableSchema:
 
 @dataclasses.dataclass(frozen=True)
 class SparseSchema:
-    """A sparse feature's keys: its column, its table's name (None: a table of its own) and
-    the column of its per-id weights (None: unweighted)."""
+    """A sparse feature's keys: its column, its table's name (None: a table of its own), the
+    column of its per-id weights (None: unweighted), and the separator of ids in a string
+    column that holds a bag (None: one id per row, or a list column)."""
 
     column: str
     table: Optional[str] = None
     weights: Optional[str] = None
+    separator: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +253,7 @@ class Schema:
 _TOP = {"label", "label_kind", "timestamp", "dense", "dense_log1p", "ignore", "infer",
         "vocab_limit", "default_rows", "sparse", "tables"}
 _TABLE_KEYS = {"rows", "dim", "pooling", "mapping", "min_count"}
-_SPARSE_KEYS = {"column", "table", "weights"}
+_SPARSE_KEYS = {"column", "table", "weights", "separator"}
 
 
 def _get(d: dict, key: str, kind, where: str, default=None, lo=None):
@@ -308,7 +311,10 @@ def parse_schema(d: dict, where: str) -> Schema:
             raise ValueError(f"{w}: the keys of a sparse feature are "
                              f"{sorted(_SPARSE_KEYS | _TABLE_KEYS)}, got {sd!r}")
         s = SparseSchema(column=_get(sd, "column", str, w, feature),
-                         table=_get(sd, "table", str, w), weights=_get(sd, "weights", str, w))
+                         table=_get(sd, "table", str, w), weights=_get(sd, "weights", str, w),
+                         separator=_get(sd, "separator", str, w))
+        if s.separator == "":
+            raise ValueError(f"{w}: separator must not be empty")
         own = {k: v for k, v in sd.items() if k in _TABLE_KEYS}
         if s.table is not None:
             if s.table not in tables:
