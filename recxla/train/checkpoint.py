@@ -1,55 +1,55 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP): model, optimizers, data position.
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): everything a run's continuation
+depends on, written crash-consistently.
 
-A checkpoint is a folder `<checkpoint-dir>/step_<N>` written by DCP, every rank writing its own
-shards: the model's state_dict (embedding tables as ShardedTensors, dense layers once), the
-combined optimizer's state_dict (the fused embedding optimizer's sharded state, e.g. row-wise
-Adagrad's accumulators, and the dense optimizer's), and the training state (steps done, which is
-the data position: see recxla.train.data; with --data, `train_state.json` also records the
-files' fingerprint, so that resuming on other files fails). It is written under
-`step_<N>.partial` and renamed once every rank has finished, with `train_state.json` (the
-training state and the options it depends on) added last: a folder without it is not a checkpoint, so a run killed while saving
-resumes from the previous one. `train_state.json` also lets --resume be checked before any
-process group exists.
+A checkpoint `step_<N>` holds, every rank writing its own shards through DCP:
+- "model": the model's state_dict (embedding tables as ShardedTensors, dense layers once);
+- "optimizer": the combined optimizer's state_dict (the fused embedding optimizer's sharded
+  state, e.g. row-wise Adagrad's accumulators, and the dense optimizer's, its step counts
+  included);
+- "train": the steps done, which is also the data position (see recxla.train.data: batch k
+  is a function of k alone, with --data as with the synthetic logs), and each rank's random
+  number generator state (`rng_cpu_rank<r>`; nothing in the trainer's step draws from it
+  today, a model with dropout would);
+and `train_state.json`, the completion marker: the training state again, the options it
+depends on (checked by --resume before any process group exists), the --data files'
+fingerprint, `state_sha256` (a hash of every rank's saved tensors: two runs that end with the
+same value hold the same state bit for bit) and the size of every file.
 
-Resuming loads everything in place, so a run stopped after a checkpoint and resumed ends with
-the parameters of an uninterrupted run, bit for bit on CPU with fp32 communication.
+The pipeline's double-buffered next batch is not saved: the checkpoint is written between
+steps, after the step's update, when the next batch's ids have been exchanged but nothing of it
+has been looked up or trained; a resumed run reads that batch again from the data position and
+exchanges it again (with --dbp-lookup early the next batch is looked up before the update and
+corrected after; a resumed run looks it up after, which equals it only up to float rounding).
+
+How a checkpoint is committed, which folders count as complete and what is removed:
+recxla.train.checkpoint_files. In short: a run killed at any instant, on one rank or all,
+leaves the newest complete checkpoint intact, and --resume continues from it; a run stopped
+and resumed ends with the parameters of an uninterrupted run, bit for bit on CPU with fp32
+communication.
 """
 
+import hashlib
 import json
 import os
-import re
-import shutil
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
+from recxla.train import checkpoint_files as files
+from recxla.train.checkpoint_files import STATE_FILE, checkpoint_path, latest_checkpoint
 from recxla.train.config import TrainConfig
+from recxla.train.faults import kill_point
 
-STATE_FILE = "train_state.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+__all__ = ["STATE_FILE", "checkpoint_path", "latest_checkpoint", "read_train_state",
+           "check_compatible", "save", "load", "state_fingerprint"]
+
 # Options a checkpoint's contents depend on: resuming with others is an error.
 COMPATIBLE = ("model", "embedding_dim", "dense_arch", "over_arch", "dcn_layers", "dcn_low_rank",
               "batch_size", "train_batches", "dense_optimizer", "sparse_optimizer", "seed",
               "profile", "max_rows", "zipf", "sharding")
-
-
-def checkpoint_path(directory: str, step: int) -> str:
-    return os.path.join(directory, f"step_{step:08d}")
-
-
-def latest_checkpoint(directory: Optional[str]) -> Optional[Tuple[int, str]]:
-    """(steps done, folder) of the newest complete checkpoint in `directory`, or None."""
-    if not directory or not os.path.isdir(directory):
-        return None
-    found = []
-    for name in os.listdir(directory):
-        m = _STEP_DIR.match(name)
-        path = os.path.join(directory, name)
-        if m and os.path.isfile(os.path.join(path, STATE_FILE)):
-            found.append((int(m.group(1)), path))
-    return max(found) if found else None
 
 
 def read_train_state(path: str) -> dict:
@@ -67,8 +67,7 @@ def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
         diff.append(f"world size {state['world_size']} (now {world_size})")
     if state["path"] != config.path:
         diff.append(f"path {state['path']} (now {config.path})")
-    files = _data_fingerprint(config)
-    if state.get("data_fingerprint") != files:
+    if state.get("data_fingerprint") != _data_fingerprint(config):
         saved_data = saved.get("data")
         diff.append(f"--data {saved_data!r} (now {config.data!r}, "
                     + ("other files)" if saved_data and config.data else "other data)"))
@@ -93,42 +92,120 @@ def _plain(value):
     return list(value) if isinstance(value, (list, tuple)) else value
 
 
+class _Writer(FileSystemWriter):
+    """DCP's file writer (every file fsynced) with the "checkpoint N writing" fault point: after
+    this rank's data files, before DCP writes its metadata."""
+
+    def __init__(self, path: str, step: int):
+        super().__init__(path, sync_files=True)
+        self._step = step
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        written.wait()
+        kill_point(f"checkpoint {self._step} writing")
+        return written
+
+
+def _rng_key(rank: int) -> str:
+    return f"rng_cpu_rank{rank}"
+
+
+def _contents(model, optimizer, steps_done: int, rank: int) -> dict:
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "train": {"steps_done": torch.tensor(steps_done, dtype=torch.int64),
+                      _rng_key(rank): torch.get_rng_state()}}
+
+
 def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
-         world_size: int, data_fingerprint: Optional[str] = None) -> str:
-    """Write checkpoint `step_<steps_done>` (a collective: every rank calls it). Returns the
-    folder. `data_fingerprint`: TrainData.fingerprint (None: synthetic logs)."""
-    final = checkpoint_path(directory, steps_done)
-    partial = final + ".partial"
+         world_size: int, data_fingerprint: Optional[str] = None,
+         keep: Optional[int] = None) -> str:
+    """Write checkpoint `step_<steps_done>` (a collective: every rank calls it) and commit it;
+    then delete the older ones beyond the `keep` newest (None: keep all). Returns the folder.
+    `data_fingerprint`: TrainData.fingerprint (None: synthetic logs)."""
     rank = dist.get_rank()
+    partial = files.partial_path(directory, steps_done)
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        files.remove_incomplete(directory)  # a killed run's leftovers, this step's included
     dist.barrier()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "train": {"steps_done": torch.tensor(steps_done, dtype=torch.int64)}}
-    dcp.save(state, checkpoint_id=partial)
-    dist.barrier()  # every rank's shards are on disk
+    state = _contents(model, optimizer, steps_done, rank)
+    dcp.save(state, storage_writer=_Writer(partial, steps_done))
+    kill_point(f"checkpoint {steps_done} written")
+    fingerprint = state_fingerprint(state)  # a collective: also the barrier after every write
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
-        train_state = {"steps_done": steps_done, "data_position": steps_done,
-                       "data_fingerprint": data_fingerprint,
-                       "world_size": world_size, "path": config.path,
-                       "config": config.asdict()}
-        tmp = os.path.join(final, STATE_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(train_state, f, indent=1)
-        os.replace(tmp, os.path.join(final, STATE_FILE))
-    dist.barrier()
-    return final
+        files.write_marker(partial, {
+            "steps_done": steps_done, "data_position": steps_done,
+            "data_fingerprint": data_fingerprint, "world_size": world_size,
+            "path": config.path, "state_sha256": fingerprint, "config": config.asdict()})
+        kill_point(f"checkpoint {steps_done} marked")
+        files.commit(directory, steps_done)
+    dist.barrier()  # committed: no rank goes on before the checkpoint exists
+    kill_point(f"checkpoint {steps_done} committed")
+    if rank == 0:
+        files.prune(directory, steps_done, keep)
+    return checkpoint_path(directory, steps_done)
 
 
 def load(path: str, model, optimizer) -> int:
-    """Load checkpoint folder `path` into `model` and `optimizer` in place (a collective).
-    Returns the steps it had done."""
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "train": {"steps_done": torch.tensor(-1, dtype=torch.int64)}}
+    """Load checkpoint folder `path` into `model` and `optimizer` in place and restore this
+    rank's random number generator (a collective). Rank 0 first deletes the incomplete folders
+    beside it. Returns the steps it had done."""
+    rank = dist.get_rank()
+    if rank == 0:
+        files.remove_incomplete(os.path.dirname(os.path.normpath(path)))
+    state = _contents(model, optimizer, -1, rank)
+    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if f"train.{_rng_key(rank)}" not in saved_keys:  # written before generators were saved
+        del state["train"][_rng_key(rank)]
     dcp.load(state, checkpoint_id=path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if _rng_key(rank) in state["train"]:
+        torch.set_rng_state(state["train"][_rng_key(rank)])
     return int(state["train"]["steps_done"])
+
+
+def state_fingerprint(state: dict) -> str:
+    """sha256 over every rank's tensors of `state` (a collective; the same string on every
+    rank): keys, shard offsets, dtypes, shapes and bytes, rank by rank. Equal fingerprints:
+    equal states, bit for bit, under the same plan."""
+    local = hashlib.sha256()
+    for key, value in sorted(_flatten(state).items()):
+        local.update(key.encode())
+        for offsets, tensor in _local_tensors(value):
+            t = tensor.detach().cpu().contiguous()
+            local.update(f"{offsets}{t.dtype}{tuple(t.shape)}".encode())
+            local.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, local.hexdigest())
+    return hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
+def _flatten(value, prefix: str = "") -> dict:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(value, (list, tuple)):
+        out = {}
+        for i, v in enumerate(value):
+            out.update(_flatten(v, f"{prefix}{i}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def _local_tensors(value):
+    """(shard offsets, tensor) of this rank's part of `value`; non-tensors as text."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, ShardedTensor):
+        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        return [(str(value.placements), value.to_local())]
+    if torch.is_tensor(value):
+        return [((), value)]
+    return [((), torch.frombuffer(bytearray(repr(value).encode()) or bytearray(b" "),
+                                  dtype=torch.uint8))]
