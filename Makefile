@@ -33,14 +33,16 @@ $(STAMPS)/deps: $(STAMPS)/venv requirements/base.txt requirements/test.txt requi
 	$(PIP) install -q --no-deps $(FBGEMM) torchrec==1.9.2
 	touch $@
 
-# First install: an editable install (recxla imports from this tree, triton_kernels/ as
-# recxla.triton_kernels) that also compiles the extension.
+# An editable install (recxla imports from this tree, triton_kernels/ as recxla.triton_kernels)
+# of the package alone: pip would compile the extension in a temporary folder it deletes, and
+# the build below would compile every unit again.
 $(STAMPS)/install: $(STAMPS)/deps setup.py pyproject.toml
-	flock .build.lock $(PIP) install -q --no-build-isolation --no-deps -e .
-	touch $@ $(STAMPS)/build
+	RECXLA_SKIP_EXTENSION=1 flock .build.lock $(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
 
-# Later source changes rebuild only what changed (ninja keeps the objects under build/).
-$(STAMPS)/build: $(STAMPS)/install $(shell find csrc -type f 2>/dev/null)
+# The one compile of the extension, in place; later source changes rebuild only what changed
+# (ninja keeps the objects under build/).
+$(STAMPS)/build: $(STAMPS)/install setup.py $(shell find csrc -type f 2>/dev/null)
 	flock .build.lock $(PY) setup.py -q build_ext --inplace
 	$(PY) -c "import recxla._C"
 	touch $@

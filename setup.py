@@ -4,6 +4,11 @@ The C++ CPU kernels are always built. The CUDA kernels are built whenever the in
 CUDA build and a CUDA toolkit (nvcc) is found; a visible GPU is not needed, so a CPU-only machine
 with the toolkit compiles and links them too. `RECXLA_FORCE_CPU=1` builds the CPU kernels only.
 The architectures default to sm_80 and sm_90 and follow `TORCH_CUDA_ARCH_LIST` when it is set.
+
+`RECXLA_SKIP_EXTENSION=1` installs the package without compiling the extension: the Makefile's
+editable install does that, and `setup.py build_ext --inplace` then compiles it once, with ninja
+keeping the objects under build/ for later rebuilds (an editable install compiles in a temporary
+folder that pip deletes, so compiling there too would compile every unit twice).
 """
 
 import glob
@@ -127,7 +132,8 @@ def main():
         # The Triton kernels live at the top level of the source tree but install inside the
         # package: a bare top-level `triton_kernels` name belongs to another project.
         package_dir={"recxla.triton_kernels": "triton_kernels"},
-        ext_modules=get_extensions(),
+        ext_modules=[] if os.environ.get("RECXLA_SKIP_EXTENSION", "0") == "1" else
+        get_extensions(),
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},
         python_requires=">=3.10",
