@@ -5,8 +5,10 @@ A batch is split into M micro-batches of consecutive samples after an optional r
 `recxla.cluster_samples` chooses (micro-batches whose samples share keys). Sizes differ by at
 most one sample (contiguous) or as `cluster_samples` documents (clustered).
 
-Batches are TorchRec's `torchrec.datasets.utils.Batch` (dense_features, sparse_features,
-labels) or `recxla.data.Batch` (sparse, dense, labels); the split keeps the type.
+Batches are any type TorchRec's pipelines move (see batch_fields.py): every KeyedJaggedTensor
+field is cut by sample and every tensor field whose dim 0 is the batch by row; the split keeps
+the type. A batch with fewer samples than micro-batches gives empty micro-batches (the
+collectives of every micro-batch still run on every rank).
 """
 
 from dataclasses import dataclass
@@ -15,24 +17,9 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recxla.pipeline.batch_fields import OWNER, batch_size, map_samples, sparse_fields
+
 SPLITS = ("contiguous", "clustered")
-OWNER = "recxla.pipeline.TrainPipeline"
-
-
-def batch_parts(batch: Any):
-    """(dense float [B, ...], sparse KeyedJaggedTensor, labels [B]) of a supported batch."""
-    if hasattr(batch, "sparse_features"):
-        return batch.dense_features, batch.sparse_features, batch.labels
-    if hasattr(batch, "sparse") and hasattr(batch, "dense"):
-        return batch.dense, batch.sparse, batch.labels
-    raise TypeError(f"{OWNER}: batches must be torchrec.datasets.utils.Batch or recxla.data.Batch, "
-                    f"got {type(batch).__name__}")
-
-
-def _rebuild(batch: Any, dense, sparse, labels) -> Any:
-    if hasattr(batch, "sparse_features"):
-        return type(batch)(dense_features=dense, sparse_features=sparse, labels=labels)
-    return type(batch)(sparse=sparse, dense=dense, labels=labels)
 
 
 def even_sizes(batch_size: int, num_micro_batches: int) -> List[int]:
@@ -78,9 +65,9 @@ class MicroBatches:
     def micro_batch(self, k: int) -> Any:
         start = sum(self.sizes[:k])
         stop = start + self.sizes[k]
-        dense, sparse, labels = batch_parts(self.batch)
-        return _rebuild(self.batch, dense[start:stop], slice_samples(sparse, start, stop),
-                        labels[start:stop])
+        return map_samples(self.batch, self.batch_size,
+                           lambda kjt: slice_samples(kjt, start, stop),
+                           lambda rows: rows[start:stop])
 
     def merge(self, outputs: Sequence[Any]) -> Any:
         """The micro-batches' model outputs as one batch's: tensors of B_k samples are joined
@@ -89,20 +76,21 @@ class MicroBatches:
 
 
 def split_batch(batch: Any, num_micro_batches: int, split: str = "contiguous") -> MicroBatches:
-    """Reorder `batch` (split="clustered": by recxla.cluster_samples) and cut it in
-    num_micro_batches pieces. ValueError for an unknown split or M < 1."""
+    """Reorder `batch` (split="clustered": by recxla.cluster_samples of its first
+    KeyedJaggedTensor field) and cut it in num_micro_batches pieces. A batch with fewer samples
+    than pieces is cut contiguously (some pieces empty). ValueError for an unknown split."""
     if split not in SPLITS:
         raise ValueError(f"{OWNER}: split must be one of {SPLITS}, got {split!r}")
-    dense, sparse, labels = batch_parts(batch)
-    size = sparse.stride()
-    if num_micro_batches == 1 or split == "contiguous" or size == 0:
+    size = batch_size(batch)
+    if num_micro_batches == 1 or split == "contiguous" or size < num_micro_batches:
         return MicroBatches(batch, None, even_sizes(size, num_micro_batches))
     from recxla.clustering import cluster_samples, permute_samples
 
-    order, bounds = cluster_samples(sparse, num_micro_batches)
+    order, bounds = cluster_samples(next(iter(sparse_fields(batch).values())), num_micro_batches)
     bounds = [int(b) for b in bounds]
     sizes = [bounds[k + 1] - bounds[k] for k in range(num_micro_batches)]
-    reordered = _rebuild(batch, dense[order], permute_samples(sparse, order), labels[order])
+    reordered = map_samples(batch, size, lambda kjt: permute_samples(kjt, order),
+                            lambda rows: rows[order])
     return MicroBatches(reordered, order, sizes)
 
 
@@ -110,9 +98,10 @@ def _merge(outputs: List[Any], sizes: List[int], order: Optional[torch.Tensor]) 
     first = outputs[0]
     if isinstance(first, torch.Tensor):
         if first.dim() == 0:
+            # Empty micro-batches are left out: their mean over no sample is NaN.
             total = sum(sizes)
-            return sum(o.detach() * (n / total) for o, n in zip(outputs, sizes)) if total else \
-                first.detach()
+            return sum(o.detach() * (n / total) for o, n in zip(outputs, sizes) if n) \
+                if total else first.detach()
         joined = torch.cat([o.detach() for o in outputs])
         if order is not None and joined.shape[0] == order.numel():
             restored = torch.empty_like(joined)

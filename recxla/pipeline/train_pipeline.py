@@ -31,58 +31,47 @@ micro-batch's sparse features (TorchRec's DLRM and DLRM_DCN do: any order of den
 arches works, because the rows of micro-batch k are already in flight before its forward
 starts), its forward returns (loss, output) with the loss a mean over the micro-batch's
 samples (DLRMTrain does), and no layer mixes samples across the batch (no batch norm): each
-micro-batch's gradient must be its samples' part of the whole batch's.
+micro-batch's gradient must be its samples' part of the whole batch's. The model is never
+traced or rewritten: Python control flow and torch.compile'd parts are fine.
+
+The user's loop is TorchRec's (docs/pipeline.md): progress(it) until StopIteration, a new
+iterator for the next epoch; a model in eval mode gets forward only (no backward, no update);
+detach() hands the model back for use on its own, attach() (or the next progress) resumes.
 """
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from recxla.pipeline.micro_batches import (
-    OWNER,
-    SPLITS,
-    MicroBatches,
-    batch_parts,
-    split_batch,
+from recxla.pipeline.dense_sync import MicroBatchGradientSync, wire_dtype
+from recxla.pipeline.input_stage import (
+    PreparedBatch,
+    advance,
+    prepare_batch,
+    tables_state,
 )
-from recxla.pipeline.dense_sync import MicroBatchGradientSync
+from recxla.pipeline.micro_batches import OWNER, SPLITS
 from recxla.pipeline.timeline import Timeline
 from recxla.pipeline.window import EarlyLookup, FrozenWindow
 from recxla.torchrec.sharded_embedding_bag import ShardedEmbeddingBagCollection
-
-
-@dataclass
-class _ModuleInput:
-    """One sharded module's input dist for one batch, advanced stage by stage."""
-
-    meta: Any = None          # the first all-to-all (sizes) in flight
-    data: Any = None          # the second (ids) in flight
-    lookup_input: Any = None  # decoded at the owner
-    bag_lengths: Optional[torch.Tensor] = None
-    row_bags: Any = None  # this rank's bags of row-exchange tables
-    early: Optional[EarlyLookup] = None  # dbp_lookup="early": looked up before the update
-
-
-@dataclass
-class _Batch:
-    micro: Optional[MicroBatches]
-    inputs: List[_ModuleInput] = field(default_factory=list)
-    # An error of this batch's input dist, raised when the batch's own step starts, so that a
-    # bad next batch never interrupts the current step halfway.
-    error: Optional[BaseException] = None
 
 
 class TrainPipeline:
     """Frozen-window micro-batch pipelining (FWP) and staleness-free double buffering (DBP) for
     models whose embeddings are sharded by `recxla.torchrec.EmbeddingBagCollectionSharder`.
 
-    It has TorchRec's pipeline interface: `progress(dataloader_iter)` trains one batch and
-    returns the model's output for it (micro-batch outputs joined, in the loader's sample
-    order), raising StopIteration when the loader is exhausted.
+    It has TorchRec's pipeline interface (`TrainPipelineSparseDist`): `progress(dataloader_iter)`
+    runs one batch and returns the model's output for it (micro-batch outputs joined, in the
+    loader's sample order), raising StopIteration when the loader is exhausted; a new iterator
+    starts a new epoch. In train mode a batch trains (forward, backward, update); with the
+    model in eval mode (`model.eval()`) it runs forward only, without gradients, and changes
+    no weight. `detach()` / `attach(model)` as TorchRec's.
+
+    Batches: any type TorchRec's pipelines move (a dataclass, NamedTuple, dict or object whose
+    fields hold the KeyedJaggedTensor(s) and the per-sample tensors; see batch_fields.py).
 
     Args:
         model: the model, typically DistributedModelParallel; its forward takes a batch and
@@ -118,33 +107,39 @@ class TrainPipeline:
         for name, flag in (("overlap", overlap), ("dbp", dbp)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{OWNER}: {name} must be a bool, got {flag!r}")
-        self._modules = [m for m in model.modules()
-                         if isinstance(m, ShardedEmbeddingBagCollection)]
-        if not self._modules:
-            raise ValueError(f"{OWNER}: the model has no module sharded by "
-                             "recxla.torchrec.EmbeddingBagCollectionSharder")
-        self._model = model
+        if split not in SPLITS:
+            raise ValueError(f"{OWNER}: split must be one of {SPLITS}, got {split!r}")
+        if dbp_lookup not in self.DBP_LOOKUPS:
+            raise ValueError(f"{OWNER}: dbp_lookup must be one of {self.DBP_LOOKUPS}, got "
+                             f"{dbp_lookup!r}")
+        self._wire = wire_dtype(dense_allreduce)
+        self._set_model(model)
         self._optimizer = optimizer
         self._device = torch.device(device)
         self._num_micro = num_micro_batches
         self._overlap = overlap
         self._dbp = dbp
         self._split = split
-        if split not in SPLITS:
-            raise ValueError(f"{OWNER}: split must be one of {SPLITS}, got {split!r}")
-        if dbp_lookup not in self.DBP_LOOKUPS:
-            raise ValueError(f"{OWNER}: dbp_lookup must be one of {self.DBP_LOOKUPS}, got "
-                             f"{dbp_lookup!r}")
         self._dbp_lookup = dbp_lookup
         # Tests turn this off to plant a stale read and show that the checks catch it.
         self._correct_early_lookups = True
-        ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
-        self._gradient_sync = MicroBatchGradientSync(ddp, dense_allreduce) \
-            if ddp is not None else None
-        self._next: Optional[_Batch] = None
+        self._next: Optional[PreparedBatch] = None
+        self._loader: Optional[Iterator] = None
         self._exhausted = False
+        self._attached = True
         self.timeline = timeline if timeline is not None else Timeline(enabled=False)
         self._phase = phase
+
+    def _set_model(self, model: torch.nn.Module) -> None:
+        self._modules: List[Tuple[str, ShardedEmbeddingBagCollection]] = [
+            (path, m) for path, m in model.named_modules()
+            if isinstance(m, ShardedEmbeddingBagCollection)]
+        if not self._modules:
+            raise ValueError(f"{OWNER}: the model has no module sharded by "
+                             "recxla.torchrec.EmbeddingBagCollectionSharder")
+        self._model = model
+        ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+        self._gradient_sync = MicroBatchGradientSync.for_ddp(ddp) if ddp is not None else None
 
     def _span(self, name: str, phase: str, **args):
         """A timeline span that also tells `phase` (see __init__) what runs."""
@@ -155,69 +150,88 @@ class TrainPipeline:
         stack.enter_context(self._phase(phase))
         return stack
 
+    # ------------------------------------------------------------------ TorchRec's interface
+
     def detach(self) -> torch.nn.Module:
-        """TorchRec's pipeline interface: the model, as it was (nothing was rewritten)."""
+        """The model, for use on its own (plain forward, backward, optimizer step, eval): the
+        pipeline never rewrote it, and between two progress calls no all-to-all is in flight
+        and DDP all-reduces as without the pipeline. The batch already loaded stays queued
+        and runs at the next progress (TorchRec's detach keeps its in-flight batches too); an
+        early DBP lookup made before the model was changed outside is made again."""
+        self._attached = False
+        if self._next is not None:
+            self._next.drop_early_lookups()
         return self._model
 
-    # ------------------------------------------------------------------ input dist
+    def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
+        """Resumes pipelining, on `model` if given (else the detached one). A different model
+        gets the queued batch's input dist again at the next progress. `sparse_dist` is
+        TorchRec's argument; recxla starts no input dist at attach, so it changes nothing."""
+        if model is not None and model is not self._model:
+            self._set_model(model)
+            if self._next is not None:
+                self._next = PreparedBatch(self._next.raw)  # prepared again for the new model
+        self._attached = True
 
-    def _prepare(self, dataloader_iter: Iterator) -> _Batch:
-        """Loads a batch, splits it and starts its input dists. StopIteration when the loader
-        is done; input errors are kept in the batch (every rank keeps them alike)."""
-        batch = next(dataloader_iter)
-        micro = split_batch(batch, self._num_micro, self._split)
-        sparse = batch_parts(micro.batch)[1]
-        if self._device.type != "cpu":
-            # The dense features and labels go to the device; the ids stay where the input
-            # dist runs (on the CPU: see ShardedEmbeddingBagCollection), and the sharded
-            # modules never read the model's copy of them.
-            dense, _, labels = batch_parts(micro.batch)
-            micro.batch = _replace_dense(micro.batch, dense.to(self._device, non_blocking=True),
-                                         labels.to(self._device, non_blocking=True))
-        prepared = _Batch(micro)
-        for module in self._modules:
-            meta = module._router.start(module.ids_on_router(sparse), micro.sizes)
-            module.comm_stats.steps += 1
-            lengths = meta.input_lengths
-            prepared.inputs.append(_ModuleInput(
-                meta=meta, row_bags=meta.row_bags,
-                bag_lengths=None if lengths is None else module.mean_bag_lengths(lengths)))
-        return prepared
-
-    def _advance(self, prepared: _Batch, decode: bool) -> None:
-        """Waits for the sizes and starts the ids' all-to-all; with decode, also waits for the
-        ids and decodes them at the owner."""
-        if prepared.error is not None:
-            return
+    def progress(self, dataloader_iter: Iterator) -> Any:
+        """Runs one batch (trains it, or forward only when the model is in eval mode);
+        -> the model's output for it. StopIteration when dataloader_iter and the queued batch
+        are exhausted; the next call with a new iterator starts a new epoch."""
+        if not self._attached:
+            self.attach()
+        if dataloader_iter is not self._loader:
+            self._loader, self._exhausted = dataloader_iter, False
+        with self._span("input dist", "input"):
+            current = self._next
+            self._next = None
+            if current is None or current.micro is None and current.error is None:
+                raw = current.raw if current is not None else self._load(dataloader_iter)
+                current = self._prepare(raw)
+            advance(current, decode=True)
+        if current.error is not None:
+            raise current.error
+        if not self._model.training:
+            with torch.no_grad():
+                return self._step(current, dataloader_iter, training=False)
+        self._optimizer.zero_grad()
+        sync = self._gradient_sync
+        if sync is not None:
+            sync.wire = self._wire
         try:
-            for state in prepared.inputs:
-                if state.meta is not None:
-                    state.data, state.meta = state.meta.wait(), None
-                if decode and state.data is not None:
-                    state.lookup_input, state.data = state.data.wait(), None
-        except (ValueError, TypeError, IndexError) as e:
-            prepared.error = e
+            return self._step(current, dataloader_iter, training=True)
+        finally:
+            if sync is not None:
+                sync.reset()
+
+    # ------------------------------------------------------------------ input
+
+    def _load(self, dataloader_iter: Iterator) -> Any:
+        """The next batch; StopIteration once the iterator is exhausted (never calling next
+        on it again: some loaders hang when asked twice)."""
+        if self._exhausted:
+            raise StopIteration
+        try:
+            return next(dataloader_iter)
+        except StopIteration:
+            self._exhausted = True
+            raise
+
+    def _prepare(self, batch: Any) -> PreparedBatch:
+        return prepare_batch(batch, self._modules, self._num_micro, self._split, self._device)
 
     # ------------------------------------------------------------------ one step
 
-    def progress(self, dataloader_iter: Iterator) -> Any:
-        """Trains one batch; -> the model's output for it."""
-        if self._exhausted and self._next is None:
-            raise StopIteration
-        with self._span("input dist", "input"):
-            current = self._next if self._next is not None else self._prepare(dataloader_iter)
-            self._next = None
-            self._advance(current, decode=True)
-        if current.error is not None:
-            raise current.error
-        self._optimizer.zero_grad()
+    def _step(self, current: PreparedBatch, dataloader_iter: Iterator, training: bool) -> Any:
+        """One batch on the schedule of the module docstring; without `training`, only its
+        forward half (L, O, D without backward): no gradient, no update."""
         micro = current.micro
         windows = []
         with self._span("lookup", "forward"):
-            for module, state in zip(self._modules, current.inputs):
+            for (_, module), state in zip(self._modules, current.inputs):
                 row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
                 windows.append(FrozenWindow(module, module.to_device(state.lookup_input),
-                                            state.bag_lengths, row_bags, state.early,
+                                            state.bag_lengths, row_bags,
+                                            current.early_lookup(state, module),
                                             self._correct_early_lookups))
         ahead = 2 if self._overlap else 1
         for k in range(min(ahead, self._num_micro)):
@@ -226,9 +240,9 @@ class TrainPipeline:
         if self._dbp and not self._exhausted:
             with self._span("next batch", "input"):
                 try:
-                    self._next = self._prepare(dataloader_iter)
+                    self._next = self._prepare(self._load(dataloader_iter))
                 except StopIteration:
-                    self._exhausted = True
+                    pass
         outputs = []
         for k in range(self._num_micro):
             with self._span("wait embeddings", "forward", micro_batch=k):
@@ -238,55 +252,60 @@ class TrainPipeline:
                     w.start_output(k + 1)
             for w, kt in zip(windows, embeddings):
                 w.module.stage_output(kt)
-                if self._overlap and kt.values().requires_grad:
+                if training and self._overlap and kt.values().requires_grad:
                     kt.values().register_hook(functools.partial(_start_gradient, w, k))
-            if self._gradient_sync is not None:
+            if training and self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
-            with self._span("dense", "backward", micro_batch=k):
+            with self._span("dense", "backward" if training else "forward", micro_batch=k):
                 loss, output = self._model(micro.micro_batch(k))
-                weight = micro.sizes[k] / max(micro.batch_size, 1)
-                (loss * weight).backward()
+                if training:
+                    # An empty micro-batch (a batch smaller than M) still runs, so that every
+                    # rank joins each micro-batch's collectives; its weight is 0.
+                    (loss * (micro.sizes[k] / max(micro.batch_size, 1))).backward()
             outputs.append(output)
-            if not self._overlap:
-                with self._span("send gradients", "backward", micro_batch=k):
-                    for w, kt in zip(windows, embeddings):
-                        if kt.values().grad is not None:
-                            w.start_gradient(k, kt.values().grad)
-            with self._span("wait gradients", "backward", micro_batch=k):
-                for w in windows:
-                    for j in w.pending_gradients():
-                        if j < k or not self._overlap:
-                            w.receive_gradient(j)
+            if training:
+                self._exchange_gradients(windows, embeddings, k)
             if self._next is not None and k == 0:
                 with self._span("next batch", "input"):
-                    self._advance(self._next, decode=False)
+                    advance(self._next, decode=False)
         if self._next is not None:
             with self._span("next batch", "input"):
-                self._advance(self._next, decode=True)
-            if self._dbp_lookup == "early" and self._next.error is None:
+                advance(self._next, decode=True)
+            if training and self._dbp_lookup == "early" and self._next.error is None:
                 # While the last gradients travel: the next batch's lookup with the weights
                 # before this update; FrozenWindow corrects the rows the update changes.
                 with self._span("early lookup", "input"):
                     for w, state in zip(windows, self._next.inputs):
                         state.lookup_input = w.module.to_device(state.lookup_input)
                         state.early = EarlyLookup(w.module, state.lookup_input, w.input)
-        with self._span("wait gradients", "backward", micro_batch=self._num_micro - 1):
-            for w in windows:
-                for j in w.pending_gradients():
-                    w.receive_gradient(j)
-        with self._span("update", "optimizer"):
-            for w in windows:
-                w.update()
-            self._optimizer.step()
+        if training:
+            with self._span("wait gradients", "backward", micro_batch=self._num_micro - 1):
+                for w in windows:
+                    for j in w.pending_gradients():
+                        w.receive_gradient(j)
+            with self._span("update", "optimizer"):
+                for w in windows:
+                    w.update()
+                self._optimizer.step()
+            if self._next is not None:
+                for (_, module), state in zip(self._modules, self._next.inputs):
+                    if state.early is not None:
+                        state.early_tables = tables_state(module)
         return micro.merge(outputs)
 
-
-def _replace_dense(batch: Any, dense: torch.Tensor, labels: torch.Tensor) -> Any:
-    """The batch with its dense features and labels replaced (same type)."""
-    if hasattr(batch, "sparse_features"):
-        return type(batch)(dense_features=dense, sparse_features=batch.sparse_features,
-                           labels=labels)
-    return type(batch)(sparse=batch.sparse, dense=dense, labels=labels)
+    def _exchange_gradients(self, windows: List[FrozenWindow], embeddings, k: int) -> None:
+        """After D(k)'s backward: G(k) sent (at once without overlap; with it, the autograd
+        hook already did), and the gradients of earlier micro-batches received."""
+        if not self._overlap:
+            with self._span("send gradients", "backward", micro_batch=k):
+                for w, kt in zip(windows, embeddings):
+                    if kt.values().grad is not None:
+                        w.start_gradient(k, kt.values().grad)
+        with self._span("wait gradients", "backward", micro_batch=k):
+            for w in windows:
+                for j in w.pending_gradients():
+                    if j < k or not self._overlap:
+                        w.receive_gradient(j)
 
 
 def _start_gradient(window: FrozenWindow, k: int, grad: torch.Tensor) -> None:

@@ -1,0 +1,100 @@
+"""The pipeline's input stage: a batch loaded, split, and its ids on their way to the owners.
+
+One `PreparedBatch` per batch, advanced in three steps that the schedule places
+(train_pipeline.py): `prepare_batch` (split, find each sharded module's KeyedJaggedTensor,
+start the sizes' all-to-all), `advance(decode=False)` (sizes received, ids' all-to-all started)
+and `advance(decode=True)` (ids received and decoded at the owner). When a step returns, no
+all-to-all of a prepared batch is left in flight.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from recxla.pipeline.batch_fields import dense_to, module_features
+from recxla.pipeline.micro_batches import MicroBatches, split_batch
+from recxla.pipeline.window import EarlyLookup
+
+
+@dataclass
+class ModuleInput:
+    """One sharded module's input dist for one batch, advanced stage by stage."""
+
+    meta: Any = None          # the first all-to-all (sizes) in flight
+    data: Any = None          # the second (ids) in flight
+    lookup_input: Any = None  # decoded at the owner
+    bag_lengths: Optional[torch.Tensor] = None
+    row_bags: Any = None  # this rank's bags of row-exchange tables
+    early: Optional[EarlyLookup] = None  # dbp_lookup="early": looked up before the update
+    # The module's tables_state after the update the early lookup was corrected for: any
+    # other change of the tables before it is used (a step outside the pipeline, a load) makes
+    # it stale, and the window looks up again.
+    early_tables: Any = None
+
+
+@dataclass
+class PreparedBatch:
+    raw: Any  # the batch as the loader gave it (prepared again if the model changes)
+    micro: Optional[MicroBatches] = None
+    inputs: List[ModuleInput] = field(default_factory=list)
+    # An error of this batch's input dist, raised when the batch's own step starts, so that a
+    # bad next batch never interrupts the current step halfway.
+    error: Optional[BaseException] = None
+
+    def early_lookup(self, state: ModuleInput, module) -> Optional[EarlyLookup]:
+        """The state's early lookup if the module's tables are as it expects, else None."""
+        if state.early is None:
+            return None
+        if state.early_tables != tables_state(module):
+            state.early = None
+        return state.early
+
+    def drop_early_lookups(self) -> None:
+        for state in self.inputs:
+            state.early = None
+
+
+def tables_state(module) -> Tuple[int, List[int]]:
+    """What changes when the module's tables change: the fused optimizer's step count (every
+    backward through the module counts one) and the parameters' in-place update counters."""
+    return module.fused_optimizer.step_count, [p._version for p in module.parameters()]
+
+
+def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batches: int,
+                  split: str, device: torch.device) -> PreparedBatch:
+    """Splits `batch` and starts every sharded module's input dist (the sizes' all-to-all).
+    Errors of the batch are kept in the result (see PreparedBatch.error)."""
+    prepared = PreparedBatch(batch)
+    try:
+        micro = split_batch(batch, num_micro_batches, split)
+        features = module_features(micro.batch, modules)
+    except (TypeError, ValueError) as e:
+        prepared.error = e
+        return prepared
+    if device.type != "cpu":
+        micro.batch = dense_to(micro.batch, device)
+    prepared.micro = micro
+    for (_, module), kjt in zip(modules, features):
+        meta = module._router.start(module.ids_on_router(kjt), micro.sizes)
+        module.comm_stats.steps += 1
+        lengths = meta.input_lengths
+        prepared.inputs.append(ModuleInput(
+            meta=meta, row_bags=meta.row_bags,
+            bag_lengths=None if lengths is None else module.mean_bag_lengths(lengths)))
+    return prepared
+
+
+def advance(prepared: PreparedBatch, decode: bool) -> None:
+    """Waits for the sizes and starts the ids' all-to-all; with decode, also waits for the
+    ids and decodes them at the owner."""
+    if prepared.error is not None:
+        return
+    try:
+        for state in prepared.inputs:
+            if state.meta is not None:
+                state.data, state.meta = state.meta.wait(), None
+            if decode and state.data is not None:
+                state.lookup_input, state.data = state.data.wait(), None
+    except (ValueError, TypeError, IndexError) as e:
+        prepared.error = e

@@ -1,0 +1,223 @@
+"""recxla.pipeline.TrainPipeline in a TorchRec user's loop, against TorchRec's
+TrainPipelineSparseDist and the plain sequential loop on the same recxla-sharded model and
+batches, on 2 gloo ranks: epochs (a new iterator after StopIteration), a last batch smaller
+than the others (and than the number of micro-batches), eval in between, detach / attach, any
+batch type TorchRec's pipelines move, and models TorchRec's pipelines cannot trace.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from distributed_utils import run_distributed
+
+import sharded_cases as cases
+import test_sharded_dlrm as dlrm
+from test_pipeline import _state
+
+pytestmark = pytest.mark.distributed
+
+LR = 0.1
+SCHEDULES = {
+    "sequential": dict(num_micro_batches=1, overlap=False, dbp=False),
+    "dbp": dict(num_micro_batches=1),
+    "fwp m=3": dict(num_micro_batches=3, dbp=False),
+    "fwp+dbp m=3": dict(num_micro_batches=3),
+    "fwp+dbp m=3 clustered, early lookup": dict(num_micro_batches=3, split="clustered",
+                                                dbp_lookup="early"),
+}
+
+
+def _build(seed, world, kind="row_wise", wrap=None):
+    """DLRM sharded by recxla's sharder (row-wise Adagrad) and its dense SGD optimizer;
+    `wrap(model)` changes the unsharded model first (same seed: same weights every time)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    import recxla.torchrec
+
+    model, configs = dlrm._dlrm(seed)
+    if wrap is not None:
+        wrap(model)
+    sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR},
+        fwd_comm="fp32", bwd_comm="fp32")
+    model = dlrm._dmp(model, sharder, kind, world)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LR))
+    return model, dense, configs
+
+
+def _local_batches(configs, rank, sizes, generator):
+    """Per batch, this rank's slice of a global batch; sizes: per batch, [size of each rank]."""
+    out = []
+    for per_rank in sizes:
+        batch = dlrm._batch(configs, sum(per_rank), generator)
+        start = sum(per_rank[:rank])
+        out.append(dlrm._slice(batch, start, start + per_rank[rank]))
+    return out
+
+
+def _sequential_step(model, dense, batch):
+    dense.zero_grad()
+    loss, _ = model(batch)
+    loss.backward()
+    dense.step()
+
+
+def _drain(pipeline, batches):
+    """progress until StopIteration, as a user's epoch loop does -> the outputs."""
+    data, outputs = iter(batches), []
+    while True:
+        try:
+            outputs.append(pipeline.progress(data))
+        except StopIteration:
+            return outputs
+
+
+def _error(got, want):
+    return max(cases.relative(g, w) for key in want for g, w in zip(got[key], want[key]))
+
+
+def _torchrec_pipeline(model, dense):
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    return TrainPipelineSparseDist(model, dense, device=torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------- epochs, small batches
+
+def _epochs_body(rank, world, seed, schedules, epochs):
+    from recxla.pipeline import TrainPipeline
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    _, _, configs = _build(seed, world)
+    data = [_local_batches(configs, rank, sizes, generator) for sizes in epochs]
+    model, dense, _ = _build(seed, world)
+    for epoch in data:
+        for batch in epoch:
+            _sequential_step(model, dense, batch)
+    want = _state(model)
+
+    model, dense, _ = _build(seed, world)
+    pipeline = _torchrec_pipeline(model, dense)
+    results = {"torchrec": ([len(_drain(pipeline, epoch)) for epoch in data],
+                            _error(_state(model), want))}
+    for name, options in schedules.items():
+        model, dense, _ = _build(seed, world)
+        pipeline = TrainPipeline(model, dense, torch.device("cpu"), **options)
+        steps = [len(_drain(pipeline, epoch)) for epoch in data]
+        results[name] = (steps, _error(_state(model), want))
+    return results
+
+
+def test_epochs_and_a_small_last_batch_train_as_torchrec(seed):
+    """2 epochs of 3 batches, each epoch's last batch smaller than the others and than the 3
+    micro-batches (2 samples on rank 0, 1 on rank 1): every schedule trains all 6 batches, to
+    the sequential loop's weights, as TorchRec's pipeline does."""
+    epochs = [[[6, 6], [6, 6], [2, 1]], [[5, 7], [6, 6], [1, 2]]]
+    results = run_distributed(_epochs_body, world_size=2, args=(seed, SCHEDULES, epochs),
+                              timeout=300)
+    for rank, per_schedule in enumerate(results):
+        for name, (steps, error) in per_schedule.items():
+            assert steps == [3, 3], (rank, name, steps)
+            assert error <= 1e-5, (rank, name, error)
+
+
+# ---------------------------------------------------------------------- eval, detach, attach
+
+def _user_loop(model, dense, pipeline, train, evaluate, outside, eval_pipeline=None):
+    """A TorchRec user's job: epoch 1 with an evaluation and a step on the detached model
+    partway, a full evaluation through the pipeline after it, then epoch 2.
+    With eval_pipeline (recxla only: its pipeline never rewrites the model), the partway
+    evaluation runs through a second pipeline and the step runs on the model without detach.
+    -> (steps per epoch, eval logits)."""
+    it = iter(train[0])
+    pipeline.progress(it)
+    steps = [1]
+    if eval_pipeline is None:
+        model = pipeline.detach()
+    model.eval()
+    if eval_pipeline is None:
+        with torch.no_grad():
+            logits = [model(evaluate[0])[1][1]]
+    else:  # a second pipeline on the same model, in eval mode
+        logits = [out[1] for out in _drain(eval_pipeline(model), evaluate[:1])]
+    model.train()
+    _sequential_step(model, dense, outside)
+    if eval_pipeline is None:
+        pipeline.attach(model)
+    while True:
+        try:
+            pipeline.progress(it)
+        except StopIteration:
+            break
+        steps[0] += 1
+    model.eval()
+    logits += [out[1] for out in _drain(pipeline, evaluate)]
+    model.train()
+    steps.append(len(_drain(pipeline, train[1])))
+    return steps, torch.cat(logits)
+
+
+def _eval_body(rank, world, seed, schedules):
+    from recxla.pipeline import TrainPipeline
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    _, _, configs = _build(seed, world)
+    train = [_local_batches(configs, rank, [[6, 6]] * 3, generator) for _ in range(2)]
+    evaluate = _local_batches(configs, rank, [[5, 5], [3, 4]], generator)
+    outside = _local_batches(configs, rank, [[6, 6]], generator)[0]
+
+    model, dense, _ = _build(seed, world)
+    _sequential_step(model, dense, train[0][0])
+    model.eval()
+    with torch.no_grad():
+        want_logits = [model(evaluate[0])[1][1]]
+    model.train()
+    for batch in [outside] + train[0][1:]:
+        _sequential_step(model, dense, batch)
+    model.eval()
+    with torch.no_grad():
+        want_logits += [model(b)[1][1] for b in evaluate]
+    model.train()
+    for batch in train[1]:
+        _sequential_step(model, dense, batch)
+    want, want_logits = _state(model), torch.cat(want_logits)
+
+    results = {}
+    runs = {"torchrec": None, **{name: options for name, options in schedules.items()},
+            "eval pipeline": dict(num_micro_batches=2, dbp_lookup="early")}
+    for name, options in runs.items():
+        model, dense, _ = _build(seed, world)
+        if options is None:
+            pipeline, second = _torchrec_pipeline(model, dense), None
+        else:
+            pipeline = TrainPipeline(model, dense, torch.device("cpu"), **options)
+            second = (lambda m: TrainPipeline(m, dense, torch.device("cpu"), num_micro_batches=2)) \
+                if name == "eval pipeline" else None
+        try:
+            steps, logits = _user_loop(model, dense, pipeline, train, evaluate, outside, second)
+        except Exception as e:  # noqa: BLE001 -- TorchRec's own pipeline: reported, not asserted
+            results[name] = f"{type(e).__name__}: {e}"
+            continue
+        results[name] = (steps, _error(_state(model), want),
+                         cases.relative(logits, want_logits))
+    return results
+
+
+def test_eval_and_detach_in_between_as_torchrec(seed):
+    """Eval on the detached model and through the pipeline (model.eval(): forward only) and a
+    plain training step on the detached model, between pipelined steps: eval changes no weight,
+    its logits are the sequential loop's, and training resumes exactly."""
+    schedules = {name: SCHEDULES[name] for name in
+                 ("sequential", "dbp", "fwp+dbp m=3", "fwp+dbp m=3 clustered, early lookup")}
+    results = run_distributed(_eval_body, world_size=2, args=(seed, schedules), timeout=300)
+    for rank, per_run in enumerate(results):
+        for name, result in per_run.items():
+            assert not isinstance(result, str), (rank, name, result)
+            steps, error, logits_error = result
+            assert steps == [3, 3], (rank, name, steps)
+            assert error <= 1e-5, (rank, name, error)
+            assert logits_error <= 1e-5, (rank, name, logits_error)
