@@ -51,7 +51,7 @@ def _plan(module, kinds, sharder):
     return planner.collective_plan(module, [sharder], dist.group.WORLD)
 
 
-def _dmp(module, sharder, plan, device="cpu"):
+def _dmp(module, sharder, plan, device="cpu", init_data_parallel=True):
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
@@ -59,7 +59,8 @@ def _dmp(module, sharder, plan, device="cpu"):
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     # DMP rewrites the plan's placements to its device: each DMP gets its own copy.
     return DistributedModelParallel(module, env, torch.device(device), sharders=[sharder],
-                                    plan=copy.deepcopy(plan))
+                                    plan=copy.deepcopy(plan),
+                                    init_data_parallel=init_data_parallel)
 
 
 def _sharders(fused_params=None):
@@ -234,3 +235,84 @@ def test_input_validation_refuses_what_torchrec_refuses(seed):
         assert error is not None and error[2], error
         assert ("keys must be unique" if rank == 1 else "rank(s) [1]") in error[1], error
         assert checks["after"] < 1e-6, checks["after"]
+
+
+# ---------------------------------------------------------------------------- data parallel
+
+
+def _train_keyed(model, optimizer, batch, coef):
+    """One step: loss = sum over keys of <output[key], coef[key]>, backward, dense step (the
+    fused optimizers update in backward). -> the output."""
+    out = model(batch).wait()
+    by_key = out.to_dict()
+    sum((by_key[k] * coef[k]).sum() for k in coef).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return out
+
+
+def _data_parallel_body(rank, world, seed):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed import comm_ops
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    _quiet()
+    # Both sharders sum the pooled embeddings' gradients here, so the comparison does not
+    # depend on the gradient-division setting; data-parallel gradients are DDP's mean.
+    comm_ops.set_gradient_division(False)
+    configs = _configs(seed)
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+    checks = {}
+    for case, kinds in (("mixed", ["table_wise", "data_parallel", "column_wise",
+                                   "data_parallel"]),
+                        ("all", ["data_parallel"] * 4)):
+        sharders = _sharders(fused)
+        torch.manual_seed(seed)
+        unsharded = EmbeddingBagCollection(configs)
+        plan = _plan(unsharded, kinds, sharders[1])
+        checks[f"{case}_plan"] = [plan.plan[""][c.name].sharding_type for c in configs]
+        models = []
+        for sharder in sharders:
+            module = EmbeddingBagCollection(configs)
+            module.load_state_dict(unsharded.state_dict())
+            models.append(_dmp(module, sharder, plan, init_data_parallel=False))
+        # TorchRec's sharder does not copy the unsharded weights: start both from its state.
+        models[1].load_state_dict(models[0].state_dict())
+        optimizers = [torch.optim.SGD([p for _, p in in_backward_optimizer_filter(
+            m.named_parameters())], lr=LR) for m in models]
+        generator = torch.Generator().manual_seed(seed + 1 + rank)  # each rank its own batch
+        errors = []
+        for _ in range(3):
+            batch = cases.global_batch(configs, 5, generator)
+            keys = models[0](batch).wait()
+            coef = {k: torch.randn(5, v.shape[1], generator=generator)
+                    for k, v in keys.to_dict().items()}
+            outs = [_train_keyed(m, o, batch, coef) for m, o in zip(models, optimizers)]
+            errors.append(_keyed_error(outs[1], outs[0]))
+        checks[f"{case}_errors"] = errors
+        states = [m.state_dict() for m in models]
+        checks[f"{case}_keys"] = (sorted(states[1]), sorted(states[0]))
+        worst = 0.0
+        for key, want in states[0].items():
+            got = states[1][key]
+            if isinstance(want, ShardedTensor):
+                worst = max([worst] + [cases.relative(a.tensor, b.tensor) for a, b in
+                                       zip(got.local_shards(), want.local_shards())])
+            else:
+                same_type = isinstance(got, torch.Tensor) and not isinstance(got, ShardedTensor)
+                worst = max(worst, cases.relative(got, want) if same_type else float("inf"))
+        checks[f"{case}_weights"] = worst
+    return checks
+
+
+def test_data_parallel_tables_train_as_torchrec(seed):
+    for checks in run_distributed(_data_parallel_body, WORLD, args=(seed,), timeout=400):
+        assert checks["mixed_plan"] == ["table_wise", "data_parallel", "column_wise",
+                                        "data_parallel"]
+        for case in ("mixed", "all"):
+            got_keys, want_keys = checks[f"{case}_keys"]
+            assert got_keys == want_keys
+            assert max(checks[f"{case}_errors"]) < 1e-5, checks[f"{case}_errors"]
+            assert checks[f"{case}_weights"] < 1e-5, checks[f"{case}_weights"]

@@ -165,6 +165,9 @@ class IdRouter:
         self.is_weighted = is_weighted
         self.dedup = dedup
         self.stats = stats
+        # Features every batch must hold: the layout's, and those of tables looked up
+        # elsewhere (data-parallel ones) that the sharded module adds.
+        self.required_features: List[str] = layout.feature_names
         world, me = layout.world_size, layout.rank
         self.num_slots = [len(s) for s in layout.slots]
         self.slot_base = [sum(self.num_slots[:d]) for d in range(world + 1)]
@@ -361,10 +364,10 @@ class IdRouter:
             raise ValueError(f"{OWNER}: invalid KeyedJaggedTensor: {e}") from None
         keys = features.keys()
         position = {k: i for i, k in enumerate(keys)}
-        missing = [f for f in layout.feature_names if f not in position]
+        missing = [f for f in self.required_features if f not in position]
         if missing:
             raise ValueError(f"{OWNER}: feature '{missing[0]}' is missing from the input "
-                             f"(keys: {keys}; the module reads {layout.feature_names})")
+                             f"(keys: {keys}; the module reads {self.required_features})")
         if features.variable_stride_per_key():
             raise ValueError(f"{OWNER}: variable batch sizes per feature are not supported")
         values, lengths = features.values(), features.lengths()

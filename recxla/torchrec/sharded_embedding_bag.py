@@ -51,6 +51,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from recxla.formats import get_format
 from recxla.ops.embedding_bag import ADAGRAD, MEAN, NONE, ROWWISE_ADAGRAD, SUM, FusedPooledLookup, LookupPlan
 from recxla.torchrec.comm_stats import CommStats
+from recxla.torchrec.data_parallel import (
+    DATA_PARALLEL,
+    DataParallelTables,
+    OutputMerge,
+    is_data_parallel,
+)
 from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer, table_update
 from recxla.torchrec.input_dist import IdRouter, LookupInput
 from recxla.torchrec.output_dist import OutputDist
@@ -64,6 +70,7 @@ SUPPORTED_SHARDING_TYPES = [
     ShardingType.TABLE_COLUMN_WISE.value,
     ShardingType.ROW_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
+    DATA_PARALLEL,  # delegated to TorchRec's data-parallel sharding
 ]
 _SHARDING_NAME = "recxla"
 
@@ -78,6 +85,8 @@ class ShardedEmbeddingBagContext(Multistreamable):
     bag_lengths: Optional[torch.Tensor] = None
     row_bags: Optional[RowBags] = None  # this rank's bags of row tables (row_exchange.py)
     rows: Optional[RowInput] = None  # the owner's requested rows
+    # The data-parallel tables' features (data_parallel.py), looked up with the output.
+    data_parallel_features: Optional[KeyedJaggedTensor] = None
     # TorchRec's input-dist awaitables look for per-sharding contexts; recxla keeps none.
     sharding_contexts: List[Any] = field(default_factory=list)
 
@@ -142,15 +151,30 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                              "use row_exchange='off' with replicas")
         configs = module.embedding_bag_configs()
         self._embedding_bag_configs = configs
-        self._table_names = [c.name for c in configs]
         self._is_weighted = module.is_weighted()
         self._sharding_types = [_SHARDING_NAME]
         self.module_sharding_plan = {}
-        tables, shards = [], []
-        for t, config in enumerate(configs):
+        for config in configs:
             _check_config(config, self._is_weighted)
             if config.name not in table_name_to_parameter_sharding:
                 raise ValueError(f"{OWNER}: the plan has no entry for table '{config.name}'")
+        # Data-parallel tables are TorchRec's (data_parallel.py); from here on `configs` are
+        # the tables recxla shards, and table indices count those.
+        data_parallel = [c.name for c in configs
+                         if is_data_parallel(table_name_to_parameter_sharding[c.name])]
+        self._data_parallel: Optional[DataParallelTables] = None
+        self._output_merge: Optional[OutputMerge] = None
+        if data_parallel:
+            self._data_parallel = DataParallelTables(module, data_parallel,
+                                                     table_name_to_parameter_sharding, env,
+                                                     self._device, fused_params)
+            self._output_merge = OutputMerge(
+                configs, [c.name for c in configs if c.name not in data_parallel])
+            configs = [c for c in configs if c.name not in data_parallel]
+        self._sharded_configs = configs
+        self._table_names = [c.name for c in configs]
+        tables, shards = [], []
+        for t, config in enumerate(configs):
             sharding = table_name_to_parameter_sharding[config.name]
             self.module_sharding_plan[config.name] = sharding
             tables.append(TableInfo(config.name, config.num_embeddings, config.embedding_dim,
@@ -197,6 +221,15 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                     states[lt] = torch.full(shape, float(hyper["initial_accumulator_value"]),
                                             device=self._device)
             self.embedding_bags[config.name] = holder
+        if self._data_parallel is not None:
+            # TorchRec's replicated weights, under their usual names, in the module's order.
+            for name, weight in self._data_parallel.weights.items():
+                self.module_sharding_plan[name] = table_name_to_parameter_sharding[name]
+                holder = nn.Module()
+                holder.register_parameter("weight", weight)
+                self.embedding_bags[name] = holder
+            self.embedding_bags = nn.ModuleDict(
+                {c.name: self.embedding_bags[c.name] for c in self._embedding_bag_configs})
 
         # ShardedTensor views of the weights and optimizer states (same memory).
         self._sharded_weights = []
@@ -233,6 +266,10 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         self._router = IdRouter(self._layout, id_group, torch.device("cpu")
                                 if self._device.type in ("cuda", "meta") else self._device,
                                 self._is_weighted, dedup_ids, self.comm_stats)
+        if self._data_parallel is not None:
+            # Checked on every rank before any id moves, like the router's own features.
+            self._router.required_features = list(dict.fromkeys(
+                self._router.required_features + self._data_parallel.feature_names))
         self._output = OutputDist(self._layout, group, fwd_comm, bwd_comm, self.comm_stats)
         self._slot_table = [lt for lt, _ in self._layout.slots[me]]
         self._num_pooled = self._layout.num_pooled[me]
@@ -314,6 +351,9 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                              "DistributedModelParallel(..., device=torch.device('cpu'))) to run it")
         awaitable = self._router.start(self.ids_on_router(features))
         self.comm_stats.steps += 1
+        if self._data_parallel is not None and awaitable.input_lengths is not None:
+            # The router checked the batch (the data-parallel features included).
+            ctx.data_parallel_features = self._data_parallel.select(features)
         lengths = awaitable.input_lengths
         if lengths is not None:
             ctx.batch_size = lengths.shape[1]
@@ -354,6 +394,12 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                                  f"{output.values().shape[0]} samples, but the model passed "
                                  f"{features.stride()}; the model must give this module the "
                                  "micro-batch's sparse features")
+            if self._data_parallel is not None:
+                # The staged output holds the model-parallel tables; the data-parallel ones
+                # are looked up here, on this micro-batch's features.
+                output = self._output_merge.merge(
+                    output.values(), self._embedding_names, self._embedding_dims,
+                    self._data_parallel.lookup(self._data_parallel.select(features)))
             return output
         return super().forward(*input, **kwargs)
 
@@ -444,7 +490,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         with torch.no_grad():
             for local, weight in zip(self._layout.local_tables[self._env.rank],
                                      self._local_weights):
-                self._embedding_bag_configs[local.table].init_fn(weight)
+                self._sharded_configs[local.table].init_fn(weight)
 
     def update_shards(self, *args, **kwargs) -> None:
         raise NotImplementedError(f"{OWNER}: resharding a live module is not supported; "
@@ -512,6 +558,10 @@ class _PooledEmbeddingsAwaitable(LazyAwaitable[KeyedTensor]):
         values = module._output.finish(self._handle, self._send, self._message,
                                        self._ctx.bag_lengths, module._optim.count_step)
         self._handle = None
+        if module._data_parallel is not None:
+            return module._output_merge.merge(
+                values, module._embedding_names, module._embedding_dims,
+                module._data_parallel.lookup(self._ctx.data_parallel_features))
         return KeyedTensor(keys=module._embedding_names,
                            length_per_key=module._embedding_dims, values=values)
 

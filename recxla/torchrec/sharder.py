@@ -21,7 +21,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder as TorchRecEmbeddingBagCollectionSharder,
 )
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from recxla.formats import get_format
@@ -90,6 +90,9 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
         return list(SUPPORTED_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            # Data-parallel tables are TorchRec's (recxla/torchrec/data_parallel.py).
+            return [EmbeddingComputeKernel.DENSE.value]
         # recxla's lookup (the planner's estimates treat it as TorchRec's fused kernel).
         return [EmbeddingComputeKernel.FUSED.value]
 

@@ -1,0 +1,164 @@
+"""Data-parallel tables of recxla's sharded EmbeddingBagCollection, delegated to TorchRec.
+
+TorchRec's planner may plan a small table `data_parallel`: every rank holds the whole table,
+looks its own batch up locally (no all-to-all), and the table's gradient is averaged over the
+ranks by DistributedDataParallel; the user's dense optimizer updates it (no fused optimizer).
+recxla does not reimplement that: `DataParallelTables` shards a sub-collection of those tables
+with TorchRec's own sharder, so they train exactly as under TorchRec, and joins their pooled
+embeddings with the model-parallel ones that recxla's input and output dists bring.
+
+What the sharded module sees:
+- `weights`: per table its replicated weight, a view into TorchRec's dense table-batched
+  weights; the sharded module registers it as `embedding_bags.<table>.weight`, so
+  state_dict holds a plain [rows, dim] tensor per table (TorchRec's layout) and loading one
+  writes the table;
+- `lookup(features)`: the tables' pooled embeddings for a batch (any key order, extra keys
+  ignored) -> KeyedTensor of TorchRec's sub-collection;
+- `OutputMerge`: the module's output in the unsharded module's key order, from the
+  model-parallel values and the data-parallel KeyedTensor.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from recxla.torchrec.shard_layout import OWNER
+
+DATA_PARALLEL = ShardingType.DATA_PARALLEL.value
+
+
+def is_data_parallel(sharding: ParameterSharding) -> bool:
+    return sharding.sharding_type == DATA_PARALLEL
+
+
+class DataParallelTables:
+    """The data-parallel tables of one sharded module, as TorchRec shards them.
+
+    Args:
+        module: the unsharded EmbeddingBagCollection (its weights are copied when it is not on
+            the meta device; rank 0's copy wins, so every replica starts equal).
+        names: the data-parallel tables, in the module's table order.
+        plan: the module's plan (ParameterSharding per table).
+        env: the ShardingEnv of the sharded module.
+        device: where the replicas live.
+        fused_params: the sharder's fused_params (TorchRec's sharder reads its options; the
+            tables get TorchRec's dense kernel and ordinary gradients either way).
+    Not an nn.Module child of the sharded module: its parameters appear once, under the
+    sharded module's `embedding_bags.<table>.weight`.
+    """
+
+    def __init__(self, module: EmbeddingBagCollection, names: Sequence[str],
+                 plan: Dict[str, ParameterSharding], env: ShardingEnv,
+                 device: torch.device, fused_params: Optional[dict] = None) -> None:
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+        configs = [c for c in module.embedding_bag_configs() if c.name in names]
+        self.configs: List[EmbeddingBagConfig] = configs
+        self.table_names = [c.name for c in configs]
+        on_meta = any(module.embedding_bags[n].weight.device.type == "meta" for n in names)
+        sub = EmbeddingBagCollection(configs, is_weighted=module.is_weighted(),
+                                     device=torch.device("meta"))
+        self.sharded = EmbeddingBagCollectionSharder(fused_params=fused_params).shard(
+            sub, {n: plan[n] for n in names}, env, device)
+        self.weights: Dict[str, torch.nn.Parameter] = {
+            n: self.sharded.embedding_bags[n].weight for n in names}
+        if device.type != "meta" and not on_meta:
+            with torch.no_grad():
+                for n in names:
+                    self.weights[n].copy_(module.embedding_bags[n].weight)
+        if device.type != "meta" and env.world_size > 1:
+            group = env.process_group
+            src = 0 if group is None or group is dist.group.WORLD else \
+                dist.get_global_rank(group, 0)
+            with torch.no_grad():
+                for n in names:
+                    dist.broadcast(self.weights[n].data, src=src, group=group)
+        # The sub-collection's features, in the order its input dist expects them.
+        self.feature_names = list(dict.fromkeys(f for c in configs for f in c.feature_names))
+        self._selection: Dict[Tuple[str, ...], List[int]] = {}
+
+    def select(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The batch's features that these tables read, in their order."""
+        keys = tuple(features.keys())
+        order = self._selection.get(keys)
+        if order is None:
+            position = {k: i for i, k in enumerate(keys)}
+            missing = [f for f in self.feature_names if f not in position]
+            if missing:
+                raise ValueError(f"{OWNER}: feature '{missing[0]}' is missing from the input "
+                                 f"(keys: {list(keys)}; the data-parallel tables read "
+                                 f"{self.feature_names})")
+            order = [position[f] for f in self.feature_names]
+            self._selection[keys] = order
+        if order == list(range(len(keys))):
+            return features
+        return features.permute(order)
+
+    def lookup(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of the selected features (see `select`) on this rank's batch:
+        TorchRec's data-parallel lookup, float32 [B, sum of dims], its gradient averaged
+        over the ranks in backward."""
+        return self.sharded(features).wait()
+
+
+class OutputMerge:
+    """Joins the model-parallel pooled values and the data-parallel KeyedTensor into the
+    unsharded module's output: its keys, in its order.
+
+    Args:
+        configs: all tables of the unsharded module, in order.
+        parallel: the model-parallel tables' names (recxla's layout), in order.
+    """
+
+    def __init__(self, configs: Sequence[EmbeddingBagConfig], parallel: Sequence[str]) -> None:
+        names = get_embedding_names_by_table(list(configs))
+        self.keys = [n for table in names for n in table]
+        self.dims = [c.embedding_dim for c in configs for _ in c.feature_names]
+        mp = [c for c in configs if c.name in parallel]
+        dp = [c for c in configs if c.name not in parallel]
+        # (table, feature) -> the name each part calls it (a feature shared by several
+        # tables of one part is `feature@table` there).
+        self._part_names = [
+            {(c.name, f): n for c, table in zip(part, get_embedding_names_by_table(part))
+             for f, n in zip(c.feature_names, table)} if part else {}
+            for part in (mp, dp)
+        ]
+        self._slots = [(c.name, f) for c in configs for f in c.feature_names]
+        self._in_mp = [c.name in parallel for c in configs for _ in c.feature_names]
+        self._index: Dict[Tuple, torch.Tensor] = {}
+
+    def merge(self, mp_values: torch.Tensor, mp_keys: Sequence[str], mp_dims: Sequence[int],
+              dp: KeyedTensor) -> KeyedTensor:
+        """mp_values float32 [B, sum(mp_dims)] (columns per mp_keys), dp: the data-parallel
+        KeyedTensor -> KeyedTensor with `keys`, float32 [B, sum(dims)]."""
+        signature = (tuple(mp_keys), tuple(dp.keys()), mp_values.device)
+        index = self._index.get(signature)
+        if index is None:
+            index = self._build_index(mp_keys, mp_dims, dp.keys(), dp.length_per_key(),
+                                      mp_values.device)
+            self._index[signature] = index
+        dp_values = dp.values()
+        if dp_values.dtype != mp_values.dtype:
+            dp_values = dp_values.to(mp_values.dtype)
+        values = torch.cat([mp_values, dp_values], dim=1).index_select(1, index)
+        return KeyedTensor(keys=self.keys, length_per_key=self.dims, values=values)
+
+    def _build_index(self, mp_keys, mp_dims, dp_keys, dp_dims, device) -> torch.Tensor:
+        offsets = []
+        for part, (keys, dims) in enumerate(((mp_keys, mp_dims), (dp_keys, dp_dims))):
+            start, at = (0 if part == 0 else sum(mp_dims)), {}
+            for key, dim in zip(keys, dims):
+                at[key] = start
+                start += dim
+            offsets.append(at)
+        columns: List[int] = []
+        for slot, in_mp, dim in zip(self._slots, self._in_mp, self.dims):
+            part = 0 if in_mp else 1
+            first = offsets[part][self._part_names[part][slot]]
+            columns.extend(range(first, first + dim))
+        return torch.tensor(columns, dtype=torch.int64, device=device)
