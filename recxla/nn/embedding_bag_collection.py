@@ -24,9 +24,11 @@ their fused optimizers). Pass recxla's: `DistributedModelParallel(model, sharder
 recxla.torchrec.sharders())`, which shards TorchRec's class and this one alike.
 """
 
+import types
 from typing import Dict, List, Optional
 
 import torch
+import torch.fx
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection as TorchRecEmbeddingBagCollection,
@@ -39,6 +41,21 @@ from recxla.ops.dedup import segmented_unique
 from recxla.ops.embedding_bag import MEAN, SUM, FusedPooledLookup, LookupPlan
 
 OWNER = optimizers.OWNER
+
+
+def _renamed(fn, name: str):
+    """A copy of function `fn` called `name` (same code, globals and annotations)."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__, copy.__annotations__ = name, dict(fn.__annotations__)
+    return copy
+
+
+def _traced_or_meta(features, weights: List[torch.Tensor]) -> bool:
+    """Whether forward runs under FX tracing (`features` is a Proxy) or on the meta device."""
+    if torch.fx._symbolic_trace.is_fx_tracing() or isinstance(features, torch.fx.Proxy):
+        return True
+    return any(w.is_meta for w in weights) or (
+        isinstance(features, KeyedJaggedTensor) and features.values().is_meta)
 
 
 class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
@@ -58,7 +75,10 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
             initial_accumulator_value, maximize), as in the optimizer class.
 
     forward(features: KeyedJaggedTensor with B samples per key) -> KeyedTensor with values
-    float32 [B, sum of the features' dims], keys and columns as TorchRec's module gives.
+    float32 [B, sum of the features' dims], keys and columns as TorchRec's module gives. On the
+    meta device, under torchrec.fx.symbolic_trace and under torch.jit.script the module runs
+    TorchRec's forward on its tables (shapes on meta; a traced or scripted copy pools with
+    torch.nn.EmbeddingBag and leaves the gradient in weight.grad).
     Raises ValueError for a feature that no table lists or that is missing, lengths that do not
     match the values, and IndexError for ids outside [0, num_embeddings), before any row changes.
     On CPU the output's storage is reused by a later step once nothing refers to it any more.
@@ -103,12 +123,31 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
     def _weights(self) -> List[torch.nn.Parameter]:
         return [bag.weight for bag in self.embedding_bags.values()]
 
+    # TorchRec's own forward (torch.nn.EmbeddingBag per feature) on this module's tables: what
+    # TorchScript compiles, FX records and the meta device runs (shapes only), where recxla's
+    # kernels cannot go. Same parameters, same output layout; no dedup, and the gradient lands
+    # in weight.grad (no fused update) in a scripted or traced copy.
+    # (A copy under its own name: TorchScript names a method after its function.)
+    _torchrec_forward = _renamed(TorchRecEmbeddingBagCollection.forward, "_torchrec_forward")
+
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """features: KeyedJaggedTensor (int32/int64 ids, B samples per key, float weights when
         is_weighted) -> KeyedTensor, values float32 [B, sum of dims], one key per feature of
         each table (`feature@table` for a feature read by several tables), in table order.
-        Every input check and the optimizer lookup run here, before the autograd graph exists,
-        so a bad batch leaves the rows and optimizer states as they were."""
+        Under torch.jit.script, torchrec.fx.symbolic_trace and on the meta device it is
+        TorchRec's forward (see _torchrec_forward)."""
+        if torch.jit.is_scripting():
+            return self._torchrec_forward(features)
+        else:
+            if _traced_or_meta(features, self._weights()):
+                return self._torchrec_forward(features)
+            return self._fused_forward(features)
+
+    @torch.jit.unused
+    def _fused_forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """recxla's forward. Every input check and the optimizer lookup run here, before the
+        autograd graph exists, so a bad batch leaves the rows and optimizer states as they
+        were."""
         values, offsets, psw, table_bounds = self._table_major_ids(features)
         n, ws = values.numel(), self._workspace
         dedup_out = (ws.empty("unique_values", (n,), values.dtype, values.device),
