@@ -66,22 +66,37 @@ def embedding_dim_of(spec, given: Optional[int]) -> int:
     return dims[0] if dims else FALLBACK_EMBEDDING_DIM
 
 
+def model_table_name(name: str) -> str:
+    """The model's name of a dataset's table: its own, unless torch's ModuleDict of the
+    EmbeddingBagCollection cannot hold it (an attribute such as "items" or "keys", or a dot),
+    then with "_table" appended."""
+    import torch
+
+    if name and "." not in name and not hasattr(torch.nn.ModuleDict(), name):
+        return name
+    return f"{name.replace('.', '_')}_table"
+
+
 def dataset_tables(spec, embedding_dim: int, table_rows: Sequence[Tuple[str, int]] = ()):
-    """TorchRec EmbeddingBagConfigs of a DatasetSpec: one per TableSpec, its features, rows
-    (or `table_rows`' override) and pooling, `embedding_dim` columns."""
+    """TorchRec EmbeddingBagConfigs of a DatasetSpec: one per TableSpec (named by
+    `model_table_name`), its features, rows (or `table_rows`' override, by the model's name)
+    and pooling, `embedding_dim` columns."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-    names = [t.name for t in spec.tables]
+    names = [model_table_name(t.name) for t in spec.tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"the dataset's tables {[t.name for t in spec.tables]} give the "
+                         f"model's tables {names}: rename one in the schema")
     rows = dict(table_rows)
     unknown = sorted(set(rows) - set(names))
     if unknown:
         raise ValueError(f"--table-rows: unknown table(s) {unknown}; the dataset's tables: "
                          f"{names}")
     return [EmbeddingBagConfig(
-        name=t.name, embedding_dim=embedding_dim, num_embeddings=rows.get(t.name, t.num_rows),
+        name=name, embedding_dim=embedding_dim, num_embeddings=rows.get(name, t.num_rows),
         feature_names=list(t.features),
         pooling=PoolingType.MEAN if t.pooling == "mean" else PoolingType.SUM)
-        for t in spec.tables]
+        for name, t in zip(names, spec.tables)]
 
 
 def split_row_groups(info, fraction: float, world_size: int,
