@@ -1,8 +1,12 @@
 """Checkpoint and resume: a run stopped after a checkpoint and resumed ends bit for bit where an
 uninterrupted run ends (CPU, fp32 communication): tables, dense layers, the fused embedding
 optimizer's state, the dense optimizer's state. And, read from checkpoints: the recxla path and
-the TorchRec baseline train the same model."""
+the TorchRec baseline train the same model. The checkpoint folder's protocol on fake folders:
+which count as complete (a torn file, a missing or foreign marker, an uncommitted folder do
+not), what is removed, what pruning keeps. (Kills during training: test_train_crash_consistency.)"""
 
+import json
+import os
 import shutil
 
 import pytest
@@ -10,7 +14,7 @@ import torch
 from test_train_cli import SMALL, launch_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from recxla.train import checkpoint
+from recxla.train import checkpoint, checkpoint_files
 from recxla.train.config import parse_config
 
 FP32 = [*SMALL, "--fwd-comm", "fp32", "--bwd-comm", "fp32", "--warmup-steps", "1",
@@ -95,9 +99,54 @@ def test_resume_rejects_other_options(tmp_path):
         checkpoint.check_compatible(parse_config([*FP32, "--steps", "4"]), 2, state)
 
 
-def test_partial_checkpoint_is_not_resumed_from(tmp_path):
-    (tmp_path / "step_00000004").mkdir()  # DCP files but no train_state.json: unfinished
-    (tmp_path / "step_00000002").mkdir()
-    (tmp_path / "step_00000002" / checkpoint.STATE_FILE).write_text("{}")
-    assert checkpoint.latest_checkpoint(str(tmp_path)) == (
-        2, checkpoint.checkpoint_path(str(tmp_path), 2))
+def _write_checkpoint(directory, step, *, commit=True):
+    """A checkpoint folder the way save() leaves it: random data files, the marker, the
+    rename (commit=False: marked but still `.partial`)."""
+    partial = checkpoint_files.partial_path(str(directory), step)
+    os.makedirs(partial)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
+        size = int(torch.randint(1, 4096, ()))
+        with open(os.path.join(partial, name), "wb") as f:
+            f.write(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes())
+    checkpoint_files.write_marker(partial, {"steps_done": step})
+    return checkpoint_files.commit(str(directory), step) if commit else partial
+
+
+def test_only_complete_checkpoints_count_and_the_rest_is_removed(tmp_path):
+    path = lambda step: checkpoint.checkpoint_path(str(tmp_path), step)  # noqa: E731
+    _write_checkpoint(tmp_path, 2)
+    incomplete = [_write_checkpoint(tmp_path, 4, commit=False)]  # marked, never renamed
+    _write_checkpoint(tmp_path, 6)
+    with open(os.path.join(path(6), "__1_0.distcp"), "r+b") as f:
+        f.truncate(1)  # a torn data file: its size is not the marker's
+    _write_checkpoint(tmp_path, 8)
+    os.remove(os.path.join(path(8), checkpoint.STATE_FILE))  # no marker
+    _write_checkpoint(tmp_path, 10)
+    with open(os.path.join(path(10), checkpoint.STATE_FILE), "w") as f:
+        json.dump({"steps_done": 12, "files": {".metadata": 1}}, f)  # another step's marker
+    os.makedirs(path(12) + ".old")
+    incomplete += [path(6), path(8), path(10), path(12) + ".old"]
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / "step_x").mkdir()
+
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == (2, path(2))
+    assert checkpoint_files.incomplete_folders(str(tmp_path)) == sorted(incomplete)
+    assert checkpoint_files.remove_incomplete(str(tmp_path)) == sorted(incomplete)
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step_00000002", "step_x"]
+    # A commit over a leftover folder of the same step replaces it.
+    os.makedirs(path(4))
+    _write_checkpoint(tmp_path, 4)
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == (4, path(4))
+
+
+def test_prune_keeps_the_newest_and_never_a_newer_run(tmp_path):
+    for step in (2, 4, 6, 8):
+        _write_checkpoint(tmp_path, step)
+    path = lambda step: checkpoint.checkpoint_path(str(tmp_path), step)  # noqa: E731
+    assert checkpoint_files.prune(str(tmp_path), 6, None) == []
+    # Just committed 6; 8 is another run's (more steps): left alone.
+    assert checkpoint_files.prune(str(tmp_path), 6, 2) == [path(2)]
+    assert [s for s, _ in checkpoint_files.complete_checkpoints(str(tmp_path))] == [4, 6, 8]
+    assert checkpoint_files.prune(str(tmp_path), 6, 1) == [path(4)]
+    with pytest.raises(ValueError, match="prune: keep must be >= 1"):
+        checkpoint_files.prune(str(tmp_path), 6, 0)
