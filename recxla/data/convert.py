@@ -13,7 +13,7 @@ What it writes (folder `out`):
     vocab/<table>.parquet    the vocabulary of each vocab-mapped table (recxla.data.id_mapping)
 
 How (docs/your-data.md for the user's view):
-- Streaming: every file is read in blocks (Parquet: `rows_per_group` rows; CSV/TSV: 4 MiB of
+- Streaming: every file is read in blocks (Parquet: `rows_per_group` rows; CSV/TSV: 1 MiB of
   text) and written a row group at a time, so memory is bounded by a row group and a block
   per worker, plus the id counts of vocab tables (distinct ids, not rows).
 - Two passes when a table needs its ids counted (mapping "vocab", or no mapping given: the
@@ -90,7 +90,9 @@ def _count_file(i: int) -> Dict[str, Optional[pa.Table]]:
             raw = ids.cast(pa.large_string() if tp.id_type == "string" else pa.int64())
             parts[f.table].append(count_ids(keys_of(ids, tp.id_type), raw))
         for name, p in parts.items():
-            if p is not None and sum(x.num_rows for x in p) > _COMPACT_ROWS:
+            # A table with no mapping given is counted only up to the limit.
+            bound = _COMPACT_ROWS if counted[name] == "vocab" else min(_COMPACT_ROWS, 2 * limit)
+            if p is not None and sum(x.num_rows for x in p) > bound:
                 merged = merge_counts(p)
                 over = counted[name] is None and merged.num_rows > limit
                 parts[name] = None if over else [merged]

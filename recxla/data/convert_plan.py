@@ -128,7 +128,7 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
     sparse: List[Tuple[str, SparseSchema]] = list(schema.sparse)
     for feature, s in sparse:
         t = need(s.column, f"sparse feature {feature}")
-        if s.separator is not None and not _is_string(t):
+        if s.separator is not None and not _is_id(t):
             raise ValueError(f"{where}: column {s.column!r} holds {t}: a separator splits "
                              "string columns only")
         inner = _base(t.value_type) if _is_list(t) else t
@@ -205,6 +205,8 @@ def id_bags(col: pa.Array, is_list: bool, separator: Optional[str] = None
     if pa.types.is_dictionary(col.type):
         col = col.dictionary_decode()
     if separator is not None:
+        if not pa.types.is_string(col.type):  # CSV inferred integers: no bag had two ids
+            col = col.cast(pa.string())
         col = pc.split_pattern(pc.if_else(pc.equal(col, ""), None, col), separator)
     if not is_list:
         valid = col.is_valid()

@@ -13,6 +13,7 @@ logical shift the hash needs is spelled out with a mask.
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -42,6 +43,20 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
     z = (z ^ _srl(z, 30)) * _MUL1
     z = (z ^ _srl(z, 27)) * _MUL2
     return z ^ _srl(z, 31)
+
+
+def splitmix64_numpy(x: np.ndarray) -> np.ndarray:
+    """`splitmix64` of int64/uint64 numpy ids: uint64 [n], the same bits, computed in place on
+    one copy (the data converter hashes millions of ids per block; torch's out-of-place ops
+    allocate an array per step)."""
+    z = np.array(x, dtype=np.int64).view(np.uint64)
+    z += np.uint64(_GOLDEN & ((1 << 64) - 1))
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(_MUL1 & ((1 << 64) - 1))
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(_MUL2 & ((1 << 64) - 1))
+    z ^= z >> np.uint64(31)
+    return z
 
 
 def mix(x: torch.Tensor, *salts: int) -> torch.Tensor:

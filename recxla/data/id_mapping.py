@@ -11,7 +11,7 @@ same id is the same key whichever feature holds it.
 
 Keys -> rows, per table (the table's `mapping` in its TableSpec):
     hash     row = (splitmix64(key) & (2**63 - 1)) % rows      splitmix64 as in
-             recxla.data.hashing (the finalizer of SplitMix64, unsigned 64-bit arithmetic)
+             recxla.data.hashing (SplitMix64's finalizer, unsigned 64-bit arithmetic)
     modulo   row = key % rows, for integer ids >= 0 (what TorchRec's Criteo utilities do)
     vocab    row = 1 + the key's position in the vocabulary, or 0 (the out-of-vocabulary row)
              for a key not in it. The vocabulary holds the ids seen at least min_count times
@@ -29,9 +29,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
-from recxla.data.hashing import splitmix64
+from recxla.data.hashing import splitmix64_numpy
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -91,8 +90,10 @@ def keys_of(ids: pa.Array, id_type: str) -> np.ndarray:
 
 def hash_rows(keys: np.ndarray, rows: int) -> np.ndarray:
     """(splitmix64(key) & (2**63 - 1)) % rows: int64 [n] in [0, rows)."""
-    h = splitmix64(torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64)))
-    return torch.remainder(h & _INT63, rows).numpy()
+    h = splitmix64_numpy(keys)
+    h &= np.uint64(_INT63)
+    h %= np.uint64(rows)
+    return h.view(np.int64)
 
 
 def modulo_rows(keys: np.ndarray, rows: int, where: str) -> np.ndarray:

@@ -1,0 +1,221 @@
+"""python -m recxla.data convert: Parquet, CSV and Criteo TSV sources against a plain-Python
+reference of the documented mapping (tests/data_convert_cases.py), the spec read back, the
+reader on the result, IdMapper, and bounded memory on an input larger than the limit."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pytest
+from data_convert_cases import (
+    click_log,
+    criteo_lines,
+    hash_row,
+    log1p_dense,
+    vocabulary,
+    write_click_log_parquet,
+)
+
+from recxla.data import IdMapper, ParquetDataset, convert, read_dataset_spec
+from recxla.data.__main__ import main as data_main
+
+CLICK_SCHEMA = """
+label = "clicked"
+timestamp = "ts"
+dense = ["age", "price"]
+dense_log1p = ["price"]
+[sparse.user]
+mapping = "hash"
+rows = 97
+[sparse.item]
+table = "items"
+[sparse.history]
+table = "items"
+[sparse.genres]
+weights = "genre_w"
+pooling = "mean"
+[tables.items]
+mapping = "vocab"
+min_count = 2
+dim = 16
+"""
+
+
+def read_converted(out) -> dict:
+    """Every column of a converted folder as Python lists (files in name order)."""
+    files = sorted(f for f in os.listdir(out) if f.endswith(".parquet"))
+    return pa.concat_tables([pq.read_table(os.path.join(out, f)) for f in files]).to_pydict()
+
+
+def test_parquet_click_log_matches_the_reference(tmp_path, seed):
+    rng = random.Random(seed)
+    n = 600
+    log = click_log(n, rng)
+    write_click_log_parquet(tmp_path / "log.parquet", log, row_group_size=250)
+    (tmp_path / "schema.toml").write_text(CLICK_SCHEMA)
+    out = tmp_path / "data"
+    spec = convert(tmp_path / "log.parquet", out, tmp_path / "schema.toml", rows_per_group=128,
+                   progress=False)
+
+    items = vocabulary(log["item"] + [h for hist in log["history"] for h in hist], 2)
+    genres = vocabulary([g for gs in log["genres"] for g in gs], 1)
+    assert spec == read_dataset_spec(out)
+    assert spec.sparse_features == ("user", "item", "history", "genres")
+    assert spec.dense_features == ("age", "price")
+    assert (spec.label, spec.timestamp, spec.label_kind) == ("clicked", "ts", "binary")
+    tables = {t.name: t for t in spec.tables}
+    assert set(tables) == {"t_user", "items", "t_genres"}
+    assert tables["items"].features == ("item", "history")
+    assert (tables["items"].num_rows, tables["items"].embedding_dim) == (len(items) + 1, 16)
+    assert (tables["items"].mapping, tables["items"].id_type) == ("vocab", "int")
+    assert (tables["t_user"].mapping, tables["t_user"].num_rows) == ("hash", 97)
+    assert tables["t_user"].id_type == "string"
+    assert (tables["t_genres"].mapping, tables["t_genres"].num_rows) == ("vocab", len(genres) + 1)
+    assert tables["t_genres"].pooling == "mean" and tables["t_genres"].weighted
+
+    got = read_converted(out)  # rows sorted within row groups: matched by timestamp
+    position = {ts: i for i, ts in enumerate(got["timestamp"])}
+    assert sorted(position) == sorted(log["ts"])
+    for r in range(n):
+        i = position[log["ts"][r]]
+        assert got["sparse:user"][i] == [hash_row(log["user"][r], 97, "string")]
+        assert got["sparse:item"][i] == [items.get(log["item"][r], 0)]
+        assert got["sparse:history"][i] == [items.get(h, 0) for h in log["history"][r]]
+        assert got["sparse:genres"][i] == [genres[g] for g in log["genres"][r]]
+        assert got["weights:genres"][i] == pytest.approx(log["genre_w"][r], rel=1e-6)
+        assert got["weights:item"][i] == [1.0]
+        assert got["dense:0"][i] == pytest.approx(log["age"][r], rel=1e-6)
+        assert got["dense:1"][i] == pytest.approx(log1p_dense(log["price"][r]), rel=1e-6)
+        assert got["label"][i] == log["clicked"][r]
+
+    # The trainer's reader takes the arbitrary names and dense width as they are.
+    batch = next(iter(ParquetDataset(out, 64, shuffle=False)))
+    assert batch.sparse.keys() == list(spec.sparse_features)
+    assert tuple(batch.dense.shape) == (64, 2)
+    # Serving maps raw ids as the conversion did, unseen ones to the OOV row / their hash.
+    mapper = IdMapper.from_dataset(out)
+    some = rng.sample(log["history"][0] + log["item"][:5], 3) + [(1 << 41) + 10**6]
+    assert mapper.map("history", some).tolist() == [items.get(h, 0) for h in some]
+    assert mapper.map("user", ["user-3", "nobody"]).tolist() == [
+        hash_row("user-3", 97, "string"), hash_row("nobody", 97, "string")]
+
+
+def test_csv_files_in_parallel_match_the_reference(tmp_path, seed):
+    rng = random.Random(seed)
+    rows = []
+    for part in range(2):
+        lines = ["user,item,hist,x,label"]
+        for r in range(300):
+            hist = "|".join(str(rng.randrange(40)) for _ in range(rng.randrange(4) + (r == 0)))
+            lines.append(f"u{rng.randrange(30)},{rng.randrange(50)},{hist},{rng.random()},"
+                         f"{rng.randrange(2)}")
+            rows.append(lines[-1].split(","))
+        (tmp_path / f"part{part}.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "schema.toml").write_text(
+        '[sparse.item]\ntable = "items"\n[sparse.hist]\ntable = "items"\nseparator = "|"\n'
+        '[tables.items]\nmapping = "vocab"\n')
+    out = tmp_path / "data"
+    assert data_main([
+        "convert", str(tmp_path), "--out", str(out), "--schema", str(tmp_path / "schema.toml"),
+        "--workers", "2", "--sort-by", "none", "--rows-per-group", "100",
+        "--no-progress"]) == 0
+    spec = read_dataset_spec(out)
+    # An integer column sharing a table with string ids is keyed by its decimal strings.
+    items = vocabulary([r[1] for r in rows] + [h for r in rows for h in r[2].split("|") if h], 1)
+    users = vocabulary([r[0] for r in rows], 1)
+    assert spec.table_of("item").id_type == "string" and spec.table_of("user").mapping == "vocab"
+    got = read_converted(out)
+    assert len(got["label"]) == len(rows)
+    for i, r in enumerate(rows):
+        assert got["sparse:user"][i] == [users[r[0]]]
+        assert got["sparse:item"][i] == [items[r[1]]]
+        assert got["sparse:hist"][i] == [items[h] for h in r[2].split("|") if h]
+        assert got["dense:0"][i] == pytest.approx(float(r[3]), rel=1e-6)
+        assert got["label"][i] == float(r[4])
+
+
+def test_criteo_tsv_matches_torchrec_row_mapper(tmp_path, seed):
+    rng = random.Random(seed)
+    lines = criteo_lines(400, rng)
+    (tmp_path / "day_0.tsv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "schema.toml").write_text(
+        'default_rows = 1000\n[sparse.cat_1]\ntable = "shared"\n[sparse.cat_2]\n'
+        'table = "shared"\n[tables.shared]\nrows = 777\n[sparse.cat_3]\nmapping = "hash"\n'
+        'rows = 50\n')
+    out = tmp_path / "data"
+    spec = convert(tmp_path / "day_0.tsv", out, tmp_path / "schema.toml", sort_by=None,
+                   rows_per_group=128, progress=False)
+    assert spec.sparse_features == tuple(f"cat_{i}" for i in range(26))
+    assert spec.dense_features == tuple(f"int_{j}" for j in range(13))
+    assert spec.table_of("cat_2").name == "shared" and spec.table_of("cat_2").num_rows == 777
+    got = read_converted(out)
+    for i, line in enumerate(lines):
+        fields = line.split("\t")
+        # TorchRec's tsv_to_npys row mapper: int(x or "0"), int(x or "0", 16).
+        cats = [int(x or "0", 16) for x in fields[14:]]
+        assert got["label"][i] == int(fields[0])
+        for j in range(13):
+            assert got[f"dense:{j}"][i] == pytest.approx(log1p_dense(fields[1 + j]), rel=1e-6)
+        for c, raw in enumerate(cats):
+            rows = {1: 777, 2: 777, 3: 50}.get(c, 1000)
+            want = hash_row(raw, 50, "int") if c == 3 else raw % rows
+            assert got[f"sparse:cat_{c}"][i] == [want], (i, c)
+
+
+def test_spec_of_a_write_parquet_dataset_is_derived(tmp_path):
+    from data_pipeline_cases import random_batches, write
+
+    path = write(random_batches(2, 40, weighted=True), tmp_path / "w.parquet")
+    spec = read_dataset_spec(path)
+    ds = ParquetDataset(path, 40)
+    assert spec.sparse_features == ds.layout.features
+    assert len(spec.dense_features) == ds.layout.num_dense
+    for t in spec.tables:
+        (f,) = t.features
+        assert t.name == f"t_{f}" and t.mapping == "given" and t.weighted
+        assert t.num_rows == ds.info.id_range(f)[1] + 1
+
+
+BOUNDED = r"""
+import json, resource, sys
+import pyarrow as pa
+from recxla.data import convert
+small, src, out, schema = sys.argv[1:]
+kwargs = dict(fmt="csv", rows_per_group=16384, sort_by=None, workers=1, progress=False)
+convert(small, out + ".small", schema, **kwargs)  # libraries loaded, pools warm
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+convert(src, out, schema, **kwargs)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"rss_growth": (after - before) * 1024,
+                  "arrow_peak": pa.default_memory_pool().max_memory()}))
+"""
+
+
+def test_conversion_memory_is_bounded_on_an_input_larger_than_the_limit(tmp_path):
+    limit = 64 << 20
+    n = 2_000_000  # 106 MB of CSV
+    rng = np.random.default_rng(0)
+    table = pa.table({"user": rng.integers(0, 1 << 50, n), "item": rng.integers(0, 1 << 50, n),
+                      "x": rng.random(n), "label": rng.integers(0, 2, n)})
+    pcsv.write_csv(table, tmp_path / "big.csv")
+    pcsv.write_csv(table.slice(0, 20_000), tmp_path / "small.csv")
+    size = os.path.getsize(tmp_path / "big.csv")
+    assert size > limit
+    # Distinct ids above vocab_limit: hashed after counting stops at the limit.
+    (tmp_path / "s.toml").write_text("vocab_limit = 1000\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    res = subprocess.run([sys.executable, "-c", BOUNDED, str(tmp_path / "small.csv"),
+                          str(tmp_path / "big.csv"), str(tmp_path / "out"),
+                          str(tmp_path / "s.toml")], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["rss_growth"] < limit, (got, size)
+    assert got["arrow_peak"] < limit, (got, size)
+    assert ParquetDataset(tmp_path / "out", 1024).info.num_rows == n
