@@ -284,7 +284,7 @@ def convert_rows(t: pa.Table, plan: Plan, tables: Dict, vocabs: Dict, where: str
             "0 or 1 (label_kind = \"binary\"; set label_kind = \"float\" for a regression "
             "target)")
         raise ValueError(f"{where}: row {_first_row(bad, row_base)}: column {plan.label!r}: "
-                         f"label {y[bad][0]!r} is not {kind}")
+                         f"label {float(y[bad][0])!r} is not {kind}")
     cols["label"] = pa.array(y.astype(np.float32))
     if plan.timestamp is not None:
         ts = t.column(plan.timestamp).combine_chunks()
