@@ -173,10 +173,14 @@ def state_fingerprint(state: dict) -> str:
     local = hashlib.sha256()
     for key, value in sorted(_flatten(state).items()):
         local.update(key.encode())
-        for offsets, tensor in _local_tensors(value):
+        parts = _local_tensors(value)
+        if parts is None:  # a plain value (learning rate, parameter names): its text
+            local.update(repr(value).encode())
+            continue
+        for offsets, tensor in parts:
             t = tensor.detach().cpu().contiguous()
             local.update(f"{offsets}{t.dtype}{tuple(t.shape)}".encode())
-            local.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            local.update(t.reshape(-1).view(torch.uint8).numpy())  # no copy
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, local.hexdigest())
     return hashlib.sha256("".join(digests).encode()).hexdigest()
@@ -197,7 +201,7 @@ def _flatten(value, prefix: str = "") -> dict:
 
 
 def _local_tensors(value):
-    """(shard offsets, tensor) of this rank's part of `value`; non-tensors as text."""
+    """(shard offsets, tensor) of this rank's part of `value`; None if it is no tensor."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
@@ -207,5 +211,4 @@ def _local_tensors(value):
         return [(str(value.placements), value.to_local())]
     if torch.is_tensor(value):
         return [((), value)]
-    return [((), torch.frombuffer(bytearray(repr(value).encode()) or bytearray(b" "),
-                                  dtype=torch.uint8))]
+    return None
