@@ -5,18 +5,29 @@ Which optimizer a table gets follows TorchRec: the sharder's `fused_params`
 optimizer attached to the unsharded weight with `torchrec.optim.apply_optimizer_in_backward`
 (or given to `recxla.nn.EmbeddingBagCollection`). Supported: SGD, Adagrad and row-wise Adagrad,
 with the exact sparse semantics of recxla's lookup (csrc/include/recxla/embedding_bag.h).
+As with TorchRec's sharder, fused_params that name no optimizer (None included) give FBGEMM's
+default, EXACT_SGD at learning rate 0.01 (TorchRec's fused kernel builds FBGEMM's
+SplitTableBatchedEmbeddingBagsCodegen with them), and a table the plan puts on the "dense"
+compute kernel gets an ordinary gradient instead (TorchRec's BatchedDenseEmbeddingBag).
 
 The update runs inside the lookup's backward (`step_arguments` is its callback), once per
 step, on the rows the step touched. `ShardedFusedOptimizer` exposes the state and the
-hyperparameters as TorchRec's KeyedOptimizer does: params and state as ShardedTensors keyed
-`embedding_bags.<table>.weight`, so DMP's `fused_optimizer`, its state_dict and
-torch.distributed.checkpoint see them; `param_groups` hold the live hyperparameters (a learning
-rate scheduler that changes "lr" takes effect at the next step).
+hyperparameters as TorchRec's EmbeddingFusedOptimizer does, so that checkpoints interchange
+with TorchRec's sharder (torch.distributed.checkpoint, both ways): per table this rank holds
+a shard of, params keyed `embedding_bags.<table>.weight` (the weight's ShardedTensor) and state
+`{"<table>.momentum1": ShardedTensor}` for Adagrad (the weight's layout) and row-wise Adagrad
+(1-D, see `rowwise_state_layout`), `{}` for SGD. `param_groups` hold the live hyperparameters
+(a learning rate scheduler that changes "lr" takes effect at the next step).
+
+The step count (torch's Adagrad lr_decay, the replicas' sync_every) is kept as FBGEMM keeps its
+`iter`: outside the state, settable with `set_optimizer_step` (TorchRec's name). Only where the
+update depends on it (lr_decay != 0, which FBGEMM's Adagrad does not have) does the state also
+hold `<table>.step`, so that a checkpoint restores it.
 """
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torchrec.optim.keyed import KeyedOptimizer
@@ -40,7 +51,8 @@ _FUSED_PARAM_IGNORED = {"cache_load_factor", "cache_precision", "prefetch_pipeli
                         "output_dtype", "stochastic_rounding", "bounds_check_mode",
                         "gradient_clipping", "max_gradient", "weights_precision",
                         "enforce_hbm", "cache_algorithm"}
-# FBGEMM's defaults for what fused_params leaves out.
+# FBGEMM's defaults for what fused_params leaves out (SplitTableBatchedEmbeddingBagsCodegen).
+_FBGEMM_DEFAULT_OPTIMIZER = "exact_sgd"
 _FBGEMM_DEFAULTS = {"lr": 0.01, "eps": 1.0e-8, "weight_decay": 0.0, "lr_decay": 0.0,
                     "initial_accumulator_value": 0.0, "maximize": False}
 
@@ -55,10 +67,16 @@ class TableUpdate:
     hyperparameters: Dict[str, Any]
 
 
-def table_update(table: str, weight: torch.Tensor,
-                 fused_params: Optional[Dict[str, Any]]) -> TableUpdate:
-    """The update of one table: the optimizer attached to its unsharded weight, else the
-    sharder's fused_params, else none (the shard then gets an ordinary gradient)."""
+# The plan's compute kernel that TorchRec runs without a fused optimizer.
+DENSE_KERNEL = "dense"
+
+
+def table_update(table: str, weight: torch.Tensor, fused_params: Optional[Dict[str, Any]],
+                 compute_kernel: str = "fused") -> TableUpdate:
+    """The update of one table: the optimizer attached to its unsharded weight, else none on
+    the plan's "dense" compute kernel (the shard then gets an ordinary gradient), else the
+    sharder's fused_params with FBGEMM's defaults (EXACT_SGD, learning rate 0.01) for what
+    they leave out."""
     where = f"{OWNER}: table '{table}'"
     classes = getattr(weight, "_optimizer_classes", None)
     if classes:
@@ -73,16 +91,20 @@ def table_update(table: str, weight: torch.Tensor,
         hyper = {name: kwargs.get(name, defaults.get(name, _FBGEMM_DEFAULTS[name]))
                  for name in _FBGEMM_DEFAULTS}
         return TableUpdate(kind, hyper)
-    if not fused_params or fused_params.get("optimizer") is None:
+    if str(getattr(compute_kernel, "value", compute_kernel)) == DENSE_KERNEL:
         return TableUpdate(NONE, {})
-    name = str(getattr(fused_params["optimizer"], "value", fused_params["optimizer"])).lower()
+    fused_params = fused_params or {}
+    optimizer = fused_params.get("optimizer")
+    optimizer = _FBGEMM_DEFAULT_OPTIMIZER if optimizer is None else optimizer
+    name = str(getattr(optimizer, "value", optimizer)).lower()
     if name not in _EMB_OPTIM_KINDS:
-        raise ValueError(f"{where}: fused_params optimizer {fused_params['optimizer']!r} is not "
+        raise ValueError(f"{where}: fused_params optimizer {optimizer!r} is not "
                          f"supported (supported: {sorted(_EMB_OPTIM_KINDS)})")
     kind = _EMB_OPTIM_KINDS[name]
     given = {}
     for key, value in fused_params.items():
-        if key == "optimizer" or key in _FUSED_PARAM_IGNORED:
+        if key == "optimizer" or key in _FUSED_PARAM_IGNORED or \
+                (kind == SGD and key == "eps"):  # FBGEMM takes eps with any optimizer
             continue
         if key not in _FUSED_PARAM_NAMES:
             raise ValueError(f"{where}: fused_params key {key!r} is not supported by the fused "
@@ -90,6 +112,27 @@ def table_update(table: str, weight: torch.Tensor,
         given[_FUSED_PARAM_NAMES[key]] = value
     check_hyperparameters(kind, given, where)
     return TableUpdate(kind, {**_FBGEMM_DEFAULTS, **given})
+
+
+def rowwise_state_layout(shards: Sequence[Any], num_embeddings: int, embedding_dim: int,
+                         where: str = OWNER) -> Tuple[int, List[Tuple[Any, int]]]:
+    """TorchRec's layout of a row-wise optimizer state (row-wise Adagrad's momentum1: one value
+    per row of each shard), as its EmbeddingFusedOptimizer builds it: a 1-D ShardedTensor.
+    Rows split (table-/row-wise): [num_embeddings], each shard at its row offset. Columns
+    split (column-wise, table-column-wise): each column block keeps its own value per row
+    (its own FBGEMM table), so the state is [num_embeddings x blocks], the blocks in column
+    order, block k at k x num_embeddings.
+
+    shards: the table's shards (row_offset, rows, col_offset, cols attributes).
+    -> (global size, [(shard, offset)] in TorchRec's shard order)."""
+    column_split = any(s.cols != embedding_dim for s in shards)
+    if column_split and any(s.rows != num_embeddings for s in shards):
+        raise ValueError(f"{where}: a table split by both rows and columns (grid sharding) has "
+                         "no TorchRec layout for row-wise optimizer state here")
+    if not column_split:
+        return num_embeddings, [(s, s.row_offset) for s in shards]
+    ordered = sorted(shards, key=lambda s: s.col_offset)  # stable, as TorchRec's sort
+    return num_embeddings * len(ordered), [(s, k * num_embeddings) for k, s in enumerate(ordered)]
 
 
 def _finite_number(value, name: str, where: str) -> float:
@@ -110,32 +153,38 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         states: per local table, its state tensor (Adagrad: float32 [rows, cols]; row-wise:
             float32 [rows]; SGD and none: None).
         sharded_states: per table, its state ShardedTensor (or None).
+        save_step: also save the step count where nothing else needs it (the replicas'
+            sync_every > 1).
     """
 
     def __init__(self, names: List[str], sharded_weights: List[Any], updates: List[TableUpdate],
                  local_tables: List[int], states: List[Optional[torch.Tensor]],
-                 sharded_states: List[Optional[Any]]):
+                 sharded_states: List[Optional[Any]], save_step: bool = False):
         self._updates = updates
         self._local_tables = local_tables
         self._states = states
-        self._steps = [torch.zeros((), dtype=torch.float32) for _ in names]
+        # One count for every table: the module advances it once per backward on every rank.
+        self._step = torch.zeros((), dtype=torch.float32)
         params = {}
         state: Dict[Any, Dict[str, Any]] = {}
+        self._group_of_table: Dict[int, Dict[str, Any]] = {}
         groups = []
+        held = set(local_tables)
         for t, (name, weight, update) in enumerate(zip(names, sharded_weights, updates)):
-            if update.kind == NONE:
+            if update.kind == NONE or t not in held:
+                # As TorchRec's: only the tables this rank holds a shard of.
                 continue
             params[name] = weight
             table = name.split(".")[-2]
-            entry: Dict[str, Any] = {f"{table}.step": self._steps[t]}
+            entry: Dict[str, Any] = {}
             if sharded_states[t] is not None:
                 entry[f"{table}.momentum1"] = sharded_states[t]
+            if save_step or (update.kind != SGD and
+                             float(update.hyperparameters.get("lr_decay", 0.0)) != 0.0):
+                entry[f"{table}.step"] = self._step
             state[weight] = entry
-            groups.append({"params": [weight], **update.hyperparameters})
-        self._group_of_table = {}
-        for t, update in enumerate(updates):
-            if update.kind != NONE:
-                self._group_of_table[t] = groups[len(self._group_of_table)]
+            self._group_of_table[t] = {"params": [weight], **update.hyperparameters}
+            groups.append(self._group_of_table[t])
         super().__init__(params, state, groups)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
@@ -145,16 +194,22 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         """Nothing to do: the update is applied in backward."""
 
     def count_step(self) -> None:
-        """Advances every table's step counter. The sharded module calls it once per backward
-        on every rank (also on a rank that holds no shard of a table), so the counters, which
-        a checkpoint saves once for all ranks, agree everywhere."""
-        for step in self._steps:
-            step += 1
+        """Advances the step count. The sharded module calls it once per backward on every
+        rank (also on a rank that holds no shard), so the counts agree everywhere."""
+        self._step += 1
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Sets the step count (TorchRec's and FBGEMM's name), e.g. after loading a checkpoint
+        that does not hold it; torchrec's CombinedOptimizer passes it on."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{OWNER}: set_optimizer_step: step must be an int >= 0, got "
+                             f"{step!r}")
+        self._step.fill_(step)
 
     @property
     def step_count(self) -> int:
-        """Steps counted so far (every table's counter advances together)."""
-        return int(self._steps[0]) if self._steps else 0
+        """Steps counted so far."""
+        return int(self._step)
 
     def step_arguments(self) -> Tuple[List[int], List[Optional[torch.Tensor]], List[float]]:
         """The lookup's optimizer callback: per local table, (kind, state tensor,
@@ -172,7 +227,7 @@ class ShardedFusedOptimizer(KeyedOptimizer):
             where = f"{OWNER}: table {t}"
             lr = _finite_number(group["lr"], "lr", where)
             if update.kind != SGD:
-                lr = lr / (1 + (float(self._steps[t]) - 1) * float(group.get("lr_decay", 0.0)))
+                lr = lr / (1 + (float(self._step) - 1) * float(group.get("lr_decay", 0.0)))
             hparams += [lr, _finite_number(group.get("eps", 0.0), "eps", where),
                         _finite_number(group.get("weight_decay", 0.0), "weight_decay", where),
                         -1.0 if group.get("maximize", False) else 1.0]

@@ -15,12 +15,25 @@ The receiver copies each pooled column range to the module's output columns (Tor
 order), pools its own bags of every row group from the rows it got, adds the partial sums of
 row-sharded tables and divides row-sharded MEAN bags by their length (`AssembleOutput`: one
 pass forward, one pass backward, which reduces the row groups' gradients per unique row).
+
+Gradient division: TorchRec's pooled all-to-alls divide the gradients that reach the owners by
+the size of the sharding group (`torchrec.distributed.comm_ops`: `grad.div_(world_size(pg))`
+after decoding, unless `set_gradient_division(False)`), so that W ranks' summed gradients of
+their mean losses equal one rank's gradient of the mean over the global batch. Every gradient
+this dist brings back to an owner goes through `divide_gradient` (both the module's autograd
+path and the pipeline's `start_gradient`), which reads TorchRec's setting when the gradient
+arrives, as TorchRec does. It covers every sharding type alike: TorchRec's table-/column-wise
+all-to-all and its row-wise reduce-scatter (backward: all-gather) both divide by the group's
+size, and so does its table-row-wise (intra-node reduce-scatter, then cross-node all-to-all:
+local size x nodes = the group's size). Row exchange moves the same gradient summed per unique
+row before it travels; a sum of divided terms is the divided sum, so it is divided the same way.
 """
 
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torchrec.distributed.comm_ops import get_gradient_division
 
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import get_format
@@ -107,6 +120,36 @@ class AssembleOutput(torch.autograd.Function):
         return (ctx.dist._split(grad_out, received, ctx.message, bag_lengths), None, None, None)
 
 
+class _DivideGradient(torch.autograd.Function):
+    """Identity forward; backward divides the gradient that arrived at the owner as TorchRec's
+    pooled all-to-all does (OutputDist.divide_gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, dist):
+        ctx.dist = dist
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.dist.divide_gradient(grad), None
+
+
+class _DividedGradientHandle:
+    """A gradient exchange in flight whose wait() gives the owner's message divided as
+    TorchRec's all-to-all's backward divides it."""
+
+    def __init__(self, handle, dist: "OutputDist"):
+        self._handle, self._dist, self._result = handle, dist, None
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self._handle.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = self._dist.divide_gradient(self._handle.wait())
+        return self._result
+
+
 class OutputDist:
     """Sends each owner's embeddings back and assembles the receiver's output.
 
@@ -143,6 +186,20 @@ class OutputDist:
                 self.mean_ranges.append((offset, offset + dim))
                 self.mean_slots.append(slot)
             offset += dim
+
+    # -------------------------------------------------------------- gradient division
+
+    @property
+    def gradient_divisor(self) -> int:
+        """What the owners' gradients are divided by now: the group's size while TorchRec's
+        gradient division is on (its default), else 1."""
+        return self.layout.world_size if get_gradient_division() else 1
+
+    def divide_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """grad (received at the owner, any shape) divided by `gradient_divisor` (a division,
+        not a multiplication by its inverse, to round as TorchRec does)."""
+        divisor = self.gradient_divisor
+        return grad / divisor if divisor != 1 else grad
 
     # -------------------------------------------------------------- message layouts
 
@@ -200,6 +257,8 @@ class OutputDist:
         recv = _owner_totals(message)
         self._count(send, recv, forward=True)
         flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if flat.requires_grad:
+            flat = _DivideGradient.apply(flat, self)
         handle = quantized_all_to_all(flat.view(-1, self.row_dim), [n // self.row_dim for n in recv],
                                       [n // self.row_dim for n in send], group=self.group,
                                       fwd=self.fwd, bwd=self.bwd, async_op=True,
@@ -238,7 +297,7 @@ class OutputDist:
                        rows: Optional[RowInput]):
         """The backward exchange on its own (no autograd): grad_out float32 [batch, sum of
         embedding dims] -> (in-flight handle whose wait() gives the owner's gradient message,
-        the sizes it will hold per source)."""
+        divided as the autograd path divides it, the sizes it will hold per source)."""
         if bag_lengths is None:
             bag_lengths = grad_out.new_empty((message.batch, 0))
         template = grad_out.new_empty((message.total,))
@@ -251,7 +310,7 @@ class OutputDist:
                                       [n // self.row_dim for n in to_owners], group=self.group,
                                       fwd=self.bwd, bwd=self.bwd, async_op=True,
                                       validate_splits=False)
-        return handle, from_sources
+        return _DividedGradientHandle(handle, self), from_sources
 
     # -------------------------------------------------------------- the two passes
 

@@ -14,6 +14,16 @@ in step in one of two ways:
   optimizer state (fp32: averaging weights in bf16 would round them).
 
 Dense parameters stay data parallel over all ranks (DDP on the world group).
+
+Gradient division (TorchRec's `set_gradient_division`, on by default): the shard group's
+output dist divides the gradients reaching an owner by the shard group's size G
+(output_dist.py), as TorchRec's all-to-all inside DMPCollection's shard group does. With
+sync="weights" that is all TorchRec computes: each replica steps on its node's gradient / G and
+the replicas average weights, so with SGD and sync_every=1 the tables move by the mean over
+nodes of (gradient / G), i.e. the sum over every rank divided by the world size N x G. With
+sync="gradients" the replicas' sum is divided by N as well, so the update is that same sum over
+all N x G ranks / (N x G): what 1D TorchRec on the N x G ranks computes, and what
+DMPCollection's weight averaging gives for SGD.
 """
 
 import os
@@ -22,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.types import ShardingEnv
 
 from recxla.ops.embedding_bag import NONE, backward_update, pooled_forward, unique_grad
@@ -166,7 +177,8 @@ def ctx_batch(offsets: torch.Tensor, module) -> int:
 def sum_over_replicas(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                       replicas: ReplicaSync) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """Per local table: (the union of the replicas' rows, ascending; the sum of their gradients
-    at those rows). rows: int64 [U_t] ascending; grads: float32 [U_t, D_t]."""
+    at those rows, divided by the group's size under TorchRec's gradient division).
+    rows: int64 [U_t] ascending; grads: float32 [U_t, D_t]."""
     group = replicas.group
     size = dist.get_world_size(group)
     device = grads[0].device if grads else torch.device("cpu")
@@ -200,6 +212,9 @@ def sum_over_replicas(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
         views.append(view)
         start += union.numel() * width
     dist.all_reduce(buffer, group=group)
+    if get_gradient_division() and size > 1:
+        # The replicas' mean (see the module docstring), divided in fp32 as TorchRec divides.
+        return unions, [v.float() / size for v in views]
     return unions, [v.float() for v in views]
 
 

@@ -57,7 +57,17 @@ from recxla.torchrec.data_parallel import (
     OutputMerge,
     is_data_parallel,
 )
-from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer, table_update
+from recxla.torchrec.fused_optimizer import (
+    ShardedFusedOptimizer,
+    rowwise_state_layout,
+    table_update,
+)
+from recxla.torchrec.fp16_tables import (
+    RoundUpdatedRows,
+    as_fp16,
+    check_fp16_table,
+    round_to_fp16_,
+)
 from recxla.torchrec.input_dist import IdRouter, LookupInput
 from recxla.torchrec.output_dist import OutputDist
 from recxla.torchrec.replicas import ReplicaSync, ReplicatedLookup
@@ -104,7 +114,9 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         table_name_to_parameter_sharding: the plan for this module (TorchRec's planner).
         env: ShardingEnv (its process group carries the all-to-alls).
         fused_params: TorchRec's fused_params ({"optimizer": EmbOptimType, "learning_rate",
-            "eps", "weight_decay", ...}); an optimizer attached to a table's weight wins.
+            "eps", "weight_decay", ...}; no optimizer named: EXACT_SGD at 0.01, as TorchRec's);
+            an optimizer attached to a table's weight wins; a table planned on the "dense"
+            compute kernel gets an ordinary gradient.
         device: where the shards live.
         fwd_comm, bwd_comm: wire formats of pooled embeddings and of their gradients.
         dedup_ids: let the input dist send unique ids (it picks, per destination, whichever
@@ -189,12 +201,19 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         self._staged_outputs: Deque[KeyedTensor] = deque()
 
         unsharded = {c.name: module.embedding_bags[c.name].weight for c in configs}
-        updates = [table_update(c.name, unsharded[c.name], fused_params) for c in configs]
+        updates = [table_update(c.name, unsharded[c.name], fused_params,
+                                self.module_sharding_plan[c.name].compute_kernel)
+                   for c in configs]
         for t in row_tables:
             if updates[t].kind == NONE:
                 raise ValueError(f"{OWNER}: table '{self._table_names[t]}' is in row_exchange, "
                                  "which needs a fused optimizer (fused_params or "
                                  "apply_optimizer_in_backward)")
+        # FP16 tables: float16 values in float32 shards (fp16_tables.py).
+        self._fp16_tables = [t for t, c in enumerate(configs) if c.data_type == DataType.FP16]
+        for t in self._fp16_tables:
+            check_fp16_table(self._table_names[t], updates[t].kind != NONE, t in row_tables,
+                             replicas is not None)
         me = env.rank
         local_tables = self._layout.local_tables[me]
         self._local_of_table: Dict[int, List[int]] = {}
@@ -238,17 +257,19 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             mine = self._local_of_table.get(t, [])
             self._sharded_weights.append(self._sharded_tensor(
                 t, [(local_tables[lt].shard, self._local_weights[lt].detach()) for lt in mine],
-                column_state=False))
+                rowwise_state=False))
             kind = updates[t].kind
             if kind in (ADAGRAD, ROWWISE_ADAGRAD):
                 sharded_states.append(self._sharded_tensor(
                     t, [(local_tables[lt].shard, states[lt]) for lt in mine],
-                    column_state=kind == ROWWISE_ADAGRAD))
+                    rowwise_state=kind == ROWWISE_ADAGRAD))
             else:
                 sharded_states.append(None)
         self._optim = ShardedFusedOptimizer(
             [f"embedding_bags.{c.name}.weight" for c in configs], self._sharded_weights, updates,
-            [local.table for local in local_tables], states, sharded_states)
+            [local.table for local in local_tables], states, sharded_states,
+            save_step=replicas is not None and replicas.sync == "weights"
+            and replicas.sync_every > 1)
         for t, config in enumerate(configs):
             if updates[t].kind != NONE:
                 # TorchRec's in_backward_optimizer_filter keeps these out of dense optimizers.
@@ -276,8 +297,12 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         self._owner_pooling = self._layout.owner_pooling(me)[: self._num_pooled]
         self._embedding_names = list(self._layout.embedding_names)
         self._embedding_dims = list(self._layout.embedding_dims)
+        fp16_local = [lt for lt, local in enumerate(local_tables[: self._num_pooled])
+                      if local.table in self._fp16_tables]
+        self._round_fp16_rows = RoundUpdatedRows(fp16_local) if fp16_local else None
         self._register_state_dict_hook(ShardedEmbeddingBagCollection._state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
+        self.register_load_state_dict_post_hook(ShardedEmbeddingBagCollection._round_fp16_tables)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -291,31 +316,38 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                                        shard.col_offset: shard.col_offset + shard.cols])
             else:
                 config.init_fn(weight)
+        if config.data_type == DataType.FP16:
+            round_to_fp16_(weight)
         return weight
 
-    def _sharded_tensor(self, t: int, local, column_state: bool) -> ShardedTensor:
+    def _sharded_tensor(self, t: int, local, rowwise_state: bool) -> ShardedTensor:
         """ShardedTensor over table t's weight (or optimizer state: Adagrad's has the weight's
-        shape; row-wise Adagrad's is [rows, column blocks], one value per row of each column
-        block), from this rank's (shard, tensor) pairs."""
+        layout; row-wise Adagrad's is TorchRec's 1-D layout, fused_optimizer.py
+        `rowwise_state_layout`), from this rank's (shard, tensor) pairs."""
         table = self._layout.tables[t]
         plan_shards = self.module_sharding_plan[table.name].sharding_spec.shards
         all_shards = self._layout.shards[t]
-        column_blocks = sorted({s.col_offset for s in all_shards})
+        if rowwise_state:
+            size, order = rowwise_state_layout(all_shards, table.num_embeddings,
+                                               table.embedding_dim, OWNER)
+            size = [size]
+            all_shards = [s for s, _ in order]
+            offsets = [[offset] for _, offset in order]
+            sizes = [[s.rows] for s in all_shards]
+        else:
+            size = [table.num_embeddings, table.embedding_dim]
+            offsets = [[s.row_offset, s.col_offset] for s in all_shards]
+            sizes = [[s.rows, s.cols] for s in all_shards]
         metadata = []
-        for s in all_shards:
+        for s, offset, shape in zip(all_shards, offsets, sizes):
             # ShardedTensor places shards by global rank; the plan numbers the group's ranks.
             device = plan_shards[s.index].placement.device()
             if device.type != self._device.type:
                 # A plan made for another device (e.g. CPU, used for a meta-device module).
                 device = self._device
             placement = f"rank:{self._global_rank(s.rank)}/{device}"
-            if column_state:
-                offsets, sizes = [s.row_offset, column_blocks.index(s.col_offset)], [s.rows, 1]
-            else:
-                offsets, sizes = [s.row_offset, s.col_offset], [s.rows, s.cols]
-            metadata.append(ShardMetadata(shard_offsets=offsets, shard_sizes=sizes,
+            metadata.append(ShardMetadata(shard_offsets=offset, shard_sizes=shape,
                                           placement=placement))
-        size = [table.num_embeddings, len(column_blocks) if column_state else table.embedding_dim]
         global_metadata = ShardedTensorMetadata(
             shards_metadata=metadata, size=torch.Size(size),
             tensor_properties=TensorProperties(dtype=torch.float32, layout=torch.strided,
@@ -323,8 +355,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                                                memory_format=torch.contiguous_format,
                                                pin_memory=False))
         local_shards = [
-            LocalShard(tensor=tensor.view(-1, 1) if column_state else tensor,
-                       metadata=metadata[all_shards.index(shard)])
+            LocalShard(tensor=tensor, metadata=metadata[all_shards.index(shard)])
             for shard, tensor in local
         ]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -452,6 +483,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                 batch_size=lookup_input.batch_size,
                 optimizer_step=(lambda: self._step_arguments(0, self._num_pooled))
                 if self._has_fused_update else None,
+                after_update=self._round_fp16_rows,
             )
             pooled = FusedPooledLookup.apply(
                 plan, lookup_input.unique_values, lookup_input.unique_offsets,
@@ -491,6 +523,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             for local, weight in zip(self._layout.local_tables[self._env.rank],
                                      self._local_weights):
                 self._sharded_configs[local.table].init_fn(weight)
+        self._round_fp16_tables(self, None)
 
     def update_shards(self, *args, **kwargs) -> None:
         raise NotImplementedError(f"{OWNER}: resharding a live module is not supported; "
@@ -507,9 +540,20 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
     def _state_dict_hook(module: "ShardedEmbeddingBagCollection", destination, prefix,
                          local_metadata) -> None:
         for t, (name, sharded) in enumerate(zip(module._table_names, module._sharded_weights)):
-            destination[f"{prefix}embedding_bags.{name}.weight"] = sharded
+            destination[f"{prefix}embedding_bags.{name}.weight"] = \
+                as_fp16(sharded) if t in module._fp16_tables else sharded
             for k in range(1, len(module._local_of_table.get(t, []))):
                 destination.pop(f"{prefix}embedding_bags.{name}.{_weight_name(k)}", None)
+
+    @staticmethod
+    def _round_fp16_tables(module: "ShardedEmbeddingBagCollection", incompatible_keys) -> None:
+        """FP16 tables hold float16 values, whatever was loaded or initialized."""
+        if module._on_meta:
+            return
+        for local, weight in zip(module._layout.local_tables[module._env.rank],
+                                 module._local_weights):
+            if local.table in module._fp16_tables:
+                round_to_fp16_(weight)
 
     def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
                                   missing_keys, unexpected_keys, error_msgs) -> None:
@@ -587,8 +631,9 @@ def _weight_name(k: int) -> str:
 
 
 def _check_config(config, weighted: bool) -> None:
-    if config.data_type != DataType.FP32:
-        raise TypeError(f"{OWNER}: table '{config.name}' must be FP32, got {config.data_type}")
+    if config.data_type not in (DataType.FP32, DataType.FP16):
+        raise TypeError(f"{OWNER}: table '{config.name}' must be FP32 or FP16, got "
+                        f"{config.data_type}")
     if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
         raise ValueError(f"{OWNER}: table '{config.name}' pooling must be SUM or MEAN, got "
                          f"{config.pooling}")

@@ -41,8 +41,10 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
         fused_params: as for TorchRec's sharder: {"optimizer": EmbOptimType.EXACT_SGD |
             EXACT_ADAGRAD | EXACT_ROWWISE_ADAGRAD, "learning_rate": float, "eps": float,
             "weight_decay": float}. An optimizer attached to a table with
-            `apply_optimizer_in_backward` takes precedence. None and nothing attached: the
-            shards get ordinary gradients.
+            `apply_optimizer_in_backward` takes precedence. No optimizer named (None
+            included): FBGEMM's default, EXACT_SGD at learning rate 0.01, as TorchRec's
+            sharder. Tables the plan puts on the "dense" compute kernel get ordinary
+            gradients (TorchRec's dense kernel).
         fwd_comm: wire format of the pooled embeddings: "e4m3" (default), "e5m2", "bf16",
             "fp16" or "fp32".
         bwd_comm: wire format of their gradients (default "bf16").
