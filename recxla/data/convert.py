@@ -45,6 +45,7 @@ from recxla.data.schema import DatasetSpec, Schema, TableSpec, load_schema
 
 OP = "recxla.data.convert"
 DEFAULT_ROWS_PER_GROUP = 65536
+_TRIAL_ROWS = 8192
 _COMPACT_ROWS = 1 << 20  # merge a table's partial counts once they hold this many entries
 
 _JOB: dict = {}  # the running conversion, inherited by forked workers
@@ -114,7 +115,10 @@ def _write_file(i: int) -> int:
     def write(group: pa.Table):
         nonlocal sink
         if sink is None:
-            choice = choose_sort(group, layout, job["sort_by"], "zstd", None)
+            # The sort key and encodings are chosen on a sample: the trial writes it twice per
+            # candidate key (27 for Criteo), a cost paid once per file.
+            trial = group.slice(0, _TRIAL_ROWS)
+            choice = choose_sort(trial, layout, job["sort_by"], "zstd", None)
             sink = _FileSink(final, layout, choice, "zstd", None, False)
         sink.write(group)
 

@@ -49,23 +49,25 @@ def parse_hex(strings: pa.Array, where: str, row_base: int) -> np.ndarray:
     is not 1 to 16 hex digits."""
     strings = strings.cast(pa.large_string())
     n = len(strings)
-    bufs = strings.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=np.int64)[strings.offset:strings.offset + n + 1]
-    data = np.frombuffer(bufs[2], np.uint8) if bufs[2] is not None else np.empty(0, np.uint8)
-    starts, lens = offsets[:-1], np.diff(offsets)
+    lens = pc.binary_length(strings).to_numpy()
+    bad = int(np.argmax(lens > 16)) if n and lens.max() > 16 else None
     value = np.zeros(n, dtype=np.uint64)
-    longest = int(lens.max()) if n else 0
-    bad = None
-    if longest > 16:
-        bad = int(np.argmax(lens > 16))
-    for j in range(longest if bad is None else 0):
-        active = np.nonzero(lens > j)[0]
-        nibble = _HEX[data[starts[active] + j]]
-        wrong = nibble == 255
-        if wrong.any():
-            bad = int(active[np.argmax(wrong)])
-            break
-        value[active] = (value[active] << np.uint64(4)) | nibble.astype(np.uint64)
+    if bad is None and n:
+        # Left-padded with "0" to 16 digits, the digits form one [n, 16] byte matrix.
+        padded = pc.utf8_lpad(strings, width=16, padding="0")
+        bufs = padded.buffers()
+        first = int(np.frombuffer(bufs[1], np.int64)[padded.offset])
+        data = np.frombuffer(bufs[2], np.uint8)[first:first + 16 * n]
+        if data.size != 16 * n:  # a multi-byte character: not hex
+            bad = int(np.argmax(pc.binary_length(padded).to_numpy() != 16))
+        else:
+            digits = _HEX[data.reshape(n, 16)]
+            wrong = (digits == 255).any(axis=1)
+            if wrong.any():
+                bad = int(np.argmax(wrong))
+            for k in range(16):
+                value <<= np.uint64(4)
+                value |= digits[:, k]
     if bad is not None:
         raise DataFormatError(f"{where}: row {row_base + bad + 1}: {strings[bad].as_py()!r} is "
                               "not a hex id (1 to 16 hex digits)")
