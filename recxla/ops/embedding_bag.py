@@ -194,13 +194,16 @@ class LookupPlan:
     """The static part of one lookup: feature_table (F ints), pooling (T ints), batch_size, the
     optimizer callback (None: every table gets a dense gradient), and an optional workspace
     (recxla.nn.workspace.Workspace, or anything with its `empty(name, shape, dtype, device)`)
-    that provides the pooled output's buffer, reused across steps on CPU."""
+    that provides the pooled output's buffer, reused across steps on CPU. after_update, if
+    set, is called right after the fused update with (weights, unique_values, unique_offsets):
+    e.g. to round the updated rows of a table stored at lower precision."""
 
     feature_table: List[int]
     pooling: List[int]
     batch_size: int
     optimizer_step: Optional[OptimizerStep] = None
     workspace: Optional[Any] = None
+    after_update: Optional[Callable[[List[torch.Tensor], torch.Tensor, torch.Tensor], None]] = None
 
 
 class FusedPooledLookup(torch.autograd.Function):
@@ -254,6 +257,8 @@ class FusedPooledLookup(torch.autograd.Function):
             states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
             with torch.no_grad():
                 _backward_update(grad_output, states, args, optim, hparams, backend)
+                if plan.after_update is not None:
+                    plan.after_update(weights, unique_values, unique_offsets)
         grads = [None] * num_tables
         need = [t for t, k in enumerate(optim) if k == NONE and ctx.needs_input_grad[6 + t]]
         if need:
