@@ -30,7 +30,7 @@ SCHEDULES = {
 
 def _build(seed, world, kind="row_wise", wrap=None):
     """DLRM sharded by recxla's sharder (row-wise Adagrad) and its dense SGD optimizer;
-    `wrap(model)` changes the unsharded model first (same seed: same weights every time)."""
+    `wrap(model) -> model` changes the unsharded model first (same seed: same weights)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.optim.keyed import KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -39,7 +39,7 @@ def _build(seed, world, kind="row_wise", wrap=None):
 
     model, configs = dlrm._dlrm(seed)
     if wrap is not None:
-        wrap(model)
+        model = wrap(model)
     sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR},
         fwd_comm="fp32", bwd_comm="fp32")
@@ -221,3 +221,202 @@ def test_eval_and_detach_in_between_as_torchrec(seed):
             assert steps == [3, 3], (rank, name, steps)
             assert error <= 1e-5, (rank, name, error)
             assert logits_error <= 1e-5, (rank, name, logits_error)
+
+
+# ---------------------------------------------------------------------- batch types
+
+@dataclasses.dataclass
+class _ModelInputWithCopy:
+    """A batch whose two KeyedJaggedTensor fields both hold the unweighted module's features:
+    the pipeline cannot tell which one the model passes."""
+
+    float_features: torch.Tensor
+    idlist_features: object
+    idscore_features: object
+    label: torch.Tensor
+    idlist_copy: object
+
+
+class _AttributeBatch:
+    """A plain (non-dataclass) Pipelineable batch with ModelInput's attributes."""
+
+    def __init__(self, source):
+        self.float_features = source.float_features
+        self.idlist_features = source.idlist_features
+        self.idscore_features = source.idscore_features
+        self.label = source.label
+
+    def to(self, device, non_blocking=False):
+        return self
+
+    def record_stream(self, stream):
+        pass
+
+
+def _sparse_nn(seed, world):
+    """TorchRec's test harness model (an unweighted and a weighted EmbeddingBagCollection,
+    ModelInput batches), sharded by recxla's sharder: table-wise and row-wise tables."""
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+    from torchrec.distributed.test_utils.test_model import TestSparseNN
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    import recxla.torchrec
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=30 + 11 * i,
+                                 feature_names=[f"feature_{i}"]) for i in range(3)]
+    weighted = [EmbeddingBagConfig(name=f"w{i}", embedding_dim=8, num_embeddings=20 + 7 * i,
+                                   feature_names=[f"weighted_feature_{i}"]) for i in range(2)]
+    torch.manual_seed(seed)
+    model = TestSparseNN(tables=tables, weighted_tables=weighted, num_float_features=6,
+                         dense_device=torch.device("cpu"), sparse_device=torch.device("cpu"))
+    sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": LR},
+        fwd_comm="fp32", bwd_comm="fp32")
+    constraints = {c.name: ParameterConstraints(sharding_types=[kind])
+                   for c, kind in zip(tables + weighted, ["table_wise", "row_wise"] * 3)}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                       constraints=constraints)
+    plan = planner.collective_plan(model, [sharder], dist.group.WORLD)
+    model = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                     device=torch.device("cpu"), sharders=[sharder], plan=plan)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=LR))
+    return model, dense, tables, weighted
+
+
+def _batch_types_body(rank, world, seed, schedules):
+    from torchrec.distributed.test_utils.test_model import ModelInput
+
+    from recxla.pipeline import TrainPipeline
+
+    _, _, tables, weighted = _sparse_nn(seed, world)
+    torch.manual_seed(seed + 1)  # the same batches on both ranks; each takes its own slice
+    data = [ModelInput.generate(batch_size=size, world_size=world, num_float_features=6,
+                                tables=tables, weighted_tables=weighted, pooling_avg=3)[1][rank]
+            for size in (6, 6, 5)]
+    model, dense, _, _ = _sparse_nn(seed, world)
+    for batch in data:
+        _sequential_step(model, dense, batch)
+    want = _state(model)
+
+    model, dense, _, _ = _sparse_nn(seed, world)
+    results = {"torchrec": (len(_drain(_torchrec_pipeline(model, dense), data)),
+                            _error(_state(model), want))}
+    runs = {**{f"ModelInput, {name}": (options, data) for name, options in schedules.items()},
+            "plain object, fwp+dbp m=2": (dict(num_micro_batches=2),
+                                          [_AttributeBatch(b) for b in data])}
+    for name, (options, batches) in runs.items():
+        model, dense, _, _ = _sparse_nn(seed, world)
+        steps = len(_drain(TrainPipeline(model, dense, torch.device("cpu"), **options), batches))
+        results[name] = (steps, _error(_state(model), want))
+    errors = {}
+    model, dense, _, _ = _sparse_nn(seed, world)
+    pipeline = TrainPipeline(model, dense, torch.device("cpu"))
+    bad = {"ambiguous": _ModelInputWithCopy(**dataclasses.asdict(data[0]),
+                                            idlist_copy=data[0].idlist_features),
+           "missing": dataclasses.replace(data[0], idscore_features=None)}
+    for name, batch in bad.items():
+        try:
+            pipeline.progress(iter([batch]))
+            errors[name] = "no error"
+        except ValueError as e:
+            errors[name] = str(e)
+    return results, errors
+
+
+def test_any_batch_type_torchrec_pipelines_move(seed):
+    """TorchRec's harness model on its ModelInput (two KeyedJaggedTensor fields, one per
+    sharded module) and on a plain object with the same fields: the same weights as
+    TorchRec's pipeline and the sequential loop; a batch whose fields are ambiguous, or lack a
+    module's features, is refused with an error naming the module and the fields."""
+    schedules = {name: SCHEDULES[name] for name in ("sequential", "fwp+dbp m=3")}
+    results = run_distributed(_batch_types_body, world_size=2, args=(seed, schedules),
+                              timeout=300)
+    for rank, (per_run, errors) in enumerate(results):
+        for name, (steps, error) in per_run.items():
+            assert steps == 3 and error <= 1e-5, (rank, name, steps, error)
+        assert "ambiguous batch: fields ['idlist_features', 'idlist_copy']" in \
+            errors["ambiguous"], errors
+        assert "holds all features ['weighted_feature_0', 'weighted_feature_1'] of the " \
+            "sharded module" in errors["missing"], errors
+
+
+# ---------------------------------------------------------------------- untraceable models
+
+def _untraceable(model):
+    """DLRMTrain with a data-dependent Python branch in the forward that calls the sharded
+    module: TorchRec's pipelines trace that forward (FX cannot trace `if tensor`)."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.models.dlrm import DLRMTrain
+
+    class ScrubbingDLRMTrain(DLRMTrain):
+        def forward(self, batch):
+            if torch.isnan(batch.dense_features).any():
+                # Per sample (elementwise): the same in any micro-batch.
+                batch = Batch(dense_features=torch.nan_to_num(batch.dense_features),
+                              sparse_features=batch.sparse_features, labels=batch.labels)
+            return super().forward(batch)
+
+    return ScrubbingDLRMTrain(model.model)
+
+
+def _compiled(model):
+    """DLRMTrain with a torch.compile'd dense arch (aot_eager: no C++ compiler needed)."""
+    model.model.dense_arch = torch.compile(model.model.dense_arch, backend="aot_eager")
+    return model
+
+
+def _untraceable_body(rank, world, seed, schedules):
+    from recxla.pipeline import TrainPipeline
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    _, _, configs = _build(seed, world)
+    clean = _local_batches(configs, rank, [[6, 6], [6, 6], [4, 5]], generator)
+    missing = _local_batches(configs, rank, [[6, 6], [6, 6], [4, 5]], generator)
+    for batch in missing[::2]:  # some samples with a missing dense value
+        batch.dense_features[torch.rand(batch.dense_features.shape, generator=generator) < 0.1] \
+            = float("nan")
+    results = {}
+    for model_name, wrap, data in (("untraceable", _untraceable, missing),
+                                   ("compiled", _compiled, clean)):
+        model, dense, _ = _build(seed, world, wrap=wrap)
+        for batch in data:
+            _sequential_step(model, dense, batch)
+        want = _state(model)
+        model, dense, _ = _build(seed, world, wrap=wrap)
+        try:
+            steps = len(_drain(_torchrec_pipeline(model, dense), data))
+            results[(model_name, "torchrec")] = (steps, _error(_state(model), want))
+        except Exception as e:  # noqa: BLE001 -- what TorchRec's pipeline does is the result
+            results[(model_name, "torchrec")] = type(e).__name__
+        for name, options in schedules.items():
+            model, dense, _ = _build(seed, world, wrap=wrap)
+            steps = len(_drain(TrainPipeline(model, dense, torch.device("cpu"), **options), data))
+            results[(model_name, name)] = (steps, _error(_state(model), want))
+    return results
+
+
+def test_models_torchrec_pipelines_cannot_trace(seed):
+    """A data-dependent branch in the model's forward (TorchRec's pipeline fails to FX-trace
+    the model) and a torch.compile'd dense arch (TorchRec's tracer keeps it as a leaf, and
+    runs it): recxla's pipeline, which never traces, trains both to the sequential loop's
+    weights."""
+    schedules = {name: SCHEDULES[name] for name in ("dbp", "fwp+dbp m=3")}
+    results = run_distributed(_untraceable_body, world_size=2, args=(seed, schedules),
+                              timeout=400)
+    for rank, per_run in enumerate(results):
+        assert per_run[("untraceable", "torchrec")] == "TraceError", per_run
+        for (model_name, name), result in per_run.items():
+            if name != "torchrec":
+                steps, error = result
+                assert steps == 3 and error <= 1e-5, (rank, model_name, name, result)
