@@ -116,7 +116,10 @@ def prune(directory: str, newest: int, keep: Optional[int]) -> List[str]:
     older = [path for step, path in complete_checkpoints(directory) if step < newest]
     doomed = older[:max(len(older) - (keep - 1), 0)]
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        # Renamed first: a kill halfway through the deletion leaves an `.old` folder, never a
+        # `step_<N>` with some files gone.
+        os.replace(path, path + ".old")
+        shutil.rmtree(path + ".old", ignore_errors=True)
     return doomed
 
 
