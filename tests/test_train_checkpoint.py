@@ -150,3 +150,39 @@ def test_prune_keeps_the_newest_and_never_a_newer_run(tmp_path):
     assert checkpoint_files.prune(str(tmp_path), 6, 1) == [path(4)]
     with pytest.raises(ValueError, match="prune: keep must be >= 1"):
         checkpoint_files.prune(str(tmp_path), 6, 0)
+
+
+def test_save_and_load_restore_the_generator_and_the_state(tmp_path):
+    """In one process (a 1-rank gloo group): load() brings back the weights, the optimizer's
+    state and the random generator's position of the save; the marker's fingerprint is the
+    state's."""
+    from test_train_cli import _free_port
+
+    store = torch.distributed.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+        model(torch.randn(7, 5)).sum().backward()
+        optimizer.step()
+        config = parse_config([*FP32, "--steps", "8"])
+        folder = checkpoint.save(str(tmp_path), 4, model, optimizer, config, 1)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+        saved_sums = [optimizer.state[p]["sum"].clone() for p in model.parameters()]
+        draws = torch.rand(4)  # the generator's next numbers after the save
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model(torch.randn(7, 5)).sum().backward()
+        optimizer.step()
+        assert checkpoint.load(folder, model, optimizer) == 4
+        # Everything as it was at the save: the marker's fingerprint says so too.
+        assert checkpoint.state_fingerprint(checkpoint._contents(model, optimizer, 4, 0)) == \
+            checkpoint.read_train_state(folder)["state_sha256"]
+        assert torch.equal(torch.rand(4), draws)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, saved[k]), k
+        for p, sums in zip(model.parameters(), saved_sums):
+            assert torch.equal(optimizer.state[p]["sum"], sums)
+    finally:
+        torch.distributed.destroy_process_group()
