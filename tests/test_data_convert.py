@@ -23,6 +23,7 @@ from data_convert_cases import (
 )
 
 from recxla.data import IdMapper, ParquetDataset, convert, read_dataset_spec
+from recxla.data.schema import row_group_timestamps
 from recxla.data.__main__ import main as data_main
 
 CLICK_SCHEMA = """
@@ -94,6 +95,13 @@ def test_parquet_click_log_matches_the_reference(tmp_path, seed):
         assert got["dense:1"][i] == pytest.approx(log1p_dense(log["price"][r]), rel=1e-6)
         assert got["label"][i] == log["clicked"][r]
 
+    # Row groups' time ranges come from the footers (for a split by time).
+    ranges = row_group_timestamps(out)
+    assert len(ranges) == len(ParquetDataset(out, 1).info.row_groups)
+    starts = np.cumsum([0] + [ParquetDataset(out, 1).info.row_groups[i][2]
+                              for i in range(len(ranges))])
+    for (fi, gi, lo, hi), a, b in zip(ranges, starts[:-1], starts[1:]):
+        assert (lo, hi) == (min(got["timestamp"][a:b]), max(got["timestamp"][a:b]))
     # The trainer's reader takes the arbitrary names and dense width as they are.
     batch = next(iter(ParquetDataset(out, 64, shuffle=False)))
     assert batch.sparse.keys() == list(spec.sparse_features)

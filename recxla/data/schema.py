@@ -37,7 +37,7 @@ import dataclasses
 import json
 import os
 import tomllib
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from recxla.data.errors import DataFormatError
 
@@ -175,6 +175,31 @@ def read_dataset_spec(path) -> DatasetSpec:
     if (spec.timestamp is not None) != layout.timestamp:
         raise DataFormatError(f"{where}: the spec and the columns disagree on a timestamp")
     return spec
+
+
+def row_group_timestamps(path) -> List[Tuple[int, int, int, int]]:
+    """(file index, row group index, smallest, largest timestamp) of every row group of a
+    dataset with a timestamp column, in the order of DatasetInfo.row_groups (files by name),
+    from the Parquet footers' column statistics (no data read): what a split by time needs.
+    DataFormatError if the dataset has no timestamp column or a group lacks statistics."""
+    import pyarrow.parquet as pq
+
+    from recxla.data.parquet_layout import DatasetInfo
+
+    info = DatasetInfo(os.fspath(path), "recxla.data.row_group_timestamps")
+    if not info.layout.timestamp:
+        raise DataFormatError(f"{OP}: {info.path}: the dataset has no timestamp column")
+    out = []
+    for fi, f in enumerate(info.files):
+        md = pq.read_metadata(f.path)
+        col = md.schema.to_arrow_schema().get_field_index("timestamp")
+        for gi in range(md.num_row_groups):
+            stats = md.row_group(gi).column(col).statistics
+            if stats is None or not stats.has_min_max:
+                raise DataFormatError(f"{OP}: {f.path}: row group {gi} has no timestamp "
+                                      "statistics")
+            out.append((fi, gi, int(stats.min), int(stats.max)))
+    return out
 
 
 def _file_spec(path: str, key: bytes) -> Optional[DatasetSpec]:
