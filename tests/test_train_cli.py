@@ -254,3 +254,14 @@ def test_options_are_declared_once():
     from recxla.formats import DEFAULT_BWD_COMM
 
     assert default.bwd_comm == DEFAULT_BWD_COMM
+
+
+def test_docs_options_reference_is_the_declaration():
+    from recxla.train.config import options_markdown
+
+    with open(os.path.join(REPO, "docs", "training.md")) as f:
+        text = f.read()
+    begin, end = "<!-- options: begin -->\n", "<!-- options: end -->"
+    documented = text[text.index(begin) + len(begin):text.index(end)]
+    assert documented.strip() == options_markdown().strip(), (
+        "docs/training.md's options are out of date: regenerate them with options_markdown()")

@@ -239,6 +239,11 @@ def build_parser():
         "GPU). `recxla-train --compare A.json B.json ...` compares metrics files instead.")
 
 
+def options_markdown() -> str:
+    """The options reference of docs/training.md (Markdown tables, one per group)."""
+    return options.markdown_reference(TrainConfig)
+
+
 def resolve_device(requested: str) -> str:
     import torch
 

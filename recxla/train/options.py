@@ -64,6 +64,20 @@ def default_text(field: dataclasses.Field) -> str:
     return "none" if value is None else str(value)
 
 
+def _metavar(field: dataclasses.Field) -> Optional[str]:
+    """The value's placeholder in --help: the declared one, else N (ints), X (numbers),
+    N,N,... (layer sizes)."""
+    meta = field.metadata["option"]
+    if meta["metavar"] is not None or meta["choices"] is not None:
+        return meta["metavar"]
+    parse = meta["parse"]
+    if parse is layer_sizes:
+        return "N,N,..."
+    if parse in (positive_float, non_negative_float, fraction):
+        return "X"
+    return "N" if parse is not None else None
+
+
 def _help(field: dataclasses.Field) -> str:
     meta = field.metadata["option"]
     path = {BOTH: "", RECXLA: "recxla path only; ", TORCHREC: "--baseline torchrec only; "}
@@ -83,8 +97,8 @@ def build_parser(cls, **parser_kwargs) -> argparse.ArgumentParser:
                 kwargs["choices"] = tuple(meta["choices"])
             if meta["parse"] is not None:
                 kwargs["type"] = meta["parse"]
-            if meta["metavar"] is not None:
-                kwargs["metavar"] = meta["metavar"]
+            if _metavar(field) is not None:
+                kwargs["metavar"] = _metavar(field)
         groups[meta["group"]].add_argument(flag_of(field), *meta["aliases"], **kwargs)
     return parser
 
@@ -198,3 +212,29 @@ def table_sizes(text: str) -> Tuple[Tuple[str, int], ...]:
                 f"must be comma-separated TABLE=ROWS with ROWS an int >= 1, got {part!r}")
         out.append((name.strip(), n))
     return tuple(out)
+
+
+def markdown_reference(cls) -> str:
+    """The options of dataclass `cls` as Markdown tables, one per group: flag, path, default,
+    help (docs/training.md holds this text; a test keeps the two equal)."""
+    path = {BOTH: "both", RECXLA: "recxla", TORCHREC: "torchrec"}
+    lines = []
+    for group in GROUPS:
+        rows = [(f, m) for f, m in options_of(cls) if m["group"] == group]
+        if not rows:
+            continue
+        lines += [f"**{group}**", "", "| option | path | default | what it sets |",
+                  "|---|---|---|---|"]
+        for field, meta in rows:
+            flag = flag_of(field)
+            if field.type in (bool, "bool"):
+                flag = f"{flag}, --no-{flag[2:]}"
+            elif meta["choices"] is not None:
+                flag = f"{flag} {{{','.join(meta['choices'])}}}"
+            elif _metavar(field) is not None:
+                flag = f"{flag} {_metavar(field)}"
+            cell = lambda s: s.replace("|", "\\|")  # noqa: E731
+            lines.append(f"| `{cell(flag)}` | {path[meta['applies']]} | "
+                         f"{cell(default_text(field))} | {cell(meta['help'])} |")
+        lines.append("")
+    return "\n".join(lines)
