@@ -4,10 +4,13 @@ It trains TorchRec's DLRM or DLRM_DCN across ranks with recxla's sharded path, o
 TorchRec (`--baseline torchrec`) on the same model, data and plan, and measures both the same
 way. One idea per module:
 
-- cli: the entry point and the order of a run; config: options, checked before anything runs;
+- cli: the entry point and the order of a run; config: the options (TrainConfig), each
+  declared once (options: how a declaration becomes the parser, the checks and the values),
+  checked before anything runs; preflight: the files and folders the options name;
 - rendezvous: this rank's place, the store and the process group; watchdog: every rank exits
   when one dies or hangs, naming it;
-- data: this rank's synthetic batches; models: TorchRec's models, seeded tables;
+- data: this rank's batches (synthetic, or a Parquet dataset with its own tables and held-out
+  split); models: TorchRec's models, seeded tables;
 - sharding: the sharder (recxla's or TorchRec's), the plan, DMP and optimizers;
 - loop: TorchRec's TrainPipelineSparseDist, step by step, measured;
 - comm_meter: bytes and time of every collective; memory: freed memory kept, page faults;
