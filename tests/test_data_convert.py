@@ -227,3 +227,32 @@ def test_conversion_memory_is_bounded_on_an_input_larger_than_the_limit(tmp_path
     assert got["rss_growth"] < limit, (got, size)
     assert got["arrow_peak"] < limit, (got, size)
     assert ParquetDataset(tmp_path / "out", 1024).info.num_rows == n
+
+
+def test_roles_are_inferred_without_a_schema(tmp_path, seed):
+    import datetime
+
+    from recxla.data.convert import left_out_columns
+
+    rng = random.Random(seed)
+    n = 40
+    t0 = datetime.datetime(2024, 1, 1)
+    pq.write_table(pa.table({
+        "country": [rng.choice("abc") for _ in range(n)],
+        "item": pa.array([rng.randrange(1 << 45) for _ in range(n)], pa.uint64()),
+        "tags": [[rng.randrange(9) for _ in range(rng.randrange(3))] for _ in range(n)],
+        "embedding": [[rng.random(), rng.random()] for _ in range(n)],
+        "score": [rng.random() for _ in range(n)],
+        "is_new": [rng.random() < 0.5 for _ in range(n)],
+        "when": [t0 + datetime.timedelta(seconds=rng.randrange(10**6)) for _ in range(n)],
+        "label": [float(rng.randrange(2)) for _ in range(n)],
+    }), tmp_path / "in.parquet")
+    assert left_out_columns(tmp_path / "in.parquet") == ["embedding"]
+    spec = convert(tmp_path / "in.parquet", tmp_path / "out", progress=False)
+    assert spec.sparse_features == ("country", "item", "tags")
+    assert spec.dense_features == ("score", "is_new")
+    assert (spec.label, spec.timestamp) == ("label", "when")
+    # Few distinct ids: every table gets a vocabulary (the default below vocab_limit).
+    assert [t.mapping for t in spec.tables] == ["vocab"] * 3
+    assert spec.table_of("country").num_rows == len(set(read_converted(tmp_path / "out")[
+        "sparse:country"][i][0] for i in range(n))) + 1
