@@ -20,8 +20,9 @@ WORLD = 2
 LR = 0.1
 
 
-def _configs(seed: int, data_type=None):
-    """Four small tables: two dims, a feature read by two tables (f1), MEAN pooling on one."""
+def _configs(seed: int, data_type=None, mean: bool = True):
+    """Four small tables: two dims, a feature read by two tables (f1), MEAN pooling on one
+    (unless mean=False); t2 of `data_type` (default FP32)."""
     from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 
     generator = torch.Generator().manual_seed(seed)
@@ -30,7 +31,8 @@ def _configs(seed: int, data_type=None):
         EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=rows[0],
                            feature_names=["f0", "f1"]),
         EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=rows[1],
-                           feature_names=["f2"], pooling=PoolingType.MEAN),
+                           feature_names=["f2"],
+                           pooling=PoolingType.MEAN if mean else PoolingType.SUM),
         EmbeddingBagConfig(name="t2", embedding_dim=8, num_embeddings=rows[2],
                            feature_names=["f3", "f1"],
                            data_type=data_type if data_type is not None else DataType.FP32),
@@ -511,3 +513,106 @@ def test_fp16_tables_as_torchrec(seed):
     assert recxla_max <= 1.0 and recxla_off < 0.02, ranks[0]["recxla_ulps"]
     # TorchRec's FBGEMM CPU update rounds its own way (not once to nearest), close to it.
     assert ranks[0]["torchrec_error"] < 1e-2, ranks[0]["torchrec_error"]
+
+
+# ---------------------------------------------------------------------------- variable batch
+
+
+def _variable_batch(configs, batch, generator):
+    """A batch of `batch` samples with a variable batch per feature (TorchRec's VBE): feature
+    f has its own number of distinct bags, and inverse_indices says which one each sample
+    uses."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    keys = cases.features(configs)
+    rows = {f: min(c.num_embeddings for c in configs if f in c.feature_names) for f in keys}
+    strides = [int(s) for s in torch.randint(1, batch + 1, (len(keys),), generator=generator)]
+    lengths = [torch.randint(0, 4, (s,), generator=generator) for s in strides]
+    values = [torch.randint(0, rows[f], (int(n.sum()),), generator=generator)
+              for f, n in zip(keys, lengths)]
+    inverse = torch.stack([torch.randint(0, s, (batch,), generator=generator) for s in strides])
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
+                             stride_per_key_per_rank=[[s] for s in strides],
+                             inverse_indices=(keys, inverse))
+
+
+def _variable_batch_body(rank, world, seed):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed import comm_ops
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    _quiet()
+    comm_ops.set_gradient_division(False)
+    configs = _configs(seed)
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
+    generator = torch.Generator().manual_seed(seed + 1 + rank)
+    checks = {}
+    # 1. What TorchRec's sharder runs with VBE on CPU: table-wise, one group of tables per
+    # rank (FBGEMM's CPU kernels refuse the merged VBE output of several groups, e.g. SUM and
+    # MEAN tables on one rank). Both sharders train alike.
+    sharders = _sharders(fused)
+    meta = torch.device("meta")
+    sum_configs = _configs(seed, mean=False)
+    plan = _plan(EmbeddingBagCollection(sum_configs, device=meta), ["table_wise"] * 4,
+                 sharders[0])
+    models = [_dmp(EmbeddingBagCollection(sum_configs, device=meta), s, plan,
+                   init_data_parallel=False) for s in sharders]
+    models[1].load_state_dict(models[0].state_dict())
+    errors = []
+    for _ in range(3):
+        batch = _variable_batch(configs, 6, generator)
+        outs = []
+        for m in models:
+            out = m(batch).wait()
+            outs.append(out)
+            by_key = out.to_dict()
+            coef = torch.Generator().manual_seed(seed + 7)
+            sum((by_key[k] * torch.randn(by_key[k].shape, generator=coef)).sum()
+                for k in sorted(by_key)).backward()
+        errors.append(_keyed_error(outs[1], outs[0]))
+    checks["shapes"] = [tuple(o.values().shape) for o in outs]
+    checks["table_wise_errors"] = errors
+    states = [m.state_dict() for m in models]
+    checks["table_wise_weights"] = max(
+        [cases.relative(a.tensor, b.tensor) for k in states[0]
+         for a, b in zip(states[1][k].local_shards(), states[0][k].local_shards())] + [0.0])
+    # 2. Every other sharding type recxla offers, against TorchRec's unsharded module.
+    torch.manual_seed(seed)
+    unsharded = EmbeddingBagCollection(configs)
+    kinds = ["row_wise", "column_wise", "table_row_wise", "data_parallel"]
+    plan = _plan(unsharded, kinds, sharders[1])
+    module = EmbeddingBagCollection(configs)
+    module.load_state_dict(unsharded.state_dict())
+    model = _dmp(module, sharders[1], plan, init_data_parallel=False)
+    errors = []
+    for _ in range(2):
+        batch = _variable_batch(configs, 5, generator)
+        with torch.no_grad():
+            errors.append(_keyed_error(model(batch).wait(), unsharded(batch)))
+    checks["other_errors"] = errors
+    # 3. VBE metadata that does not hold together is refused on every rank.
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    batch = _variable_batch(configs, 5, generator)
+    keys, inverse = batch.inverse_indices()
+    if rank == 1:
+        inverse = inverse.clone()
+        inverse[2, 0] = batch.stride_per_key()[2]  # one past the feature's bags
+    bad = KeyedJaggedTensor(keys=batch.keys(), values=batch.values(), lengths=batch.lengths(),
+                            stride_per_key_per_rank=batch.stride_per_key_per_rank(),
+                            inverse_indices=(keys, inverse))
+    checks["bad"] = _raises(lambda: model(bad).wait())
+    return checks
+
+
+def test_variable_batch_per_feature_as_torchrec(seed):
+    for rank, checks in enumerate(run_distributed(_variable_batch_body, WORLD, args=(seed,),
+                                                  timeout=300)):
+        got_shape, want_shape = checks["shapes"]
+        assert got_shape == want_shape == (6, 8 + 4 + 8 + 8 + 8 + 12)
+        assert max(checks["table_wise_errors"]) < 1e-5, checks["table_wise_errors"]
+        assert checks["table_wise_weights"] < 1e-5, checks["table_wise_weights"]
+        assert max(checks["other_errors"]) < 1e-6, checks["other_errors"]
+        error = checks["bad"]
+        assert error is not None and error[2], error
+        assert ("outside the feature's" if rank == 1 else "rank(s) [1]") in error[1], error

@@ -37,6 +37,7 @@ from recxla.ops.dedup import segmented_unique
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.row_exchange import RowBags, RowInput, RowRouting, encode_rows
 from recxla.torchrec.shard_layout import OWNER, ShardLayout
+from recxla.torchrec.variable_batch import expand_variable_batch
 
 # Encodings of one (source, destination) block of ids.
 RAW, DEDUP16, DEDUP32 = 0, 1, 2
@@ -248,6 +249,12 @@ class IdRouter:
             same M.
         """
         try:
+            if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
+                if micro_batch_sizes is not None:
+                    raise ValueError(f"{OWNER}: a batch with variable batch per feature cannot "
+                                     "be split into micro-batches; expand it first "
+                                     "(recxla.torchrec.variable_batch.expand_variable_batch)")
+                features = expand_variable_batch(features)
             batch = features.stride() if isinstance(features, KeyedJaggedTensor) else 0
             micro = [batch] if micro_batch_sizes is None else [int(m) for m in micro_batch_sizes]
             if any(m < 0 for m in micro) or sum(micro) != batch:
@@ -276,7 +283,9 @@ class IdRouter:
         meta = meta.to(self.device)
         received = torch.empty_like(meta)
         work = dist.all_to_all_single(received, meta, group=self.group, async_op=True)
-        return _MetaAwaitable(self, work, received, blocks, error, meta)
+        awaitable = _MetaAwaitable(self, work, received, blocks, error, meta)
+        awaitable.features = features  # as routed (a variable batch expanded)
+        return awaitable
 
     def _encode(self, features: KeyedJaggedTensor, micro: List[int]) -> "_SendBlocks":
         layout = self.layout
@@ -368,8 +377,6 @@ class IdRouter:
         if missing:
             raise ValueError(f"{OWNER}: feature '{missing[0]}' is missing from the input "
                              f"(keys: {keys}; the module reads {self.required_features})")
-        if features.variable_stride_per_key():
-            raise ValueError(f"{OWNER}: variable batch sizes per feature are not supported")
         values, lengths = features.values(), features.lengths()
         if values.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{OWNER}: ids must be int32 or int64, got {values.dtype}")

@@ -383,8 +383,9 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         awaitable = self._router.start(self.ids_on_router(features))
         self.comm_stats.steps += 1
         if self._data_parallel is not None and awaitable.input_lengths is not None:
-            # The router checked the batch (the data-parallel features included).
-            ctx.data_parallel_features = self._data_parallel.select(features)
+            # The router checked the batch (the data-parallel features included) and
+            # expanded a variable batch per feature (variable_batch.py).
+            ctx.data_parallel_features = self._data_parallel.select(awaitable.features)
         lengths = awaitable.input_lengths
         if lengths is not None:
             ctx.batch_size = lengths.shape[1]
