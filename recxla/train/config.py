@@ -11,6 +11,7 @@ involve several options are in `_check`, the ones that open files in recxla.trai
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -332,9 +333,8 @@ def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
 
     parser = build_parser()
     given = vars(parser.parse_args(options.normalize_argv(
-        argv if argv is not None else __import__("sys").argv[1:])))
-    fields = _check(parser.error, given)
-    fields = preflight.check(parser.error, fields, given)
+        sys.argv[1:] if argv is None else argv)))
+    fields = preflight.check(parser.error, _check(parser.error, given))
     return TrainConfig(**fields)
 
 

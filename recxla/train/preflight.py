@@ -20,7 +20,7 @@ def world_size() -> int:
     return max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
 
 
-def check(err: Callable[[str], None], fields: dict, given: dict) -> dict:
+def check(err: Callable[[str], None], fields: dict) -> dict:
     """Checks the paths in `fields` (TrainConfig fields, resolved by config._check); returns
     them with what the files decide (embedding dim of the dataset's model, steps of
     --epochs). `err(message)` exits."""
