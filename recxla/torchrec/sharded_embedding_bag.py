@@ -11,14 +11,17 @@ theirs, built on recxla's pieces instead of FBGEMM's:
 Every sharding type is placed from the plan's shard metadata (shard_layout.py): table-wise,
 column-wise, table-column-wise, row-wise and table-row-wise, on CPU (gloo) as on GPU; row-wise
 pooled sums come back through the same all-to-all and are added by the receiver, so no
-reduce-scatter is needed (gloo has none). The output is the unsharded module's: the same
-KeyedTensor keys, order and columns.
+reduce-scatter is needed (gloo has none). Data-parallel tables are sharded by TorchRec
+itself (data_parallel.py). The output is the unsharded module's: the same KeyedTensor keys,
+order and columns. Batches with a variable batch per feature are expanded to the regular
+batch they stand for (variable_batch.py).
 
 Weights: each rank holds, per table, its shards merged into one float32 [rows, cols] Parameter
 `embedding_bags.<table>.weight` (an empty one where it holds none). They start as copies of the
 unsharded module's weights when those exist (a module built on CPU), else from each table's
-init_fn. state_dict gives one ShardedTensor per table (TorchRec's layout), and load_state_dict
-takes ShardedTensors or full unsharded tensors.
+init_fn; on the meta device they are shapes only. FP16 tables hold float16 values in their
+float32 shards (fp16_tables.py). state_dict gives one ShardedTensor per table (TorchRec's
+layout and dtype), and load_state_dict takes ShardedTensors or full unsharded tensors.
 """
 
 from collections import deque
@@ -110,7 +113,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
 
     Args:
         module: torchrec EmbeddingBagCollection or recxla.nn.EmbeddingBagCollection (FP32
-            tables, SUM or MEAN pooling).
+            or FP16 tables, SUM or MEAN pooling).
         table_name_to_parameter_sharding: the plan for this module (TorchRec's planner).
         env: ShardingEnv (its process group carries the all-to-alls).
         fused_params: TorchRec's fused_params ({"optimizer": EmbOptimType, "learning_rate",
