@@ -139,7 +139,8 @@ def pyarrow_compute(src: str, fmt: str, out: str) -> None:
         item = item.cast(pa.string())
     flat_hist = history.flatten()
     items = pc.value_counts(pa.concat_arrays([item, flat_hist.cast(item.type)]))
-    items = items.field("values").take(pc.array_sort_indices(items.field("counts"), order="descending"))
+    order = pc.array_sort_indices(items.field("counts"), order="descending")
+    items = items.field("values").take(order)
     users = pc.value_counts(t.column("user").combine_chunks()).field("values")
     cols = {
         "user": _vocab_rows(t.column("user"), users),

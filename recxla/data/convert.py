@@ -88,7 +88,9 @@ def _count_file(i: int) -> Dict[str, Optional[pa.Table]]:
                 continue
             tp = plan.tables[f.table]
             _, ids, _ = id_bags(t.column(f.column).combine_chunks(), f.is_list, f.separator)
-            raw = ids.cast(pa.large_string() if tp.id_type == "string" else pa.int64())
+            # uint64 ids above 2**63 keep their bits (their key) as int64.
+            raw = ids.cast(pa.large_string()) if tp.id_type == "string" else ids.cast(
+                pa.int64(), safe=False)
             parts[f.table].append(count_ids(keys_of(ids, tp.id_type), raw))
         for name, p in parts.items():
             # A table with no mapping given is counted only up to the limit.
