@@ -186,3 +186,28 @@ def test_save_and_load_restore_the_generator_and_the_state(tmp_path):
             assert torch.equal(optimizer.state[p]["sum"], sums)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_the_commit_is_durable_in_order(tmp_path, monkeypatch):
+    """The marker reaches the disk before its name, the folder's entries before the rename that
+    commits it, and the rename itself after it (fsync of the parent folder): what makes a
+    committed checkpoint survive a power loss whole."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path)))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("rename", os.path.relpath(src, tmp_path), os.path.relpath(dst, tmp_path)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_files.os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint_files.os, "replace", replace)
+    _write_checkpoint(tmp_path, 6)
+    marker = os.path.join("step_00000006.partial", checkpoint.STATE_FILE)
+    assert events == [
+        ("fsync", marker + ".tmp"), ("rename", marker + ".tmp", marker),
+        ("fsync", "step_00000006.partial"),
+        ("rename", "step_00000006.partial", "step_00000006"), ("fsync", ".")]
