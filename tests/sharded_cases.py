@@ -110,5 +110,14 @@ def shard_errors(state_dict, reference: Dict[str, torch.Tensor],
     return worst
 
 
+def gradient_factor(world: int) -> float:
+    """What the sharded module's embedding gradients are scaled by against the unsharded
+    module on the ranks' summed losses: 1 / world under TorchRec's gradient division (its
+    default), else 1."""
+    from torchrec.distributed.comm_ops import get_gradient_division
+
+    return 1.0 / world if get_gradient_division() else 1.0
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12) if b.numel() else 0.0

@@ -95,7 +95,13 @@ def test_fused_optimizer_from_fused_params_and_attached_optimizers():
     from recxla.torchrec.fused_optimizer import table_update
 
     weight = torch.nn.Parameter(torch.randn(4, 2))
-    assert table_update("t", weight, None).kind == NONE
+    # As TorchRec's sharder: no optimizer named -> FBGEMM's EXACT_SGD at 0.01; the plan's
+    # dense kernel -> an ordinary gradient.
+    for fused in (None, {}, {"learning_rate": 0.3}):
+        update = table_update("t", weight, fused)
+        assert update.kind == SGD, fused
+        assert update.hyperparameters["lr"] == (fused or {}).get("learning_rate", 0.01)
+    assert table_update("t", weight, None, "dense").kind == NONE
     update = table_update("t", weight, {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
                                         "learning_rate": 0.3, "eps": 1e-4})
     assert update.kind == ROWWISE_ADAGRAD

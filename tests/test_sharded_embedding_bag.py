@@ -2,7 +2,9 @@
 
 Every distributed test trains a few steps on gloo ranks and compares, against the unsharded
 module trained on the whole batch (the ranks' batches one after another): the outputs every
-step, and the weights (and optimizer state) after the last step.
+step, and the weights (and optimizer state) after the last step. The sharded module divides
+the embedding gradients by the world size as TorchRec's does (its gradient division, on by
+default), so the reference's gradients are scaled by `cases.gradient_factor`.
 """
 
 import pytest
@@ -67,7 +69,7 @@ def _sgd_body(rank, world, seed, kinds, batch_sizes, weighted, fwd, bwd, steps, 
             (want.values() * coef).sum().backward()
             with torch.no_grad():
                 for p in reference.parameters():
-                    p -= LR * p.grad
+                    p -= LR * cases.gradient_factor(world) * p.grad
                     p.grad = None
         weights = {k: v.detach() for k, v in reference.state_dict().items()}
         state = sharded.state_dict()
@@ -218,7 +220,7 @@ def _adagrad_body(rank, world, seed, optimizer, kinds):
             coef = torch.randn(8, sum(module._lengths_per_embedding), generator=generator)
             out = sharded(cases.sample_slice(batch, 4 * rank, 4 * rank + 4)).wait()
             (out.values() * coef[4 * rank: 4 * rank + 4]).sum().backward()
-            (reference(batch).values() * coef).sum().backward()
+            ((reference(batch).values() * coef).sum() * cases.gradient_factor(world)).backward()
         weights = {k: v.detach() for k, v in reference.state_dict().items()}
         state = {}
         for name, bag in reference.embedding_bags.items():
@@ -230,12 +232,14 @@ def _adagrad_body(rank, world, seed, optimizer, kinds):
             table = key.split(".")[-2]
             momentum = entry[f"{table}.momentum1"]
             want = state[key]
-            if want.dim() == 1:
-                want = want.view(-1, 1)
             for shard in momentum.local_shards():
-                (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                state_error = max(state_error, cases.relative(
-                    shard.tensor.reshape(nr, nc), want[r0: r0 + nr, c0: c0 + nc]))
+                # Row-wise state is 1-D, TorchRec's layout (rows at their offsets here: no
+                # column blocks in these plans).
+                offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+                reference_state = want.reshape(-1) if len(offsets) == 1 else want
+                state_error = max(state_error, cases.relative(shard.tensor,
+                                                              reference_state[block]))
         results[kind] = (cases.shard_errors(sharded.state_dict(), weights), state_error)
     return results
 
