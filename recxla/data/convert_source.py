@@ -119,7 +119,10 @@ def read_csv(path: str, *, column_names=None, column_types=None, delimiter=",",
     except pa.ArrowInvalid as e:
         if ragged.row is not None:
             raise ragged.error(path, 1 if header else 0, what) from None
-        raise DataFormatError(f"{OP}: {path}: {e}") from None
+        hint = "" if "conversion error" not in str(e) else (
+            " (CSV column types are inferred from the first 1 MiB of the first file: a column "
+            "whose first values look like integers is read as integers)")
+        raise DataFormatError(f"{OP}: {path}: {e}{hint}") from None
 
 
 def csv_types(path: str) -> Dict[str, pa.DataType]:
