@@ -89,7 +89,8 @@ def _pipeline_body(rank, world, seed, kinds, batch):
         for _ in batches:
             pipeline.progress(local)
         # The unsharded model on every rank's samples: the ranks' mean losses summed; DDP
-        # averages the dense gradients over ranks, the embedding rows get the sum.
+        # averages the dense gradients over ranks, the embedding rows get the sum scaled by
+        # TorchRec's gradient division (1 / world by default).
         optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
         for b in batches:
             loss = sum(reference(_slice(b, r * batch, (r + 1) * batch))[0] for r in range(world))
@@ -97,6 +98,8 @@ def _pipeline_body(rank, world, seed, kinds, batch):
             for name, p in reference.named_parameters():
                 if "embedding_bags" not in name:
                     p.grad /= world
+                else:
+                    p.grad *= cases.gradient_factor(world)
             optimizer.step()
             optimizer.zero_grad()
         want = {k: v.detach() for k, v in reference.state_dict().items()}
