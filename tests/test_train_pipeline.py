@@ -18,6 +18,8 @@ def test_pipeline_trains_and_writes_a_trace(tmp_path):
                   "--trace", str(trace), "--metrics", str(tmp_path / "m.json")], tmp_path)
     m = check_metrics(tmp_path / "m.json", 2, steps, warmup)
     assert "3 micro-batches, overlap on, dbp on" in m["pipeline"]
+    # The trainer keeps TorchRec's gradient division off on both paths, and says so.
+    assert m["gradient_division"].startswith("embedding gradients summed over ranks")
     # bf16 dense all-reduce: half the bytes of fp32 (same parameters on every path)
     assert m["wire_bytes_per_step_by_kind"]["dense_allreduce"] > 0
     events = json.loads(trace.read_text())["traceEvents"]

@@ -116,8 +116,8 @@ def _train(config, conn, watchdog, meter) -> dict:
         evaluate, format_summary, iface_bytes, local_figures, machine, summarize, write_metrics)
     from recxla.train.models import build_model, init_embedding_tables
     from recxla.train.sharding import (
-        build_optimizer, build_sharder, embedding_tables, plan_sharding, plan_summary,
-        resolve_row_exchange, shard_model, sharder_description)
+        build_optimizer, build_sharder, embedding_tables, gradient_division_description,
+        plan_sharding, plan_summary, resolve_row_exchange, shard_model, sharder_description)
 
     place, device = conn.place, conn.device
     world = place.world_size
@@ -194,7 +194,8 @@ def _train(config, conn, watchdog, meter) -> dict:
     watchdog.progress(f"step {start}")
     if place.rank == 0:
         print(f"recxla-train: {config.display_name}: steps {start}..{config.steps} on {world} "
-              f"ranks ({device})", file=sys.stderr, flush=True)
+              f"ranks ({device}); {gradient_division_description()}", file=sys.stderr,
+              flush=True)
     try:
         run_steps(pipeline, data.train(start, config.steps), start, config.steps, meter,
                   progress, on_step_done, log)
@@ -225,6 +226,7 @@ def _train(config, conn, watchdog, meter) -> dict:
     summary = {
         "name": config.display_name, "path": config.path,
         "sharder": sharder_description(config, row_tables), "world_size": world,
+        "gradient_division": gradient_division_description(),
         "pipeline": "torchrec TrainPipelineSparseDist" if config.baseline else (
             f"recxla TrainPipeline: {config.micro_batches} micro-batches, overlap "
             f"{'on' if config.overlap else 'off'}, dbp {'on' if config.dbp else 'off'}"),

@@ -26,6 +26,12 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recxla.train.config import TORCHREC_CPU_SHARDINGS, TrainConfig
 
+# TorchRec's gradient division (torchrec.distributed.comm_ops), one setting for both paths:
+# recxla's sharder follows TorchRec's global setting as TorchRec's does. Off: the embedding
+# gradients are the sum over ranks of each rank's mean-loss gradient (the sparse learning rates
+# were tuned so); on (TorchRec's default) they would be divided by the world size.
+GRADIENT_DIVISION = False
+
 SPARSE_OPTIMIZERS = {
     "sgd": EmbOptimType.EXACT_SGD,
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -95,6 +101,15 @@ def sharder_description(config: TrainConfig, row_tables=()) -> str:
             f"{dedup}{rows}")
 
 
+def gradient_division_description() -> str:
+    """How both paths scale the embedding gradients (start-up line and metrics)."""
+    if GRADIENT_DIVISION:
+        return ("embedding gradients divided by the world size (TorchRec's gradient division "
+                "on, both paths)")
+    return ("embedding gradients summed over ranks (TorchRec's gradient division off, both "
+            "paths)")
+
+
 def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_size: int,
                   local_world_size: int, device: torch.device,
                   group: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
@@ -137,16 +152,14 @@ def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan, device: tor
     through torch's Python all-reduce hook (the same math as DDP's built-in one), so that the
     communication meter sees it.
 
-    Embedding gradients are the sum over ranks of each rank's mean-loss gradient on both paths:
-    recxla's sharder sends them back that way, and TorchRec's pooled all-to-all would divide
-    them by the world size (its GRADIENT_DIVISION default), which with SGD trains the tables
-    at 1/W of the learning rate; it is switched off so that both paths train the same model.
+    Sets TorchRec's gradient division to GRADIENT_DIVISION, which both sharders read: both
+    paths scale the embedding gradients alike (`gradient_division_description`).
 
     The recxla path's all-reduce hook is recxla.pipeline's (it accumulates micro-batches and
     sends bf16 with --dense-allreduce bf16); the baseline's is torch's allreduce_hook or
     bf16_compress_hook. topology: 2D's Topology2D (DMP over one node's shard group, DDP over
     every rank)."""
-    set_gradient_division(False)
+    set_gradient_division(GRADIENT_DIVISION)
     options = {}
     env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
     if topology is not None:
