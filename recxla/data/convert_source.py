@@ -111,18 +111,28 @@ def read_csv(path: str, *, column_names=None, column_types=None, delimiter=",",
                               quote_char=False if delimiter == "\t" else '"')
     convert = pcsv.ConvertOptions(column_types=column_types or {},
                                   include_columns=include_columns or [])
+    reader, failure = None, None
     try:
         reader = pcsv.open_csv(path, read_options=read, parse_options=parse,
                                convert_options=convert)
         for batch in reader:
             yield pa.Table.from_batches([batch])
     except pa.ArrowInvalid as e:
-        if ragged.row is not None:
-            raise ragged.error(path, 1 if header else 0, what) from None
-        hint = "" if "conversion error" not in str(e) else (
-            " (CSV column types are inferred from the first 1 MiB of the first file: a column "
-            "whose first values look like integers is read as integers)")
-        raise DataFormatError(f"{OP}: {path}: {e}{hint}") from None
+        failure = str(e)
+    finally:
+        # A reader left open after an error aborts the process at exit (its read-ahead
+        # threads outlive the interpreter): close it before anything is raised.
+        if reader is not None:
+            reader.close()
+        reader = None
+    if failure is None:
+        return
+    if ragged.row is not None:
+        raise ragged.error(path, 1 if header else 0, what)
+    hint = "" if "conversion error" not in failure else (
+        " (CSV column types are inferred from the first 1 MiB of the first file: a column "
+        "whose first values look like integers is read as integers)")
+    raise DataFormatError(f"{OP}: {path}: {failure}{hint}")
 
 
 def csv_types(path: str) -> Dict[str, pa.DataType]:
