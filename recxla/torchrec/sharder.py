@@ -8,7 +8,9 @@
 
 It is TorchRec's EmbeddingBagCollectionSharder with recxla's sharded module
 (`recxla.torchrec.ShardedEmbeddingBagCollection`), and it offers row-wise sharding on CPU as
-well (TorchRec's CPU sharder cannot: gloo has no reduce-scatter). DistributedModelParallel picks
+well (TorchRec's CPU sharder cannot: gloo has no reduce-scatter). Tables the plan makes
+data_parallel are sharded by TorchRec's own sharder inside the module (data_parallel.py).
+DistributedModelParallel picks
 a sharder by the module's exact type, so one sharder serves one module type: TorchRec's
 EmbeddingBagCollection by default, `recxla.nn.EmbeddingBagCollection` with
 `module_type=recxla.nn.EmbeddingBagCollection`; `sharders(...)` returns both.
