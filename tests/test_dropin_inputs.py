@@ -542,7 +542,7 @@ def _variable_batch_body(rank, world, seed):
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     _quiet()
-    comm_ops.set_gradient_division(False)
+    comm_ops.set_gradient_division(False)  # the comparison does not depend on the setting
     configs = _configs(seed)
     fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
     generator = torch.Generator().manual_seed(seed + 1 + rank)
