@@ -20,7 +20,7 @@ Cost: about 3 ms for a batch of 8192 (700,000 ids) on one CPU thread, against 11
 reference (bench/results/clustering.md).
 """
 
-from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -343,6 +343,13 @@ def permute_samples(kjt: "KeyedJaggedTensor", permutation: torch.Tensor) -> "Key
         lengths=new_lengths,
         stride=batch,
     )
+
+
+def even_sizes(batch_size: int, num_micro_batches: int) -> List[int]:
+    """The contiguous split: M sizes summing to batch_size, the first batch_size % M one
+    larger (recxla.pipeline's split="contiguous", and what `choose_row_tables` assumes)."""
+    base, extra = divmod(batch_size, num_micro_batches)
+    return [base + (1 if k < extra else 0) for k in range(num_micro_batches)]
 
 
 def random_split(

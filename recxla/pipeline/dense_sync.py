@@ -52,7 +52,7 @@ class MicroBatchGradientSync:
         self.sync = True
         self.wire = None
         try:
-            ddp.register_comm_hook(self, MicroBatchGradientSync._hook)
+            ddp.register_comm_hook(self, self._hook)
         except (RuntimeError, AssertionError) as e:
             raise ValueError(
                 f"{OWNER}: the pipeline accumulates dense gradients through a DDP comm hook, and "

@@ -56,9 +56,8 @@ class PreparedBatch:
 
 
 def tables_state(module) -> Tuple[int, List[int]]:
-    """What changes when the module's tables change: the fused optimizer's step count (every
-    backward through the module counts one) and the parameters' in-place update counters."""
-    return module.fused_optimizer.step_count, [p._version for p in module.parameters()]
+    """What changes when the module's tables change (the sharded module's tables_version)."""
+    return module.tables_version()
 
 
 def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batches: int,
@@ -76,8 +75,7 @@ def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batc
         micro.batch = dense_to(micro.batch, device)
     prepared.micro = micro
     for (_, module), kjt in zip(modules, features):
-        meta = module._router.start(module.ids_on_router(kjt), micro.sizes)
-        module.comm_stats.steps += 1
+        meta = module.start_input_dist(kjt, micro.sizes)
         lengths = meta.input_lengths
         prepared.inputs.append(ModuleInput(
             meta=meta, row_bags=meta.row_bags,

@@ -17,15 +17,10 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recxla.clustering import cluster_samples, even_sizes, permute_samples
 from recxla.pipeline.batch_fields import OWNER, batch_size, map_samples, sparse_fields
 
 SPLITS = ("contiguous", "clustered")
-
-
-def even_sizes(batch_size: int, num_micro_batches: int) -> List[int]:
-    """M sizes summing to batch_size, the first batch_size % M one larger."""
-    base, extra = divmod(batch_size, num_micro_batches)
-    return [base + (1 if k < extra else 0) for k in range(num_micro_batches)]
 
 
 def slice_samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
@@ -84,8 +79,6 @@ def split_batch(batch: Any, num_micro_batches: int, split: str = "contiguous") -
     size = batch_size(batch)
     if num_micro_batches == 1 or split == "contiguous" or size < num_micro_batches:
         return MicroBatches(batch, None, even_sizes(size, num_micro_batches))
-    from recxla.clustering import cluster_samples, permute_samples
-
     order, bounds = cluster_samples(next(iter(sparse_fields(batch).values())), num_micro_batches)
     bounds = [int(b) for b in bounds]
     sizes = [bounds[k + 1] - bounds[k] for k in range(num_micro_batches)]

@@ -61,7 +61,7 @@ class FrozenWindow:
         self.gradient = self.pooled.new_empty(self.pooled.shape) \
             if self.output.requires_grad else None
         self.row_gradients = [r.new_empty(r.shape) for r in self.rows]
-        self._messages = [module._output.receive_layout(n, row_bags, k)
+        self._messages = [module.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
         self._sent = [None] * self.num_micro
         self._returning = [None] * self.num_micro
@@ -87,23 +87,22 @@ class FrozenWindow:
         start = self.input.micro_batch_start(k)
         sources = self.input.micro_batch_rows(k)
         pooled = self.pooled[start: start + sum(sources)]
-        self._sent[k] = self.module._output.start(pooled, sources, self._messages[k], self.rows,
-                                                  self.input.rows)
+        self._sent[k] = self.module.start_output(pooled, sources, self._messages[k], self.rows,
+                                                 self.input.rows)
 
     def receive_output(self, k: int) -> KeyedTensor:
         """Waits for O(k); -> this rank's micro-batch k embeddings, a leaf that requires grad
         (its gradient is what G(k) sends back)."""
         self.start_output(k)
         handle, _, _ = self._sent[k]
-        values = self.module._output.assemble(handle.wait(), self._messages[k], self._lengths(k))
+        embeddings = self.module.assemble_output(handle.wait(), self._messages[k],
+                                                 self._lengths(k), self.needs_gradient)
         self._sent[k] = None
-        values.requires_grad_(self.needs_gradient)
-        return KeyedTensor(keys=self.module._embedding_names,
-                           length_per_key=self.module._embedding_dims, values=values)
+        return embeddings
 
     def start_gradient(self, k: int, grad: torch.Tensor) -> None:
         """G(k): the gradient of micro-batch k's embeddings back to their owners."""
-        self._returning[k] = self.module._output.start_gradient(
+        self._returning[k] = self.module.start_gradient(
             grad, self.input.micro_batch_rows(k), self._messages[k], self._lengths(k),
             self.input.rows)
 
@@ -171,12 +170,12 @@ class EarlyLookup:
     def __init__(self, module, next_input: LookupInput, current_input: LookupInput):
         self.module = module
         self.input = next_input
-        self.output = module.lookup_pooled(next_input, rows_follow=bool(
-            module._local_weights[module._num_pooled:]))
+        self.tables = module.pooled_tables
+        self.output = module.lookup_pooled(next_input, rows_follow=module.has_row_tables)
         self.rows: List[torch.Tensor] = []
         self.before: List[torch.Tensor] = []
         nxt, cur = next_input.unique_bounds, current_input.unique_bounds
-        for t, weight in enumerate(module._local_weights[: module._num_pooled]):
+        for t, weight in enumerate(self.tables.weights):
             reads = next_input.unique_values[nxt[t]: nxt[t + 1]]
             changes = current_input.unique_values[cur[t]: cur[t + 1]]
             rows = reads[torch.isin(reads, changes)]
@@ -185,16 +184,16 @@ class EarlyLookup:
 
     def correction(self) -> torch.Tensor:
         """After the update: float32 [B, D_owner] to add to the early lookup's output."""
-        module, li = self.module, self.input
+        li, tables = self.input, self.tables
         batch = li.batch_size
         out = self.output.new_zeros((batch, self.output.shape[1]))
-        weights = module._local_weights[: module._num_pooled]
+        weights = tables.weights
         deltas = [w.detach()[rows] - before
                   for w, rows, before in zip(weights, self.rows, self.before)]
         lengths = li.offsets.diff()
         column = 0
-        pooling = module._owner_pooling
-        for j, t in enumerate(module._slot_table):
+        pooling = tables.pooling
+        for j, t in enumerate(tables.slot_table):
             cols = weights[t].shape[1]
             first, last = li.slot_bounds(j)
             if self.rows[t].numel() and last > first:

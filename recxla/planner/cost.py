@@ -35,7 +35,8 @@ import torch
 
 from recxla.formats import get_format, row_bytes
 from recxla.ops.dedup import row_wise_bounds
-from recxla.planner.loads import INT32_ROWS, LENGTH_BYTES, MAX_DEDUP16, block_counts
+from recxla.planner.loads import block_counts
+from recxla.torchrec import id_wire_format as wire
 
 OP = "recxla.planner.TableLoads"
 
@@ -194,12 +195,11 @@ class TableLoads:
         u, n = self.per_source(table, row_start, row_end)
         config = self.tables[self.index[table]]
         features, b = len(config.feature_names), self.batch_size
-        id_bytes = 4 if row_end - row_start < INT32_ROWS else 8
-        inverse = 2 if u <= MAX_DEDUP16 else 4
+        id_bytes = wire.owner_id_bytes([row_end - row_start])
         width = wire_dim or cols
         wire_rows = features * b * (cols // width)
         per_source = (
-            min(n * id_bytes, u * id_bytes + n * inverse) + features * b * LENGTH_BYTES,
+            wire.encoded_ids_bytes(n, u, id_bytes) + features * b * wire.LENGTH_BYTES,
             wire_rows * row_bytes(width, self.fwd_fmt),
             wire_rows * row_bytes(width, self.bwd_fmt),
         )

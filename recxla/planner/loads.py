@@ -2,9 +2,9 @@
 
 It counts what recxla's sharded EmbeddingBagCollection (`recxla.torchrec`, pooled exchange,
 its default) moves, with that module's own layout (`ShardLayout`: local tables, slots, the
-output's wire row width) and block format (`input_dist._section_bytes`). Per step, between a
-source rank s (a batch of B_s samples) and each owner d:
-- input all-to-all: a first exchange of sizes ((_META + 1) int64 per rank pair), then one block
+output's wire row width) and the input dist's wire format (`recxla.torchrec.id_wire_format`).
+Per step, between a source rank s (a batch of B_s samples) and each owner d:
+- input all-to-all: a first exchange of sizes (one row per rank pair), then one block
   of bytes per (s, d): the bag lengths of d's slots (int32, one per sample and slot), and the
   ids of s that fall in d's shards, deduplicated per (d, local table): either raw ids or the
   unique ids plus an inverse index (2 bytes below 65,536 uniques, else 4), whichever is
@@ -32,14 +32,8 @@ import torch
 
 from recxla.formats import get_format, row_bytes
 from recxla.ops.dedup import bucketize_by_rank, segmented_unique
-from recxla.torchrec.input_dist import _META, _section_bytes, DEDUP16, DEDUP32, RAW
+from recxla.torchrec import id_wire_format as wire
 from recxla.torchrec.shard_layout import Shard, ShardLayout, TableInfo
-
-# The input dist's widths (recxla/torchrec/input_dist.py): int32 ids where the owner's rows
-# fit, int32 bag lengths, one int64 row of sizes per rank pair and micro-batch count.
-INT32_ROWS = 2**31
-LENGTH_BYTES = 4
-MAX_DEDUP16 = 65536
 
 OP = "recxla.planner.count_rank_loads"
 # The rank of a data-parallel table's one "shard": every rank holds it.
@@ -362,21 +356,21 @@ def loads_from_counts(shards, tables, bounds, unique, occurrences, batch_sizes, 
             n_to[d] += occurrences[:, t, blocks].sum(1)
             u_to[d] += unique[:, t, blocks].sum(1)
             loads.lookups[d] += int(union[t, blocks].sum())
-    meta = (world_size - 1) * (_META + 1) * 8
+    meta = (world_size - 1) * wire.meta_row_bytes(1)
     loads.ids_bytes_sent += meta
     loads.ids_bytes_received += meta
     width = layout.wire_row_dim
     fwd_row, bwd_row = row_bytes(width, fwd_fmt), row_bytes(width, bwd_fmt)
     for d in range(world_size):
         slots = len(layout.slots[d])
-        id_bytes = 4 if all(lt.rows < INT32_ROWS for lt in layout.local_tables[d]) else 8
+        id_bytes = wire.owner_id_bytes(lt.rows for lt in layout.local_tables[d])
         rows = layout.output_dim(d) // width  # wire rows per sample
         for s in range(world_size):
             if s == d:
                 continue
             n, u, b = int(n_to[d, s]), int(u_to[d, s]), int(batch_sizes[s])
-            block = sum(_section_bytes(slots, b, n, u, _encoding(n, u, id_bytes), id_bytes,
-                                       False, 0, 0))
+            block = sum(wire.section_bytes(slots, b, n, u, wire.choose_encoding(n, u, id_bytes),
+                                           id_bytes, False, 0, 0))
             loads.ids_bytes_sent[s] += block
             loads.ids_bytes_received[d] += block
             loads.ids_received[d] += u
@@ -385,12 +379,3 @@ def loads_from_counts(shards, tables, bounds, unique, occurrences, batch_sizes, 
             loads.bwd_bytes_sent[s] += b * rows * bwd_row
             loads.bwd_bytes_received[d] += b * rows * bwd_row
     return loads
-
-
-def _encoding(num_ids: int, num_unique: int, id_bytes: int) -> int:
-    """The input dist's choice for one block: unique ids plus an inverse index where that is
-    smaller than the raw ids (recxla/torchrec/input_dist.py, _pack)."""
-    inverse = 2 if num_unique <= MAX_DEDUP16 else 4
-    if num_unique * id_bytes + num_ids * inverse < num_ids * id_bytes:
-        return DEDUP16 if inverse == 2 else DEDUP32
-    return RAW

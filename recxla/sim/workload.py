@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple
 
 from recxla.formats import row_bytes
-from recxla.planner.loads import LENGTH_BYTES
+from recxla.torchrec import id_wire_format as wire
 
 # TorchRec's DLRM example for Criteo (torchrec/examples/dlrm): dense arch 512-256-D,
 # over arch 512-512-256-1.
@@ -59,10 +59,10 @@ class Workload:
     def id_bytes(self) -> float:
         """Bytes of one example's input all-to-all entries as recxla's module sends them
         (recxla.planner.loads): int32 unique ids plus a 2-byte inverse index per id, or the
-        raw int32 ids where that is smaller, and one int32 length per feature."""
-        ids = min(self.ids_per_example * 4,
-                  self.unique_per_example * 4 + self.ids_per_example * 2)
-        return ids + len(self.dims) * LENGTH_BYTES
+        raw int32 ids where that is smaller, and one int32 length per feature
+        (recxla.torchrec.id_wire_format)."""
+        ids = wire.encoded_ids_bytes(self.ids_per_example, self.unique_per_example, 4, index=2)
+        return ids + len(self.dims) * wire.LENGTH_BYTES
 
     @property
     def lookup_bytes(self) -> float:

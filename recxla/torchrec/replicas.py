@@ -136,20 +136,23 @@ class ReplicatedLookup(torch.autograd.Function):
         ctx.module = module
         ctx.weights = weights
         ctx.save_for_backward(unique_values, unique_offsets, inverse, offsets, psw)
+        tables = module.pooled_tables
         return pooled_forward(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                              module._slot_table, module._owner_pooling, ctx_batch(offsets, module))
+                              list(tables.slot_table), list(tables.pooling),
+                              ctx_batch(offsets, module))
 
     @staticmethod
     def backward(ctx, grad_output):
         module = ctx.module
-        replicas: ReplicaSync = module._replicas
+        replicas: ReplicaSync = module.replicas
         weights = [w.detach() for w in ctx.weights]
         lookup = ctx.saved_tensors
         batch = ctx_batch(lookup[3], module)
         grad_output = grad_output.contiguous().float()
-        kinds, states, hparams = module._step_arguments(0, len(weights))
+        kinds, states, hparams = module.fused_step_arguments(0, len(weights))
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
-        common = (module._slot_table, module._owner_pooling, batch)
+        tables = module.pooled_tables
+        common = (list(tables.slot_table), list(tables.pooling), batch)
         with torch.no_grad():
             if replicas.sync == "weights":
                 backward_update(grad_output, weights, states, *lookup, *common, kinds, hparams)
@@ -170,7 +173,7 @@ class ReplicatedLookup(torch.autograd.Function):
 
 def ctx_batch(offsets: torch.Tensor, module) -> int:
     """The owner's batch size from its bag offsets ([slots * B + 1])."""
-    slots = len(module._slot_table)
+    slots = len(module.pooled_tables.slot_table)
     return (offsets.numel() - 1) // slots if slots else 0
 
 

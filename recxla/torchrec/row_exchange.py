@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from recxla.clustering import even_sizes
 from recxla.ops.dedup import segmented_unique
 from recxla.ops.embedding_bag import SUM, backward_update, pooled_forward, unique_grad
 from recxla.torchrec.shard_layout import ShardLayout
@@ -257,8 +258,6 @@ def choose_row_tables(configs, sample, num_micro_batches: int = 1,
         margin: how much smaller the rows must be.
     Returns: the chosen table names, in table order.
     """
-    from recxla.pipeline.micro_batches import even_sizes
-
     batch = sample.stride()
     sizes = even_sizes(batch, num_micro_batches)
     by_key = sample.to_dict()

@@ -31,10 +31,6 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard as LocalShard
-from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed._shard.metadata import ShardMetadata
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
 from torchrec.distributed.embeddingbag import (
@@ -45,46 +41,31 @@ from torchrec.distributed.types import (
     Multistreamable,
     ParameterSharding,
     ShardingEnv,
-    ShardingType,
 )
 from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.formats import get_format
-from recxla.ops.embedding_bag import ADAGRAD, MEAN, NONE, ROWWISE_ADAGRAD, SUM, FusedPooledLookup, LookupPlan
+from recxla.ops.embedding_bag import ADAGRAD, MEAN, NONE, ROWWISE_ADAGRAD, SUM
 from recxla.torchrec.comm_stats import CommStats
-from recxla.torchrec.data_parallel import (
-    DATA_PARALLEL,
-    DataParallelTables,
-    OutputMerge,
-    is_data_parallel,
-)
-from recxla.torchrec.fused_optimizer import (
-    ShardedFusedOptimizer,
-    rowwise_state_layout,
-    table_update,
-)
-from recxla.torchrec.fp16_tables import (
-    RoundUpdatedRows,
-    as_fp16,
-    check_fp16_table,
-    round_to_fp16_,
-)
+from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_data_parallel
+from recxla.torchrec.fp16_tables import RoundUpdatedRows, check_fp16_table
+from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer, table_update
 from recxla.torchrec.input_dist import IdRouter, LookupInput
-from recxla.torchrec.output_dist import OutputDist
-from recxla.torchrec.replicas import ReplicaSync, ReplicatedLookup
-from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup
-from recxla.torchrec.shard_layout import OWNER, Shard, ShardLayout, TableInfo
+from recxla.torchrec.output_dist import Message, OutputDist
+from recxla.torchrec.replicas import ReplicaSync
+from recxla.torchrec.row_exchange import RowBags, RowInput
+from recxla.torchrec.shard_layout import OWNER, ShardLayout, TableInfo
+from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_TYPES: public here)
+    SUPPORTED_SHARDING_TYPES,
+    check_table_config,
+    plan_shards,
+    row_exchange_tables,
+)
+from recxla.torchrec.sharded_state_dict import ShardedStateDict, weight_name
+from recxla.torchrec.sharded_steps import PooledTables, ShardedSteps
 
-SUPPORTED_SHARDING_TYPES = [
-    ShardingType.TABLE_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.TABLE_COLUMN_WISE.value,
-    ShardingType.ROW_WISE.value,
-    ShardingType.TABLE_ROW_WISE.value,
-    DATA_PARALLEL,  # delegated to TorchRec's data-parallel sharding
-]
 _SHARDING_NAME = "recxla"
 
 
@@ -108,7 +89,8 @@ class ShardedEmbeddingBagContext(Multistreamable):
             self.bag_lengths.record_stream(stream)
 
 
-class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
+class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
+                                    TorchRecShardedEmbeddingBagCollection):
     """EmbeddingBagCollection sharded by recxla (see the module docstring).
 
     Args:
@@ -170,7 +152,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         self._sharding_types = [_SHARDING_NAME]
         self.module_sharding_plan = {}
         for config in configs:
-            _check_config(config, self._is_weighted)
+            check_table_config(config, self._is_weighted)
             if config.name not in table_name_to_parameter_sharding:
                 raise ValueError(f"{OWNER}: the plan has no entry for table '{config.name}'")
         # Data-parallel tables are TorchRec's (data_parallel.py); from here on `configs` are
@@ -195,9 +177,9 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             tables.append(TableInfo(config.name, config.num_embeddings, config.embedding_dim,
                                     list(config.feature_names),
                                     MEAN if config.pooling == PoolingType.MEAN else SUM))
-            shards.append(_plan_shards(t, config.name, sharding))
+            shards.append(plan_shards(t, config.name, sharding))
         group = env.process_group
-        row_tables = _row_tables(row_exchange, self._table_names)
+        row_tables = row_exchange_tables(row_exchange, self._table_names)
         self._layout = ShardLayout.build(tables, shards, env.rank, env.world_size,
                                          row_tables=row_tables)
         self.comm_stats = CommStats()
@@ -235,7 +217,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             for k, lt in enumerate(mine):
                 shard = local_tables[lt].shard
                 weight = nn.Parameter(self._initial_weight(shard, unsharded[config.name], config))
-                holder.register_parameter(_weight_name(k), weight)
+                holder.register_parameter(weight_name(k), weight)
                 self._local_weights[lt] = weight
                 kind, hyper = updates[t].kind, updates[t].hyperparameters
                 if kind in (ADAGRAD, ROWWISE_ADAGRAD):
@@ -303,73 +285,13 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         fp16_local = [lt for lt, local in enumerate(local_tables[: self._num_pooled])
                       if local.table in self._fp16_tables]
         self._round_fp16_rows = RoundUpdatedRows(fp16_local) if fp16_local else None
-        self._register_state_dict_hook(ShardedEmbeddingBagCollection._state_dict_hook)
+        self._pooled_tables = PooledTables(tuple(self._local_weights[: self._num_pooled]),
+                                           tuple(self._slot_table), tuple(self._owner_pooling))
+        # Unbound: torch passes the module as self (sharded_state_dict.py).
+        self._register_state_dict_hook(ShardedStateDict._state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
-        self.register_load_state_dict_post_hook(ShardedEmbeddingBagCollection._round_fp16_tables)
+        self.register_load_state_dict_post_hook(ShardedStateDict._round_fp16_tables)
 
-    # ------------------------------------------------------------------ setup helpers
-
-    def _initial_weight(self, shard: Shard, unsharded: torch.Tensor, config) -> torch.Tensor:
-        weight = torch.empty((shard.rows, shard.cols), dtype=torch.float32, device=self._device)
-        if self._on_meta:
-            return weight
-        with torch.no_grad():
-            if unsharded.device.type != "meta":
-                weight.copy_(unsharded[shard.row_offset: shard.row_offset + shard.rows,
-                                       shard.col_offset: shard.col_offset + shard.cols])
-            else:
-                config.init_fn(weight)
-        if config.data_type == DataType.FP16:
-            round_to_fp16_(weight)
-        return weight
-
-    def _sharded_tensor(self, t: int, local, rowwise_state: bool) -> ShardedTensor:
-        """ShardedTensor over table t's weight (or optimizer state: Adagrad's has the weight's
-        layout; row-wise Adagrad's is TorchRec's 1-D layout, fused_optimizer.py
-        `rowwise_state_layout`), from this rank's (shard, tensor) pairs."""
-        table = self._layout.tables[t]
-        plan_shards = self.module_sharding_plan[table.name].sharding_spec.shards
-        all_shards = self._layout.shards[t]
-        if rowwise_state:
-            size, order = rowwise_state_layout(all_shards, table.num_embeddings,
-                                               table.embedding_dim, OWNER)
-            size = [size]
-            all_shards = [s for s, _ in order]
-            offsets = [[offset] for _, offset in order]
-            sizes = [[s.rows] for s in all_shards]
-        else:
-            size = [table.num_embeddings, table.embedding_dim]
-            offsets = [[s.row_offset, s.col_offset] for s in all_shards]
-            sizes = [[s.rows, s.cols] for s in all_shards]
-        metadata = []
-        for s, offset, shape in zip(all_shards, offsets, sizes):
-            # ShardedTensor places shards by global rank; the plan numbers the group's ranks.
-            device = plan_shards[s.index].placement.device()
-            if device.type != self._device.type:
-                # A plan made for another device (e.g. CPU, used for a meta-device module).
-                device = self._device
-            placement = f"rank:{self._global_rank(s.rank)}/{device}"
-            metadata.append(ShardMetadata(shard_offsets=offset, shard_sizes=shape,
-                                          placement=placement))
-        global_metadata = ShardedTensorMetadata(
-            shards_metadata=metadata, size=torch.Size(size),
-            tensor_properties=TensorProperties(dtype=torch.float32, layout=torch.strided,
-                                               requires_grad=False,
-                                               memory_format=torch.contiguous_format,
-                                               pin_memory=False))
-        local_shards = [
-            LocalShard(tensor=tensor, metadata=metadata[all_shards.index(shard)])
-            for shard, tensor in local
-        ]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            local_shards=local_shards, sharded_tensor_metadata=global_metadata,
-            process_group=self._env.process_group)
-
-    def _global_rank(self, group_rank: int) -> int:
-        group = self._env.process_group
-        if group is None or group is dist.group.WORLD or not dist.is_initialized():
-            return group_rank
-        return dist.get_global_rank(group, group_rank)
 
     # ------------------------------------------------------------------ TorchRec interface
 
@@ -383,8 +305,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             raise ValueError(f"{OWNER}: this module was sharded on the meta device: its shards "
                              "have no values; shard the model onto a real device (e.g. "
                              "DistributedModelParallel(..., device=torch.device('cpu'))) to run it")
-        awaitable = self._router.start(self.ids_on_router(features))
-        self.comm_stats.steps += 1
+        awaitable = self.start_input_dist(features)
         if self._data_parallel is not None and awaitable.input_lengths is not None:
             # The router checked the batch (the data-parallel features included) and
             # expanded a variable batch per feature (variable_batch.py).
@@ -396,25 +317,6 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             ctx.row_bags = awaitable.row_bags
         return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
 
-    def ids_on_router(self, features):
-        """`features` where the input dist runs (CPU for a GPU module)."""
-        if isinstance(features, KeyedJaggedTensor) and \
-                features.values().device != self._router.device:
-            return features.to(self._router.device)
-        return features
-
-    def to_device(self, lookup_input: LookupInput) -> LookupInput:
-        """The decoded input on the module's device (non-blocking from pinned CPU memory)."""
-        return lookup_input.to(self._device)
-
-    def mean_bag_lengths(self, input_lengths: torch.Tensor) -> Optional[torch.Tensor]:
-        """The lengths of this rank's bags of row-sharded MEAN features (their sums arrive in
-        parts and are divided at the receiver): input_lengths [input slots, B] -> float32
-        [B, those features] clamped to >= 1, or None when there are none."""
-        if not self._output.mean_slots:
-            return None
-        return input_lengths[self._output.mean_slots].t().to(torch.float32).clamp(min=1.0) \
-            .contiguous().to(self._device, non_blocking=True)
 
     def forward(self, *input, **kwargs):
         """TorchRec's forward (input dist, lookup, output dist), unless a pipeline staged this
@@ -438,9 +340,6 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             return output
         return super().forward(*input, **kwargs)
 
-    def stage_output(self, output: KeyedTensor) -> None:
-        """The next forward returns `output` instead of running (recxla.pipeline's FWP)."""
-        self._staged_outputs.append(output)
 
     def compute(self, ctx: ShardedEmbeddingBagContext, dist_input: KJTList):
         """The owner's lookup. -> (pooled float32 [sum of the sources' batches, D_owner],
@@ -452,62 +351,27 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             ctx.row_bags = ctx.row_bags.to(self._device)
         return self.lookup(lookup_input)
 
-    def lookup(self, lookup_input: LookupInput):
-        """compute() without a context: (lookup_pooled, lookup_rows)."""
-        row_outputs = self.lookup_rows(lookup_input)
-        return self.lookup_pooled(lookup_input, rows_follow=bool(row_outputs)), row_outputs
-
-    def lookup_rows(self, lookup_input: LookupInput):
-        """The row groups' rows that every rank asked for (RowLookup: the fused update of each
-        row once in backward). -> per row group [R_g, cols_g]."""
-        row_weights = self._local_weights[self._num_pooled:]
-        if not row_weights:
-            return ()
-        return tuple(RowLookup.apply(lambda: self._step_arguments(self._num_pooled, None),
-                                     tuple(lookup_input.rows.ids), *row_weights))
-
-    def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
-        """The pooled tables' lookup (fused optimizer in its backward). -> float32
-        [sum of the sources' batches, D_owner]."""
-        pooled_weights = self._local_weights[: self._num_pooled]
-        if not pooled_weights:
-            # Nothing pooled here; with no rows either, the zeros still join the graph, so
-            # this rank takes part in the gradient all-to-all of backward.
-            pooled = torch.zeros((lookup_input.batch_size, 0), device=self._device,
-                                 requires_grad=torch.is_grad_enabled() and not rows_follow)
-        elif self._replicas is not None:
-            pooled = ReplicatedLookup.apply(
-                self, lookup_input.unique_values, lookup_input.unique_offsets,
-                lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
-                *pooled_weights)
-        else:
-            plan = LookupPlan(
-                feature_table=self._slot_table,
-                pooling=self._owner_pooling,
-                batch_size=lookup_input.batch_size,
-                optimizer_step=(lambda: self._step_arguments(0, self._num_pooled))
-                if self._has_fused_update else None,
-                after_update=self._round_fp16_rows,
-            )
-            pooled = FusedPooledLookup.apply(
-                plan, lookup_input.unique_values, lookup_input.unique_offsets,
-                lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
-                *pooled_weights)
-        return pooled
-
-    def _step_arguments(self, first: int, last: Optional[int]):
-        """The fused optimizer's (kinds, states, hparams) of local tables first .. last."""
-        kinds, states, hparams = self._optim.step_arguments()
-        last = len(kinds) if last is None else last
-        return kinds[first:last], states[first:last], hparams[4 * first: 4 * last]
 
     def output_dist(self, ctx: ShardedEmbeddingBagContext, output) -> LazyAwaitable[KeyedTensor]:
         """Starts the embeddings' all-to-all. -> LazyAwaitable[KeyedTensor]."""
         pooled, row_outputs = output
-        message = self._output.receive_layout(ctx.batch_size, ctx.row_bags)
-        handle, send, _ = self._output.start(pooled, ctx.source_batches, message, row_outputs,
-                                             ctx.rows)
+        message = self.output_message(ctx.batch_size, ctx.row_bags)
+        handle, send, _ = self.start_output(pooled, ctx.source_batches, message, row_outputs,
+                                            ctx.rows)
         return _PooledEmbeddingsAwaitable(self, handle, send, message, ctx)
+
+    def finish_output(self, handle, sent: List[int], message: Message,
+                      bag_lengths: Optional[torch.Tensor],
+                      data_parallel_features: Optional[KeyedJaggedTensor]) -> KeyedTensor:
+        """output_dist's end (autograd path): waits for the rows, assembles this rank's
+        KeyedTensor (the data-parallel tables' lookup merged in) whose backward sends the
+        gradient back and counts a fused optimizer step."""
+        values = self._output.finish(handle, sent, message, bag_lengths, self._optim.count_step)
+        if self._data_parallel is not None:
+            return self._output_merge.merge(
+                values, self._embedding_names, self._embedding_dims,
+                self._data_parallel.lookup(data_parallel_features))
+        return self.keyed_output(values)
 
     def compute_and_output_dist(self, ctx: ShardedEmbeddingBagContext,
                                 input: KJTList) -> LazyAwaitable[KeyedTensor]:
@@ -527,7 +391,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             for local, weight in zip(self._layout.local_tables[self._env.rank],
                                      self._local_weights):
                 self._sharded_configs[local.table].init_fn(weight)
-        self._round_fp16_tables(self, None)
+        self._round_fp16_tables()
 
     def update_shards(self, *args, **kwargs) -> None:
         raise NotImplementedError(f"{OWNER}: resharding a live module is not supported; "
@@ -538,60 +402,6 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                 f"bwd_comm={self._bwd_comm!r}, local tables="
                 f"{[self._table_names[lt.table] for lt in self._layout.local_tables[self._env.rank]]}")
 
-    # ------------------------------------------------------------------ state_dict
-
-    @staticmethod
-    def _state_dict_hook(module: "ShardedEmbeddingBagCollection", destination, prefix,
-                         local_metadata) -> None:
-        for t, (name, sharded) in enumerate(zip(module._table_names, module._sharded_weights)):
-            destination[f"{prefix}embedding_bags.{name}.weight"] = \
-                as_fp16(sharded) if t in module._fp16_tables else sharded
-            for k in range(1, len(module._local_of_table.get(t, []))):
-                destination.pop(f"{prefix}embedding_bags.{name}.{_weight_name(k)}", None)
-
-    @staticmethod
-    def _round_fp16_tables(module: "ShardedEmbeddingBagCollection", incompatible_keys) -> None:
-        """FP16 tables hold float16 values, whatever was loaded or initialized."""
-        if module._on_meta:
-            return
-        for local, weight in zip(module._layout.local_tables[module._env.rank],
-                                 module._local_weights):
-            if local.table in module._fp16_tables:
-                round_to_fp16_(weight)
-
-    def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
-                                  missing_keys, unexpected_keys, error_msgs) -> None:
-        local_tables = self._layout.local_tables[self._env.rank]
-        for t, name in enumerate(self._table_names):
-            key = f"{prefix}embedding_bags.{name}.weight"
-            if key not in state_dict:
-                continue
-            value = state_dict[key]
-            mine = self._local_of_table.get(t, [])
-            if not mine:
-                state_dict[key] = self.embedding_bags[name].weight.detach()
-            for k, lt in enumerate(mine):
-                state_dict[f"{prefix}embedding_bags.{name}.{_weight_name(k)}"] = \
-                    self._local_value(key, value, local_tables[lt].shard)
-
-    def _local_value(self, key: str, value, shard: Shard) -> torch.Tensor:
-        """One local shard of a table, from a ShardedTensor (same plan) or a full tensor."""
-        table = self._layout.tables[shard.table]
-        if isinstance(value, ShardedTensor):
-            for local in value.local_shards():
-                if list(local.metadata.shard_offsets) == [shard.row_offset, shard.col_offset] \
-                        and list(local.metadata.shard_sizes) == [shard.rows, shard.cols]:
-                    return local.tensor
-            raise ValueError(f"{OWNER}: {key} holds no shard at rows {shard.row_offset}+"
-                             f"{shard.rows}, columns {shard.col_offset}+{shard.cols} on rank "
-                             f"{self._env.rank}: it was saved with another plan")
-        if isinstance(value, torch.Tensor) and \
-                tuple(value.shape) == (table.num_embeddings, table.embedding_dim):
-            return value[shard.row_offset: shard.row_offset + shard.rows,
-                         shard.col_offset: shard.col_offset + shard.cols]
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{OWNER}: {key} must be a ShardedTensor or a full "
-                         f"[{table.num_embeddings}, {table.embedding_dim}] tensor, got {shape}")
 
 
 class _PooledEmbeddingsAwaitable(LazyAwaitable[KeyedTensor]):
@@ -602,57 +412,8 @@ class _PooledEmbeddingsAwaitable(LazyAwaitable[KeyedTensor]):
             module, handle, send, message, ctx
 
     def _wait_impl(self) -> KeyedTensor:
-        module = self._module
-        values = module._output.finish(self._handle, self._send, self._message,
-                                       self._ctx.bag_lengths, module._optim.count_step)
-        self._handle = None
-        if module._data_parallel is not None:
-            return module._output_merge.merge(
-                values, module._embedding_names, module._embedding_dims,
-                module._data_parallel.lookup(self._ctx.data_parallel_features))
-        return KeyedTensor(keys=module._embedding_names,
-                           length_per_key=module._embedding_dims, values=values)
+        handle, self._handle = self._handle, None
+        return self._module.finish_output(handle, self._send, self._message,
+                                          self._ctx.bag_lengths,
+                                          self._ctx.data_parallel_features)
 
-
-def _row_tables(row_exchange, names: List[str]) -> List[int]:
-    """Indices of the tables named by row_exchange ("off", "all" or a list of names)."""
-    if row_exchange == "off":
-        return []
-    if row_exchange == "all":
-        return list(range(len(names)))
-    if isinstance(row_exchange, str) or not all(isinstance(n, str) for n in row_exchange):
-        raise ValueError(f"{OWNER}: row_exchange must be 'off', 'all' or a list of table names, "
-                         f"got {row_exchange!r}")
-    unknown = [n for n in row_exchange if n not in names]
-    if unknown:
-        raise ValueError(f"{OWNER}: row_exchange names unknown table(s) {unknown} (tables: "
-                         f"{names})")
-    return [names.index(n) for n in row_exchange]
-
-
-def _weight_name(k: int) -> str:
-    return "weight" if k == 0 else f"weight_{k}"
-
-
-def _check_config(config, weighted: bool) -> None:
-    if config.data_type not in (DataType.FP32, DataType.FP16):
-        raise TypeError(f"{OWNER}: table '{config.name}' must be FP32 or FP16, got "
-                        f"{config.data_type}")
-    if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-        raise ValueError(f"{OWNER}: table '{config.name}' pooling must be SUM or MEAN, got "
-                         f"{config.pooling}")
-    if weighted and config.pooling == PoolingType.MEAN:
-        # As TorchRec's EmbeddingBagCollection (torch's embedding_bag raises for it).
-        raise ValueError(f"{OWNER}: table '{config.name}': per-sample weights need SUM pooling, "
-                         "got MEAN")
-
-
-def _plan_shards(t: int, name: str, sharding: ParameterSharding) -> List[Shard]:
-    if sharding.sharding_type not in SUPPORTED_SHARDING_TYPES:
-        raise ValueError(f"{OWNER}: table '{name}' is planned {sharding.sharding_type}; recxla "
-                         f"shards {SUPPORTED_SHARDING_TYPES}")
-    if sharding.sharding_spec is None:
-        raise ValueError(f"{OWNER}: the plan for table '{name}' has no sharding_spec")
-    return [Shard(t, k, md.placement.rank(), md.shard_offsets[0], md.shard_sizes[0],
-                  md.shard_offsets[1], md.shard_sizes[1])
-            for k, md in enumerate(sharding.sharding_spec.shards)]

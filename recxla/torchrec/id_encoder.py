@@ -1,0 +1,302 @@
+"""The sending half of the input dist: a batch's ids checked, routed to the ranks that own their
+rows, and packed into one block of bytes per owner (id_wire_format.py).
+
+Per step, every op vectorized over all ids:
+1. check the batch (TorchRec's KeyedJaggedTensor checks: unique keys, lengths, weights; then
+   features, id ranges), then route every id to the owner(s) of its row block (`ShardLayout`:
+   one owner for table-wise and row-wise, every column owner for column-wise), as an id local
+   to the owner's rows;
+2. order ids by destination slot (stable: each bag keeps its order), count each slot's bag
+   lengths, and deduplicate each (destination, local table) segment with `unique_keys`;
+3. per destination choose the smaller encoding (`id_wire_format.choose_encoding`) and write
+   the block's sections; ids of row-exchange tables go their own way (row_exchange.py).
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
+
+from recxla.ops.dedup import segmented_unique
+from recxla.torchrec import id_wire_format as wire
+from recxla.torchrec.comm_stats import CommStats
+from recxla.torchrec.row_exchange import RowBags, RowRouting, encode_rows
+from recxla.torchrec.shard_layout import OWNER, ShardLayout
+
+
+@dataclass
+class SendBlocks:
+    """This rank's blocks, one per destination: sizes for the first all-to-all, bytes for the
+    second."""
+
+    batch: int
+    num_ids: List[int] = field(default_factory=list)
+    num_unique: List[int] = field(default_factory=list)
+    encoding: List[int] = field(default_factory=list)
+    nbytes: List[int] = field(default_factory=list)
+    buffer: Optional[torch.Tensor] = None
+    num_row_ids: List[int] = field(default_factory=list)
+    # The batch's bag lengths, [input slots, B], in the module's (table, feature) order.
+    input_lengths: Optional[torch.Tensor] = None
+    # This rank's bags of row tables, for pooling the rows the owners send back.
+    row_bags: Optional[RowBags] = None
+
+
+class IdEncoder:
+    """The routing tables of one sharded module (static, from its layout) and the sender's
+    work on each batch.
+
+    Args:
+        layout: the module's ShardLayout.
+        device: where the ids are routed (CPU for a GPU module: they come from the loader).
+        is_weighted: batches carry per-sample weights.
+        dedup: allow the deduplicated encodings (False: always raw ids).
+        stats: counters this encoder adds the bytes it sends to.
+    """
+
+    def __init__(self, layout: ShardLayout, device: torch.device, is_weighted: bool,
+                 dedup: bool, stats: CommStats):
+        self.layout = layout
+        self.device = device
+        self.is_weighted = is_weighted
+        self.dedup = dedup
+        self.stats = stats
+        # Features every batch must hold: the layout's, and those of tables looked up
+        # elsewhere (data-parallel ones) that the sharded module adds.
+        self.required_features: List[str] = layout.feature_names
+        world, me = layout.world_size, layout.rank
+        self.num_slots = [len(s) for s in layout.slots]
+        self.slot_base = [sum(self.num_slots[:d]) for d in range(world + 1)]
+        self.id_bytes = [wire.owner_id_bytes(lt.rows for lt in layout.local_tables[d])
+                         for d in range(world)]
+        # Sender: per input slot its table's rows; per row block (over all input slots, in
+        # order) its routes, flattened.
+        tables = layout.tables
+        self.slot_rows = torch.tensor(
+            [tables[t].num_embeddings for t in layout.input_slot_table], dtype=torch.int64,
+            device=device)
+        blocks = [(i, k) for i, starts in enumerate(layout.block_starts)
+                  for k in range(len(starts))]
+        self.multi_block = len(blocks) > len(layout.block_starts)
+        if self.multi_block:
+            # Shift each slot's ids into a band of its own so one searchsorted over every
+            # slot's block starts finds every id's block.
+            band, bounds, first_block = 0, [], []
+            self._band = []
+            for i, starts in enumerate(layout.block_starts):
+                first_block.append(len(bounds))
+                self._band.append(band)
+                bounds.extend(band + s for s in starts)
+                band += tables[layout.input_slot_table[i]].num_embeddings + 1
+            self.band = torch.tensor(self._band, dtype=torch.int64, device=device)
+            self.block_bounds = torch.tensor(bounds, dtype=torch.int64, device=device)
+        routes = [layout.block_routes[i][k] for i, k in blocks]
+        self.single_route = all(len(r) == 1 for r in routes)
+        counts = [len(r) for r in routes]
+        self.route_counts = torch.tensor(counts, dtype=torch.int64, device=device)
+        self.route_offsets = torch.tensor([sum(counts[:g]) for g in range(len(counts))],
+                                          dtype=torch.int64, device=device)
+        flat = [route for r in routes for route in r]
+        self.rows = RowRouting(layout, device)
+        # A route goes to a send slot (pooled tables) or to a global row group, never both.
+        self.route_send_slot = torch.tensor(
+            [self.slot_base[r.dest] + r.dest_slot if r.row_group < 0 else -1 for r in flat],
+            dtype=torch.int64, device=device)
+        self.route_row_group = torch.tensor(
+            [self.rows.group_base[r.dest] + r.row_group if r.row_group >= 0 else -1
+             for r in flat], dtype=torch.int64, device=device)
+        self.route_row_offset = torch.tensor([r.row_offset for r in flat], dtype=torch.int64,
+                                             device=device)
+        # Send slots are (destination, local table, feature); the (destination, local table)
+        # runs are the dedup segments.
+        first_slots, self.dest_groups = [], []
+        for d in range(world):
+            previous = None
+            groups_before = len(first_slots)
+            for j, (lt, _) in enumerate(layout.slots[d]):
+                if lt != previous:
+                    first_slots.append(self.slot_base[d] + j)
+                    previous = lt
+            self.dest_groups.append((groups_before, len(first_slots)))
+        first_slots.append(self.slot_base[world])
+        self.group_first_slot = torch.tensor(first_slots, dtype=torch.int64, device=device)
+
+    def encode(self, features: KeyedJaggedTensor, micro: List[int]) -> SendBlocks:
+        """Checks `features` (ValueError/TypeError/IndexError naming the problem) and packs
+        its ids into one block per destination; micro: the micro-batch sizes (sum: B)."""
+        layout = self.layout
+        values, lengths, weights, batch = self._slot_major(features)
+        num_slots_in = len(layout.input_slot_table)
+        n = values.numel()
+        slot_of_id = torch.repeat_interleave(
+            torch.arange(num_slots_in, device=values.device),
+            lengths.view(num_slots_in, batch).sum(1), output_size=n)
+        ids = values.to(torch.int64)
+        bad = (ids < 0) | (ids >= self.slot_rows[slot_of_id])
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            slot = int(slot_of_id[i])
+            table = layout.tables[layout.input_slot_table[slot]]
+            raise IndexError(
+                f"{OWNER}: feature '{layout.input_slot_feature[slot]}' has id {int(ids[i])} "
+                f"outside [0, {table.num_embeddings}) (table '{table.name}' has "
+                f"{table.num_embeddings} rows)")
+        bag = torch.repeat_interleave(torch.arange(num_slots_in * batch, device=ids.device),
+                                      lengths, output_size=n)
+        sample = bag - slot_of_id * batch
+        if self.multi_block:
+            block = torch.searchsorted(self.block_bounds, ids + self.band[slot_of_id],
+                                       right=True) - 1
+        else:
+            block = slot_of_id
+        if self.single_route:
+            route = block
+        else:
+            per_id = self.route_counts[block]
+            source = torch.repeat_interleave(torch.arange(n, device=ids.device), per_id)
+            first = torch.cumsum(per_id, 0) - per_id
+            position = torch.arange(source.numel(), device=ids.device) - \
+                torch.repeat_interleave(first, per_id)
+            route = self.route_offsets[block[source]] + position
+            ids, sample, slot_of_id = ids[source], sample[source], slot_of_id[source]
+            if weights is not None:
+                weights = weights[source]
+        local_ids = ids - self.route_row_offset[route]
+        rows = None
+        if self.rows.active:
+            row_group = self.route_row_group[route]
+            to_rows = row_group >= 0
+            take = torch.nonzero(to_rows).squeeze(1)
+            rows = encode_rows(self.rows, row_group[take], slot_of_id[take], sample[take],
+                               local_ids[take], None if weights is None else weights[take],
+                               micro, batch)
+            keep = torch.nonzero(~to_rows).squeeze(1)
+            route, local_ids, sample = route[keep], local_ids[keep], sample[keep]
+            if weights is not None:
+                weights = weights[keep]
+        send_slot = self.route_send_slot[route]
+        order = torch.sort(send_slot, stable=True).indices
+        local_ids = local_ids[order]
+        if weights is not None:
+            weights = weights[order]
+        total_slots = self.slot_base[-1]
+        slot_lengths = torch.bincount(send_slot * batch + sample, minlength=total_slots * batch)
+        slot_counts = torch.bincount(send_slot, minlength=total_slots)
+        slot_ends = torch.cumsum(slot_counts, 0)
+        slot_starts = slot_ends - slot_counts
+        group_bounds = torch.cat([slot_starts, slot_ends[-1:]])[self.group_first_slot] \
+            if total_slots else torch.zeros(1, dtype=torch.int64, device=ids.device)
+        blocks = self._pack(local_ids, slot_lengths.to(torch.int32), group_bounds, weights,
+                            batch, features.values().element_size(),
+                            features.lengths().element_size(), rows, len(micro))
+        blocks.input_lengths = lengths.view(num_slots_in, batch)
+        return blocks
+
+    def _slot_major(self, features: KeyedJaggedTensor):
+        """The batch's ids in input-slot order (the module's (table, feature) order; a feature
+        read by several tables appears once per table). -> values [N], lengths int32/int64
+        [S_in * B], weights float32 [N] or None, B."""
+        layout = self.layout
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"{OWNER}: features must be a KeyedJaggedTensor, got "
+                            f"{type(features).__name__}")
+        try:
+            # TorchRec's own checks of a sharded module's input (unique keys, lengths and
+            # offsets that agree with the values, one weight per id), on every batch: recxla
+            # reads the keys of each batch anew, where TorchRec checks its first batch only.
+            validate_keyed_jagged_tensor(features)
+        except ValueError as e:
+            raise ValueError(f"{OWNER}: invalid KeyedJaggedTensor: {e}") from None
+        keys = features.keys()
+        position = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self.required_features if f not in position]
+        if missing:
+            raise ValueError(f"{OWNER}: feature '{missing[0]}' is missing from the input "
+                             f"(keys: {keys}; the module reads {self.required_features})")
+        values, lengths = features.values(), features.lengths()
+        if values.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{OWNER}: ids must be int32 or int64, got {values.dtype}")
+        batch = features.stride()
+        if lengths.numel() != len(keys) * batch:
+            raise ValueError(f"{OWNER}: lengths has {lengths.numel()} entries, but {len(keys)} "
+                             f"features x batch size {batch} need {len(keys) * batch}")
+        if lengths.numel() and int(lengths.min()) < 0:
+            i = int(torch.nonzero(lengths < 0)[0])
+            raise ValueError(f"{OWNER}: feature '{keys[i // batch]}' has a negative length "
+                             f"({int(lengths[i])}) at sample {i % batch}")
+        if int(lengths.sum()) != values.numel():
+            raise ValueError(f"{OWNER}: lengths sum to {int(lengths.sum())} but the input holds "
+                             f"{values.numel()} ids")
+        weights = features.weights_or_none()
+        if self.is_weighted and weights is None:
+            raise ValueError(f"{OWNER}: the module is weighted but the input has no weights")
+        order = [position[f] for f in layout.input_slot_feature]
+        if order != list(range(len(keys))):
+            features = features.permute(order)
+            values, lengths = features.values(), features.lengths()
+            weights = features.weights_or_none()
+        weights = weights.to(torch.float32) if self.is_weighted else None
+        return values, lengths, weights, batch
+
+    def _pack(self, local_ids, slot_lengths, group_bounds, weights, batch, value_bytes,
+              length_bytes, rows, num_micro: int) -> SendBlocks:
+        world, me = self.layout.world_size, self.layout.rank
+        unique, unique_offsets, inverse = segmented_unique(local_ids, group_bounds)
+        group_bounds_list = group_bounds.tolist()
+        unique_list = unique_offsets.tolist()
+        pieces: List[torch.Tensor] = []
+        blocks = SendBlocks(batch)
+        row_run_bounds = [0]
+        if rows is not None:
+            blocks.row_bags, row_ids, row_counts = rows
+            for count in row_counts:
+                row_run_bounds.append(row_run_bounds[-1] + count)
+        for d in range(world):
+            g0, g1 = self.dest_groups[d]
+            id0, id1 = group_bounds_list[g0], group_bounds_list[g1]
+            u0, u1 = unique_list[g0], unique_list[g1]
+            n, u = id1 - id0, u1 - u0
+            id_dtype = wire.id_dtype(self.id_bytes[d])
+            encoding = wire.choose_encoding(n, u, self.id_bytes[d], self.dedup)
+            runs = (self.rows.group_base[d] * num_micro, self.rows.group_base[d + 1] * num_micro)
+            r0, r1 = row_run_bounds[runs[0]] if rows else 0, row_run_bounds[runs[1]] if rows else 0
+            sizes = wire.section_bytes(self.num_slots[d], batch, n, u, encoding,
+                                       self.id_bytes[d], weights is not None, runs[1] - runs[0],
+                                       r1 - r0)
+            lengths_d = slot_lengths[self.slot_base[d] * batch: self.slot_base[d + 1] * batch]
+            sections = [lengths_d]
+            if encoding == wire.RAW:
+                sections += [local_ids[id0:id1].to(id_dtype), None]
+            else:
+                index = inverse[id0:id1] - u0
+                sections += [unique[u0:u1].to(id_dtype),
+                             index.to(wire.index_dtype(encoding))]
+            sections.append(weights[id0:id1] if weights is not None else None)
+            if rows is not None:
+                sections.append(torch.tensor(row_counts[runs[0]:runs[1]], dtype=torch.int32,
+                                             device=self.device))
+                sections.append(row_ids[r0:r1].to(id_dtype))
+            blocks.num_row_ids.append(r1 - r0)
+            for section, size in zip(sections, sizes):
+                if section is None:
+                    continue
+                raw = section.contiguous().view(torch.uint8)
+                pieces.append(raw)
+                if size > raw.numel():
+                    pieces.append(raw.new_zeros(size - raw.numel()))
+            blocks.num_ids.append(n)
+            blocks.num_unique.append(u)
+            blocks.encoding.append(encoding)
+            blocks.nbytes.append(sum(sizes))
+            if d != me:
+                self.stats.id_bytes_sent += sum(sizes)
+                # The ids of row tables cost TorchRec its usual bags too.
+                row_bags = 0 if rows is None else blocks.row_bags.ids_to(d, self.rows)
+                self.stats.id_bytes_without_dedup += (
+                    lengths_d.numel() * length_bytes + (n + row_bags) * value_bytes
+                    + ((n + row_bags) * 4 if weights is not None else 0))
+        blocks.buffer = torch.cat(pieces) if pieces else \
+            torch.empty(0, dtype=torch.uint8, device=self.device)
+        return blocks

@@ -1,0 +1,218 @@
+"""The sharded module's public steps: the contract between `ShardedEmbeddingBagCollection` and
+the code that drives it.
+
+TorchRec's interface (`input_dist`, `compute_and_output_dist`, the awaitables; see
+sharded_embedding_bag.py) composes these steps for one batch; recxla's pipeline
+(recxla.pipeline) calls them one by one, placing each where its schedule wants it
+(docs/architecture.md maps them to the schedule). In the order one step calls them:
+
+    start_input_dist   ids to their owners (two all-to-alls, awaited in two steps)
+    mean_bag_lengths   this rank's lengths of row-sharded MEAN bags
+    to_device          the decoded LookupInput on the module's device
+    lookup_rows        the owner gathers its row-exchange tables' requested rows
+    lookup_pooled      the owner's pooled lookup (fused optimizer in its backward)
+    output_message     what this rank receives in one exchange (a micro-batch)
+    start_output       the owner's rows to the ranks whose samples they are
+    assemble_output    the received rows as this rank's KeyedTensor
+    stage_output       the next forward returns that KeyedTensor
+    start_gradient     the gradient of those embeddings back to their owners
+    fused_optimizer    count_step() and step_count around the lookup's backward
+
+and, for a lookup made outside the module (the pipeline's early lookup), `pooled_tables`
+(the pooled tables' weights, slot -> table map, pooling), `has_row_tables` and
+`tables_version` (what changes when the tables change).
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from recxla.ops.embedding_bag import FusedPooledLookup, LookupPlan
+from recxla.torchrec.input_dist import LookupInput, SizesInFlight
+from recxla.torchrec.output_dist import Message
+from recxla.torchrec.replicas import ReplicatedLookup
+from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup
+
+
+@dataclass(frozen=True)
+class PooledTables:
+    """What a lookup of this rank's pooled tables reads.
+
+    weights: per local pooled table t, its shard: the live float32 [rows_t, cols_t] Parameter
+        (the fused optimizer updates it in place);
+    slot_table: per owner slot j (LookupInput's slot order: bag (j, b) is
+        offsets[j * B + b] .. offsets[j * B + b + 1]), its local table t;
+    pooling: per local pooled table, recxla.ops.embedding_bag.SUM or MEAN (row-sharded
+        tables: SUM; their MEAN is divided at the receiver).
+    """
+
+    weights: Tuple[nn.Parameter, ...]
+    slot_table: Tuple[int, ...]
+    pooling: Tuple[int, ...]
+
+
+class ShardedSteps:
+    """The public steps of `ShardedEmbeddingBagCollection` (see the module docstring). A mixin:
+    the module's constructor builds what they use (`_router`, `_output`, `_local_weights`,
+    `_num_pooled`, the fused optimizer, ...)."""
+
+    # ------------------------------------------------------------------ input dist
+
+    def start_input_dist(self, features: KeyedJaggedTensor,
+                         micro_batch_sizes: Optional[Sequence[int]] = None) -> SizesInFlight:
+        """Checks `features` (a KeyedJaggedTensor of this rank's B samples) and starts the
+        sizes' all-to-all; counts one step in `comm_stats`. micro_batch_sizes: M ints summing
+        to B (the samples are M micro-batches one after another; None: one), the same M on
+        every rank.
+        -> SizesInFlight: `.input_lengths` (int [input slots, B], None on bad input) and
+        `.row_bags` (RowBags or None) now; wait() starts the ids' all-to-all (-> IdsInFlight,
+        whose wait() gives the owner's LookupInput, on the router's device). A bad batch on
+        any rank raises on every rank at the first wait()."""
+        awaitable = self._router.start(self.ids_on_router(features), micro_batch_sizes)
+        self.comm_stats.steps += 1
+        return awaitable
+
+    def ids_on_router(self, features):
+        """`features` where the input dist runs (CPU for a GPU module)."""
+        if isinstance(features, KeyedJaggedTensor) and \
+                features.values().device != self._router.device:
+            return features.to(self._router.device)
+        return features
+
+    def to_device(self, lookup_input: LookupInput) -> LookupInput:
+        """The decoded input on the module's device (non-blocking from pinned CPU memory)."""
+        return lookup_input.to(self._device)
+
+    def mean_bag_lengths(self, input_lengths: torch.Tensor) -> Optional[torch.Tensor]:
+        """The lengths of this rank's bags of row-sharded MEAN features (their sums arrive in
+        parts and are divided at the receiver): input_lengths [input slots, B] -> float32
+        [B, those features] clamped to >= 1, or None when there are none."""
+        if not self._output.mean_slots:
+            return None
+        return input_lengths[self._output.mean_slots].t().to(torch.float32).clamp(min=1.0) \
+            .contiguous().to(self._device, non_blocking=True)
+
+    def stage_output(self, output: KeyedTensor) -> None:
+        """The next forward returns `output` instead of running (recxla.pipeline's FWP)."""
+        self._staged_outputs.append(output)
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, lookup_input: LookupInput):
+        """compute() without a context: (lookup_pooled, lookup_rows)."""
+        row_outputs = self.lookup_rows(lookup_input)
+        return self.lookup_pooled(lookup_input, rows_follow=bool(row_outputs)), row_outputs
+
+    def lookup_rows(self, lookup_input: LookupInput):
+        """The row groups' rows that every rank asked for (RowLookup: the fused update of each
+        row once in backward). -> per row group [R_g, cols_g]."""
+        row_weights = self._local_weights[self._num_pooled:]
+        if not row_weights:
+            return ()
+        return tuple(RowLookup.apply(lambda: self.fused_step_arguments(self._num_pooled, None),
+                                     tuple(lookup_input.rows.ids), *row_weights))
+
+    def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
+        """The pooled tables' lookup (fused optimizer in its backward). -> float32
+        [sum of the sources' batches, D_owner]."""
+        pooled_weights = self._local_weights[: self._num_pooled]
+        if not pooled_weights:
+            # Nothing pooled here; with no rows either, the zeros still join the graph, so
+            # this rank takes part in the gradient all-to-all of backward.
+            pooled = torch.zeros((lookup_input.batch_size, 0), device=self._device,
+                                 requires_grad=torch.is_grad_enabled() and not rows_follow)
+        elif self._replicas is not None:
+            pooled = ReplicatedLookup.apply(
+                self, lookup_input.unique_values, lookup_input.unique_offsets,
+                lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
+                *pooled_weights)
+        else:
+            plan = LookupPlan(
+                feature_table=self._slot_table,
+                pooling=self._owner_pooling,
+                batch_size=lookup_input.batch_size,
+                optimizer_step=(lambda: self.fused_step_arguments(0, self._num_pooled))
+                if self._has_fused_update else None,
+                after_update=self._round_fp16_rows,
+            )
+            pooled = FusedPooledLookup.apply(
+                plan, lookup_input.unique_values, lookup_input.unique_offsets,
+                lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
+                *pooled_weights)
+        return pooled
+
+    def fused_step_arguments(self, first: int, last: Optional[int]):
+        """The fused optimizer's (kinds, states, hparams) of local tables first .. last."""
+        kinds, states, hparams = self._optim.step_arguments()
+        last = len(kinds) if last is None else last
+        return kinds[first:last], states[first:last], hparams[4 * first: 4 * last]
+
+    @property
+    def replicas(self):
+        """The module's ReplicaSync in 2D training (recxla.torchrec.replicas), else None."""
+        return self._replicas
+
+    @property
+    def pooled_tables(self) -> PooledTables:
+        """This rank's pooled tables, as a lookup outside the module reads them."""
+        return self._pooled_tables
+
+    @property
+    def has_row_tables(self) -> bool:
+        """This rank owns row-exchange tables (lookup_rows returns their rows)."""
+        return len(self._local_weights) > self._num_pooled
+
+    def tables_version(self) -> Tuple[int, List[int]]:
+        """What changes when the tables change: the fused optimizer's step count (every
+        backward through the module counts one) and the parameters' in-place update counters.
+        Equal versions: the tables hold the same values."""
+        return self._optim.step_count, [p._version for p in self.parameters()]
+
+    # ------------------------------------------------------------------ output dist
+
+    def output_message(self, batch: int, row_bags: Optional[RowBags],
+                       micro_batch: int = 0) -> Message:
+        """The layout of what this rank receives in exchange `micro_batch` (its `batch`
+        samples of that micro-batch; row_bags: its bags of row-exchange tables, on the
+        module's device, or None)."""
+        return self._output.receive_layout(batch, row_bags, micro_batch)
+
+    def start_output(self, pooled: torch.Tensor, source_batches: List[int], message: Message,
+                     row_outputs: Sequence[torch.Tensor] = (), rows: Optional[RowInput] = None):
+        """Starts the owner's output all-to-all for `message`'s exchange. pooled: float32
+        [sum(source_batches), D_owner], the pooled rows for each source rank in turn (a slice
+        of lookup_pooled's output); row_outputs: lookup_rows's rows per local row group
+        [R_g, cols_g] (`rows`: the LookupInput's RowInput). Differentiable w.r.t. pooled and
+        row_outputs. -> (handle whose wait() gives the received rows float32
+        [R, wire_row_dim], values sent to each rank, values expected from each rank)."""
+        return self._output.start(pooled, source_batches, message, row_outputs, rows)
+
+    def assemble_output(self, received: torch.Tensor, message: Message,
+                        bag_lengths: Optional[torch.Tensor],
+                        requires_grad: bool = False) -> KeyedTensor:
+        """The received rows (start_output's handle.wait()) as this rank's embeddings: a
+        KeyedTensor of the module's keys (its model-parallel tables), values float32
+        [message.batch, sum of dims]; bag_lengths: this exchange's rows of mean_bag_lengths.
+        requires_grad: make the values a leaf that requires grad (its .grad is what
+        start_gradient sends back)."""
+        values = self._output.assemble(received, message, bag_lengths)
+        values.requires_grad_(requires_grad)
+        return self.keyed_output(values)
+
+    def keyed_output(self, values: torch.Tensor) -> KeyedTensor:
+        """values float32 [B, sum of dims] as the KeyedTensor of the module's model-parallel
+        features (keys and dims in TorchRec's order)."""
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._embedding_dims,
+                           values=values)
+
+    def start_gradient(self, grad: torch.Tensor, source_batches: List[int], message: Message,
+                       bag_lengths: Optional[torch.Tensor], rows: Optional[RowInput]):
+        """Starts the gradient all-to-all of one exchange (no autograd): grad float32
+        [message.batch, sum of dims], the gradient of assemble_output's values. -> (handle
+        whose wait() gives the owner's gradient message, flat float32, divided as TorchRec's
+        gradient division divides it; the values it holds per source rank: per source its
+        pooled rows [samples, D_owner] then its row groups' rows [count, cols])."""
+        return self._output.start_gradient(grad, source_batches, message, bag_lengths, rows)
