@@ -16,12 +16,16 @@ itself (data_parallel.py). The output is the unsharded module's: the same KeyedT
 order and columns. Batches with a variable batch per feature are expanded to the regular
 batch they stand for (variable_batch.py).
 
+The steps these compose are public (sharded_steps.py): recxla.pipeline calls them one by one
+(docs/architecture.md). What the constructor accepts is checked in sharded_config.py.
+
 Weights: each rank holds, per table, its shards merged into one float32 [rows, cols] Parameter
 `embedding_bags.<table>.weight` (an empty one where it holds none). They start as copies of the
 unsharded module's weights when those exist (a module built on CPU), else from each table's
 init_fn; on the meta device they are shapes only. FP16 tables hold float16 values in their
 float32 shards (fp16_tables.py). state_dict gives one ShardedTensor per table (TorchRec's
-layout and dtype), and load_state_dict takes ShardedTensors or full unsharded tensors.
+layout and dtype), and load_state_dict takes ShardedTensors or full unsharded tensors
+(sharded_state_dict.py).
 """
 
 from collections import deque

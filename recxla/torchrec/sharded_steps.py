@@ -96,7 +96,9 @@ class ShardedSteps:
             .contiguous().to(self._device, non_blocking=True)
 
     def stage_output(self, output: KeyedTensor) -> None:
-        """The next forward returns `output` instead of running (recxla.pipeline's FWP)."""
+        """The next forward returns `output` (assemble_output's KeyedTensor for the
+        micro-batch the model passes; data-parallel tables are merged in there) instead of
+        running the input dist, lookup and output dist (recxla.pipeline's FWP)."""
         self._staged_outputs.append(output)
 
     # ------------------------------------------------------------------ lookup
@@ -107,8 +109,10 @@ class ShardedSteps:
         return self.lookup_pooled(lookup_input, rows_follow=bool(row_outputs)), row_outputs
 
     def lookup_rows(self, lookup_input: LookupInput):
-        """The row groups' rows that every rank asked for (RowLookup: the fused update of each
-        row once in backward). -> per row group [R_g, cols_g]."""
+        """The owner's gather of its row-exchange tables: lookup_input (on the module's
+        device) -> per local row group the rows every rank asked for, float32 [R_g, cols_g]
+        in lookup_input.rows order (RowLookup: its backward applies the fused update once per
+        row); () without row tables."""
         row_weights = self._local_weights[self._num_pooled:]
         if not row_weights:
             return ()
@@ -116,8 +120,10 @@ class ShardedSteps:
                                      tuple(lookup_input.rows.ids), *row_weights))
 
     def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
-        """The pooled tables' lookup (fused optimizer in its backward). -> float32
-        [sum of the sources' batches, D_owner]."""
+        """The owner's pooled lookup of every source's bags: lookup_input (on the module's
+        device) -> float32 [lookup_input.batch_size, D_owner] in the input's sample order (its
+        backward runs the fused optimizer). rows_follow: lookup_rows also produced outputs (a
+        rank with no pooled table then adds no zeros to the graph)."""
         pooled_weights = self._local_weights[: self._num_pooled]
         if not pooled_weights:
             # Nothing pooled here; with no rows either, the zeros still join the graph, so
