@@ -84,8 +84,14 @@ def test_sharder_argument_errors():
     with pytest.raises(TypeError, match="module_type must be torchrec's EmbeddingBagCollection"):
         EmbeddingBagCollectionSharder(module_type=torch.nn.Linear)
     sharder = EmbeddingBagCollectionSharder()
-    assert "row_wise" in sharder.sharding_types("cpu")
-    assert "data_parallel" not in sharder.sharding_types("cpu")
+    offered = sharder.sharding_types("cpu")
+    # The five model-parallel types are recxla's own lookup; data_parallel is offered too but
+    # runs TorchRec's dense data-parallel kernel (the planner must not cost it as recxla's).
+    assert set(offered) == {"table_wise", "column_wise", "table_column_wise", "row_wise",
+                            "table_row_wise", "data_parallel"}
+    assert sharder.compute_kernels("data_parallel", "cpu") == ["dense"]
+    for sharding_type in set(offered) - {"data_parallel"}:
+        assert sharder.compute_kernels(sharding_type, "cpu") == ["fused"], sharding_type
 
 
 def test_fused_optimizer_from_fused_params_and_attached_optimizers():
