@@ -1,6 +1,12 @@
 """Steady state: after warm-up a training step maps no new memory in (minor page faults per
-step, counted by the trainer on every rank), while the same run with glibc's default
-thresholds page-faults its large tensors in again every step."""
+step, counted by the trainer on every rank), while the same run with glibc's initial thresholds
+page-faults its large tensors in again every step.
+
+The control holds glibc's thresholds at their initial values (GLIBC_TUNABLES) rather than
+leaving them to adapt: glibc raises its mmap threshold to the size of each mmap()ed block freed
+so far, so with the defaults how many of a step's blocks come back from the kernel depends on
+the order in which threads free them, and varies from run to run on the same commit (p50 from
+853 to 9,743 faults per step; with the thresholds held, 27,800 to 28,200, under any load)."""
 
 import json
 
@@ -15,19 +21,27 @@ ARGS = ["--profile", "small", "--batch-size", "2048", "--embedding-dim", "32",
         "--steps", "16", "--warmup-steps", "6"]
 
 
-def _faults(tmp_path, allocator: str) -> dict:
+POOLED_EMBEDDING_PAGES = 2048 * 26 * 32 * 4 // 4096
+# glibc's initial thresholds (128 KiB), set explicitly: a set threshold no longer adapts.
+FIXED_THRESHOLDS = {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072:"
+                                      "glibc.malloc.trim_threshold=131072"}
+
+
+def _faults(tmp_path, allocator: str, env=None) -> dict:
     path = tmp_path / f"{allocator}.json"
-    launch_ranks([*ARGS, "--allocator", allocator, "--metrics", str(path)], tmp_path)
+    launch_ranks([*ARGS, "--allocator", allocator, "--metrics", str(path)], tmp_path, env=env)
     with open(path) as f:
         return json.load(f)["page_faults_per_step"]
 
 
 def test_steady_state_maps_no_new_memory(tmp_path):
     kept = _faults(tmp_path, "keep")
-    default = _faults(tmp_path, "default")
-    assert default["p50"] >= 1000, default  # the setup does allocate large blocks per step
+    control = _faults(tmp_path, "default", env=FIXED_THRESHOLDS)
+    # The setup allocates large blocks per step: every block above 128 KiB is a fresh mapping,
+    # the pooled embeddings among them.
+    assert control["p50"] >= POOLED_EMBEDDING_PAGES, control
     assert kept["p50"] <= 64, kept  # at most 256 KiB of fresh pages in a typical step
-    assert kept["mean"] <= default["mean"] / 10, (kept, default)
+    assert kept["mean"] <= control["mean"] / 10, (kept, control)
 
 
 def test_minor_faults_counts_first_touch():
