@@ -159,9 +159,18 @@ class TrainPipeline:
         and runs at the next progress (TorchRec's detach keeps its in-flight batches too); an
         early DBP lookup made before the model was changed outside is made again."""
         self._attached = False
+        self.drop_early_lookups()
+        return self._model
+
+    def drop_early_lookups(self) -> None:
+        """The next batch's early DBP lookup (dbp_lookup="early"), made before this step's
+        update, is made again after it, from the tables as they are now: as a run resumed
+        from a checkpoint taken now looks that batch up. Called at each checkpoint, it makes a
+        resumed run end bit for bit where an uninterrupted one does (the early lookup plus its
+        correction equals the late lookup only up to float rounding). Costs that one batch's
+        early-lookup overlap; with dbp_lookup="after_update" it changes nothing."""
         if self._next is not None:
             self._next.drop_early_lookups()
-        return self._model
 
     def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
         """Resumes pipelining, on `model` if given (else the detached one). A different model

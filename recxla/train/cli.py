@@ -188,6 +188,8 @@ def _train(config, conn, watchdog, meter) -> dict:
         with meter.phase("checkpoint"):
             checkpoint.save(config.checkpoint_dir, done, dmp, optimizer, config, world,
                             data.fingerprint)
+        if not config.baseline:
+            pipeline.drop_early_lookups()  # the next batch read as a resumed run reads it
         log.checkpoint_s += time.perf_counter() - began
         watchdog.progress(f"step {done}, checkpoint written")
 
