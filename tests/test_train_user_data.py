@@ -244,3 +244,23 @@ def test_sharded_equals_unsharded_on_the_dataset(dataset):
         for path, (embedding_error, dense_error) in per_path.items():
             assert embedding_error <= 1e-5, (rank, path, embedding_error)
             assert dense_error <= 1e-5, (rank, path, dense_error)
+
+
+def test_resume_with_another_split_or_table_rows_is_refused(dataset):
+    """The held-out fraction decides which row groups train, and --table-rows the tables'
+    shapes: a checkpoint resumed with other values would train other rows or fail to load."""
+    from recxla.data.schema import read_dataset_spec
+    from recxla.train import checkpoint
+
+    config = parse_config(["--data", dataset, "--steps", "8"])
+    state = {"world_size": 2, "path": "recxla", "steps_done": 4, "config": config.asdict(),
+             "data_fingerprint": TrainData(config, 0, 2).fingerprint}
+    checkpoint.check_compatible(config, 2, state)  # the same run: fine
+    split = parse_config(["--data", dataset, "--steps", "8", "--eval-fraction", "0.3"])
+    with pytest.raises(ValueError, match=r"--eval-fraction 0.1 \(now 0.3\)"):
+        checkpoint.check_compatible(split, 2, state)
+    table = read_dataset_spec(dataset).tables[1]  # t_user (the first, items, is renamed)
+    rows = parse_config(["--data", dataset, "--steps", "8",
+                         "--table-rows", f"{table.name}={2 * table.num_rows}"])
+    with pytest.raises(ValueError, match=r"--table-rows"):
+        checkpoint.check_compatible(rows, 2, state)

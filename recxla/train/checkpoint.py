@@ -49,7 +49,7 @@ __all__ = ["STATE_FILE", "checkpoint_path", "latest_checkpoint", "read_train_sta
 # Options a checkpoint's contents depend on: resuming with others is an error.
 COMPATIBLE = ("model", "embedding_dim", "dense_arch", "over_arch", "dcn_layers", "dcn_low_rank",
               "batch_size", "train_batches", "dense_optimizer", "sparse_optimizer", "seed",
-              "profile", "max_rows", "zipf", "sharding")
+              "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction")
 
 
 def read_train_state(path: str) -> dict:
