@@ -158,34 +158,27 @@ def int_at_least(lo: int) -> Callable[[str], int]:
     return parse
 
 
-def positive_float(text: str) -> float:
+def _float_where(text: str, holds, limit: str) -> float:
+    """`text` as a float for which holds(value) is true; else argparse's error naming `limit`."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a number {limit}, got {text!r}") from None
+    if not holds(value):
+        raise argparse.ArgumentTypeError(f"must be a number {limit}, got {value}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _float_where(text, lambda v: v > 0, "> 0")
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {value}")
-    return value
+    return _float_where(text, lambda v: v >= 0, ">= 0")
 
 
 def fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {value}")
-    return value
+    return _float_where(text, lambda v: 0 < v < 1, "in (0, 1)")
 
 
 def layer_sizes(text: str) -> Tuple[int, ...]:
