@@ -97,6 +97,12 @@ def check_metrics(path, world_size: int, steps: int, warmup: int) -> dict:
     assert 0 <= m["exposed_comm_fraction"] < 1
     assert 0.3 < m["final_loss"] < 1.5  # BCE of a ~25%-positive task
     assert 0.0 <= m["auc"] <= 1.0 and m["eval_examples"] == world_size * 2 * 128
+    # each rank's process CPU time per step, over the ranks; per example = per step / samples
+    cpu = m["cpu_s_per_step"]
+    assert 0 < cpu["p50"] <= cpu["p50_max_rank"] and 0 < cpu["mean"] <= cpu["mean_max_rank"]
+    assert m["cpu_us_per_example"]["mean"] * m["config"]["batch_size"] == pytest.approx(
+        cpu["mean"] * 1e6)
+    assert m["cpu_cores_per_rank"] == pytest.approx(cpu["mean"] / t["rank_mean"])
     return m
 
 
@@ -121,7 +127,7 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
     assert "examples/s" in proc.stdout and "AUC" in proc.stdout
     ranks = launch_ranks([*common, "--baseline", "torchrec", "--baseline-comms", "bf16",
                           "--metrics", str(tmp_path / "torchrec.json")], tmp_path)
-    assert "exposed comm" in ranks[0].output()
+    assert "exposed comm" in ranks[0].output() and "CPU/example" in ranks[0].output()
 
     rx = check_metrics(tmp_path / "recxla.json", 2, steps, warmup)
     tr = check_metrics(tmp_path / "torchrec.json", 2, steps, warmup)
@@ -152,6 +158,7 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "torchrec bf16/bf16" in out.stdout and "recxla e4m3/e5m2" in out.stdout
+    assert "CPU us/example" in out.stdout
     with open(tmp_path / "c.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

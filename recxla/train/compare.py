@@ -2,8 +2,9 @@
 
 Prints one column per metrics file (throughput, the step's time split, bytes on the wire per
 step by kind, training loss, and the held-out AUC and log loss with what they were measured
-on), with each run's throughput and bytes as a ratio to the first file's
-(the reference: list the baseline first), and writes a PNG bar chart (matplotlib, no display
+on, the CPU time per step and per example), with each run's throughput and bytes as a ratio
+to the first file's (the reference: list the baseline first) and, where several files are
+TorchRec baseline runs, its throughput as a ratio to the fastest of them; and writes a PNG bar chart (matplotlib, no display
 needed) of examples/s, exposed communication and wire bytes.
 """
 
@@ -43,11 +44,24 @@ def rows(runs: List[dict]) -> List[List[str]]:
         ["  vs first"] + [f"{r['examples_per_s'] / ref['examples_per_s']:.2f}x"
                           if ref["examples_per_s"] else "-" for r in runs],
     ]
+    baselines = [r for r in runs if r.get("path") == "torchrec"]
+    if len(baselines) > 1:
+        fastest = max(baselines, key=lambda r: r["examples_per_s"])
+        out.append([f"  vs fastest torchrec ({fastest['name']})"] + [
+            f"{r['examples_per_s'] / fastest['examples_per_s']:.2f}x"
+            if fastest["examples_per_s"] else "-" for r in runs])
     for key, label in (("mean", "step ms (mean)"), ("compute", "  compute ms"),
                        ("data", "  data ms"), ("exposed_comm", "  exposed comm ms"),
                        ("comm_in_flight", "  comm in flight ms")):
         out.append([label] + [f"{r['step_time_s'][key] * 1e3:.1f}" for r in runs])
     out.append(["exposed comm fraction"] + [f"{r['exposed_comm_fraction']:.1%}" for r in runs])
+    # Older metrics files have no CPU time.
+    out.append(["CPU ms/step (p50, rank mean)"] + [
+        f"{r['cpu_s_per_step']['p50'] * 1e3:.1f}" if "cpu_s_per_step" in r else "-"
+        for r in runs])
+    out.append(["CPU us/example"] + [
+        f"{r['cpu_us_per_example']['mean']:.1f}" if "cpu_us_per_example" in r else "-"
+        for r in runs])
     out.append(["wire MB/step (all ranks)"] + [_mb(r["wire_bytes_per_step"]) for r in runs])
     out.append(["  vs first"] + [f"{r['wire_bytes_per_step'] / ref['wire_bytes_per_step']:.3f}x"
                                  if ref["wire_bytes_per_step"] else "-" for r in runs])

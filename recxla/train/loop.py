@@ -12,12 +12,13 @@ wait() can time it: a callback queued when backward starts runs once the autogra
 and queues a second one behind DDP's finalize; the time between them is the caller blocked on
 the all-reduce (plus DDP's copy of the averaged buckets into .grad, microseconds).
 
-Per step (one `progress()` call) the loop records the wall time, the time spent producing the
-batch (`data_s`, part of the step), the loss, and the minor page faults; rank 0 shows a
-progress bar. Steps, checkpoints and the evaluation are reported to the watchdog as progress.
+Per step (one `progress()` call) the loop records the wall time, the process's CPU time
+(`process_cpu_seconds`: every thread's, gloo's and the compute pool's included), the time spent
+producing the batch (`data_s`, part of the step), the loss, and the minor page faults; rank 0
+shows a progress bar. Steps, checkpoints and the evaluation are reported to the watchdog as progress.
 """
 
-import time
+import resource
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
 
@@ -28,6 +29,13 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from recxla.train.comm_meter import CommMeter
 from recxla.train.faults import kill_point
 from recxla.train.memory import minor_faults
+
+
+def process_cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all its threads together (gloo's
+    send/receive threads, the intra-op pool, the loader's thread); not child processes."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 class MeteredPipeline(TrainPipelineSparseDist):
@@ -92,6 +100,7 @@ class StepLog:
 
     first: int = 0
     seconds: List[float] = field(default_factory=list)
+    cpu_s: List[float] = field(default_factory=list)
     data_s: List[float] = field(default_factory=list)
     loss: List[float] = field(default_factory=list)
     faults: List[int] = field(default_factory=list)
@@ -140,10 +149,11 @@ def run_steps(pipeline, batches: Iterator, first: int, last: int,
     for step in range(first, last):
         faults = minor_faults()
         meter.begin_step(step)
-        start = meter.clock()
+        start, cpu_start = meter.clock(), process_cpu_seconds()
         with meter.phase("forward"):
             loss, _, _ = pipeline.progress(timed)
         seconds = meter.clock() - start
+        log.cpu_s.append(process_cpu_seconds() - cpu_start)
         meter.end_step()
         log.seconds.append(seconds)
         log.data_s.append(timed.take())

@@ -8,6 +8,12 @@ gathers them and builds the summary that is printed and written as JSON (--metri
 - step_time_s: mean per step, split into data (making the batch), compute, and exposed
   communication (the caller blocked on a collective); comm_s is the time collectives were in
   flight, hidden or not, and exposed_comm_fraction = exposed / step time;
+- cpu_s_per_step: each rank's process CPU time (user + system, all its threads: gloo's and the
+  compute pool's included) per step, p50 and mean, as the mean over ranks and the largest
+  rank's; cpu_us_per_example: the job's CPU time per global example (the ranks' mean CPU per
+  step / samples per rank), mean and largest rank's; cpu_cores_per_rank: CPU seconds per
+  second of step (cores a rank kept busy). Where ranks share cores, a rank's wall time
+  includes waiting for the cores; its CPU time does not;
 - wire_bytes_per_step: bytes all ranks together send to other ranks per step (a rank's own
   split never leaves it), by what they carry: ids (input dist), embeddings forward, embedding
   gradients backward, dense all-reduce; cross_node_bytes_per_step: the part between nodes;
@@ -89,7 +95,7 @@ def local_figures(log: "StepLog", meter: "CommMeter", warmup: int) -> dict:
     comm = [meter.step_comm(s) for s in steps]
     keep = slice(warmup, None)
     return {
-        "seconds": log.seconds[keep], "data_s": log.data_s[keep], "faults": log.faults[keep],
+        "seconds": log.seconds[keep], "cpu_s": log.cpu_s[keep], "data_s": log.data_s[keep], "faults": log.faults[keep],
         "loss": log.loss[-LAST_LOSS_STEPS:],
         "exposed_s": [c.exposed_s for c in comm], "comm_s": [c.comm_s for c in comm],
         "exposed_fwd_s": [sum(v for k, v in c.exposed_by_phase.items() if k != "backward")
@@ -122,6 +128,9 @@ def summarize(config: TrainConfig, ranks: List[dict], world_size: int) -> dict:
     # The link's own count: one reader per node (its local rank 0), over the measured steps.
     links = [r["iface"] for r in ranks if r.get("iface")]
     losses = [x for r in ranks for x in r["loss"]]
+    cpu_p50 = [statistics.median(r["cpu_s"][:n]) if n else 0.0 for r in ranks]
+    cpu_mean = [_mean(r["cpu_s"][:n]) for r in ranks]
+    per_example = [c / config.batch_size * 1e6 for c in cpu_mean]
     return {
         "examples_per_s": examples * n / sum(step_s) if n else 0.0,
         "examples_per_s_p50": examples / statistics.median(step_s) if n else 0.0,
@@ -133,6 +142,10 @@ def summarize(config: TrainConfig, ranks: List[dict], world_size: int) -> dict:
             "exposed_comm_forward": per_rank("exposed_fwd_s"), "comm_in_flight": per_rank("comm_s"),
         },
         "exposed_comm_fraction": exposed / mean_step if mean_step else 0.0,
+        "cpu_s_per_step": {"p50": _mean(cpu_p50), "p50_max_rank": max(cpu_p50),
+                           "mean": _mean(cpu_mean), "mean_max_rank": max(cpu_mean)},
+        "cpu_us_per_example": {"mean": _mean(per_example), "max_rank": max(per_example)},
+        "cpu_cores_per_rank": _mean(cpu_mean) / mean_step if mean_step else 0.0,
         "wire_bytes_per_step": sum(wire.values()),
         "wire_bytes_per_step_by_kind": {k: wire[k] for k in sorted(wire)},
         "cross_node_bytes_per_step": sum(_mean(r["cross_node"][:n]) for r in ranks),
@@ -165,7 +178,7 @@ def _si(x: float, unit: str) -> str:
 
 def format_summary(s: dict) -> str:
     """The end-of-run summary, as printed by rank 0."""
-    t = s["step_time_s"]
+    t, cpu = s["step_time_s"], s["cpu_s_per_step"]
     ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
     pct = lambda x: f"{100 * x / t['rank_mean']:.0f}%" if t["rank_mean"] else "-"  # noqa: E731
     lines = [
@@ -179,6 +192,10 @@ def format_summary(s: dict) -> str:
         f"    exposed comm  {ms(t['exposed_comm'])} ({pct(t['exposed_comm'])}; forward "
         f"{ms(t['exposed_comm_forward'])})",
         f"    comm in flight {ms(t['comm_in_flight'])} (hidden or not)",
+        f"  CPU time/step   {ms(cpu['p50'])} p50 ({ms(cpu['p50_max_rank'])} busiest rank), "
+        f"{s['cpu_cores_per_rank']:.2f} cores per rank busy",
+        f"  CPU/example     {s['cpu_us_per_example']['mean']:.1f} us "
+        f"({s['cpu_us_per_example']['max_rank']:.1f} us busiest rank; all threads)",
         f"  wire bytes/step {_si(s['wire_bytes_per_step'], 'B')} (all ranks; "
         + ", ".join(f"{k} {_si(v, 'B')}" for k, v in s["wire_bytes_per_step_by_kind"].items())
         + ")",
