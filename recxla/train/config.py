@@ -29,6 +29,9 @@ PROG = "recxla-train"
 WIRE_FORMATS = tuple(FORMATS)
 # TorchRec's own codecs (FBGEMM's) that the baseline offers on CPU and GPU.
 BASELINE_COMMS = ("fp32", "fp16", "bf16")
+# How the baseline plans with --sharding auto: as TorchRec would (its planner and sharder, free to
+# make tables data-parallel), or with the recxla path's plan.
+BASELINE_PLANS = ("torchrec", "same")
 SHARDINGS = ("auto", "table_wise", "column_wise", "table_column_wise", "row_wise")
 # TorchRec's own sharders offer these on CPU (gloo lacks the reduce-scatter row-wise needs).
 TORCHREC_CPU_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")
@@ -112,6 +115,11 @@ class TrainConfig:
         choices=("torchrec",))
     baseline_comms: str = option("fp32", "TorchRec's own codecs, both ways", group=_C,
                                  applies=TORCHREC, choices=BASELINE_COMMS)
+    baseline_plan: str = option(
+        "torchrec", "with --sharding auto: torchrec plans as a TorchRec user's run does "
+        "(TorchRec's planner with the baseline's sharder, free to make small tables "
+        "data-parallel); same plans as the recxla path does (no data-parallel tables), for "
+        "comparisons of the sharders alone", group=_C, applies=TORCHREC, choices=BASELINE_PLANS)
 
     micro_batches: int = option(1, "micro-batches per batch (frozen-window pipelining)",
                                 group=_O, applies=RECXLA, parse=at_least(1))
@@ -291,6 +299,9 @@ def _check(err, given: dict) -> dict:
             err("--sharding row_wise with --baseline torchrec: TorchRec's sharders offer no "
                 "row-wise sharding on CPU (gloo lacks the reduce-scatter it needs); use one of "
                 f"{', '.join(TORCHREC_CPU_SHARDINGS)} or auto, or the recxla path")
+        if "baseline_plan" in given and v["sharding"] != "auto":
+            err(f"--baseline-plan applies to --sharding auto (--sharding {v['sharding']} is one "
+                "plan for both paths)")
         # What the baseline's sharder does, for the summary and the metrics file.
         v["dedup_ids"], v["row_exchange"] = False, "off"
     if "steps" in given and "epochs" in given:

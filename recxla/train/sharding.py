@@ -1,12 +1,19 @@
 """How the model is spread over the ranks: the sharder, the plan, DMP and the optimizers.
 
-Both paths share everything here except the sharder (`build_sharder`): the same tables, the
-same plan (`plan_sharding` plans with TorchRec's own sharder unless only recxla's can shard the
-asked type), the same DMP wrapping, the same dense optimizer, and the same embedding optimizer
-through `fused_params`, exactly as TorchRec's sharder takes them. The recxla path's sharder is
-`recxla.torchrec.EmbeddingBagCollectionSharder` (dedup'd input dist, recxla's lookup and fused
-optimizer, quantized output all-to-all); the baseline's is TorchRec's own, with FBGEMM's CPU
-codecs for --baseline-comms fp16/bf16.
+Both paths share everything here except the sharder (`build_sharder`) and, by default, the
+plan: the same tables, the same DMP wrapping, the same dense optimizer, and the same embedding
+optimizer through `fused_params`, exactly as TorchRec's sharder takes them. The recxla path's
+sharder is `recxla.torchrec.EmbeddingBagCollectionSharder` (dedup'd input dist, recxla's lookup
+and fused optimizer, quantized output all-to-all); the baseline's is TorchRec's own, with
+FBGEMM's CPU codecs for --baseline-comms fp16/bf16.
+
+The plan (`plan_sharding`): the recxla path's comes from TorchRec's planner with every table
+model-parallel (table-wise, column-wise or table-column-wise on CPU; also row-wise on GPU),
+estimated with TorchRec's sharder. The baseline plans as a TorchRec user's run does
+(--baseline-plan torchrec): TorchRec's planner with the baseline's own sharder and no
+constraints, so it may make small tables data-parallel (replicated, their gradients in DDP's
+all-reduce and updated by the dense optimizer, as TorchRec does); --baseline-plan same gives it
+the recxla path's plan. An explicit --sharding TYPE is one plan for both.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -94,7 +101,10 @@ def resolve_row_exchange(config: TrainConfig, tables, sample) -> List[str]:
 
 def sharder_description(config: TrainConfig, row_tables=()) -> str:
     if config.baseline:
-        return f"torchrec EmbeddingBagCollectionSharder, {config.baseline_comms} comms"
+        plan = "" if config.sharding != "auto" else (
+            ", TorchRec's own plan" if config.baseline_plan == "torchrec"
+            else ", the recxla path's plan")
+        return f"torchrec EmbeddingBagCollectionSharder, {config.baseline_comms} comms{plan}"
     dedup = "dedup'd ids" if config.dedup_ids else "ids not dedup'd"
     rows = f", row exchange for {len(row_tables)} tables" if row_tables else ""
     return (f"recxla EmbeddingBagCollectionSharder, {config.fwd_comm}/{config.bwd_comm} comms, "
@@ -113,12 +123,22 @@ def gradient_division_description() -> str:
 def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_size: int,
                   local_world_size: int, device: torch.device,
                   group: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
-    """One plan for both paths: TorchRec's planner (collectively, so every rank agrees) with
-    TorchRec's sharder, every table restricted to `config.sharding` (auto: the types both
-    sharders offer on this device)."""
+    """The run's plan, by TorchRec's planner (collectively, so every rank agrees): every table
+    restricted to `config.sharding` (auto: the model-parallel types both sharders offer on this
+    device), estimated with TorchRec's sharder; or, for the baseline with --sharding auto and
+    --baseline-plan torchrec, TorchRec's own choice with the baseline's sharder (module
+    docstring)."""
+    if config.baseline and config.sharding == "auto" and config.baseline_plan == "torchrec":
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world_size, compute_device=device.type,
+                              local_world_size=local_world_size),
+            batch_size=config.batch_size)
+        return planner.collective_plan(model, [build_sharder(config)],
+                                       group or dist.GroupMember.WORLD)
     if config.sharding == "auto":
-        # Never data-parallel tables (recxla's sharder shards every table); on GPU TorchRec
-        # also row-shards.
+        # Model-parallel tables only: recxla's lookup, dedup and wire formats work on sharded
+        # tables (a data-parallel one is TorchRec's dense kernel, its whole gradient in the
+        # dense all-reduce). On GPU TorchRec also row-shards.
         types = list(TORCHREC_CPU_SHARDINGS)
         if device.type != "cpu":
             types += ["row_wise", "table_row_wise"]
