@@ -1,12 +1,21 @@
-"""The trainer's plans (recxla.train.sharding.plan_sharding): the TorchRec baseline plans as a
-TorchRec user's run does, free to make tables data-parallel; --baseline-plan same and the recxla
-path keep every table model-parallel.
+"""The baseline a TorchRec user runs. The trainer's plans (recxla.train.sharding.plan_sharding):
+the TorchRec baseline plans as a TorchRec user's run does, free to make tables data-parallel;
+--baseline-plan same and the recxla path keep every table model-parallel. The cluster
+benchmark's headline ratios are against the fastest TorchRec variant of the run.
 
 The planner runs on one gloo rank for a topology of 2 nodes x 2 ranks at the trainer's default
 model (the Criteo profile): there TorchRec's own planner replicates the small tables at fp32.
 """
 
+import os
+import sys
+
+import pytest
 from distributed_utils import run_distributed
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # bench/ is a folder of the repository, not of the package
+    sys.path.insert(0, _ROOT)
 
 WORLD, PER_NODE = 4, 2
 
@@ -43,3 +52,54 @@ def test_baseline_plans_as_torchrec_and_same_keeps_recxla_plan():
     assert replicated and len(replicated) < len(own)
     assert plans["same"] == plans["recxla"]
     assert "data_parallel" not in plans["recxla"].values()
+
+
+def _bench_run(eps: float, cpu_us: float) -> dict:
+    return {"examples_per_s": eps, "auc": 0.7, "exposed_comm_fraction": 0.1,
+            "step_time_s": {"mean": 0.2, "compute": 0.1, "comm_in_flight": 0.05, "data": 0.0,
+                            "exposed_comm": 0.02},
+            "wire_bytes_per_step": 1e6, "cross_node_bytes_per_step": 5e5,
+            "wire_bytes_per_step_by_kind": {}, "cpu_us_per_example": {"mean": cpu_us}}
+
+
+def test_cluster_table_ratios_are_against_the_fastest_torchrec_variant():
+    from bench.cluster.run_train import fastest_torchrec, table
+
+    rows = {"torchrec fp32": [_bench_run(1000, 50)],
+            "torchrec bf16+AR": [_bench_run(1500, 50), _bench_run(2500, 50),
+                                 _bench_run(2000, 50)],  # median 2000
+            "recxla DBP": [_bench_run(3000, 40)]}
+    assert fastest_torchrec(rows) == "torchrec bf16+AR"
+    assert fastest_torchrec({"recxla DBP": rows["recxla DBP"]}) is None
+    lines = {line.split("  ")[0].strip(): line.split() for line in table(
+        "1gbit", "netns", rows).splitlines()[3:]}
+    # ex/s, vs best TR, vs TR fp32, step ms, compute, CPU us/ex
+    assert lines["recxla DBP"][2:8] == ["3,000", "1.50x", "3.00x", "200", "100", "40.0"]
+    assert lines["torchrec fp32"][2:5] == ["1,000", "0.50x", "1.00x"]
+
+
+def test_cluster_variants_parse(capsys, monkeypatch):
+    from bench.cluster.run_train import VARIANTS, main
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # --list sets it as the launcher does
+
+    assert "torchrec bf16+AR" in VARIANTS
+    assert main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(label in listed for label in VARIANTS)
+    with pytest.raises(SystemExit):
+        main(["--list", "--variants", "torchrec fp64"])
+
+
+def test_compare_ratio_to_the_fastest_torchrec_run():
+    from recxla.train.compare import rows
+
+    def run(name, path, eps):
+        return {"name": name, "path": path, "world_size": 2, "config": {"batch_size": 8},
+                **_bench_run(eps, 10.0), "final_loss": 0.5, "eval_loss": 0.5}
+
+    table = {row[0]: row[1:] for row in rows([run("tr fp32", "torchrec", 1000),
+                                              run("tr bf16", "torchrec", 1600),
+                                              run("recxla", "recxla", 2400)])}
+    assert table["  vs fastest torchrec (tr bf16)"] == ["0.62x", "1.00x", "1.50x"]
+    assert table["CPU us/example"] == ["10.0"] * 3

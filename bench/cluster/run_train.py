@@ -4,9 +4,11 @@
 data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbit/s and at
 200 Mbit/s, once per variant:
 
-    torchrec fp32        the baseline: DMP + TrainPipelineSparseDist, fp32 all-to-alls
-    torchrec bf16        the baseline with TorchRec's bf16 codec both ways (its best on CPU)
-    torchrec bf16+AR     ... and DDP's bf16 all-reduce of the dense gradients
+    torchrec fp32        the baseline: DMP + TrainPipelineSparseDist, fp32 all-to-alls, TorchRec's
+                         own plan (its planner may make small tables data-parallel)
+    torchrec bf16        the baseline with TorchRec's bf16 codec both ways
+    torchrec bf16+AR     ... and DDP's bf16 compress hook on the dense all-reduce
+    torchrec fp32 same plan   the baseline on the recxla path's plan (no data-parallel tables)
     recxla sequential    recxla's sharder, nothing overlapped: FP8 e4m3 forward, e5m2 backward,
                          dedup'd input dist, every table pooled at its owner
     recxla no FP8 / no dedup / bf16 bwd   the same with one feature switched off
@@ -17,11 +19,14 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     recxla FWP+DBP m=M   both, M = 2, 4, 8; "clustered": micro-batches by cluster_samples
     recxla 2D m=4        the all-to-alls inside each node, gradients summed across nodes
 
-Each row gives examples/s, the step's compute, the time communication is in flight, exposed
-communication (as a share of the step, and of the time in flight: 0% is fully hidden), and the
-bytes on the wire per step: counted by the trainer's collective meter (all ranks, and the part between nodes) and
-measured on the links themselves (each node's veth tx counter over the same steps). It prints
-one table per rate and writes everything to JSON (--json).
+Each row gives examples/s, as a ratio to the fastest TorchRec variant of the same rate and run
+("vs best TR": the headline) and to TorchRec fp32, the step's compute, the CPU time per example
+(every rank's process, all threads: what decides where the ranks share the cores), the time
+communication is in flight, exposed communication (as a share of the step, and of the time in
+flight: 0% is fully hidden), and the bytes on the wire per step: counted by the trainer's
+collective meter (all ranks, and the part between nodes) and measured on the links themselves
+(each node's veth tx counter over the same steps). It prints one table per rate and writes
+everything to JSON (--json); --list prints the variants' options, checked, and runs nothing.
 
 Every variant of a rate runs on the same cluster, one after another; --repeats N runs the
 whole list N times, interleaved, so that load from other jobs hits every variant alike, and the
@@ -33,7 +38,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from bench.cluster import netns
 from bench.cluster.launch import EmulatedCluster
@@ -47,6 +52,7 @@ VARIANTS = {
     "torchrec bf16": ["--baseline", "torchrec", "--baseline-comms", "bf16"],
     "torchrec bf16+AR": ["--baseline", "torchrec", "--baseline-comms", "bf16",
                          "--dense-allreduce", "bf16"],
+    "torchrec fp32 same plan": ["--baseline", "torchrec", "--baseline-plan", "same"],
     "recxla sequential": [*_SEQ],
     "recxla no FP8": [*_SEQ, "--fwd-comm", "fp32", "--bwd-comm", "fp32"],
     "recxla no dedup": [*_SEQ, "--no-dedup-ids"],
@@ -112,25 +118,38 @@ def _exposed_of_comm(run: dict) -> float:
     return t["exposed_comm"] / t["comm_in_flight"] if t["comm_in_flight"] else 0.0
 
 
+def fastest_torchrec(rows: Dict[str, List[dict]]) -> Optional[str]:
+    """The TorchRec variant with the highest median examples/s among `rows`, None if none ran."""
+    medians = {label: _median(runs, lambda r: r["examples_per_s"])
+               for label, runs in rows.items() if label.startswith("torchrec") and runs}
+    return max(medians, key=medians.get) if medians else None
+
+
 def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
-    """One rate's table: medians over repeats, ratios against the fp32 baseline's medians."""
+    """One rate's table: medians over repeats; examples/s as ratios against the fastest
+    TorchRec variant's median and against TorchRec fp32's."""
     mb = lambda x: f"{x / 1e6:7.2f}"  # noqa: E731
-    base = rows.get("torchrec fp32")
-    base_eps = _median(base, lambda r: r["examples_per_s"]) if base else float("nan")
-    head = (f"{'variant':<22}{'ex/s':>9}{'vs fp32':>8}{'step ms':>9}{'compute':>9}"
-            f"{'in flight':>10}{'exposed':>9}{'exp/comm':>9}"
+    eps_of = lambda label: _median(rows[label], lambda r: r["examples_per_s"]) \
+        if rows.get(label) else float("nan")  # noqa: E731
+    best = fastest_torchrec(rows)
+    best_eps = eps_of(best) if best else float("nan")
+    fp32_eps = eps_of("torchrec fp32")
+    head = (f"{'variant':<24}{'ex/s':>9}{'vs best TR':>11}{'vs TR fp32':>11}{'step ms':>9}"
+            f"{'compute':>9}{'CPU us/ex':>10}{'in flight':>10}{'exposed':>9}{'exp/comm':>9}"
             f"{'wire MB':>9}{'x-node MB':>10}{'link MB':>9}{'emb fwd':>8}{'emb bwd':>8}"
             f"{'ids':>7}{'AUC':>7}")
     lines = [f"{rate} ({mode}; medians of {max(len(v) for v in rows.values())} runs; MB per "
-             "step, all ranks)", head, "-" * len(head)]
+             f"step, all ranks; best TR: {best or 'no TorchRec variant run'})", head,
+             "-" * len(head)]
     for label, runs in rows.items():
         eps = _median(runs, lambda r: r["examples_per_s"])
         kind = lambda k: _median(runs, lambda r: r["wire_bytes_per_step_by_kind"].get(k, 0))  # noqa
         link = _median(runs, lambda r: r.get("iface_tx_bytes_per_step"))
         lines.append(
-            f"{label:<22}{eps:>9,.0f}{eps / base_eps:>7.2f}x"
+            f"{label:<24}{eps:>9,.0f}{eps / best_eps:>10.2f}x{eps / fp32_eps:>10.2f}x"
             f"{_median(runs, lambda r: r['step_time_s']['mean']) * 1e3:>9.0f}"
             f"{_median(runs, lambda r: r['step_time_s']['compute']) * 1e3:>9.0f}"
+            f"{_median(runs, lambda r: r.get('cpu_us_per_example', {}).get('mean')):>10.1f}"
             f"{_median(runs, lambda r: r['step_time_s']['comm_in_flight']) * 1e3:>10.0f}"
             f"{_median(runs, lambda r: r['exposed_comm_fraction']):>9.0%}"
             f"{_median(runs, _exposed_of_comm):>9.0%}"
@@ -140,6 +159,19 @@ def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
             f"{mb(kind('embeddings_fwd'))}{mb(kind('embeddings_bwd'))}"
             f"{kind('ids') / 1e6:>7.2f}{_median(runs, lambda r: r['auc']):>7.3f}")
     return "\n".join(lines)
+
+
+def list_variants(labels: List[str], args) -> int:
+    """Print each variant's options after recxla-train has checked them (no process group)."""
+    from recxla.train.config import parse_config
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)  # as the launcher sets it
+    for label in labels:
+        argv = [*TRAIN_ARGS, *args.train_args, "--steps", str(args.steps), "--warmup-steps",
+                str(args.warmup), *VARIANTS[label]]
+        config = parse_config(argv)  # exits 2 naming the option on a bad one
+        print(f"{label:<24}{config.path:<9}{' '.join(VARIANTS[label])}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -159,12 +191,16 @@ def main(argv=None) -> int:
     p.add_argument("--rank-timeout", type=float, default=120.0, help="the trainer's --timeout")
     p.add_argument("--train-args", default="", help="extra recxla-train options")
     p.add_argument("--json", default=os.path.join("bench", "results", "training.json"))
+    p.add_argument("--list", action="store_true",
+                   help="print each variant's recxla-train options, checked, and run nothing")
     args = p.parse_args(argv)
     args.train_args = args.train_args.split()
     labels = [v for v in args.variants.split(",") if v]
     for v in labels:
         if v not in VARIANTS:
             p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
+    if args.list:
+        return list_variants(labels, args)
     load_before, t0 = os.getloadavg()[0], time.time()
     results = []
     for rate in [r for r in args.rates.split(",") if r]:
@@ -177,7 +213,7 @@ def main(argv=None) -> int:
                     print(f"{rate} {label}: {rows[label][-1]['examples_per_s']:,.0f} ex/s",
                           file=sys.stderr, flush=True)
             results.append({"rate": rate, "mode": c.mode, "fallback_reason": c.fallback_reason,
-                            "runs": rows})
+                            "fastest_torchrec": fastest_torchrec(rows), "runs": rows})
             print(table(rate, c.mode, rows), flush=True)
     doc = {"command": " ".join(["python", "-m", "bench.cluster.run_train"]
                                + (argv if argv is not None else sys.argv[1:])),
