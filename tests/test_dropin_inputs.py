@@ -423,9 +423,14 @@ def _fp16_body(rank, world, seed, steps):
                  sharders[0])
     models = [_dmp(EmbeddingBagCollection(configs, device=torch.device("meta")), s, plan,
                    init_data_parallel=False) for s in sharders]
-    models[1].load_state_dict(models[0].state_dict())
     checks = {}
     states = [m.state_dict() for m in models]
+    # TorchRec's weights into recxla's as TorchRec's test harness moves them (copy_state_dict):
+    # in place into the tensors state_dict returned, which are the live tables.
+    with torch.no_grad():
+        for key, value in states[1].items():
+            for shard in value.local_shards():
+                shard.tensor.copy_(_local_shard(states[0][key], shard.metadata.shard_offsets))
     checks["dtypes"] = [{k: v.dtype for k, v in sd.items()} for sd in states]
     # The reference: the unsharded module in float32 from the same weights, plain SGD on the
     # whole batch, t2 rounded to float16 once after each step.
@@ -469,6 +474,11 @@ def _fp16_body(rank, world, seed, steps):
                 reference.embedding_bags["t2"].weight.copy_(
                     reference.embedding_bags["t2"].weight.half())
     checks["out_errors"] = out_errors
+    # The tensors state_dict returned before training hold the trained tables (both sharders).
+    checks["live"] = [all(torch.equal(shard.tensor, _local_shard(m.state_dict()[key],
+                                                                  shard.metadata.shard_offsets))
+                          for key, value in before.items() for shard in value.local_shards())
+                      for m, before in zip(models, states)]
     # Gather both sharded models' t2 and compare with the reference on rank 0.
     ulps, gathered = [], []
     for m in models:
@@ -483,6 +493,12 @@ def _fp16_body(rank, world, seed, steps):
         checks["torchrec_error"] = cases.relative(
             gathered[0], reference.embedding_bags["t2"].weight.detach())
     return checks
+
+
+def _local_shard(sharded, offsets) -> torch.Tensor:
+    """This rank's shard of `sharded` at `offsets`."""
+    return next(s.tensor for s in sharded.local_shards()
+                if s.metadata.shard_offsets == list(offsets))
 
 
 def _output_names(configs):
@@ -501,6 +517,7 @@ def test_fp16_tables_as_torchrec(seed):
         assert recxla_dtypes == torchrec_dtypes
         assert torchrec_dtypes["embedding_bags.t2.weight"] == torch.float16
         assert checks["out_dtype"] == [torch.float32, torch.float32]
+        assert checks["live"] == [True, True]
         # The first step reads the same float16 weights: equal; later steps differ by
         # TorchRec's own rounding of its updates (a few float16 steps, see below).
         assert checks["out_errors"][0] < 1e-6, checks["out_errors"]

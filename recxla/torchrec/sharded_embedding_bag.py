@@ -54,7 +54,8 @@ from recxla.formats import get_format
 from recxla.ops.embedding_bag import ADAGRAD, MEAN, NONE, ROWWISE_ADAGRAD, SUM
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_data_parallel
-from recxla.torchrec.fp16_tables import RoundUpdatedRows, check_fp16_table
+from recxla.torchrec.fp16_tables import (Float16Copies, RoundUpdatedRows, as_fp16,
+                                          check_fp16_table)
 from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer, table_update
 from recxla.torchrec.input_dist import IdRouter, LookupInput
 from recxla.torchrec.output_dist import Message, OutputDist
@@ -254,6 +255,14 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
                     rowwise_state=kind == ROWWISE_ADAGRAD))
             else:
                 sharded_states.append(None)
+        # FP16 tables: state_dict shows live float16 copies of their shards (fp16_tables.py).
+        fp16_local = {lt: self._local_weights[lt] for t in self._fp16_tables
+                      for lt in self._local_of_table.get(t, [])}
+        self._fp16_copies = Float16Copies(fp16_local) if fp16_local else None
+        self._fp16_weights = {
+            t: as_fp16(self._sharded_weights[t], [self._fp16_copies.halves[lt]
+                                                  for lt in self._local_of_table.get(t, [])])
+            for t in self._fp16_tables}
         self._optim = ShardedFusedOptimizer(
             [f"embedding_bags.{c.name}.weight" for c in configs], self._sharded_weights, updates,
             [local.table for local in local_tables], states, sharded_states,
@@ -286,9 +295,9 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         self._owner_pooling = self._layout.owner_pooling(me)[: self._num_pooled]
         self._embedding_names = list(self._layout.embedding_names)
         self._embedding_dims = list(self._layout.embedding_dims)
-        fp16_local = [lt for lt, local in enumerate(local_tables[: self._num_pooled])
-                      if local.table in self._fp16_tables]
-        self._round_fp16_rows = RoundUpdatedRows(fp16_local) if fp16_local else None
+        # FP16 shards are all pooled (check_fp16_table): local indices = lookup indices.
+        self._round_fp16_rows = RoundUpdatedRows(self._fp16_copies) \
+            if self._fp16_copies is not None else None
         self._pooled_tables = PooledTables(tuple(self._local_weights[: self._num_pooled]),
                                            tuple(self._slot_table), tuple(self._owner_pooling))
         # Unbound: torch passes the module as self (sharded_state_dict.py).

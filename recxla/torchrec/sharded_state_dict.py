@@ -3,8 +3,8 @@ shards, state_dict and load_state_dict hooks, and the shards' initial values.
 
 Each rank holds, per table, one Parameter per local shard (`weight`, `weight_1`, ...);
 state_dict shows them as one ShardedTensor `embedding_bags.<table>.weight` in TorchRec's
-layout and dtype (FP16 tables as float16), and load_state_dict takes ShardedTensors saved with
-the same plan or full unsharded tensors.
+layout and dtype (FP16 tables as float16: their live float16 copies, fp16_tables.py), and
+load_state_dict takes ShardedTensors saved with the same plan or full unsharded tensors.
 """
 
 import torch
@@ -15,7 +15,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 from torchrec.modules.embedding_configs import DataType
 
-from recxla.torchrec.fp16_tables import as_fp16, round_to_fp16_
+from recxla.torchrec.fp16_tables import round_to_fp16_
 from recxla.torchrec.fused_optimizer import rowwise_state_layout
 from recxla.torchrec.shard_layout import OWNER, Shard
 
@@ -28,8 +28,8 @@ def weight_name(k: int) -> str:
 class ShardedStateDict:
     """The state_dict side of `ShardedEmbeddingBagCollection`. A mixin: it reads what the
     module's constructor builds (`_layout`, `_env`, `_device`, `_on_meta`, `_table_names`,
-    `_local_weights`, `_local_of_table`, `_sharded_weights`, `_fp16_tables`,
-    `module_sharding_plan`)."""
+    `_local_weights`, `_local_of_table`, `_sharded_weights`, `_fp16_tables`, `_fp16_copies`,
+    `_fp16_weights`, `module_sharding_plan`)."""
 
     def _initial_weight(self, shard: Shard, unsharded: torch.Tensor, config) -> torch.Tensor:
         weight = torch.empty((shard.rows, shard.cols), dtype=torch.float32, device=self._device)
@@ -95,9 +95,11 @@ class ShardedStateDict:
 
     def _state_dict_hook(self, destination, prefix, local_metadata) -> None:
         """state_dict hook (registered unbound: torch passes the module as self)."""
+        if self._fp16_copies is not None:
+            self._fp16_copies.sync()
         for t, (name, sharded) in enumerate(zip(self._table_names, self._sharded_weights)):
             destination[f"{prefix}embedding_bags.{name}.weight"] = \
-                as_fp16(sharded) if t in self._fp16_tables else sharded
+                self._fp16_weights.get(t, sharded)
             for k in range(1, len(self._local_of_table.get(t, []))):
                 destination.pop(f"{prefix}embedding_bags.{name}.{weight_name(k)}", None)
 
@@ -110,6 +112,8 @@ class ShardedStateDict:
                                  self._local_weights):
             if local.table in self._fp16_tables:
                 round_to_fp16_(weight)
+        if self._fp16_copies is not None:
+            self._fp16_copies.refresh()
 
     def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
                                   missing_keys, unexpected_keys, error_msgs) -> None:

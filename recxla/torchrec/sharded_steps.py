@@ -124,6 +124,8 @@ class ShardedSteps:
         device) -> float32 [lookup_input.batch_size, D_owner] in the input's sample order (its
         backward runs the fused optimizer). rows_follow: lookup_rows also produced outputs (a
         rank with no pooled table then adds no zeros to the graph)."""
+        if self._fp16_copies is not None:
+            self._fp16_copies.sync()  # writes into state_dict's float16 tensors
         pooled_weights = self._local_weights[: self._num_pooled]
         if not pooled_weights:
             # Nothing pooled here; with no rows either, the zeros still join the graph, so
@@ -175,7 +177,8 @@ class ShardedSteps:
         """What changes when the tables change: the fused optimizer's step count (every
         backward through the module counts one) and the parameters' in-place update counters.
         Equal versions: the tables hold the same values."""
-        return self._optim.step_count, [p._version for p in self.parameters()]
+        fp16 = self._fp16_copies.versions() if self._fp16_copies is not None else []
+        return self._optim.step_count, [p._version for p in self.parameters()] + fp16
 
     # ------------------------------------------------------------------ output dist
 
