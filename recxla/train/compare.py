@@ -4,8 +4,8 @@ Prints one column per metrics file (throughput, the step's time split, bytes on 
 step by kind, training loss, and the held-out AUC and log loss with what they were measured
 on, the CPU time per step and per example), with each run's throughput and bytes as a ratio
 to the first file's (the reference: list the baseline first) and, where several files are
-TorchRec baseline runs, its throughput as a ratio to the fastest of them; and writes a PNG bar chart (matplotlib, no display
-needed) of examples/s, exposed communication and wire bytes.
+TorchRec baseline runs, its throughput as a ratio to the fastest of them; and writes a PNG bar
+chart (matplotlib, no display needed) of examples/s, exposed communication and wire bytes.
 """
 
 import argparse

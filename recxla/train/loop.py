@@ -15,7 +15,8 @@ the all-reduce (plus DDP's copy of the averaged buckets into .grad, microseconds
 Per step (one `progress()` call) the loop records the wall time, the process's CPU time
 (`process_cpu_seconds`: every thread's, gloo's and the compute pool's included), the time spent
 producing the batch (`data_s`, part of the step), the loss, and the minor page faults; rank 0
-shows a progress bar. Steps, checkpoints and the evaluation are reported to the watchdog as progress.
+shows a progress bar. Steps, checkpoints and the evaluation are reported to the watchdog as
+progress.
 """
 
 import resource

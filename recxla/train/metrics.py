@@ -95,7 +95,8 @@ def local_figures(log: "StepLog", meter: "CommMeter", warmup: int) -> dict:
     comm = [meter.step_comm(s) for s in steps]
     keep = slice(warmup, None)
     return {
-        "seconds": log.seconds[keep], "cpu_s": log.cpu_s[keep], "data_s": log.data_s[keep], "faults": log.faults[keep],
+        "seconds": log.seconds[keep], "cpu_s": log.cpu_s[keep], "data_s": log.data_s[keep],
+        "faults": log.faults[keep],
         "loss": log.loss[-LAST_LOSS_STEPS:],
         "exposed_s": [c.exposed_s for c in comm], "comm_s": [c.comm_s for c in comm],
         "exposed_fwd_s": [sum(v for k, v in c.exposed_by_phase.items() if k != "backward")
