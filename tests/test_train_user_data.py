@@ -235,10 +235,72 @@ def _sharded_equals_unsharded(rank, world, dataset, steps):
     return errors
 
 
+CSV_SCHEMA = """
+label = "clicked"
+timestamp = "ts"
+dense = ["age", "score"]
+[sparse.user]
+column = "user_id"
+[sparse.item]
+column = "item_id"
+[sparse.genres]
+column = "genres"
+separator = "|"
+pooling = "mean"
+"""
+
+
+def _csv_dataset(root) -> str:
+    """The click log as a CSV file: string user ids, int64 item ids above 2^40, genres as a
+    '|'-separated bag, floats, a 0/1 label and an integer timestamp."""
+    from recxla.data.convert import convert
+
+    rng = np.random.default_rng(11)
+    n = 4096
+    users, items = rng.integers(0, 200, n), rng.integers(0, 300, n)
+    genres = ["|".join(rng.choice(["drama", "noir", "comedy", "horror"], rng.integers(0, 3)))
+              for _ in range(n)]
+    lines = ["user_id,item_id,genres,age,score,clicked,ts"]
+    lines += [f"u{users[i]},{(1 << 40) + 7919 * int(items[i])},{genres[i]},"
+              f"{rng.uniform(18, 70):.3f},{rng.normal():.4f},{int(rng.random() < 0.3)},"
+              f"{1_700_000_000 + 60 * i}" for i in range(n)]
+    (root / "clicks.csv").write_text("\n".join(lines) + "\n")
+    (root / "csv.toml").write_text(CSV_SCHEMA)
+    out = str(root / "csv_converted")
+    convert(str(root / "clicks.csv"), out, str(root / "csv.toml"), rows_per_group=512,
+            progress=False)
+    return out
+
+
+def _criteo_dataset(root) -> str:
+    """Criteo TSV lines with missing fields; 1,000 rows per table keep the 26 tables small."""
+    import random
+
+    from data_convert_cases import criteo_lines
+
+    from recxla.data.convert import convert
+
+    (root / "day_0.tsv").write_text("\n".join(criteo_lines(4096, random.Random(5))) + "\n")
+    (root / "criteo.toml").write_text("default_rows = 1000\n")
+    out = str(root / "criteo_converted")
+    convert(str(root / "day_0.tsv"), out, str(root / "criteo.toml"), "criteo-tsv",
+            rows_per_group=512, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module", params=["parquet", "csv", "criteo-tsv"])
+def any_format_dataset(request, tmp_path_factory, dataset):
+    if request.param == "parquet":
+        return dataset
+    root = tmp_path_factory.mktemp(request.param)
+    return _csv_dataset(root) if request.param == "csv" else _criteo_dataset(root)
+
+
 @pytest.mark.distributed
-def test_sharded_equals_unsharded_on_the_dataset(dataset):
-    results = run_distributed(_sharded_equals_unsharded, world_size=2, args=(dataset, 3),
-                              timeout=300)
+def test_sharded_equals_unsharded_on_the_dataset(any_format_dataset):
+    """Each input format, converted, trains on 2 ranks with both paths as the unsharded model."""
+    results = run_distributed(_sharded_equals_unsharded, world_size=2,
+                              args=(any_format_dataset, 3), timeout=300)
     for rank, per_path in enumerate(results):
         assert set(per_path) == {"recxla", "torchrec"}
         for path, (embedding_error, dense_error) in per_path.items():
