@@ -14,8 +14,10 @@ What it writes (folder `out`):
 
 How (docs/your-data.md for the user's view):
 - Streaming: every file is read in blocks (Parquet: `rows_per_group` rows; CSV/TSV: 1 MiB of
-  text) and written a row group at a time, so memory is bounded by a row group and a block
-  per worker, plus the id counts of vocab tables (distinct ids, not rows).
+  text, up to 35 of them read ahead: recxla.data.convert_source.CSV_BUFFERED_BLOCKS) and
+  written a row group at a time, so memory per worker is bounded by a row group and the
+  blocks read ahead, whatever the input's size, plus the id counts of vocab tables (distinct
+  ids, not rows).
 - Two passes when a table needs its ids counted (mapping "vocab", or no mapping given: the
   default is a vocabulary when the table has at most `vocab_limit` distinct ids, else hashing
   into `default_rows` rows; counting stops at the limit), else one.

@@ -20,9 +20,17 @@ from recxla.data.errors import DataFormatError
 OP = "recxla.data.convert"
 FORMATS = ("parquet", "csv", "criteo-tsv")
 _EXTENSIONS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "criteo-tsv"}
-# pyarrow's streaming CSV reader reads a few dozen blocks ahead of the consumer: its memory
-# is about 40 blocks (measured: 39 MB with 1 MiB blocks, the whole 160 MB file with 4 MiB).
+# pyarrow's streaming CSV reader reads blocks of text ahead of the consumer on a background
+# thread, up to a queue of 32 (Arrow's kDefaultBackgroundMaxQ, not an option), whatever the
+# input's size. It is opened with use_threads=False: with threads it also parses as many blocks
+# ahead as pyarrow's CPU pool has threads (pa.cpu_count(): the cores, or OMP_NUM_THREADS), each
+# holding its text, parse and column buffers, which made the peak depend on the machine (36
+# MiB with 2 threads, 54 MiB with 16, for the same file). Without, it holds at most
+# CSV_BUFFERED_BLOCKS blocks: the queue, the block being read, the one being split into rows
+# and the one being parsed (measured: 36.4 MiB of Arrow memory at 1 MiB blocks, on 2 and 16
+# threads alike). Files are still converted in parallel (`workers`).
 CSV_BLOCK_BYTES = 1 << 20
+CSV_BUFFERED_BLOCKS = 32 + 3
 
 
 def format_of(path: str) -> Optional[str]:
@@ -100,13 +108,14 @@ class _RaggedRow:
 def read_csv(path: str, *, column_names=None, column_types=None, delimiter=",",
              header=True, what="fields", block_bytes=CSV_BLOCK_BYTES,
              include_columns=None) -> Iterator[pa.Table]:
-    """The rows of a delimited text file, a block (`block_bytes` of text) at a time.
+    """The rows of a delimited text file, a block (`block_bytes` of text) at a time, holding at
+    most CSV_BUFFERED_BLOCKS blocks of text (see there).
     DataFormatError naming the file, row and line for a row with the wrong number of fields,
     and naming the file and column for a value of the wrong type."""
     check_not_empty(path)
     ragged = _RaggedRow()
     read = pcsv.ReadOptions(block_size=block_bytes, column_names=column_names,
-                            autogenerate_column_names=False)
+                            autogenerate_column_names=False, use_threads=False)
     parse = pcsv.ParseOptions(delimiter=delimiter, invalid_row_handler=ragged,
                               quote_char=False if delimiter == "\t" else '"')
     convert = pcsv.ConvertOptions(column_types=column_types or {},
