@@ -472,7 +472,7 @@ def _dmp_recxla_sharder(rank, world_size, seed):
     sharded.comm_stats.reset()
     out = dmp(batches[rank])
     (out.wait() if hasattr(out, "wait") else out).values().sum().backward()
-    counted = count_rank_loads(plan, tables, batches, "e4m3", "bf16")
+    counted = count_rank_loads(plan, tables, batches)  # the sharder's default formats
     mine = {
         "id_bytes_sent": counted.ids_bytes_sent, "id_bytes_received": counted.ids_bytes_received,
         "embedding_bytes_sent": counted.fwd_bytes_sent,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from recxla.distributed.split_validation import exchange_splits
-from recxla.formats import FLOAT_DTYPES, as_count, get_format
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, FLOAT_DTYPES, as_count, get_format
 from recxla.ops.fp8_rows import dequantize_rows, empty_buffer, quantize_rows
 
 OP = "recxla.quantized_all_to_all"
@@ -167,8 +167,8 @@ def quantized_all_to_all(
     output_split_sizes: Optional[Splits],
     input_split_sizes: Optional[Splits],
     group: Optional[dist.ProcessGroup] = None,
-    fwd: str = "e4m3",
-    bwd: str = "bf16",
+    fwd: str = DEFAULT_FWD_COMM,
+    bwd: str = DEFAULT_BWD_COMM,
     async_op: bool = False,
     validate_splits: bool = True,
 ) -> Union[torch.Tensor, QuantizedAllToAllHandle]:

@@ -33,7 +33,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from recxla.formats import get_format, row_bytes
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format, row_bytes
 from recxla.ops.dedup import row_wise_bounds
 from recxla.planner.loads import block_counts
 from recxla.torchrec import id_wire_format as wire
@@ -136,8 +136,8 @@ class TableLoads:
             else growth
 
     @classmethod
-    def measure(cls, tables, sample_batches, world_size: int, fwd_fmt: str = "e4m3",
-                bwd_fmt: str = "bf16") -> "TableLoads":
+    def measure(cls, tables, sample_batches, world_size: int, fwd_fmt: str = DEFAULT_FWD_COMM,
+                bwd_fmt: str = DEFAULT_BWD_COMM) -> "TableLoads":
         """Count the sample.
 
         Args:

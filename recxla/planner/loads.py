@@ -30,7 +30,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from recxla.formats import get_format, row_bytes
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format, row_bytes
 from recxla.ops.dedup import bucketize_by_rank, segmented_unique
 from recxla.torchrec import id_wire_format as wire
 from recxla.torchrec.shard_layout import Shard, ShardLayout, TableInfo
@@ -272,8 +272,8 @@ def count_rank_loads(
     plan,
     tables,
     batches,
-    fwd_fmt: str = "e4m3",
-    bwd_fmt: str = "bf16",
+    fwd_fmt: str = DEFAULT_FWD_COMM,
+    bwd_fmt: str = DEFAULT_BWD_COMM,
     module_path: str = "",
 ) -> RankLoads:
     """Per-rank load of one training step of `plan` on real batches, as recxla's sharded

@@ -32,6 +32,7 @@ from torchrec.distributed.planner.proposers import GreedyProposer
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM
 from recxla.ops.dedup import row_wise_bounds
 from recxla.planner.cost import CostModel, TableLoads, rank_totals
 from recxla.planner.partitioner import (
@@ -331,8 +332,8 @@ class BalancedShardingPlanner:
     `torchrec_planner` (the EmbeddingShardingPlanner that produced the plan).
     """
 
-    def __init__(self, topology: Topology, sample_batches, fwd_fmt: str = "e4m3",
-                 bwd_fmt: str = "bf16", cost: CostModel = CostModel(),
+    def __init__(self, topology: Topology, sample_batches, fwd_fmt: str = DEFAULT_FWD_COMM,
+                 bwd_fmt: str = DEFAULT_BWD_COMM, cost: CostModel = CostModel(),
                  sharding_types: Sequence[str] = SPLIT_TYPES, min_cw_cols: int = 4,
                  fixed_splits: Optional[Dict[str, TableSplit]] = None):
         if not isinstance(topology, Topology):

@@ -33,7 +33,7 @@ overlap each other are assumed to get their full links.
 from dataclasses import dataclass, fields
 from typing import Dict, Iterable, List
 
-from recxla.formats import get_format
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
 from recxla.sim.hardware import Hardware
 from recxla.sim.workload import Workload
 
@@ -57,8 +57,8 @@ class StepConfig:
     """
 
     topology: str = "1d"
-    fwd_fmt: str = "e4m3"
-    bwd_fmt: str = "bf16"
+    fwd_fmt: str = DEFAULT_FWD_COMM
+    bwd_fmt: str = DEFAULT_BWD_COMM
     overlap: bool = True
     micro_batches: int = 4
     sync: str = "grads"

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from recxla.formats import FLOAT_DTYPES, as_count, get_format
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, FLOAT_DTYPES, as_count, get_format
 from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
 
 logger = logging.getLogger(__name__)
@@ -268,8 +268,8 @@ _REDUCE_SCATTER_FALLBACK = {"fwd": "fp16", "bwd": "bf16"}
 
 
 def qcomm_codecs_registry(
-    fwd: str = "e4m3",
-    bwd: str = "bf16",
+    fwd: str = DEFAULT_FWD_COMM,
+    bwd: str = DEFAULT_BWD_COMM,
     row_dim: int = DEFAULT_ROW_DIM,
     row_dim_bwd: Optional[int] = None,
     comm_ops: Optional[Sequence] = None,

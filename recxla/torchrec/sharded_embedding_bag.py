@@ -50,7 +50,7 @@ from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from recxla.formats import get_format
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
 from recxla.ops.embedding_bag import ADAGRAD, MEAN, NONE, ROWWISE_ADAGRAD, SUM
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_data_parallel
@@ -128,8 +128,8 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         env: ShardingEnv,
         fused_params: Optional[Dict[str, Any]] = None,
         device: Optional[torch.device] = None,
-        fwd_comm: str = "e4m3",
-        bwd_comm: str = "bf16",
+        fwd_comm: str = DEFAULT_FWD_COMM,
+        bwd_comm: str = DEFAULT_BWD_COMM,
         dedup_ids: bool = True,
         module_fqn: Optional[str] = None,
         replicas: Optional[ReplicaSync] = None,

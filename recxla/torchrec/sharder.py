@@ -26,7 +26,7 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from recxla.formats import get_format
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
 from recxla.torchrec.replicas import ReplicaSync
 from recxla.torchrec.sharded_embedding_bag import (
     SUPPORTED_SHARDING_TYPES,
@@ -49,7 +49,8 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
             gradients (TorchRec's dense kernel).
         fwd_comm: wire format of the pooled embeddings: "e4m3" (default), "e5m2", "bf16",
             "fp16" or "fp32".
-        bwd_comm: wire format of their gradients (default "bf16").
+        bwd_comm: wire format of their gradients (default "e5m2": recxla.formats.DEFAULT_BWD_COMM,
+            the one default of the library and the trainer).
         dedup_ids: the input dist may send unique ids plus an inverse index (default True).
         module_type: the module class to shard: torchrec's EmbeddingBagCollection (default)
             or a subclass such as recxla.nn.EmbeddingBagCollection.
@@ -60,8 +61,8 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
             recxla/torchrec/row_exchange.py): "off", "all" or a list of table names.
     """
 
-    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, fwd_comm: str = "e4m3",
-                 bwd_comm: str = "bf16", dedup_ids: bool = True,
+    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, fwd_comm: str = DEFAULT_FWD_COMM,
+                 bwd_comm: str = DEFAULT_BWD_COMM, dedup_ids: bool = True,
                  module_type: Optional[Type[EmbeddingBagCollection]] = None,
                  replicas: Optional[ReplicaSync] = None,
                  row_exchange: Union[str, Sequence[str]] = "off") -> None:
