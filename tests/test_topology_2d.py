@@ -144,7 +144,12 @@ def test_2d_training_equals_1d(seed):
     results = run_distributed(_train_2d_body, world_size=4, args=(seed, 4, 3), timeout=300)
     for rank, r in enumerate(results):
         embedding, dense = r["gradients, pipeline"]
-        assert embedding <= 1e-5 and dense <= 1e-5, (rank, r)
+        # Two micro-batches sum a row's gradient in another order than the 1D step; Adagrad's
+        # division by the root of the accumulated squares magnifies that rounding where an
+        # element's gradients are tiny (TorchRec's gradient division makes them 4x smaller
+        # here): seen up to 1.7e-5, against 0.2 between replicas that skip a sync (the weights
+        # case below).
+        assert embedding <= 1e-4 and dense <= 1e-5, (rank, r)
         # bf16 on the replica all-reduce: within bf16's rounding of the update (2^-8) after
         # Adagrad's normalisation, far from a wrong sum (O(1)).
         embedding, dense = r["gradients bf16"]
