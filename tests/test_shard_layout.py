@@ -150,3 +150,8 @@ def test_choose_row_tables_against_counts():
                                                                   wide]),
                                lengths=kjt.lengths())
     assert choose_row_tables(configs, unique) == []
+    # One rank: nothing travels, so rows would only cost; more ranks judge by bytes.
+    assert choose_row_tables(configs, kjt, world_size=1) == []
+    assert choose_row_tables(configs, kjt, world_size=2) == ["hot"]
+    with pytest.raises(ValueError, match="choose_row_tables: world_size must be an int >= 1"):
+        choose_row_tables(configs, kjt, world_size=0)

@@ -139,7 +139,8 @@ def _train(config, conn, watchdog, meter) -> dict:
             plan = plan_sharding(model, config, tables, world, place.local_world_size, device)
         # Every rank judges row exchange on the same batch (rank 0's first).
         sample = data.sample().sparse_features
-        row_tables = resolve_row_exchange(config, tables, sample)
+        row_tables = resolve_row_exchange(config, tables, sample,
+                                          topology.ranks_per_node if topology else world)
         watchdog.progress("sharding")
         dmp = shard_model(model, build_sharder(config, row_tables, replicas), plan, device,
                           config, topology)

@@ -79,9 +79,10 @@ def build_sharder(config: TrainConfig, row_tables=None, replicas=None):
                          row_exchange=row_tables if row_tables else "off", replicas=replicas)
 
 
-def resolve_row_exchange(config: TrainConfig, tables, sample) -> List[str]:
+def resolve_row_exchange(config: TrainConfig, tables, sample, shard_world: int) -> List[str]:
     """The table names in row exchange: --row-exchange auto judges on `sample` (a
-    KeyedJaggedTensor every rank builds alike), all, off, or the names given."""
+    KeyedJaggedTensor every rank builds alike) and the sharding group's size `shard_world`,
+    all, off, or the names given."""
     names = [t.name for t in tables]
     choice = config.row_exchange
     if config.baseline or choice == "off":
@@ -91,7 +92,7 @@ def resolve_row_exchange(config: TrainConfig, tables, sample) -> List[str]:
     if choice == "auto":
         from recxla.torchrec import choose_row_tables
 
-        return choose_row_tables(tables, sample, config.micro_batches)
+        return choose_row_tables(tables, sample, config.micro_batches, world_size=shard_world)
     wanted = [n.strip() for n in choice.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in names]
     if unknown:
