@@ -27,7 +27,7 @@ class ModuleInput:
     bag_lengths: Optional[torch.Tensor] = None
     row_bags: Any = None  # this rank's bags of row-exchange tables
     early: Optional[EarlyLookup] = None  # dbp_lookup="early": looked up before the update
-    # The module's tables_state after the update the early lookup was corrected for: any
+    # The module's tables_version() after the update the early lookup was corrected for: any
     # other change of the tables before it is used (a step outside the pipeline, a load) makes
     # it stale, and the window looks up again.
     early_tables: Any = None
@@ -46,18 +46,13 @@ class PreparedBatch:
         """The state's early lookup if the module's tables are as it expects, else None."""
         if state.early is None:
             return None
-        if state.early_tables != tables_state(module):
+        if state.early_tables != module.tables_version():
             state.early = None
         return state.early
 
     def drop_early_lookups(self) -> None:
         for state in self.inputs:
             state.early = None
-
-
-def tables_state(module) -> Tuple[int, List[int]]:
-    """What changes when the module's tables change (the sharded module's tables_version)."""
-    return module.tables_version()
 
 
 def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batches: int,

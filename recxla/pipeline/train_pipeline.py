@@ -51,7 +51,6 @@ from recxla.pipeline.input_stage import (
     PreparedBatch,
     advance,
     prepare_batch,
-    tables_state,
 )
 from recxla.pipeline.micro_batches import OWNER, SPLITS
 from recxla.pipeline.timeline import Timeline
@@ -299,7 +298,7 @@ class TrainPipeline:
             if self._next is not None:
                 for (_, module), state in zip(self._modules, self._next.inputs):
                     if state.early is not None:
-                        state.early_tables = tables_state(module)
+                        state.early_tables = module.tables_version()
         return micro.merge(outputs)
 
     def _exchange_gradients(self, windows: List[FrozenWindow], embeddings, k: int) -> None:

@@ -226,9 +226,6 @@ class IdEncoder:
             i = int(torch.nonzero(lengths < 0)[0])
             raise ValueError(f"{OWNER}: feature '{keys[i // batch]}' has a negative length "
                              f"({int(lengths[i])}) at sample {i % batch}")
-        if int(lengths.sum()) != values.numel():
-            raise ValueError(f"{OWNER}: lengths sum to {int(lengths.sum())} but the input holds "
-                             f"{values.numel()} ids")
         weights = features.weights_or_none()
         if self.is_weighted and weights is None:
             raise ValueError(f"{OWNER}: the module is weighted but the input has no weights")
