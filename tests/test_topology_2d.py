@@ -77,26 +77,28 @@ def _train_2d_body(rank, world, seed, steps, batch):
             loss.backward()
             optimizer.step()
 
-    # 1D over all 4 ranks: the reference.
-    model, _ = dlrm._dlrm(seed)
-    sharder = recxla.torchrec.EmbeddingBagCollectionSharder(fused_params=fused, fwd_comm="fp32",
-                                                            bwd_comm="fp32")
-    reference = dlrm._dmp(model, sharder, "table_wise", world)
-    train(reference)
-    full = {}
-    for key, value in reference.state_dict().items():
-        if hasattr(value, "local_shards"):
-            gathered = torch.zeros(value.size()) if rank == 0 else None
-            value.gather(0, gathered)
-            full[key] = gathered if gathered is not None else torch.zeros(value.size())
-            dist.broadcast(full[key], 0)
-        else:
-            full[key] = value
-
-    def two_d(sync, precision="fp32", every=1):
+    def trained_1d(fused_params):
+        """1D over all 4 ranks, the reference: every tensor whole on every rank."""
         model, _ = dlrm._dlrm(seed)
         sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
-            fused_params=fused, fwd_comm="fp32", bwd_comm="fp32",
+            fused_params=fused_params, fwd_comm="fp32", bwd_comm="fp32")
+        reference = dlrm._dmp(model, sharder, "table_wise", world)
+        train(reference)
+        full = {}
+        for key, value in reference.state_dict().items():
+            if hasattr(value, "local_shards"):
+                gathered = torch.zeros(value.size()) if rank == 0 else None
+                value.gather(0, gathered)
+                full[key] = gathered if gathered is not None else torch.zeros(value.size())
+                dist.broadcast(full[key], 0)
+            else:
+                full[key] = value
+        return full
+
+    def two_d(sync, precision="fp32", every=1, fused_params=fused):
+        model, _ = dlrm._dlrm(seed)
+        sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
+            fused_params=fused_params, fwd_comm="fp32", bwd_comm="fp32",
             replicas=ReplicaSync(topology.replica_group, sync=sync, sync_every=every,
                                  precision=precision))
         constraints = {c.name: ParameterConstraints(sharding_types=["row_wise"]) for c in configs}
@@ -107,19 +109,24 @@ def _train_2d_body(rank, world, seed, steps, batch):
                                         sharders=[sharder], plan=plan,
                                         data_parallel_wrapper=WorldDataParallelWrapper())
 
-    def errors(model):
+    def errors(model, full, start=None):
         state = model.state_dict()
         dense = max(cases.relative(v, full[k]) for k, v in state.items()
                     if not hasattr(v, "local_shards"))
-        return cases.shard_errors(state, full), dense
+        return cases.shard_errors(state, full, start), dense
 
     results = {}
     model = two_d("gradients")
     train(model, pipeline_micro_batches=2)
-    results["gradients, pipeline"] = errors(model)
-    model = two_d("gradients", precision="bf16")
+    results["gradients, pipeline"] = errors(model, trained_1d(fused))
+    # bf16 replica sums train with SGD: Adagrad's first update is lr * sign(gradient), so where
+    # the replicas' gradients nearly cancel, bf16's rounding of the sum flips a whole 2 x lr
+    # step, which says nothing about the sum being right.
+    sgd = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    model = two_d("gradients", precision="bf16", fused_params=sgd)
     train(model)
-    results["gradients bf16"] = errors(model)
+    initial = dlrm._dlrm(seed)[0].state_dict()
+    results["gradients bf16"] = errors(model, trained_1d(sgd), start=initial)
 
     # Weights averaged every 2 steps: equal across nodes after steps 2 and 4, not after 3.
     model = two_d("weights", every=2)
@@ -150,10 +157,10 @@ def test_2d_training_equals_1d(seed):
         # here): seen up to 1.7e-5, against 0.2 between replicas that skip a sync (the weights
         # case below).
         assert embedding <= 1e-4 and dense <= 1e-5, (rank, r)
-        # bf16 on the replica all-reduce: within bf16's rounding of the update (2^-8) after
-        # Adagrad's normalisation, far from a wrong sum (O(1)).
+        # bf16 on the replica all-reduce: the tables' updates within a few bf16 roundings of the
+        # gradient sums (2^-8 relative each), far from a wrong sum (O(1)).
         embedding, dense = r["gradients bf16"]
-        assert embedding <= 2e-2 and dense <= 2e-2, (rank, r)
+        assert embedding <= 2e-2 and dense <= 1e-5, (rank, r)
         spread = r["weights spread"]
         assert spread[1] == 0.0 and spread[3] == 0.0, (rank, spread)
         assert spread[0] > 0.0 and spread[2] > 0.0, (rank, spread)
