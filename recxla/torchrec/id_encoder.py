@@ -1,13 +1,14 @@
 """The sending half of the input dist: a batch's ids checked, routed to the ranks that own their
 rows, and packed into one block of bytes per owner (id_wire_format.py).
 
-Per step, every op vectorized over all ids:
+Per step:
 1. check the batch (TorchRec's KeyedJaggedTensor checks: unique keys, lengths, weights; then
-   features, id ranges), then route every id to the owner(s) of its row block (`ShardLayout`:
-   one owner for table-wise and row-wise, every column owner for column-wise), as an id local
-   to the owner's rows;
-2. order ids by destination slot (stable: each bag keeps its order), count each slot's bag
-   lengths, and deduplicate each (destination, local table) segment with `unique_keys`;
+   features), then, in one op (`recxla.ops.route_ids`, two passes over the ids in C++), check
+   every id's range, route it to the owner(s) of its row block (`ShardLayout`: one owner for
+   table-wise and row-wise, every column owner for column-wise) as an id local to the owner's
+   rows, and order the ids by destination slot (stable: each bag keeps its order) with each
+   slot's bag lengths;
+2. deduplicate each (destination, local table) segment with `segmented_unique`;
 3. per destination choose the smaller encoding (`id_wire_format.choose_encoding`) and write
    the block's sections; ids of row-exchange tables go their own way (row_exchange.py).
 """
@@ -20,6 +21,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from recxla.ops.dedup import segmented_unique
+from recxla.ops.route_ids import route_ids
 from recxla.torchrec import id_wire_format as wire
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.row_exchange import RowBags, RowRouting, encode_rows
@@ -71,33 +73,26 @@ class IdEncoder:
         self.slot_base = [sum(self.num_slots[:d]) for d in range(world + 1)]
         self.id_bytes = [wire.owner_id_bytes(lt.rows for lt in layout.local_tables[d])
                          for d in range(world)]
-        # Sender: per input slot its table's rows; per row block (over all input slots, in
-        # order) its routes, flattened.
+        # Sender: per input slot its table's rows.
         tables = layout.tables
         self.slot_rows = torch.tensor(
             [tables[t].num_embeddings for t in layout.input_slot_table], dtype=torch.int64,
             device=device)
+        # Row blocks, input slot by input slot, and their routes (column-wise: one per owner of
+        # a column range), flattened for recxla.ops.route_ids.
         blocks = [(i, k) for i, starts in enumerate(layout.block_starts)
                   for k in range(len(starts))]
-        self.multi_block = len(blocks) > len(layout.block_starts)
-        if self.multi_block:
-            # Shift each slot's ids into a band of its own so one searchsorted over every
-            # slot's block starts finds every id's block.
-            band, bounds, first_block = 0, [], []
-            self._band = []
-            for i, starts in enumerate(layout.block_starts):
-                first_block.append(len(bounds))
-                self._band.append(band)
-                bounds.extend(band + s for s in starts)
-                band += tables[layout.input_slot_table[i]].num_embeddings + 1
-            self.band = torch.tensor(self._band, dtype=torch.int64, device=device)
-            self.block_bounds = torch.tensor(bounds, dtype=torch.int64, device=device)
+        first_block = [0]
+        for starts in layout.block_starts:
+            first_block.append(first_block[-1] + len(starts))
+        self.slot_first_block = torch.tensor(first_block, dtype=torch.int64, device=device)
+        self.block_starts = torch.tensor([s for starts in layout.block_starts for s in starts],
+                                         dtype=torch.int64, device=device)
         routes = [layout.block_routes[i][k] for i, k in blocks]
-        self.single_route = all(len(r) == 1 for r in routes)
-        counts = [len(r) for r in routes]
-        self.route_counts = torch.tensor(counts, dtype=torch.int64, device=device)
-        self.route_offsets = torch.tensor([sum(counts[:g]) for g in range(len(counts))],
-                                          dtype=torch.int64, device=device)
+        first_route = [0]
+        for r in routes:
+            first_route.append(first_route[-1] + len(r))
+        self.block_first_route = torch.tensor(first_route, dtype=torch.int64, device=device)
         flat = [route for r in routes for route in r]
         self.rows = RowRouting(layout, device)
         # A route goes to a send slot (pooled tables) or to a global row group, never both.
@@ -129,67 +124,31 @@ class IdEncoder:
         layout = self.layout
         values, lengths, weights, batch = self._slot_major(features)
         num_slots_in = len(layout.input_slot_table)
-        n = values.numel()
-        slot_of_id = torch.repeat_interleave(
-            torch.arange(num_slots_in, device=values.device),
-            lengths.view(num_slots_in, batch).sum(1), output_size=n)
-        ids = values.to(torch.int64)
-        bad = (ids < 0) | (ids >= self.slot_rows[slot_of_id])
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            slot = int(slot_of_id[i])
+        routed = route_ids(values, lengths, weights, batch, self.slot_rows,
+                           self.slot_first_block, self.block_starts, self.block_first_route,
+                           self.route_send_slot, self.route_row_group, self.route_row_offset,
+                           self.slot_base[-1])
+        if routed.first_bad >= 0:
+            i = routed.first_bad
+            slot = int(torch.searchsorted(lengths.view(num_slots_in, batch).sum(1).cumsum(0),
+                                          torch.tensor(i), right=True))
             table = layout.tables[layout.input_slot_table[slot]]
             raise IndexError(
-                f"{OWNER}: feature '{layout.input_slot_feature[slot]}' has id {int(ids[i])} "
+                f"{OWNER}: feature '{layout.input_slot_feature[slot]}' has id {int(values[i])} "
                 f"outside [0, {table.num_embeddings}) (table '{table.name}' has "
                 f"{table.num_embeddings} rows)")
-        bag = torch.repeat_interleave(torch.arange(num_slots_in * batch, device=ids.device),
-                                      lengths, output_size=n)
-        sample = bag - slot_of_id * batch
-        if self.multi_block:
-            block = torch.searchsorted(self.block_bounds, ids + self.band[slot_of_id],
-                                       right=True) - 1
-        else:
-            block = slot_of_id
-        if self.single_route:
-            route = block
-        else:
-            per_id = self.route_counts[block]
-            source = torch.repeat_interleave(torch.arange(n, device=ids.device), per_id)
-            first = torch.cumsum(per_id, 0) - per_id
-            position = torch.arange(source.numel(), device=ids.device) - \
-                torch.repeat_interleave(first, per_id)
-            route = self.route_offsets[block[source]] + position
-            ids, sample, slot_of_id = ids[source], sample[source], slot_of_id[source]
-            if weights is not None:
-                weights = weights[source]
-        local_ids = ids - self.route_row_offset[route]
         rows = None
         if self.rows.active:
-            row_group = self.route_row_group[route]
-            to_rows = row_group >= 0
-            take = torch.nonzero(to_rows).squeeze(1)
-            rows = encode_rows(self.rows, row_group[take], slot_of_id[take], sample[take],
-                               local_ids[take], None if weights is None else weights[take],
-                               micro, batch)
-            keep = torch.nonzero(~to_rows).squeeze(1)
-            route, local_ids, sample = route[keep], local_ids[keep], sample[keep]
-            if weights is not None:
-                weights = weights[keep]
-        send_slot = self.route_send_slot[route]
-        order = torch.sort(send_slot, stable=True).indices
-        local_ids = local_ids[order]
-        if weights is not None:
-            weights = weights[order]
+            rows = encode_rows(self.rows, routed.row_group, routed.row_slot, routed.row_sample,
+                               routed.row_ids, routed.row_weights, micro, batch)
         total_slots = self.slot_base[-1]
-        slot_lengths = torch.bincount(send_slot * batch + sample, minlength=total_slots * batch)
-        slot_counts = torch.bincount(send_slot, minlength=total_slots)
+        slot_counts = routed.slot_counts
         slot_ends = torch.cumsum(slot_counts, 0)
         slot_starts = slot_ends - slot_counts
         group_bounds = torch.cat([slot_starts, slot_ends[-1:]])[self.group_first_slot] \
-            if total_slots else torch.zeros(1, dtype=torch.int64, device=ids.device)
-        blocks = self._pack(local_ids, slot_lengths.to(torch.int32), group_bounds, weights,
-                            batch, features.values().element_size(),
+            if total_slots else torch.zeros(1, dtype=torch.int64, device=values.device)
+        blocks = self._pack(routed.send_ids, routed.slot_lengths, group_bounds,
+                            routed.send_weights, batch, features.values().element_size(),
                             features.lengths().element_size(), rows, len(micro))
         blocks.input_lengths = lengths.view(num_slots_in, batch)
         return blocks
