@@ -150,10 +150,7 @@ class World:
     def latent(self, keys: torch.Tensor, tag: int, dims: int) -> torch.Tensor:
         """Per-key standard normals: float64 [len(keys), dims]."""
         base = hashing.splitmix64(keys ^ hashing.mix_scalar(self.seed, _TAG_LATENT, tag))
-        cols = [
-            hashing.normal(hashing.splitmix64(base + 2 * j), hashing.splitmix64(base + 2 * j + 1))
-            for j in range(dims)
-        ]
-        if not cols:
-            return torch.zeros(keys.numel(), 0, dtype=torch.float64)
-        return torch.stack(cols, 1)
+        # Column j is normal(splitmix64(base + 2j), splitmix64(base + 2j + 1)), all columns in
+        # one pass over a [K, 2 * dims] block (a few ops per batch, not a few per column).
+        h = hashing.splitmix64(base.reshape(-1, 1) + torch.arange(2 * dims, dtype=torch.int64))
+        return hashing.normal(h[:, 0::2], h[:, 1::2])
