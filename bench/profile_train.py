@@ -2,10 +2,13 @@
 
     python -m bench.profile_train --schedule sequential --steps 30
     python -m bench.profile_train --schedule fwp-dbp-m2 -- --threads 1   # trainer options after --
+    python -m bench.profile_train --ranks 4 -- --threads 1 --sparse-optimizer sgd
 
 Runs `recxla-train` in this process as a job of one rank (no communication leaves the process),
 the trainer's default model and options plus the schedule's flags, and profiles the steps after
-warm-up (record_shapes off). Prints the top operators and labelled ranges by self CPU time: their
+warm-up (record_shapes off). With --ranks N it runs N processes over loopback and profiles rank
+0: its codec, row exchange and gloo work included (the ranks share this machine's cores, so read
+the CPU shares, not the wall time). Prints the top operators and labelled ranges by self CPU time: their
 share of all self CPU time recorded, milliseconds and calls per step. The profiler's own cost
 inflates ops with many small calls; read the shares, not the absolute times.
 """
@@ -30,15 +33,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def profile_run(argv: List[str], warmup: int):
-    """Run recxla-train ARGV as one rank; returns (key averages of the measured steps, steps)."""
+def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
+                port: int = 0):
+    """Run recxla-train ARGV as rank `rank` of `world` (port: the rendezvous's, 0 for a free
+    one); returns (key averages of the measured steps, steps), profiled on rank 0 only."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from recxla.train import cli, loop
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port or _free_port()))
     run_steps = loop.run_steps
     captured = {}
 
@@ -47,14 +53,15 @@ def profile_run(argv: List[str], warmup: int):
 
         def step_done(done: int) -> None:
             on_step_done(done)
-            if done == first + warmup:
+            if done == first + warmup and rank == 0:
                 prof.start()
 
         try:
             return run_steps(pipeline, batches, first, last, meter, progress, step_done, log)
         finally:
-            prof.stop()
-            captured["averages"] = prof.key_averages()
+            if rank == 0:
+                prof.stop()
+                captured["averages"] = prof.key_averages()
             captured["steps"] = last - first - warmup
 
     loop.run_steps = profiled
@@ -63,7 +70,11 @@ def profile_run(argv: List[str], warmup: int):
     finally:
         loop.run_steps = run_steps
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
-    return captured["averages"], captured["steps"]
+    return captured.get("averages"), captured["steps"]
+
+
+def _other_rank(argv: List[str], warmup: int, rank: int, world: int, port: int) -> None:
+    profile_run(argv, warmup, rank, world, port)
 
 
 def top_entries(averages, steps: int, n: int) -> List[dict]:
@@ -93,12 +104,24 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--ranks", type=int, default=1, help="processes over loopback (rank 0 "
+                   "profiled)")
     args = p.parse_args(argv)
     train = ["--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--eval-batches",
              "1", "--no-progress", "--label", args.schedule, *SCHEDULES[args.schedule], *extra]
     load = os.getloadavg()
-    averages, steps = profile_run(train, args.warmup)
-    print(f"\nrecxla-train {' '.join(train)}: {steps} steps profiled; load average "
+    port = _free_port()
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    others = [context.Process(target=_other_rank, args=(train, args.warmup, r, args.ranks, port))
+              for r in range(1, args.ranks)]
+    for process in others:
+        process.start()
+    averages, steps = profile_run(train, args.warmup, 0, args.ranks, port)
+    for process in others:
+        process.join()
+    print(f"\nrecxla-train {' '.join(train)} on {args.ranks} rank(s): {steps} steps profiled "
+          f"on rank 0; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")
     print(markdown(top_entries(averages, steps, args.top)))
