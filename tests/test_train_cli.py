@@ -126,12 +126,14 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "examples/s" in proc.stdout and "AUC" in proc.stdout
     ranks = launch_ranks([*common, "--baseline", "torchrec", "--baseline-comms", "bf16",
-                          "--metrics", str(tmp_path / "torchrec.json")], tmp_path)
+                          "--ddp-bucket-mb", "0.01", "--metrics", str(tmp_path / "torchrec.json")],
+                         tmp_path)
     assert "exposed comm" in ranks[0].output() and "CPU/example" in ranks[0].output()
 
     rx = check_metrics(tmp_path / "recxla.json", 2, steps, warmup)
     tr = check_metrics(tmp_path / "torchrec.json", 2, steps, warmup)
     assert rx["path"] == "recxla" and tr["path"] == "torchrec"
+    assert tr["config"]["ddp_bucket_mb"] == 0.01 and rx["config"]["ddp_bucket_mb"] is None
     assert rx["plan"] == tr["plan"]  # the same plan for both paths
     assert all(t["sharding"] == "table_wise" for t in rx["plan"].values())
     # Bytes on the wire, counted by the meter, against the layout's arithmetic.
@@ -198,6 +200,7 @@ def _parse_error(capsys, argv) -> str:
     (["--steps", "4", "--warmup-steps", "4"], "--warmup-steps 4 must be less than"),
     (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
     (["--timeout", "0"], "--timeout: must be a number > 0"),
+    (["--ddp-bucket-mb", "0"], "--ddp-bucket-mb: must be a number > 0"),
     (["--data", "/nonexistent/x.parquet"], "/nonexistent/x.parquet: no such file or folder"),
     (["--device", "cuda"], "no CUDA device"),
 ])

@@ -8,9 +8,19 @@ as DDP has it, while the rest of that backward runs (DDP's bucketed all-reduce, 
 the sequential step uses). precision="bf16" sends the buckets as bfloat16 (half the bytes;
 torch's bf16_compress_hook does the same for one micro-batch).
 
+Deferred wait: inside a pipeline's step the all-reduces are not waited for at the end of the
+backward (where DDP waits for its buckets) but just before the dense optimizer step
+(`wait()`): the hook hands DDP its bucket unchanged, already complete, and the reduced values
+are written into the bucket when `wait()` collects them. The gradient all-to-all's wait, the
+next batch's decode and the embedding update run in between while the buckets travel. It needs
+gradient_as_bucket_view (TorchRec's DDP wrapper sets it: the parameters' .grad are views of the
+buckets), else DDP copies the bucket into .grad at the end of the backward and the deferred
+result would never reach it; without it the hook waits as DDP does.
+
 A DDP module takes one comm hook, so every pipeline on the same model shares one
-MicroBatchGradientSync (`for_ddp`). Outside a pipeline's step it is left at sync=True in fp32:
-DDP's own all-reduce (average over the ranks), so the model trains on its own as without it.
+MicroBatchGradientSync (`for_ddp`). Outside a pipeline's step it is left at sync=True in fp32,
+not deferred: DDP's own all-reduce (average over the ranks), so the model trains on its own as
+without it.
 """
 
 import weakref
@@ -37,7 +47,8 @@ _INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 class MicroBatchGradientSync:
     """Installs the comm hook on `ddp`; a pipeline sets `sync` before each micro-batch's
-    backward and `wire` (wire_dtype) for its step, and `reset()`s both after it."""
+    backward, `wire` (wire_dtype) and `deferred` for its step, calls `wait()` before its dense
+    optimizer step, and `reset()`s after it."""
 
     @classmethod
     def for_ddp(cls, ddp: DistributedDataParallel) -> "MicroBatchGradientSync":
@@ -51,6 +62,11 @@ class MicroBatchGradientSync:
         self.world = dist.get_world_size(self.group)
         self.sync = True
         self.wire = None
+        self.deferred = False
+        # Deferring needs the buckets to be the gradients' storage (see the module docstring).
+        self.can_defer = bool(getattr(ddp, "gradient_as_bucket_view", False))
+        # (bucket buffer, tensor on the wire, in-flight work) of each deferred bucket, in order.
+        self._pending = []
         try:
             ddp.register_comm_hook(self, self._hook)
         except (RuntimeError, AssertionError) as e:
@@ -60,14 +76,33 @@ class MicroBatchGradientSync:
                 "allreduce_comm_precision (pass dense_allreduce='bf16' to the pipeline "
                 "instead)") from e
 
+    def wait(self) -> None:
+        """Waits for the deferred all-reduces and writes each bucket's average into it (the
+        parameters' .grad)."""
+        pending, self._pending = self._pending, []
+        for buffer, sent, work in pending:
+            work.wait()
+            buffer.copy_(sent)
+
     def reset(self) -> None:
-        """DDP's own behaviour: every backward all-reduces (fp32, averaged)."""
-        self.sync, self.wire = True, None
+        """DDP's own behaviour: every backward all-reduces (fp32, averaged) and DDP waits. Any
+        deferred all-reduce still in flight is waited for first (a step that raised), so no
+        collective is left behind."""
+        self.wait()
+        self.sync, self.wire, self.deferred = True, None, False
 
     @staticmethod
     def _hook(state: "MicroBatchGradientSync", bucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         if not state.sync:
+            done = torch.futures.Future()
+            done.set_result(buffer)
+            return done
+        if state.deferred and state.can_defer:
+            # The average travels in its own tensor; DDP gets the bucket back as it is.
+            sent = (buffer if state.wire is None else buffer.to(state.wire)) / state.world
+            state._pending.append((buffer, sent, dist.all_reduce(sent, group=state.group,
+                                                                 async_op=True)))
             done = torch.futures.Future()
             done.set_result(buffer)
             return done

@@ -2,7 +2,7 @@
 
 One batch n, split into M micro-batches (see micro_batches.py), on every rank:
 
-    comm:    O(0) O(1)    | O(2)  G(0) | ...  G(M-2) | G(M-1) ids(n+1) ... AR(dense, in D(M-1))
+    comm:    O(0) O(1)    | O(2)  G(0) | ...  G(M-2) | G(M-1) ids(n+1) ... AR(dense) ...
     compute: L   ids(n+1) | D(0)       | D(1) A(0)   | ... D(M-1) A(M-2) | A(M-1) U  step
 
     L     the owners look up every micro-batch's bags at once (the tables are frozen for the
@@ -16,7 +16,8 @@ One batch n, split into M micro-batches (see micro_batches.py), on every rank:
     A(k)  G(k)'s rows into the owner's gradient buffer;
     U     the lookup's backward on the whole batch: the fused optimizer, once per row;
     AR    the dense gradients, accumulated over the micro-batches and all-reduced once, by
-          DDP's bucketed all-reduce during D(M-1)'s backward;
+          DDP's buckets from inside D(M-1)'s backward, waited for only at the dense optimizer
+          step, so A(M-1) and U run while they travel (dense_sync.py);
     ids(n+1)  double buffering across batches (DBP): the next batch is loaded, split and its ids
           sent to their owners (two small all-to-alls) while batch n computes. Its lookup waits
           for U(n): the tables it reads are then the ones the sequential loop would read.
@@ -204,7 +205,7 @@ class TrainPipeline:
         self._optimizer.zero_grad()
         sync = self._gradient_sync
         if sync is not None:
-            sync.wire = self._wire
+            sync.wire, sync.deferred = self._wire, True
         try:
             return self._step(current, dataloader_iter, training=True)
         finally:
@@ -294,6 +295,10 @@ class TrainPipeline:
             with self._span("update", "optimizer"):
                 for w in windows:
                     w.update()
+            if self._gradient_sync is not None:
+                with self._span("wait dense gradients", "backward"):
+                    self._gradient_sync.wait()
+            with self._span("update", "optimizer"):
                 self._optimizer.step()
             if self._next is not None:
                 for (_, module), state in zip(self._modules, self._next.inputs):

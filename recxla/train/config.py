@@ -110,6 +110,10 @@ class TrainConfig:
         group=_C, applies=RECXLA, default_text="auto; off with --topology 2d")
     dense_allreduce: str = option("fp32", "wire format of the dense gradients' all-reduce",
                                   group=_C, choices=DENSE_ALLREDUCE_FORMATS)
+    ddp_bucket_mb: Optional[float] = option(
+        None, "DDP's bucket size for the dense gradients' all-reduce, in MB (smaller buckets "
+        "start travelling earlier in the backward, at one more collective each)", group=_C,
+        parse=options.positive_float, default_text="TorchRec's DDP wrapper's (25)")
     baseline: Optional[str] = option(
         None, "train with plain TorchRec (DMP + TrainPipelineSparseDist) instead", group=_C,
         choices=("torchrec",))

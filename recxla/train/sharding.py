@@ -25,7 +25,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
-from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
@@ -178,16 +178,21 @@ def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan, device: tor
 
     The recxla path's all-reduce hook is recxla.pipeline's (it accumulates micro-batches and
     sends bf16 with --dense-allreduce bf16); the baseline's is torch's allreduce_hook or
-    bf16_compress_hook. topology: 2D's Topology2D (DMP over one node's shard group, DDP over
-    every rank)."""
+    bf16_compress_hook. DDP's buckets: config.ddp_bucket_mb, else TorchRec's default.
+    topology: 2D's Topology2D (DMP over one node's shard group, DDP over every rank)."""
     set_gradient_division(GRADIENT_DIVISION)
     options = {}
     env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
+    ddp_options = {}
+    if config is not None and config.ddp_bucket_mb is not None:
+        ddp_options["bucket_cap_mb"] = config.ddp_bucket_mb
     if topology is not None:
         from recxla.torchrec.replicas import WorldDataParallelWrapper
 
         env = topology.shard_env
-        options["data_parallel_wrapper"] = WorldDataParallelWrapper()
+        options["data_parallel_wrapper"] = WorldDataParallelWrapper(**ddp_options)
+    elif ddp_options:
+        options["data_parallel_wrapper"] = DefaultDataParallelWrapper(**ddp_options)
     dmp = DistributedModelParallel(model, env=env, device=device, sharders=[sharder],
                                    plan=plan, **options)
     ddp = dmp._dmp_wrapped_module
