@@ -79,6 +79,23 @@ def _pipeline_body(rank, world, seed, configurations, steps, batch, kind, fwd, b
         labels_in_order = bool(torch.equal(outputs[-1][2], mine[-1].labels))
         spans = {s.name for s in timeline.spans}
         results[name] = (trained, error, labels_in_order, spans)
+        if options.get("defer_dense_update"):
+            # Without the epoch's end: every batch trained, the last dense update pending
+            # until flush().
+            model, dense, _ = build(options.get("row_exchange", "off"))
+            pipeline = TrainPipeline(model, dense, torch.device("cpu"), **options)
+            data = iter(mine)
+            for _ in mine:
+                pipeline.progress(data)
+
+            def dense_error():
+                got = _state(model)
+                return max(cases.relative(g, w) for key in want if "embedding_bags" not in key
+                           for g, w in zip(got[key], want[key]))
+
+            before = dense_error()
+            pipeline.flush()
+            results[name + ", before and after flush"] = (before, dense_error())
     return results
 
 
@@ -92,6 +109,8 @@ CONFIGURATIONS = {
     "fwp+dbp m=3, row exchange": dict(num_micro_batches=3, row_exchange=["t0", "t2"]),
     "sequential, row exchange": dict(num_micro_batches=1, overlap=False, dbp=False,
                                      row_exchange="all"),
+    "dbp, deferred dense update": dict(num_micro_batches=1, defer_dense_update=True),
+    "fwp+dbp m=2, deferred dense update": dict(num_micro_batches=2, defer_dense_update=True),
 }
 
 
@@ -101,6 +120,9 @@ def test_pipeline_equals_sequential_loop(seed):
                               args=(seed, CONFIGURATIONS, 20, 7, "row_wise", "fp32", "fp32"),
                               timeout=300)
     for rank, per_config in enumerate(results):
+        for name in [n for n in per_config if n.endswith("before and after flush")]:
+            before, after = per_config.pop(name)
+            assert before > 1e-4 and after <= 1e-5, (rank, name, before, after)
         for name, (trained, error, labels_in_order, spans) in per_config.items():
             assert trained == 20, (rank, name, trained)
             assert error <= 1e-5, (rank, name, error)

@@ -2,8 +2,9 @@
 
 One batch n, split into M micro-batches (see micro_batches.py), on every rank:
 
-    comm:    O(0) O(1)    | O(2)  G(0) | ...  G(M-2) | G(M-1) ids(n+1) ... AR(dense) ...
-    compute: L   ids(n+1) | D(0)       | D(1) A(0)   | ... D(M-1) A(M-2) | A(M-1) U  step
+    comm:    O(0) O(1) sizes(n+1) | ids(n+1) O(2) G(0) | ... G(M-2) | G(M-1)  AR(dense) ...
+    compute: L   load, split(n+1) | D(0)               | D(1) A(0)  | ... D(M-1) A(M-2) |
+             A(M-1) decode(n+1) U step
 
     L     the owners look up every micro-batch's bags at once (the tables are frozen for the
           batch: FrozenWindow);
@@ -18,9 +19,10 @@ One batch n, split into M micro-batches (see micro_batches.py), on every rank:
     AR    the dense gradients, accumulated over the micro-batches and all-reduced once, by
           DDP's buckets from inside D(M-1)'s backward, waited for only at the dense optimizer
           step, so A(M-1) and U run while they travel (dense_sync.py);
-    ids(n+1)  double buffering across batches (DBP): the next batch is loaded, split and its ids
-          sent to their owners (two small all-to-alls) while batch n computes. Its lookup waits
-          for U(n): the tables it reads are then the ones the sequential loop would read.
+    ids(n+1)  double buffering across batches (DBP): the next batch is loaded and split, its
+          block sizes sent while O(0) travels, and its ids while D(0) computes (the links are
+          otherwise idle then); they are decoded after D(M-1). Its lookup waits for U(n): the
+          tables it reads are then the ones the sequential loop would read.
 
 Every step equals the sequential step (model forward, backward, optimizer) on the same batch up
 to the order of float additions: same weights read, same gradients summed, one update.
@@ -88,6 +90,13 @@ class TrainPipeline:
             EarlyLookup). Both give the sequential result.
         dense_allreduce: "fp32" or "bf16": the wire format of the dense gradients' all-reduce
             (DDP's buckets, see dense_sync.py).
+        defer_dense_update: apply each batch's dense update (wait for its all-reduce, step
+            the dense optimizer) at the next batch's first dense forward instead of at the end
+            of its own step, so the all-reduce travels during the next batch's lookup, id
+            exchange and embedding all-to-all. No step reads a stale weight (only the dense
+            forward reads the dense weights), but between two progress calls the dense
+            weights lag one update: call flush() before reading them outside the pipeline
+            (detach() and an eval-mode progress flush on their own).
         timeline: a Timeline to record spans into (None: none recorded).
         phase: a context-manager factory told which phase each part of the step is in
             ("input", "forward", "backward", "optimizer"; e.g. recxla-train's CommMeter.phase).
@@ -98,13 +107,15 @@ class TrainPipeline:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device, num_micro_batches: int = 1, overlap: bool = True,
                  dbp: bool = True, split: str = "contiguous", dbp_lookup: str = "after_update",
-                 dense_allreduce: str = "fp32", timeline: Optional[Timeline] = None,
+                 dense_allreduce: str = "fp32", defer_dense_update: bool = False,
+                 timeline: Optional[Timeline] = None,
                  phase: Optional[Callable[[str], Any]] = None) -> None:
         if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool) \
                 or num_micro_batches < 1:
             raise ValueError(f"{OWNER}: num_micro_batches must be an int >= 1, got "
                              f"{num_micro_batches!r}")
-        for name, flag in (("overlap", overlap), ("dbp", dbp)):
+        for name, flag in (("overlap", overlap), ("dbp", dbp),
+                           ("defer_dense_update", defer_dense_update)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{OWNER}: {name} must be a bool, got {flag!r}")
         if split not in SPLITS:
@@ -123,6 +134,8 @@ class TrainPipeline:
         self._dbp_lookup = dbp_lookup
         # Tests turn this off to plant a stale read and show that the checks catch it.
         self._correct_early_lookups = True
+        self._defer_dense_update = defer_dense_update
+        self._dense_update_pending = False
         self._next: Optional[PreparedBatch] = None
         self._loader: Optional[Iterator] = None
         self._exhausted = False
@@ -158,6 +171,7 @@ class TrainPipeline:
         and DDP all-reduces as without the pipeline. The batch already loaded stays queued
         and runs at the next progress (TorchRec's detach keeps its in-flight batches too); an
         early DBP lookup made before the model was changed outside is made again."""
+        self.flush()
         self._attached = False
         self.drop_early_lookups()
         return self._model
@@ -194,20 +208,43 @@ class TrainPipeline:
             current = self._next
             self._next = None
             if current is None or current.micro is None and current.error is None:
-                raw = current.raw if current is not None else self._load(dataloader_iter)
+                try:
+                    raw = current.raw if current is not None else self._load(dataloader_iter)
+                except StopIteration:
+                    self.flush()  # the epoch's last update
+                    raise
                 current = self._prepare(raw)
             advance(current, decode=True)
         if current.error is not None:
+            self.flush()
             raise current.error
         if not self._model.training:
+            self.flush()
             with torch.no_grad():
                 return self._step(current, dataloader_iter, training=False)
-        self._optimizer.zero_grad()
-        sync = self._gradient_sync
-        if sync is not None:
-            sync.wire, sync.deferred = self._wire, True
         try:
             return self._step(current, dataloader_iter, training=True)
+        except BaseException:
+            # What this step left in flight is waited for; its update is not applied (one
+            # left pending by the previous step still is, at the next flush).
+            if self._gradient_sync is not None:
+                self._gradient_sync.reset()
+            raise
+
+    def flush(self) -> None:
+        """Applies the dense update that the last step left pending (defer_dense_update):
+        waits for its all-reduce and steps the dense optimizer. Does nothing when none is
+        pending; progress, detach and an eval-mode progress call it themselves."""
+        if not self._dense_update_pending:
+            return
+        self._dense_update_pending = False
+        sync = self._gradient_sync
+        try:
+            if sync is not None:
+                with self._span("wait dense gradients", "backward"):
+                    sync.wait()
+            with self._span("update", "optimizer"):
+                self._optimizer.step()
         finally:
             if sync is not None:
                 sync.reset()
@@ -263,6 +300,20 @@ class TrainPipeline:
                 w.module.stage_output(kt)
                 if training and self._overlap and kt.values().requires_grad:
                     kt.values().register_hook(functools.partial(_start_gradient, w, k))
+            if self._next is not None and k == 0:
+                # The next batch's ids leave now, so they travel during this batch's dense
+                # compute, when the links are otherwise idle (their sizes went at the start of
+                # the step and have long arrived).
+                with self._span("next batch", "input"):
+                    advance(self._next, decode=False)
+            if training and k == 0:
+                # The previous batch's dense update, if it was left pending, lands just before
+                # the first dense forward that reads the weights.
+                self.flush()
+                self._optimizer.zero_grad()
+                if self._gradient_sync is not None:
+                    self._gradient_sync.wire = self._wire
+                    self._gradient_sync.deferred = True
             if training and self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
             with self._span("dense", "backward" if training else "forward", micro_batch=k):
@@ -274,9 +325,6 @@ class TrainPipeline:
             outputs.append(output)
             if training:
                 self._exchange_gradients(windows, embeddings, k)
-            if self._next is not None and k == 0:
-                with self._span("next batch", "input"):
-                    advance(self._next, decode=False)
         if self._next is not None:
             with self._span("next batch", "input"):
                 advance(self._next, decode=True)
@@ -295,11 +343,9 @@ class TrainPipeline:
             with self._span("update", "optimizer"):
                 for w in windows:
                     w.update()
-            if self._gradient_sync is not None:
-                with self._span("wait dense gradients", "backward"):
-                    self._gradient_sync.wait()
-            with self._span("update", "optimizer"):
-                self._optimizer.step()
+            self._dense_update_pending = True
+            if not self._defer_dense_update:
+                self.flush()
             if self._next is not None:
                 for (_, module), state in zip(self._modules, self._next.inputs):
                     if state.early is not None:

@@ -161,8 +161,9 @@ def _train(config, conn, watchdog, meter) -> dict:
         pipeline = TrainPipeline(dmp, optimizer, device, num_micro_batches=config.micro_batches,
                                  overlap=config.overlap, dbp=config.dbp, split=config.split,
                                  dbp_lookup=config.dbp_lookup,
-                                 dense_allreduce=config.dense_allreduce, timeline=timeline,
-                                 phase=meter.phase)
+                                 dense_allreduce=config.dense_allreduce,
+                                 defer_dense_update=config.defer_dense_update,
+                                 timeline=timeline, phase=meter.phase)
     progress = Progress(place.rank == 0 and config.progress, config.steps, start,
                         config.batch_size * world)
     log = StepLog(first=start)
@@ -186,6 +187,8 @@ def _train(config, conn, watchdog, meter) -> dict:
     def _checkpoint(done: int) -> None:
         began = time.perf_counter()
         watchdog.progress(f"checkpoint at step {done}")
+        if not config.baseline:
+            pipeline.flush()  # the last step's dense update, if it is still pending
         with meter.phase("checkpoint"):
             checkpoint.save(config.checkpoint_dir, done, dmp, optimizer, config, world,
                             data.fingerprint)

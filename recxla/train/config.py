@@ -136,6 +136,10 @@ class TrainConfig:
     dbp_lookup: str = option("after_update", "the next batch's lookup after this update, or "
                              "before it, corrected", group=_O, applies=RECXLA,
                              choices=TrainPipeline.DBP_LOOKUPS)
+    defer_dense_update: bool = option(
+        True, "apply each batch's dense update at the next batch's first dense forward, so "
+        "its all-reduce travels during the next batch's lookup and all-to-alls (no stale "
+        "read; checkpoints and evaluation see every update)", group=_O, applies=RECXLA)
     trace: Optional[str] = option(
         None, "write a Chrome trace (chrome://tracing, Perfetto) of every rank's steps: "
         "compute, waits and collectives", group=_O, applies=RECXLA, metavar="PATH")
