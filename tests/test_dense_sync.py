@@ -40,7 +40,7 @@ def _sync_body(rank, world, seed, wire, bucket_view):
     sync.wire, sync.deferred = wire_dtype(wire), True
     ddp(x).sum().backward()
     before_wait = grads(ddp)
-    pending = len(sync._pending)
+    pending = len(sync.in_flight)
     sync.wait()
     after = grads(ddp)
     sync.reset()

@@ -66,7 +66,7 @@ class MicroBatchGradientSync:
         # Deferring needs the buckets to be the gradients' storage (see the module docstring).
         self.can_defer = bool(getattr(ddp, "gradient_as_bucket_view", False))
         # (bucket buffer, tensor on the wire, in-flight work) of each deferred bucket, in order.
-        self._pending = []
+        self.in_flight = []
         try:
             ddp.register_comm_hook(self, self._hook)
         except (RuntimeError, AssertionError) as e:
@@ -79,7 +79,7 @@ class MicroBatchGradientSync:
     def wait(self) -> None:
         """Waits for the deferred all-reduces and writes each bucket's average into it (the
         parameters' .grad)."""
-        pending, self._pending = self._pending, []
+        pending, self.in_flight = self.in_flight, []
         for buffer, sent, work in pending:
             work.wait()
             buffer.copy_(sent)
@@ -101,7 +101,7 @@ class MicroBatchGradientSync:
         if state.deferred and state.can_defer:
             # The average travels in its own tensor; DDP gets the bucket back as it is.
             sent = (buffer if state.wire is None else buffer.to(state.wire)) / state.world
-            state._pending.append((buffer, sent, dist.all_reduce(sent, group=state.group,
+            state.in_flight.append((buffer, sent, dist.all_reduce(sent, group=state.group,
                                                                  async_op=True)))
             done = torch.futures.Future()
             done.set_result(buffer)
