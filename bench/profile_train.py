@@ -14,6 +14,7 @@ inflates ops with many small calls; read the shares, not the absolute times.
 """
 
 import argparse
+import multiprocessing
 import os
 import socket
 import sys
@@ -73,10 +74,6 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
     return captured.get("averages"), captured["steps"]
 
 
-def _other_rank(argv: List[str], warmup: int, rank: int, world: int, port: int) -> None:
-    profile_run(argv, warmup, rank, world, port)
-
-
 def top_entries(averages, steps: int, n: int) -> List[dict]:
     """The n entries with the most self CPU time: name, share of all self CPU, ms and calls per
     step."""
@@ -111,9 +108,8 @@ def main(argv=None) -> int:
              "1", "--no-progress", "--label", args.schedule, *SCHEDULES[args.schedule], *extra]
     load = os.getloadavg()
     port = _free_port()
-    import multiprocessing
     context = multiprocessing.get_context("spawn")
-    others = [context.Process(target=_other_rank, args=(train, args.warmup, r, args.ranks, port))
+    others = [context.Process(target=profile_run, args=(train, args.warmup, r, args.ranks, port))
               for r in range(1, args.ranks)]
     for process in others:
         process.start()
