@@ -1,7 +1,8 @@
 """The pipeline's dense gradient sync (recxla.pipeline.dense_sync) on 2 gloo ranks: a deferred
 all-reduce leaves each rank's own gradient in .grad until wait(), then the average over the
 ranks, bit for bit what DDP's own all-reduce gives (fp32 and bf16 on the wire); without
-gradient_as_bucket_view it does not defer."""
+gradient_as_bucket_view it does not defer. By node (4 ranks as 2 nodes x 2): the same average up
+to rounding, the same bits on every rank."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from distributed_utils import run_distributed
 pytestmark = pytest.mark.distributed
 
 
-def _sync_body(rank, world, seed, wire, bucket_view):
+def _sync_body(rank, world, seed, wire, bucket_view, by_node=False):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -38,6 +39,14 @@ def _sync_body(rank, world, seed, wire, bucket_view):
                                   bucket_cap_mb=0.001)
     sync = MicroBatchGradientSync.for_ddp(ddp)
     sync.wire, sync.deferred = wire_dtype(wire), True
+    if by_node:
+        from types import SimpleNamespace
+
+        from test_all_reduce_by_node import _node_groups
+
+        node_group, cross_group = _node_groups(world, 2)
+        sync.nodes = SimpleNamespace(num_nodes=world // 2, ranks_per_node=2,
+                                     shard_group=node_group, replica_group=cross_group)
     ddp(x).sum().backward()
     before_wait = grads(ddp)
     pending = len(sync.in_flight)
@@ -50,6 +59,7 @@ def _sync_body(rank, world, seed, wire, bucket_view):
     dist.all_gather(gathered, after)
     return {"pending": pending, "own_before_wait": torch.equal(before_wait, mine),
             "equals_ddp": torch.equal(after, want),
+            "error_vs_ddp": ((after - want).abs().max() / want.abs().max()).item(),
             "same_on_ranks": all(torch.equal(g, gathered[0]) for g in gathered)}
 
 
@@ -64,3 +74,13 @@ def test_no_deferral_without_bucket_views(seed):
     for r in run_distributed(_sync_body, 2, (seed, "fp32", False)):
         assert r["pending"] == 0 and not r["own_before_wait"], r
         assert r["equals_ddp"] and r["same_on_ranks"], r
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_deferred_all_reduce_by_node_equals_ddp(seed, wire):
+    # fp32: the sums differ from the ring's in order only; bf16: both round to bf16 on the wire.
+    tolerance = 1e-6 if wire == "fp32" else 2 ** -6
+    for r in run_distributed(_sync_body, 4, (seed, wire, True, True)):
+        assert r["pending"] >= 1, r
+        assert r["own_before_wait"] and r["same_on_ranks"], r
+        assert r["error_vs_ddp"] <= tolerance, r

@@ -41,14 +41,17 @@ class Rank:
 
 
 def start_ranks(args: Sequence[str], tmp_path, world_size: int = 2,
-                env: Optional[Dict[str, str]] = None) -> List[Rank]:
-    """Start `python -m recxla.train ARGS` as `world_size` ranks of one node (rank 0 hosts
-    the store); each rank's stdout and stderr go to tmp_path/rank<r>.log."""
+                env: Optional[Dict[str, str]] = None,
+                ranks_per_node: Optional[int] = None) -> List[Rank]:
+    """Start `python -m recxla.train ARGS` as `world_size` ranks, of one node or of nodes of
+    `ranks_per_node` as torchrun numbers them (rank 0 hosts the store); each rank's stdout and
+    stderr go to tmp_path/rank<r>.log."""
     port = _free_port()
+    per_node = ranks_per_node or world_size
     ranks = []
     for r in range(world_size):
-        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r),
-                 LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r % per_node),
+                 LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), PYTHONPATH=REPO, **(env or {}))
         log = str(tmp_path / f"rank{r}.log")
         with open(log, "w") as f:
@@ -74,9 +77,10 @@ def wait_ranks(ranks: List[Rank], timeout: float) -> List[int]:
 
 
 def launch_ranks(args: Sequence[str], tmp_path, world_size: int = 2, timeout: float = 150.0,
-                 env=None) -> List[Rank]:
-    """Run the trainer on `world_size` ranks to the end; fails the test unless all exit 0."""
-    ranks = start_ranks(args, tmp_path, world_size, env)
+                 env=None, ranks_per_node: Optional[int] = None) -> List[Rank]:
+    """Run the trainer on `world_size` ranks (start_ranks) to the end; fails the test unless
+    all exit 0."""
+    ranks = start_ranks(args, tmp_path, world_size, env, ranks_per_node)
     codes = wait_ranks(ranks, timeout)
     if any(codes):
         pytest.fail(f"exit codes {codes}:\n" + "\n".join(r.output()[-3000:] for r in ranks))
@@ -193,6 +197,14 @@ def _parse_error(capsys, argv) -> str:
     (["--baseline-plan", "same"], "--baseline-plan applies to --baseline torchrec only"),
     (["--baseline", "torchrec", "--baseline-plan", "same", "--sharding", "table_wise"],
      "--baseline-plan applies to --sharding auto"),
+    (["--data-parallel-tables", "--sharding", "table_wise"],
+     "--data-parallel-tables applies to --sharding auto"),
+    (["--data-parallel-tables", "--topology", "2d", "--ranks-per-node", "2"],
+     "--data-parallel-tables with --topology 2d is not supported"),
+    (["--baseline", "torchrec", "--data-parallel-tables"],
+     "--data-parallel-tables applies to the recxla path only"),
+    (["--baseline", "torchrec", "--no-dense-allreduce-by-node"],
+     "--dense-allreduce-by-node applies to the recxla path only"),
     (["--eval-fraction", "0.2"], "--eval-fraction applies to --data"),
     (["--eval-fraction", "1"], "--eval-fraction: must be a number in (0, 1), got 1.0"),
     (["--overlap", "maybe"], "unrecognized arguments: maybe"),

@@ -1,6 +1,7 @@
 """The baseline a TorchRec user runs. The trainer's plans (recxla.train.sharding.plan_sharding):
 the TorchRec baseline plans as a TorchRec user's run does, free to make tables data-parallel;
---baseline-plan same and the recxla path keep every table model-parallel. The cluster
+--baseline-plan same and the recxla path keep every table model-parallel, unless
+--data-parallel-tables, where the recxla path plans as TorchRec's own run does. The cluster
 benchmark's headline ratios are against the fastest TorchRec variant of the run.
 
 The planner runs on one gloo rank for a topology of 2 nodes x 2 ranks at the trainer's default
@@ -43,7 +44,7 @@ def _plans(rank, world, variants):
 def test_baseline_plans_as_torchrec_and_same_keeps_recxla_plan():
     variants = {"torchrec": ["--baseline", "torchrec"],
                 "same": ["--baseline", "torchrec", "--baseline-plan", "same"],
-                "recxla": []}
+                "recxla": [], "recxla own": ["--data-parallel-tables"]}
     plans = run_distributed(_plans, 1, args=(variants,))[0]
     for name in variants:
         assert sorted(plans[name]) == plans[name + " names"]  # every table planned
@@ -52,6 +53,8 @@ def test_baseline_plans_as_torchrec_and_same_keeps_recxla_plan():
     assert replicated and len(replicated) < len(own)
     assert plans["same"] == plans["recxla"]
     assert "data_parallel" not in plans["recxla"].values()
+    # recxla's sharder hands data-parallel tables to TorchRec's: the planner decides alike.
+    assert plans["recxla own"] == own
 
 
 def _bench_run(eps: float, cpu_us: float) -> dict:

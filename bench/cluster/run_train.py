@@ -14,7 +14,9 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     recxla no FP8 / no dedup / bf16 bwd   the same with one feature switched off
     recxla rows (+AR)    row exchange where it is smaller (--row-exchange auto); +AR: bf16
                          dense all-reduce
-    recxla DBP           the next batch's ids during this batch (and overlap on)
+    recxla DBP           the next batch's ids during this batch (and overlap on); "ring AR":
+                         the dense all-reduce as one ring over every rank instead of by node;
+                         "own plan": TorchRec's own plan (--data-parallel-tables)
     recxla FWP m=4       4 micro-batches, all-to-alls behind the dense compute, no DBP
     recxla FWP+DBP m=M   both, M = 2, 4, 8; "clustered": micro-batches by cluster_samples
     recxla 2D m=4        the all-to-alls inside each node, gradients summed across nodes
@@ -60,6 +62,8 @@ VARIANTS = {
     "recxla rows": ["--overlap", "off", "--dbp", "off"],
     "recxla rows+AR": ["--overlap", "off", "--dbp", "off", "--dense-allreduce", "bf16"],
     "recxla DBP": ["--dense-allreduce", "bf16"],
+    "recxla DBP ring AR": ["--dense-allreduce", "bf16", "--no-dense-allreduce-by-node"],
+    "recxla DBP own plan": ["--dense-allreduce", "bf16", "--data-parallel-tables"],
     "recxla FWP m=4": ["--micro-batches", "4", "--dbp", "off", "--dense-allreduce", "bf16"],
     "recxla FWP+DBP m=2": ["--micro-batches", "2", "--dense-allreduce", "bf16"],
     "recxla FWP+DBP m=4": ["--micro-batches", "4", "--dense-allreduce", "bf16"],

@@ -21,15 +21,11 @@ _UNKNOWN = -1
 _MAX_LISTED = 4
 
 
-# torch 2.14 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 def _gather_rows(local: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """[world, local.numel()]: row r is rank r's `local` (gloo wants a flat output)."""
     world = dist.get_world_size(group)
     out = local.new_empty((world * local.numel(),))
-    _all_gather(out, local, group=group)
+    dist.all_gather_single(out, local, group=group)
     return out.view(world, local.numel())
 
 

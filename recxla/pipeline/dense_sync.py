@@ -17,6 +17,12 @@ gradient_as_bucket_view (TorchRec's DDP wrapper sets it: the parameters' .grad a
 buckets), else DDP copies the bucket into .grad at the end of the backward and the deferred
 result would never reach it; without it the hook waits as DDP does.
 
+By node: given the node layout (`nodes`, make_topology_2d's groups), a deferred bucket is summed
+inside each node, then each rank sends 1/ranks_per_node of it across the nodes
+(recxla.distributed.all_reduce_by_node: a third less across 2 nodes of 2 ranks than gloo's
+ring). It needs the deferred wait (its last collective runs at `wait()`); a bucket DDP waits
+for itself goes by the ring.
+
 A DDP module takes one comm hook, so every pipeline on the same model shares one
 MicroBatchGradientSync (`for_ddp`). Outside a pipeline's step it is left at sync=True in fp32,
 not deferred: DDP's own all-reduce (average over the ranks), so the model trains on its own as
@@ -29,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from recxla.distributed.all_reduce_by_node import all_reduce_by_node
 from recxla.pipeline.micro_batches import OWNER
 
 PRECISIONS = ("fp32", "bf16")
@@ -45,10 +52,42 @@ def wire_dtype(precision: str):
 _INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def check_nodes(nodes, ddp: DistributedDataParallel) -> None:
+    """Raises unless `nodes` (a Topology2D, or None) lays out exactly the ranks of `ddp`'s
+    group, which must be the default group (the layout numbers ranks globally)."""
+    if nodes is None:
+        return
+    for attr in ("num_nodes", "ranks_per_node", "shard_group", "replica_group"):
+        if not hasattr(nodes, attr):
+            raise TypeError(f"{OWNER}: dense_allreduce_nodes must be a "
+                            f"recxla.torchrec.Topology2D (make_topology_2d), got "
+                            f"{type(nodes).__name__}")
+    world = dist.get_world_size(ddp.process_group)
+    if world != dist.get_world_size():
+        raise ValueError(f"{OWNER}: dense_allreduce_nodes needs DDP over every rank; its group "
+                         f"has {world} of {dist.get_world_size()}")
+    if nodes.num_nodes * nodes.ranks_per_node != world:
+        raise ValueError(f"{OWNER}: dense_allreduce_nodes lays out {nodes.num_nodes} nodes x "
+                         f"{nodes.ranks_per_node} ranks, but DDP's group has {world} ranks")
+
+
+class _DeferredBucket:
+    """A bucket's average on its way: `handle` is the all-reduce's Work, or the
+    AllReduceByNodeHandle; finish() waits for it and writes the average into the bucket."""
+
+    def __init__(self, buffer: torch.Tensor, sent: torch.Tensor, handle):
+        self.buffer, self.sent, self.handle = buffer, sent, handle
+
+    def finish(self) -> None:
+        self.handle.wait()
+        self.buffer.copy_(self.sent)
+
+
 class MicroBatchGradientSync:
     """Installs the comm hook on `ddp`; a pipeline sets `sync` before each micro-batch's
-    backward, `wire` (wire_dtype) and `deferred` for its step, calls `wait()` before its dense
-    optimizer step, and `reset()`s after it."""
+    backward, `wire` (wire_dtype), `deferred` and `nodes` (a Topology2D checked by check_nodes,
+    or None) for its step, calls `wait()` before its dense optimizer step, and `reset()`s
+    after it."""
 
     @classmethod
     def for_ddp(cls, ddp: DistributedDataParallel) -> "MicroBatchGradientSync":
@@ -63,9 +102,10 @@ class MicroBatchGradientSync:
         self.sync = True
         self.wire = None
         self.deferred = False
+        self.nodes = None
         # Deferring needs the buckets to be the gradients' storage (see the module docstring).
         self.can_defer = bool(getattr(ddp, "gradient_as_bucket_view", False))
-        # (bucket buffer, tensor on the wire, in-flight work) of each deferred bucket, in order.
+        # The deferred buckets (_DeferredBucket), in order.
         self.in_flight = []
         try:
             ddp.register_comm_hook(self, self._hook)
@@ -80,16 +120,15 @@ class MicroBatchGradientSync:
         """Waits for the deferred all-reduces and writes each bucket's average into it (the
         parameters' .grad)."""
         pending, self.in_flight = self.in_flight, []
-        for buffer, sent, work in pending:
-            work.wait()
-            buffer.copy_(sent)
+        for reduction in pending:
+            reduction.finish()
 
     def reset(self) -> None:
         """DDP's own behaviour: every backward all-reduces (fp32, averaged) and DDP waits. Any
         deferred all-reduce still in flight is waited for first (a step that raised), so no
         collective is left behind."""
         self.wait()
-        self.sync, self.wire, self.deferred = True, None, False
+        self.sync, self.wire, self.deferred, self.nodes = True, None, False, None
 
     @staticmethod
     def _hook(state: "MicroBatchGradientSync", bucket) -> torch.futures.Future[torch.Tensor]:
@@ -101,8 +140,12 @@ class MicroBatchGradientSync:
         if state.deferred and state.can_defer:
             # The average travels in its own tensor; DDP gets the bucket back as it is.
             sent = (buffer if state.wire is None else buffer.to(state.wire)) / state.world
-            state.in_flight.append((buffer, sent, dist.all_reduce(sent, group=state.group,
-                                                                 async_op=True)))
+            if state.nodes is None:
+                handle = dist.all_reduce(sent, group=state.group, async_op=True)
+            else:
+                handle = all_reduce_by_node(sent, state.nodes.shard_group,
+                                            state.nodes.replica_group)
+            state.in_flight.append(_DeferredBucket(buffer, sent, handle))
             done = torch.futures.Future()
             done.set_result(buffer)
             return done

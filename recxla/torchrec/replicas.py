@@ -40,8 +40,6 @@ from recxla.torchrec.row_exchange import apply_row_gradients
 from recxla.torchrec.shard_layout import OWNER
 
 SYNCS = ("gradients", "weights")
-# torch 2.14 renamed all_gather_into_tensor (deprecated since) to all_gather_single.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -188,14 +186,14 @@ def sum_over_replicas(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64, device=device)
     # gloo gathers into flat outputs only.
     all_counts = torch.empty(size * counts.numel(), dtype=torch.int64, device=device)
-    _all_gather(all_counts, counts, group=group)
+    dist.all_gather_single(all_counts, counts, group=group)
     all_counts = all_counts.view(size, -1).cpu()
     longest = int(all_counts.sum(1).max()) if size else 0
     mine = torch.full((longest,), -1, dtype=torch.int64, device=device)
     flat = torch.cat([r.to(torch.int64) for r in rows]) if rows else mine[:0]
     mine[: flat.numel()] = flat
     gathered = torch.empty(size * longest, dtype=torch.int64, device=device)
-    _all_gather(gathered, mine, group=group)
+    dist.all_gather_single(gathered, mine, group=group)
     gathered = gathered.view(size, longest)
     unions, positions, offset = [], [], 0
     starts = torch.cumsum(all_counts, 1) - all_counts

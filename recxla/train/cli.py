@@ -116,8 +116,8 @@ def _train(config, conn, watchdog, meter) -> dict:
         evaluate, format_summary, iface_bytes, local_figures, machine, summarize, write_metrics)
     from recxla.train.models import build_model, init_embedding_tables
     from recxla.train.sharding import (
-        build_optimizer, build_sharder, embedding_tables, gradient_division_description,
-        plan_sharding, plan_summary, resolve_row_exchange, shard_model, sharder_description)
+        build_optimizer, build_sharder, data_parallel_tables, embedding_tables,
+        gradient_division_description, plan_sharding, plan_summary, resolve_row_exchange, shard_model, sharder_description)
 
     place, device = conn.place, conn.device
     world = place.world_size
@@ -137,10 +137,20 @@ def _train(config, conn, watchdog, meter) -> dict:
                                  topology.ranks_per_node, device, topology.shard_group)
         else:
             plan = plan_sharding(model, config, tables, world, place.local_world_size, device)
+        # The node layout of the dense all-reduce by node (2d's own, else its groups made now:
+        # every rank takes the same branch, as group creation needs).
+        node_size = topology.ranks_per_node if topology else place.local_world_size
+        dense_nodes = None
+        if config.dense_allreduce_by_node and not config.baseline and 1 < node_size < world:
+            from recxla.torchrec.replicas import make_topology_2d
+
+            dense_nodes = topology or make_topology_2d(node_size)
         # Every rank judges row exchange on the same batch (rank 0's first).
         sample = data.sample().sparse_features
-        row_tables = resolve_row_exchange(config, tables, sample,
-                                          topology.ranks_per_node if topology else world)
+        # Data-parallel tables have no owner to send rows from.
+        replicated = set(data_parallel_tables(plan))
+        row_tables = resolve_row_exchange(config, [t for t in tables if t.name not in replicated],
+                                          sample, topology.ranks_per_node if topology else world)
         watchdog.progress("sharding")
         dmp = shard_model(model, build_sharder(config, row_tables, replicas), plan, device,
                           config, topology)
@@ -162,6 +172,7 @@ def _train(config, conn, watchdog, meter) -> dict:
                                  overlap=config.overlap, dbp=config.dbp, split=config.split,
                                  dbp_lookup=config.dbp_lookup,
                                  dense_allreduce=config.dense_allreduce,
+                                 dense_allreduce_nodes=dense_nodes,
                                  defer_dense_update=config.defer_dense_update,
                                  timeline=timeline, phase=meter.phase)
     progress = Progress(place.rank == 0 and config.progress, config.steps, start,
@@ -237,6 +248,7 @@ def _train(config, conn, watchdog, meter) -> dict:
             f"recxla TrainPipeline: {config.micro_batches} micro-batches, overlap "
             f"{'on' if config.overlap else 'off'}, dbp {'on' if config.dbp else 'off'}"),
         "topology": config.topology,
+        "dense_allreduce_layout": ("by node" if dense_nodes is not None else "ring"),
         "nodes": world // place.local_world_size, "device": str(device),
         "resumed_from_step": start if config.resume else None,
         **summarize(config, gathered, world), **evaluation,

@@ -2,8 +2,9 @@
 
 The trainer measures TorchRec's path and recxla's path with this one instrument, so that their
 figures compare on equal terms. While installed, it replaces the collectives of
-`torch.distributed` (all_to_all_single, all_to_all, all_reduce, all_gather,
-all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, broadcast, barrier) with wrappers
+`torch.distributed` (all_to_all_single, all_to_all, all_reduce, all_gather, all_gather_single,
+reduce_scatter, reduce_scatter_single, their deprecated names all_gather_into_tensor and
+reduce_scatter_tensor, broadcast, barrier) with wrappers
 that record, per call:
 
 - bytes sent to and received from other ranks (a rank's own split never leaves the process),
@@ -42,11 +43,15 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 METERED = (
-    "all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_into_tensor",
-    "reduce_scatter", "reduce_scatter_tensor", "broadcast", "barrier",
+    "all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_single",
+    "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
+    "broadcast", "barrier",
 )  # fmt: skip
 NO_STEP = -1
 _ALL_TO_ALL = ("all_to_all_single", "all_to_all")
+_ALL_GATHER_SINGLE = ("all_gather_single", "all_gather_into_tensor")
+_REDUCE_SCATTER = ("reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor")
+_REDUCTIONS = ("all_reduce", *_ALL_GATHER_SINGLE, *_REDUCE_SCATTER)
 
 
 @dataclass
@@ -93,15 +98,15 @@ def kind_of(op: str, phase: str, tensor: Optional[torch.Tensor]) -> str:
     """What a collective carries: "ids" (the input dist's phase, or integer tensors: ids,
     lengths, splits; recxla packs its ids as uint8), "embeddings" (float or packed uint8 rows
     through an all-to-all: with the phase, the pooled embeddings forward or their gradients
-    backward), "dense" (all-reduce of float tensors: the data-parallel gradients), else the
-    op's name."""
+    backward), "dense" (all-reduce of float tensors, and the reduce-scatters and all-gathers
+    of all_reduce_by_node: the data-parallel gradients), else the op's name."""
     if phase == "input":
         return "ids"
     if tensor is not None and not tensor.is_floating_point() and tensor.dtype != torch.uint8:
         return "ids"
     if op in _ALL_TO_ALL:
         return "embeddings"
-    if op == "all_reduce":
+    if op in _REDUCTIONS:
         return "dense"
     return op
 
@@ -315,11 +320,11 @@ class CommMeter:
                 tensor = a["tensor"]
                 sent[ring_next] = 2 * (world - 1) * _nbytes(tensor) // world
                 received = sent[ring_next]
-            elif name in ("all_gather", "all_gather_into_tensor"):
+            elif name in ("all_gather", *_ALL_GATHER_SINGLE):
                 tensor = a["tensor"] if name == "all_gather" else a["input_tensor"]
                 sent[ring_next] = (world - 1) * _nbytes(tensor)
                 received = sent[ring_next]
-            elif name in ("reduce_scatter", "reduce_scatter_tensor"):
+            elif name in _REDUCE_SCATTER:
                 tensor = a["output"]
                 sent[ring_next] = (world - 1) * _nbytes(tensor)
                 received = sent[ring_next]

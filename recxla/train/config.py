@@ -110,6 +110,10 @@ class TrainConfig:
         group=_C, applies=RECXLA, default_text="auto; off with --topology 2d")
     dense_allreduce: str = option("fp32", "wire format of the dense gradients' all-reduce",
                                   group=_C, choices=DENSE_ALLREDUCE_FORMATS)
+    dense_allreduce_by_node: bool = option(
+        True, "all-reduce the dense gradients inside each node first, then 1/ranks-per-node "
+        "of them per rank across the nodes (recxla.distributed.all_reduce_by_node; with one "
+        "node or one rank per node: the plain all-reduce)", group=_C, applies=RECXLA)
     ddp_bucket_mb: Optional[float] = option(
         None, "DDP's bucket size for the dense gradients' all-reduce, in MB (smaller buckets "
         "start travelling earlier in the backward, at one more collective each)", group=_C,
@@ -124,6 +128,13 @@ class TrainConfig:
         "(TorchRec's planner with the baseline's sharder, free to make small tables "
         "data-parallel); same plans as the recxla path does (no data-parallel tables), for "
         "comparisons of the sharders alone", group=_C, applies=TORCHREC, choices=BASELINE_PLANS)
+
+    data_parallel_tables: bool = option(
+        False, "with --sharding auto: plan as a TorchRec user's run does, TorchRec's planner "
+        "free to make small tables data-parallel (every rank holds them; their gradients join "
+        "the dense all-reduce and the dense optimizer trains them, as on the baseline's own "
+        "plan); off: every table model-parallel, trained by the fused embedding optimizer",
+        group=_C, applies=RECXLA)
 
     micro_batches: int = option(1, "micro-batches per batch (frozen-window pipelining)",
                                 group=_O, applies=RECXLA, parse=at_least(1))
@@ -293,6 +304,12 @@ def _check(err, given: dict) -> dict:
             err("--row-exchange with --topology 2d is not supported yet (use off)")
         v["ranks_per_node"] = v["ranks_per_node"] or local_world_size()
         v["row_exchange"] = "off"
+    if v["data_parallel_tables"] and v["sharding"] != "auto":
+        err(f"--data-parallel-tables applies to --sharding auto (--sharding {v['sharding']} is "
+            "one plan for every table)")
+    if v["data_parallel_tables"] and v["topology"] == "2d":
+        err("--data-parallel-tables with --topology 2d is not supported yet (tables are "
+            "replicated across nodes already)")
     if "sync_every" in given and v["replica_sync"] != "weights":
         err("--sync-every applies to --replica-sync weights")
     if v["replica_sync"] == "weights" and v["replica_precision"] != "fp32":

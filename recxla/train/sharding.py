@@ -13,7 +13,9 @@ estimated with TorchRec's sharder. The baseline plans as a TorchRec user's run d
 (--baseline-plan torchrec): TorchRec's planner with the baseline's own sharder and no
 constraints, so it may make small tables data-parallel (replicated, their gradients in DDP's
 all-reduce and updated by the dense optimizer, as TorchRec does); --baseline-plan same gives it
-the recxla path's plan. An explicit --sharding TYPE is one plan for both.
+the recxla path's plan. --data-parallel-tables lets the recxla path's plan make tables
+data-parallel too, which gives it TorchRec's own plan (recxla's sharder hands those tables to
+TorchRec's). An explicit --sharding TYPE is one plan for both.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -27,7 +29,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -108,8 +110,9 @@ def sharder_description(config: TrainConfig, row_tables=()) -> str:
         return f"torchrec EmbeddingBagCollectionSharder, {config.baseline_comms} comms{plan}"
     dedup = "dedup'd ids" if config.dedup_ids else "ids not dedup'd"
     rows = f", row exchange for {len(row_tables)} tables" if row_tables else ""
+    plan = ", TorchRec's own plan" if config.data_parallel_tables else ""
     return (f"recxla EmbeddingBagCollectionSharder, {config.fwd_comm}/{config.bwd_comm} comms, "
-            f"{dedup}{rows}")
+            f"{dedup}{rows}{plan}")
 
 
 def gradient_division_description() -> str:
@@ -126,9 +129,9 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
                   group: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
     """The run's plan, by TorchRec's planner (collectively, so every rank agrees): every table
     restricted to `config.sharding` (auto: the model-parallel types both sharders offer on this
-    device), estimated with TorchRec's sharder; or, for the baseline with --sharding auto and
-    --baseline-plan torchrec, TorchRec's own choice with the baseline's sharder (module
-    docstring)."""
+    device, and data_parallel with --data-parallel-tables), estimated with TorchRec's sharder;
+    or, for the baseline with --sharding auto and --baseline-plan torchrec, TorchRec's own
+    choice with the baseline's sharder (module docstring)."""
     if config.baseline and config.sharding == "auto" and config.baseline_plan == "torchrec":
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=world_size, compute_device=device.type,
@@ -137,12 +140,16 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
         return planner.collective_plan(model, [build_sharder(config)],
                                        group or dist.GroupMember.WORLD)
     if config.sharding == "auto":
-        # Model-parallel tables only: recxla's lookup, dedup and wire formats work on sharded
-        # tables (a data-parallel one is TorchRec's dense kernel, its whole gradient in the
-        # dense all-reduce). On GPU TorchRec also row-shards.
+        # Model-parallel tables only, unless asked: recxla's lookup, dedup and wire formats
+        # work on sharded tables (a data-parallel one is TorchRec's dense kernel, its whole
+        # gradient in the dense all-reduce). On GPU TorchRec also row-shards.
         types = list(TORCHREC_CPU_SHARDINGS)
         if device.type != "cpu":
             types += ["row_wise", "table_row_wise"]
+        if config.data_parallel_tables:
+            # With every type TorchRec's sharder offers here, the planner makes TorchRec's own
+            # choice (tests/test_train_plan.py).
+            types.append(ShardingType.DATA_PARALLEL.value)
     else:
         types = [config.sharding]
     constraints = {t.name: ParameterConstraints(sharding_types=types) for t in tables}
@@ -155,6 +162,12 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
     else:
         sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(config))
     return planner.collective_plan(model, [sharder], group or dist.GroupMember.WORLD)
+
+
+def data_parallel_tables(plan: ShardingPlan) -> List[str]:
+    """The tables `plan` makes data-parallel."""
+    return [name for module_plan in plan.plan.values() for name, param in module_plan.items()
+            if param.sharding_type == ShardingType.DATA_PARALLEL.value]
 
 
 def plan_summary(plan: ShardingPlan) -> Dict[str, dict]:
