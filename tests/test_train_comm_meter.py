@@ -46,6 +46,12 @@ def _body(rank, world, seed, ranks_per_node):
             dense = torch.randn(11, generator=gen)
             summed = dense.clone()
             dist.all_reduce(summed)
+            # all_reduce_by_node's collectives; the deprecated name counts once, not twice.
+            part = torch.empty(6)
+            dist.reduce_scatter_single(part, torch.randn(12, generator=gen))
+            whole = torch.empty(12)
+            dist.all_gather_single(whole, part)
+            dist.all_gather_into_tensor(whole, part)
         meter.end_step()
         meter.begin_step(1)
         with meter.phase("forward"):
@@ -79,16 +85,20 @@ def test_meter_counts_bytes_time_and_phases(seed, ranks_per_node):
         assert res["ids"] == expected[0] + expected[1]
         assert res["records"] == [("all_to_all_single", "forward", "embeddings", 0),
                                   ("all_to_all_single", "input", "ids", 0),
-                                  ("all_reduce", "backward", "dense", 0)]
+                                  ("all_reduce", "backward", "dense", 0),
+                                  ("reduce_scatter_single", "backward", "dense", 0),
+                                  ("all_gather_single", "backward", "dense", 0),
+                                  ("all_gather_into_tensor", "backward", "dense", 0)]
         sent_rows = res["in_splits"][1 - rank]
         s0 = res["step0"]
         assert s0.bytes_sent == {"forward/embeddings": sent_rows * 5 * 4,
                                  "input/ids": sent_rows * 8,
-                                 "backward/dense": 2 * (2 - 1) * 11 * 4 // 2}
-        assert s0.bytes_received == res["out_splits"][1 - rank] * (5 * 4 + 8) + 11 * 4
+                                 # the all-reduce, then (W-1) slices of 6 floats each
+                                 "backward/dense": 2 * (2 - 1) * 11 * 4 // 2 + 3 * 6 * 4}
+        assert s0.bytes_received == res["out_splits"][1 - rank] * (5 * 4 + 8) + 11 * 4 + 72
         cross = s0.total_bytes_sent if ranks_per_node == 1 else 0
         assert s0.cross_node_bytes_sent == cross
-        assert s0.calls == 3 and res["step1"].calls == 0
+        assert s0.calls == 6 and res["step1"].calls == 0
         assert res["done"]
         # synchronous calls block for their whole flight; the async one only in its wait
         assert 0 < s0.exposed_s and set(s0.exposed_by_phase) == {"forward", "backward"}
