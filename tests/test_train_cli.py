@@ -137,7 +137,7 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
     rx = check_metrics(tmp_path / "recxla.json", 2, steps, warmup)
     tr = check_metrics(tmp_path / "torchrec.json", 2, steps, warmup)
     assert rx["path"] == "recxla" and tr["path"] == "torchrec"
-    assert tr["config"]["ddp_bucket_mb"] == 0.01 and rx["config"]["ddp_bucket_mb"] is None
+    assert tr["config"]["ddp_bucket_mb"] == 0.01 and rx["config"]["ddp_bucket_mb"] == 1.0
     assert rx["plan"] == tr["plan"]  # the same plan for both paths
     assert all(t["sharding"] == "table_wise" for t in rx["plan"].values())
     # Bytes on the wire, counted by the meter, against the layout's arithmetic.

@@ -191,7 +191,8 @@ def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan, device: tor
 
     The recxla path's all-reduce hook is recxla.pipeline's (it accumulates micro-batches and
     sends bf16 with --dense-allreduce bf16); the baseline's is torch's allreduce_hook or
-    bf16_compress_hook. DDP's buckets: config.ddp_bucket_mb, else TorchRec's default.
+    bf16_compress_hook. DDP's buckets: config.ddp_bucket_mb (the recxla path's default:
+    config.RECXLA_DDP_BUCKET_MB), else TorchRec's default.
     topology: 2D's Topology2D (DMP over one node's shard group, DDP over every rank)."""
     set_gradient_division(GRADIENT_DIVISION)
     options = {}
