@@ -84,3 +84,26 @@ def test_deferred_all_reduce_by_node_equals_ddp(seed, wire):
         assert r["pending"] >= 1, r
         assert r["own_before_wait"] and r["same_on_ranks"], r
         assert r["error_vs_ddp"] <= tolerance, r
+
+
+def _mismatched_nodes_body(rank, world):
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from recxla.pipeline.dense_sync import check_nodes
+
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+    group = dist.group.WORLD
+    check_nodes(SimpleNamespace(num_nodes=1, ranks_per_node=world, shard_group=group,
+                                replica_group=group), ddp)  # the right layout passes
+    with pytest.raises(ValueError) as e:
+        check_nodes(SimpleNamespace(num_nodes=2, ranks_per_node=2, shard_group=group,
+                                    replica_group=group), ddp)
+    return str(e.value)
+
+
+def test_node_layout_must_match_ddp_group():
+    message = run_distributed(_mismatched_nodes_body, 2)[0]
+    assert "lays out 2 nodes x 2 ranks, but DDP's group has 2 ranks" in message, message

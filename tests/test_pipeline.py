@@ -172,3 +172,5 @@ def test_pipeline_rejects_bad_options():
         TrainPipeline(NoShardedModules(), None, torch.device("cpu"))
     with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1"):
         TrainPipeline(NoShardedModules(), None, torch.device("cpu"), num_micro_batches=0)
+    with pytest.raises(TypeError, match="dense_allreduce_nodes must be a recxla.torchrec.Topo"):
+        TrainPipeline(NoShardedModules(), None, torch.device("cpu"), dense_allreduce_nodes=2)

@@ -30,6 +30,7 @@ without it.
 """
 
 import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -52,9 +53,10 @@ def wire_dtype(precision: str):
 _INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def check_nodes(nodes, ddp: DistributedDataParallel) -> None:
-    """Raises unless `nodes` (a Topology2D, or None) lays out exactly the ranks of `ddp`'s
-    group, which must be the default group (the layout numbers ranks globally)."""
+def check_nodes(nodes, ddp: Optional[DistributedDataParallel]) -> None:
+    """Raises unless `nodes` is None or a node layout (a Topology2D) and, given `ddp`, lays
+    out exactly the ranks of its group, which must be every rank (the layout numbers ranks
+    globally)."""
     if nodes is None:
         return
     for attr in ("num_nodes", "ranks_per_node", "shard_group", "replica_group"):
@@ -62,6 +64,8 @@ def check_nodes(nodes, ddp: DistributedDataParallel) -> None:
             raise TypeError(f"{OWNER}: dense_allreduce_nodes must be a "
                             f"recxla.torchrec.Topology2D (make_topology_2d), got "
                             f"{type(nodes).__name__}")
+    if ddp is None:
+        return
     world = dist.get_world_size(ddp.process_group)
     if world != dist.get_world_size():
         raise ValueError(f"{OWNER}: dense_allreduce_nodes needs DDP over every rank; its group "

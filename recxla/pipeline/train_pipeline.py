@@ -131,6 +131,7 @@ class TrainPipeline:
             raise ValueError(f"{OWNER}: dbp_lookup must be one of {self.DBP_LOOKUPS}, got "
                              f"{dbp_lookup!r}")
         self._wire = wire_dtype(dense_allreduce)
+        check_nodes(dense_allreduce_nodes, None)
         self._nodes = dense_allreduce_nodes
         self._set_model(model)
         self._optimizer = optimizer
