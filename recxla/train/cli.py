@@ -117,7 +117,8 @@ def _train(config, conn, watchdog, meter) -> dict:
     from recxla.train.models import build_model, init_embedding_tables
     from recxla.train.sharding import (
         build_optimizer, build_sharder, data_parallel_tables, embedding_tables,
-        gradient_division_description, plan_sharding, plan_summary, resolve_row_exchange, shard_model, sharder_description)
+        gradient_division_description, plan_sharding, plan_summary, resolve_row_exchange,
+        shard_model, sharder_description)
 
     place, device = conn.place, conn.device
     world = place.world_size
