@@ -9,6 +9,8 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     torchrec bf16        the baseline with TorchRec's bf16 codec both ways
     torchrec bf16+AR     ... and DDP's bf16 compress hook on the dense all-reduce
     torchrec fp32 same plan   the baseline on the recxla path's plan (no data-parallel tables)
+    recxla defaults      the trainer's defaults (fp32 dense all-reduce); "recxla own plan": with
+                         TorchRec's own plan (--data-parallel-tables)
     recxla sequential    recxla's sharder, nothing overlapped: FP8 e4m3 forward, e5m2 backward,
                          dedup'd input dist, every table pooled at its owner
     recxla no FP8 / no dedup / bf16 bwd   the same with one feature switched off
@@ -55,6 +57,8 @@ VARIANTS = {
     "torchrec bf16+AR": ["--baseline", "torchrec", "--baseline-comms", "bf16",
                          "--dense-allreduce", "bf16"],
     "torchrec fp32 same plan": ["--baseline", "torchrec", "--baseline-plan", "same"],
+    "recxla defaults": [],
+    "recxla own plan": ["--data-parallel-tables"],
     "recxla sequential": [*_SEQ],
     "recxla no FP8": [*_SEQ, "--fwd-comm", "fp32", "--bwd-comm", "fp32"],
     "recxla no dedup": [*_SEQ, "--no-dedup-ids"],
