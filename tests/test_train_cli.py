@@ -149,8 +149,10 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
         # TorchRec's bf16 codec both ways: 2 bytes a value
         assert tr["wire_bytes_per_step_by_kind"][kind] == pytest.approx(
             crossing_rows(tr) * dim * 2)
-    # The dense all-reduce: the same replicated MLPs on both paths.
-    assert rx["wire_bytes_per_step_by_kind"]["dense_allreduce"] == \
+    # The dense all-reduce: the same replicated MLPs on both paths, in bf16 on recxla's (its
+    # default) and fp32 on TorchRec's (its default).
+    assert rx["config"]["dense_allreduce"] == "bf16" and tr["config"]["dense_allreduce"] == "fp32"
+    assert 2 * rx["wire_bytes_per_step_by_kind"]["dense_allreduce"] == \
         tr["wire_bytes_per_step_by_kind"]["dense_allreduce"] > 0
     # recxla's own counters agree with the meter, and dedup sent fewer id bytes.
     stats = rx["sharder_comm_stats_per_step"]

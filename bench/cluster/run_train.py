@@ -9,14 +9,14 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     torchrec bf16        the baseline with TorchRec's bf16 codec both ways
     torchrec bf16+AR     ... and DDP's bf16 compress hook on the dense all-reduce
     torchrec fp32 same plan   the baseline on the recxla path's plan (no data-parallel tables)
-    recxla defaults      the trainer's defaults (fp32 dense all-reduce); "recxla own plan": with
-                         TorchRec's own plan (--data-parallel-tables)
     recxla sequential    recxla's sharder, nothing overlapped: FP8 e4m3 forward, e5m2 backward,
-                         dedup'd input dist, every table pooled at its owner
+                         dedup'd input dist, every table pooled at its owner (the dense
+                         all-reduce as the trainer's defaults: bf16, by node)
     recxla no FP8 / no dedup / bf16 bwd   the same with one feature switched off
-    recxla rows (+AR)    row exchange where it is smaller (--row-exchange auto); +AR: bf16
-                         dense all-reduce
-    recxla DBP           the next batch's ids during this batch (and overlap on); "ring AR":
+    recxla rows (+AR)    row exchange where it is smaller (--row-exchange auto), fp32 dense
+                         all-reduce; +AR: bf16 (the default)
+    recxla DBP           the trainer's defaults: the next batch's ids during this batch, overlap
+                         on, bf16 dense all-reduce by node in 1 MB buckets; "ring AR":
                          the dense all-reduce as one ring over every rank instead of by node;
                          "own plan": TorchRec's own plan (--data-parallel-tables)
     recxla FWP m=4       4 micro-batches, all-to-alls behind the dense compute, no DBP
@@ -57,13 +57,11 @@ VARIANTS = {
     "torchrec bf16+AR": ["--baseline", "torchrec", "--baseline-comms", "bf16",
                          "--dense-allreduce", "bf16"],
     "torchrec fp32 same plan": ["--baseline", "torchrec", "--baseline-plan", "same"],
-    "recxla defaults": [],
-    "recxla own plan": ["--data-parallel-tables"],
     "recxla sequential": [*_SEQ],
     "recxla no FP8": [*_SEQ, "--fwd-comm", "fp32", "--bwd-comm", "fp32"],
     "recxla no dedup": [*_SEQ, "--no-dedup-ids"],
     "recxla bf16 bwd": [*_SEQ, "--bwd-comm", "bf16"],
-    "recxla rows": ["--overlap", "off", "--dbp", "off"],
+    "recxla rows": ["--overlap", "off", "--dbp", "off", "--dense-allreduce", "fp32"],
     "recxla rows+AR": ["--overlap", "off", "--dbp", "off", "--dense-allreduce", "bf16"],
     "recxla DBP": ["--dense-allreduce", "bf16"],
     "recxla DBP ring AR": ["--dense-allreduce", "bf16", "--no-dense-allreduce-by-node"],
