@@ -17,8 +17,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from recxla.train import checkpoint, checkpoint_files
 from recxla.train.config import parse_config
 
-FP32 = [*SMALL, "--fwd-comm", "fp32", "--bwd-comm", "fp32", "--warmup-steps", "1",
-        "--sparse-optimizer", "rowwise_adagrad", "--dense-optimizer", "adagrad"]
+FP32 = [*SMALL, "--fwd-comm", "fp32", "--bwd-comm", "fp32", "--dense-allreduce", "fp32",
+        "--warmup-steps", "1", "--sparse-optimizer", "rowwise_adagrad", "--dense-optimizer",
+        "adagrad"]
 
 
 def _flat(d, prefix=""):
@@ -82,8 +83,8 @@ def test_recxla_and_torchrec_train_the_same_model(tmp_path):
     plan and optimizer (fused SGD), so after 3 steps every parameter agrees to float rounding."""
     common = [*SMALL, "--steps", "3", "--warmup-steps", "1", "--sparse-optimizer", "sgd",
               "--sharding", "table_wise"]
-    launch_ranks([*common, "--fwd-comm", "fp32", "--bwd-comm", "fp32",
-                  "--checkpoint-dir", str(tmp_path / "r")], tmp_path)
+    launch_ranks([*common, "--fwd-comm", "fp32", "--bwd-comm", "fp32", "--dense-allreduce",
+                  "fp32", "--checkpoint-dir", str(tmp_path / "r")], tmp_path)
     launch_ranks([*common, "--baseline", "torchrec", "--checkpoint-dir", str(tmp_path / "t")],
                  tmp_path)
     rx = _load(checkpoint.checkpoint_path(str(tmp_path / "r"), 3), tmp_path, "r")
