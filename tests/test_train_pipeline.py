@@ -64,3 +64,19 @@ def test_dense_allreduce_by_node_trains_as_the_ring(tmp_path):
     # cross-node part drops from 1.5x to 1.0x per node.
     ring, by_node = runs["ring"], runs["by node"]
     assert by_node["cross_node_bytes_per_step"] < ring["cross_node_bytes_per_step"]
+
+
+def test_data_parallel_tables_train_on_the_recxla_path(tmp_path):
+    """--data-parallel-tables: TorchRec's own plan on the recxla path, its replicated tables
+    TorchRec's, trained by the dense optimizer beside recxla's sharded ones."""
+    steps, warmup = 4, 1
+    # The Criteo profile's small tables are the ones TorchRec's planner replicates.
+    criteo = [a for a in SMALL if a not in ("--profile", "small")]
+    # 2 nodes x 2 ranks: across nodes, replicating them is cheaper than sending their rows.
+    launch_ranks([*criteo, "--max-rows", "20000", "--steps", str(steps), "--warmup-steps",
+                  str(warmup), "--data-parallel-tables", "--metrics", str(tmp_path / "m.json")],
+                 tmp_path, world_size=4, timeout=240, ranks_per_node=2)
+    m = check_metrics(tmp_path / "m.json", 4, steps, warmup)
+    kinds = [t["sharding"] for t in m["plan"].values()]
+    assert "data_parallel" in kinds and any(k != "data_parallel" for k in kinds), kinds
+    assert "TorchRec's own plan" in m["sharder"]
