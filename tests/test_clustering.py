@@ -134,15 +134,16 @@ def test_unique_key_cost_matches_reference(seed):
 @pytest.mark.parametrize("num_micro_batches", [4, 8])
 def test_far_fewer_unique_keys_than_a_random_split(seed, num_micro_batches):
     """Default profile, batch 8192, Zipf 1.05: the bench's headline case (41% fewer at
-    4 micro-batches, 56% at 8, target 40% at 4); the bound leaves room for batch-to-batch
-    spread (40.7-41.8% at 4 over 8 batches)."""
+    4 micro-batches, 56% at 8, target 40% at 4); the bounds leave room for the spread over
+    datasets and random splits (clustered / shuffled 0.570-0.597 at 4 and 0.425-0.460 at 8
+    over 41 dataset seeds)."""
     kjt = dataset_kjt(seed % 1000, 8192).sparse
     perm, offsets = recxla.cluster_samples(kjt, num_micro_batches)
     check_split(perm, offsets, 8192, num_micro_batches)
     clustered = micro_batch_unique_keys(kjt, perm, offsets).sum().item()
     shuffled = micro_batch_unique_keys(kjt, *random_split(8192, num_micro_batches)).sum().item()
     floor = micro_batch_unique_keys(kjt, torch.arange(8192), torch.tensor([0, 8192])).sum().item()
-    assert floor <= clustered <= {4: 0.605, 8: 0.46}[num_micro_batches] * shuffled
+    assert floor <= clustered <= {4: 0.62, 8: 0.48}[num_micro_batches] * shuffled
     # Users stay whole (the samples of a user's requests share every user-side key): only
     # the M - 1 cuts may split one.
     mb_of_sample = torch.empty(8192, dtype=torch.int64)
