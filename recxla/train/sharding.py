@@ -29,10 +29,11 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan, ShardingType
+from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from recxla.torchrec.data_parallel import DATA_PARALLEL, is_data_parallel
 from recxla.train.config import TORCHREC_CPU_SHARDINGS, TrainConfig
 
 # TorchRec's gradient division (torchrec.distributed.comm_ops), one setting for both paths:
@@ -149,7 +150,7 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
         if config.data_parallel_tables:
             # With every type TorchRec's sharder offers here, the planner makes TorchRec's own
             # choice (tests/test_train_plan.py).
-            types.append(ShardingType.DATA_PARALLEL.value)
+            types.append(DATA_PARALLEL)
     else:
         types = [config.sharding]
     constraints = {t.name: ParameterConstraints(sharding_types=types) for t in tables}
@@ -167,7 +168,7 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
 def data_parallel_tables(plan: ShardingPlan) -> List[str]:
     """The tables `plan` makes data-parallel."""
     return [name for module_plan in plan.plan.values() for name, param in module_plan.items()
-            if param.sharding_type == ShardingType.DATA_PARALLEL.value]
+            if is_data_parallel(param)]
 
 
 def plan_summary(plan: ShardingPlan) -> Dict[str, dict]:
