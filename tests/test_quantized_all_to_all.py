@@ -76,6 +76,16 @@ def embedding_rows(n, d, dtype):
     return x.to(dtype)
 
 
+def _as_received(rows, fmt, splits, rank):
+    """What the op returns for `rows` (the senders' rows in rank order, `splits` per sender):
+    each row encoded and decoded in `fmt`, except this rank's own rows, which stay exact."""
+    out = recxla.dequantize_rows(recxla.quantize_rows(rows, fmt), rows.shape[1], fmt,
+                                 rows.dtype).clone()
+    lo = sum(splits[:rank])
+    out[lo:lo + splits[rank]] = rows[lo:lo + splits[rank]]
+    return out
+
+
 def _forward_backward_body(rank, world, seed):
     gen = torch.Generator().manual_seed(seed)  # same on every rank: splits and shapes agree
     torch.manual_seed(seed + 1000 * rank + 1)  # own data per rank
@@ -100,12 +110,15 @@ def _forward_backward_body(rank, world, seed):
         assert_within(y, ref, error_bound(ref, fwd, dtype), what)
         if fwd == "fp32":
             assert torch.equal(y, ref.to(dtype)), what  # every dtype is exact in fp32
+        # Bit for bit: the other ranks' rows as the codec decodes them, this rank's own exact.
+        assert torch.equal(y, _as_received(ref.to(dtype), fwd, outs, rank)), what
 
         g = embedding_rows(sum(outs), d, dtype)
         (y * g).sum().backward()  # dL/dy = g exactly
         g_ref = fp32_all_to_all(g, ins, outs)
         assert x.grad.shape == x.shape and x.grad.dtype == dtype
         assert_within(x.grad, g_ref, error_bound(g_ref, bwd, dtype), f"grad of {what} bwd={bwd}")
+        assert torch.equal(x.grad, _as_received(g_ref.to(dtype), bwd, ins, rank)), what
         checked += y.numel() + x.grad.numel()
     return checked
 
@@ -114,6 +127,27 @@ def _forward_backward_body(rank, world, seed):
 def test_matches_fp32_all_to_all_forward_and_backward(world_size, seed):
     checked = run_distributed(_forward_backward_body, world_size, args=(seed,))
     assert sum(checked) > 0
+
+
+def _one_rank_body(rank, world, seed):
+    torch.manual_seed(seed)
+    for fmt in FMTS:
+        for dtype in DTYPES:
+            x = embedding_rows(int(torch.randint(1, 50, ())), 24, dtype).requires_grad_(True)
+            handle = recxla.quantized_all_to_all(x, None, None, fwd=fmt, bwd=fmt, async_op=True)
+            assert handle.is_completed() and handle.bytes_sent == handle.bytes_received == 0
+            y = handle.wait()
+            assert torch.equal(y, x.detach()) and y.data_ptr() != x.data_ptr(), (fmt, dtype)
+            g = embedding_rows(x.shape[0], 24, dtype)
+            (y * g).sum().backward()
+            assert torch.equal(x.grad, g), (fmt, dtype)
+    return True
+
+
+def test_one_rank_sends_nothing_and_loses_nothing(seed):
+    """A group of one rank: every row is the rank's own, so the output is x itself (a copy)
+    and its gradient the output's, in every format."""
+    assert run_distributed(_one_rank_body, 1, args=(seed,)) == [True]
 
 
 def _model_body(rank, world, seed):
@@ -195,6 +229,10 @@ def _errors_body(rank, world, seed):
         (dict(fwd="e4m3fn"), ValueError, "fwd must be one of"),
         (dict(bwd="int8"), ValueError, "bwd must be one of"),
         (dict(async_op=1), TypeError, "async_op must be a bool"),
+        # Without the split exchange a rank still sees its own entries disagree.
+        (dict(output_split_sizes=[ins[0] + 1 - rank, ins[1] + rank], validate_splits=False),
+         ValueError, rf"sends itself {ins[rank]} rows \(input_split_sizes\[{rank}\]\) but "
+                     rf"expects {ins[rank] + 1} from itself"),
     ]
     for kwargs, exc, match in local:
         args = dict(x=x, output_split_sizes=outs, input_split_sizes=ins)
