@@ -58,8 +58,12 @@ class FrozenWindow:
                 self.output.detach()
         self.rows = [r.detach() for r in self.row_output]
         self.out_dim = self.pooled.shape[1]
+        self._pooled_gradient = self.output.requires_grad
+        # With one micro-batch and pooled rows only, the gradient message is laid out as the
+        # buffer (each source's rows in turn) and becomes it (receive_gradient): no copy.
+        self._message_is_gradient = self.num_micro == 1 and not self.rows
         self.gradient = self.pooled.new_empty(self.pooled.shape) \
-            if self.output.requires_grad else None
+            if self._pooled_gradient and not self._message_is_gradient else None
         self.row_gradients = [r.new_empty(r.shape) for r in self.rows]
         self._messages = [module.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
@@ -78,7 +82,7 @@ class FrozenWindow:
 
     @property
     def needs_gradient(self) -> bool:
-        return self.gradient is not None or bool(self.rows)
+        return self._pooled_gradient or bool(self.rows)
 
     def start_output(self, k: int) -> None:
         """O(k): micro-batch k's pooled rows and requested rows to the ranks that use them."""
@@ -113,6 +117,10 @@ class FrozenWindow:
         handle, from_sources = self._returning[k]
         flat = handle.wait().reshape(-1)
         self._returning[k] = None
+        if self._message_is_gradient:
+            if self._pooled_gradient:
+                self.gradient = flat.view(self.pooled.shape)
+            return
         rows = self.input.rows
         start = self.input.micro_batch_start(k)
         offset = 0

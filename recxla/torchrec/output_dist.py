@@ -186,6 +186,11 @@ class OutputDist:
                 self.mean_ranges.append((offset, offset + dim))
                 self.mean_slots.append(slot)
             offset += dim
+        # Rank 0 owns every output column, in the output's order, and nothing is pooled or
+        # divided here (a group of one rank): the received rows are the output as they are, so
+        # neither pass copies.
+        self.pass_through = (self.copies == [ColumnCopy(0, 0, 0, self.out_dim, False)]
+                             and not self.mean_ranges and not groups)
 
     # -------------------------------------------------------------- gradient division
 
@@ -269,6 +274,8 @@ class OutputDist:
                  bag_lengths: Optional[torch.Tensor]) -> torch.Tensor:
         """received rows -> [batch, sum of embedding dims], the module's output columns;
         differentiable."""
+        if self.pass_through and not received.requires_grad:
+            return received.view(message.batch, self.out_dim)  # the pipeline's path: no copy
         if bag_lengths is None:
             bag_lengths = received.new_empty((message.batch, 0))
         return AssembleOutput.apply(received, self, message, bag_lengths)
@@ -339,6 +346,8 @@ class OutputDist:
     def _split(self, grad_out: torch.Tensor, received: torch.Tensor, message: Message,
                bag_lengths: torch.Tensor) -> torch.Tensor:
         """The transpose of _assemble: -> a gradient shaped like `received`."""
+        if self.pass_through:
+            return grad_out.contiguous().view(received.shape)
         batch = message.batch
         grad_out = grad_out.contiguous()
         if self.mean_ranges:
