@@ -16,7 +16,7 @@ Owner: `RowInput` holds, per row group, the ids every rank asked for, micro-batc
 micro-batch and rank by rank: the rows to gather and send, and where their gradients land.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -72,6 +72,9 @@ class RowBags:
     lengths: torch.Tensor
     weights: Optional[torch.Tensor]
     micro: List[int]
+    # bags() per (group, micro-batch, features): the forward pass (pool_rows) and the backward
+    # (row_gradients) each ask for the same ones.
+    _bags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def to(self, device: torch.device) -> "RowBags":
         """The bags on `device` (counts stay where they are: they are read on the host)."""
@@ -91,6 +94,12 @@ class RowBags:
     def bags(self, group: int, k: int, features: int):
         """(inverse [n], offsets int64 [features * B_k + 1], weights [n] or None, unique rows)
         of global row group `group` in micro-batch k."""
+        key = (group, k, features)
+        if key not in self._bags:
+            self._bags[key] = self._make_bags(group, k, features)
+        return self._bags[key]
+
+    def _make_bags(self, group: int, k: int, features: int):
         num_micro = len(self.micro)
         run = group * num_micro + k
         first, last = self.bounds[run], self.bounds[run + 1]
