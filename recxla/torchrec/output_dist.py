@@ -166,6 +166,15 @@ class OutputDist:
         self.owner_dims = [layout.output_dim(d) for d in range(layout.world_size)]
         self.out_dim = sum(layout.embedding_dims)
         self.copies = column_copies(layout)
+        # Without row-sharded sums each output column has one source: the forward is then one
+        # cat of the sources' column ranges in output order, and the backward one cat per
+        # source block in its own order, instead of a copy per range (one op each, not ~one per
+        # table).
+        self.gather = None if any(c.add for c in self.copies) else \
+            sorted(self.copies, key=lambda c: c.dst)
+        self.scatter = {}
+        for c in sorted(self.copies, key=lambda c: (c.block, c.src)):
+            self.scatter.setdefault(c.block, []).append(c)
         self.fwd_row_bytes = get_format(fwd, OWNER, "fwd_comm").row_bytes(self.row_dim)
         self.bwd_row_bytes = get_format(bwd, OWNER, "bwd_comm").row_bytes(self.row_dim)
         world = layout.world_size
@@ -186,6 +195,11 @@ class OutputDist:
                 self.mean_ranges.append((offset, offset + dim))
                 self.mean_slots.append(slot)
             offset += dim
+        widths = self.owner_dims + [f * c for f, c in zip(self.group_features, self.group_cols)]
+        for block, copies in self.scatter.items():  # each block is exactly its ranges, in order
+            _check_tiling(copies, "src", widths[block])
+        if self.gather is not None:
+            _check_tiling(self.gather, "dst", self.out_dim)
         # Rank 0 owns every output column, in the output's order, and nothing is pooled or
         # divided here (a group of one rank): the received rows are the output as they are, so
         # neither pass copies.
@@ -331,14 +345,18 @@ class OutputDist:
             rows = flat[offset: offset + count * cols].view(count, cols)
             blocks.append(pool_rows(rows, inverse, offsets, weights, self.group_features[g],
                                     self.group_pooling[g], batch))
-        out = flat.new_empty((batch, self.out_dim))
-        for c in self.copies:
-            source = blocks[c.block][:, c.src: c.src + c.width]
-            target = out[:, c.dst: c.dst + c.width]
-            if c.add:
-                target.add_(source)
-            else:
-                target.copy_(source)
+        if self.gather is not None and self.gather:
+            out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in self.gather],
+                            dim=1)
+        else:
+            out = flat.new_empty((batch, self.out_dim))
+            for c in self.copies:
+                source = blocks[c.block][:, c.src: c.src + c.width]
+                target = out[:, c.dst: c.dst + c.width]
+                if c.add:
+                    target.add_(source)
+                else:
+                    target.copy_(source)
         for k, (lo, hi) in enumerate(self.mean_ranges):
             out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
         return out
@@ -360,8 +378,9 @@ class OutputDist:
         pooled_grads = [grad_out.new_empty((batch, self.group_features[g] * cols))
                         for _, g, _, cols in message.rows]
         blocks.extend(pooled_grads)
-        for c in self.copies:
-            blocks[c.block][:, c.src: c.src + c.width].copy_(grad_out[:, c.dst: c.dst + c.width])
+        for block, copies in self.scatter.items():
+            torch.cat([grad_out[:, c.dst: c.dst + c.width] for c in copies], dim=1,
+                      out=blocks[block])
         for (offset, g, count, cols), local in zip(message.rows, pooled_grads):
             inverse, offsets, weights, _ = message.bags.bags(g, message.micro_batch,
                                                             self.group_features[g])
@@ -370,6 +389,19 @@ class OutputDist:
                 local, rows, inverse, offsets, weights, self.group_features[g],
                 self.group_pooling[g], batch))
         return grad
+
+
+def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:
+    """The column ranges' `side` ("src" or "dst"), in order, cover [0, width) without a gap or
+    an overlap: what the cats in _assemble and _split rely on."""
+    position = 0
+    for c in copies:
+        if getattr(c, side) != position:
+            break
+        position += c.width
+    if position != width or sum(c.width for c in copies) != width:
+        raise RuntimeError(f"{OWNER}: the output columns' {side} ranges do not tile "
+                           f"[0, {width}): {copies}")
 
 
 def _owner_totals(message: Message) -> List[int]:
