@@ -15,6 +15,8 @@ The receiver copies each pooled column range to the module's output columns (Tor
 order), pools its own bags of every row group from the rows it got, adds the partial sums of
 row-sharded tables and divides row-sharded MEAN bags by their length (`AssembleOutput`: one
 pass forward, one pass backward, which reduces the row groups' gradients per unique row).
+Without row-sharded sums the copies are one cat forward and one cat per source block backward;
+in a group of one rank the received rows are the output as they are, and neither pass copies.
 
 Gradient division: TorchRec's pooled all-to-alls divide the gradients that reach the owners by
 the size of the sharding group (`torchrec.distributed.comm_ops`: `grad.div_(world_size(pg))`
