@@ -347,7 +347,7 @@ class OutputDist:
             rows = flat[offset: offset + count * cols].view(count, cols)
             blocks.append(pool_rows(rows, inverse, offsets, weights, self.group_features[g],
                                     self.group_pooling[g], batch))
-        if self.gather is not None and self.gather:
+        if self.gather:  # None with row-sharded sums; [] without output columns
             out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in self.gather],
                             dim=1)
         else:
