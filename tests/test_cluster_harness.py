@@ -36,23 +36,10 @@ needs_netns = pytest.mark.skipif(
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A child of ours that exited but was not reaped yet is a zombie: it is gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _assert_clean(cluster: EmulatedCluster, pids=()):
     assert cluster.topology.leftovers() == []
     assert not [ns for ns in netns.list_namespaces() if ns.startswith(cluster.topology.prefix)]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if netns.pid_alive(p)]
 
 
 def _check_hello(results, world, payload):
@@ -143,7 +130,8 @@ def test_timeout_ends_every_rank():
 
 
 _INTERRUPTED = textwrap.dedent("""
-    import sys
+    import faulthandler, signal, sys
+    faulthandler.register(signal.SIGUSR1)
     from bench.cluster import EmulatedCluster
     with EmulatedCluster(nodes=2, ranks_per_node=1, mode="netns") as cluster:
         print(cluster.topology.prefix, flush=True)
@@ -170,14 +158,21 @@ def test_interrupted_launcher_removes_namespaces_and_ranks(sig):
             time.sleep(0.05)
         assert len(pids) == 2
         proc.send_signal(sig)
-        proc.wait(timeout=20)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # faulthandler: where the launcher is stuck
+            time.sleep(1)
+            proc.kill()
+            pytest.fail(f"the launcher did not end within 20 s of signal {sig}; its stacks:\n"
+                        f"{proc.communicate()[1]}")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode != 0
     assert not [ns for ns in netns.list_namespaces() if ns.startswith(prefix)]
-    assert not [p for p in pids if _alive(p)]
+    assert not [p for p in pids if netns.pid_alive(p)]
 
 
 def test_stale_namespaces_of_dead_processes_are_swept():
@@ -185,7 +180,7 @@ def test_stale_namespaces_of_dead_processes_are_swept():
         pytest.skip(f"network namespaces unavailable: {NETNS_REASON}")
     # A pid that is not running: the largest possible pid is never handed out in practice.
     dead = int(open("/proc/sys/kernel/pid_max").read()) - 1
-    assert not _alive(dead)
+    assert not netns.pid_alive(dead)
     name = f"{netns.NAME_PREFIX}-{dead}-1-sw"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:

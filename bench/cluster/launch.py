@@ -285,11 +285,11 @@ class EmulatedCluster:
             argv = [sys.executable, "-m", "bench.cluster.rank", job_path, str(rank)]
             if self.mode == "netns":
                 argv = self.topology.exec_prefix(rank // self.ranks_per_node) + argv
-            with open(log, "w") as log_f:
+            with open(log, "w") as log_f, _signals_held():
                 self._procs.append((rank, subprocess.Popen(
                     argv, env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log_f,
                     stderr=subprocess.STDOUT, start_new_session=True)))
-            self.started_pids.append(self._procs[-1][1].pid)
+                self.started_pids.append(self._procs[-1][1].pid)
         return port, paths
 
     @staticmethod
@@ -322,6 +322,26 @@ class EmulatedCluster:
                     f"were still running and were ended. Output of rank {running[0]}:\n"
                     f"{_tail(paths[running[0]][1])}")
             time.sleep(0.02)
+
+
+_HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+class _signals_held:
+    """Holds Ctrl-C and SIGTERM/SIGHUP back (main thread only) until the block ends, so that a
+    rank is recorded as soon as it is started: an interrupt inside Popen would otherwise leave
+    a running rank that close() does not know of. A signal that arrives meanwhile is delivered
+    when the block ends."""
+
+    def __enter__(self):
+        self._held = threading.current_thread() is threading.main_thread()
+        if self._held:
+            self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+        return self
+
+    def __exit__(self, *exc):
+        if self._held:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
 
 
 class PeerGroup:

@@ -132,14 +132,23 @@ def interface_bytes(iface: str = IFACE) -> Dict[str, int]:
     return out
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` still runs. A zombie (ended, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The state follows the command name, which is in parentheses and may hold any
+            # character: read it after the last ")".
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False  # reaped since
+    except (OSError, IndexError):
+        return True
 
 
 def sweep_stale() -> List[str]:
@@ -147,7 +156,7 @@ def sweep_stale() -> List[str]:
     removed = []
     for name in list_namespaces():
         m = _NAME_RE.match(name)
-        if m and not _pid_alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             if _run(["ip", "netns", "del", name]).returncode == 0:
                 removed.append(name)
     return removed
@@ -168,9 +177,9 @@ def _end_processes_in(ns: str) -> None:
         if not alive:
             return
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and any(_pid_alive(p) for p in alive):
+        while time.monotonic() < deadline and any(pid_alive(p) for p in alive):
             time.sleep(0.05)
-        pids = [p for p in alive if _pid_alive(p)]
+        pids = [p for p in alive if pid_alive(p)]
 
 
 @dataclass
