@@ -143,8 +143,11 @@ _INTERRUPTED = textwrap.dedent("""
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupted_launcher_removes_namespaces_and_ranks(sig):
+    # The launcher's Ctrl-C as a terminal gives it: a suite run in the background of a
+    # non-interactive shell starts with SIGINT ignored, and a child inherits that.
     proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED], cwd=REPO_ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         prefix = proc.stdout.readline().strip()
         assert prefix.startswith(netns.NAME_PREFIX), proc.stderr.read()
