@@ -12,7 +12,8 @@ rows of wire_row_dim values with no row straddling two embeddings: FP8 rows with
 forward, the gradient back in the backward format.
 
 The receiver copies each pooled column range to the module's output columns (TorchRec's
-order), pools its own bags of every row group from the rows it got, adds the partial sums of
+order), pools its own bags of every row group from the rows it got (one multi-table lookup for
+all the groups of a message, a table per group; its gradient likewise), adds the partial sums of
 row-sharded tables and divides row-sharded MEAN bags by their length (`AssembleOutput`: one
 pass forward, one pass backward, which reduces the row groups' gradients per unique row).
 Without row-sharded sums the copies are one cat forward and one cat per source block backward;
@@ -39,9 +40,9 @@ from torchrec.distributed.comm_ops import get_gradient_division
 
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import get_format
-from recxla.ops.embedding_bag import MEAN, SUM
+from recxla.ops.embedding_bag import MEAN, SUM, pooled_forward, unique_grad
 from recxla.torchrec.comm_stats import CommStats
-from recxla.torchrec.row_exchange import RowBags, RowInput, pool_rows, row_gradients
+from recxla.torchrec.row_exchange import RowBags, RowInput
 from recxla.torchrec.shard_layout import OWNER, ShardLayout
 
 
@@ -49,8 +50,8 @@ from recxla.torchrec.shard_layout import OWNER, ShardLayout
 class ColumnCopy:
     """Columns [src, src + width) of source block `block` go to output columns
     [dst, dst + width); `add` when an earlier copy already wrote them (row-sharded sums).
-    Blocks: the owners' pooled blocks (0 .. W-1), then the receiver's own pooling of each
-    global row group (W + g)."""
+    Blocks: the owners' pooled blocks (0 .. W-1), then the receiver's own pooling of every
+    global row group (W: the groups side by side in group order, each [B, features * cols])."""
 
     block: int
     src: int
@@ -69,15 +70,15 @@ def column_copies(layout: ShardLayout) -> List[ColumnCopy]:
         for src in range(layout.output_dim(owner)):
             columns.append((owner, src, targets[position]))
             position += 1
-    group = 0
+    group_column = 0
     for owner in range(layout.world_size):
         for local in layout.row_groups(owner):
             s = local.shard
             for j, feature in enumerate(layout.tables[s.table].feature_names):
                 base = layout.output_offset(s.table, feature) + s.col_offset
-                columns.extend((layout.world_size + group, j * s.cols + c, base + c)
+                columns.extend((layout.world_size, group_column + c, base + c)
                                for c in range(s.cols))
-            group += 1
+                group_column += s.cols
     copies: List[ColumnCopy] = []
     written = set()
     for block, src, dst in columns:
@@ -197,7 +198,9 @@ class OutputDist:
                 self.mean_ranges.append((offset, offset + dim))
                 self.mean_slots.append(slot)
             offset += dim
-        widths = self.owner_dims + [f * c for f, c in zip(self.group_features, self.group_cols)]
+        # The receiver's pooling of every row group: one block, the groups side by side.
+        self.row_block_width = sum(f * c for f, c in zip(self.group_features, self.group_cols))
+        widths = self.owner_dims + ([self.row_block_width] if groups else [])
         for block, copies in self.scatter.items():  # each block is exactly its ranges, in order
             _check_tiling(copies, "src", widths[block])
         if self.gather is not None:
@@ -341,12 +344,12 @@ class OutputDist:
                   bag_lengths: torch.Tensor) -> torch.Tensor:
         batch = message.batch
         blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
-        for offset, g, count, cols in message.rows:
-            inverse, offsets, weights, _ = message.bags.bags(g, message.micro_batch,
-                                                            self.group_features[g])
-            rows = flat[offset: offset + count * cols].view(count, cols)
-            blocks.append(pool_rows(rows, inverse, offsets, weights, self.group_features[g],
-                                    self.group_pooling[g], batch))
+        if message.rows:
+            bags = message.bags.message_bags(message.micro_batch, self.group_features)
+            blocks.append(pooled_forward(
+                _group_rows(flat, message), bags.unique_values, bags.unique_offsets,
+                bags.inverse, bags.offsets, bags.weights, bags.feature_table, self.group_pooling,
+                batch))
         if self.gather:  # None with row-sharded sums; [] without output columns
             out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in self.gather],
                             dim=1)
@@ -377,19 +380,20 @@ class OutputDist:
         grad = grad_out.new_empty(received.shape)
         flat = grad.view(-1)
         blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
-        pooled_grads = [grad_out.new_empty((batch, self.group_features[g] * cols))
-                        for _, g, _, cols in message.rows]
-        blocks.extend(pooled_grads)
+        if message.rows:
+            blocks.append(grad_out.new_empty((batch, self.row_block_width)))
         for block, copies in self.scatter.items():
             torch.cat([grad_out[:, c.dst: c.dst + c.width] for c in copies], dim=1,
                       out=blocks[block])
-        for (offset, g, count, cols), local in zip(message.rows, pooled_grads):
-            inverse, offsets, weights, _ = message.bags.bags(g, message.micro_batch,
-                                                            self.group_features[g])
-            rows = received.reshape(-1)[offset: offset + count * cols].view(count, cols)
-            flat[offset: offset + count * cols].view(count, cols).copy_(row_gradients(
-                local, rows, inverse, offsets, weights, self.group_features[g],
-                self.group_pooling[g], batch))
+        if message.rows:
+            bags = message.bags.message_bags(message.micro_batch, self.group_features)
+            rows = _group_rows(received.reshape(-1), message)
+            row_grads = unique_grad(blocks[-1], rows, bags.unique_values, bags.unique_offsets,
+                                    bags.inverse, bags.offsets, bags.weights,
+                                    bags.feature_table, self.group_pooling, batch)
+            for (offset, _, count, cols), row_grad in zip(message.rows, row_grads):
+                if count:
+                    flat[offset: offset + count * cols].view(count, cols).copy_(row_grad)
         return grad
 
 
@@ -404,6 +408,12 @@ def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:
     if position != width or sum(c.width for c in copies) != width:
         raise RuntimeError(f"{OWNER}: the output columns' {side} ranges do not tile "
                            f"[0, {width}): {copies}")
+
+
+def _group_rows(flat: torch.Tensor, message: Message) -> List[torch.Tensor]:
+    """Each row group's rows in a message laid out as `message` ([U_g, cols] views of flat)."""
+    return [flat[offset: offset + count * cols].view(count, cols)
+            for offset, _, count, cols in message.rows]
 
 
 def _owner_totals(message: Message) -> List[int]:

@@ -72,9 +72,9 @@ class RowBags:
     lengths: torch.Tensor
     weights: Optional[torch.Tensor]
     micro: List[int]
-    # bags() per (group, micro-batch, features): the forward pass (pool_rows) and the backward
-    # (row_gradients) each ask for the same ones.
-    _bags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # message_bags() per micro-batch: the forward pass (pooling) and the backward (gradients
+    # per unique row) each ask for the same ones.
+    _message_bags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def to(self, device: torch.device) -> "RowBags":
         """The bags on `device` (counts stay where they are: they are read on the host)."""
@@ -91,24 +91,77 @@ class RowBags:
         return (self.bounds[routing.group_base[dest + 1] * num_micro]
                 - self.bounds[routing.group_base[dest] * num_micro])
 
-    def bags(self, group: int, k: int, features: int):
-        """(inverse [n], offsets int64 [features * B_k + 1], weights [n] or None, unique rows)
-        of global row group `group` in micro-batch k."""
-        key = (group, k, features)
-        if key not in self._bags:
-            self._bags[key] = self._make_bags(group, k, features)
-        return self._bags[key]
+    def message_bags(self, k: int, features: Sequence[int]) -> "MessageBags":
+        """Every row group's bags of micro-batch k as one multi-table lookup over the rows that
+        micro-batch's message brings (group after group); features: per global row group, its
+        feature count."""
+        if k not in self._message_bags:
+            self._message_bags[k] = self._make_message_bags(k, features)
+        return self._message_bags[k]
 
-    def _make_bags(self, group: int, k: int, features: int):
-        num_micro = len(self.micro)
-        run = group * num_micro + k
-        first, last = self.bounds[run], self.bounds[run + 1]
+    def _make_message_bags(self, k: int, features: Sequence[int]) -> "MessageBags":
+        num_micro, groups = len(self.micro), self.counts.shape[0]
+        device = self.inverse.device
+        counts = self.counts[:, k].to(device)
+        unique_offsets = torch.zeros(groups + 1, dtype=torch.int64, device=device)
+        torch.cumsum(counts, 0, out=unique_offsets[1:])
+        unique_rows = self.counts[:, k].sum().item()
+        # Each group's rows are numbered from 0 in its own table.
+        unique_values = torch.arange(unique_rows, dtype=torch.int64, device=device) - \
+            torch.repeat_interleave(unique_offsets[:-1], counts, output_size=unique_rows)
+        # The ids of run (g, k) for every g: one slice with one micro-batch, else a gather.
+        first = self.bounds[k::num_micro][:groups]
+        ids = [self.bounds[g * num_micro + k + 1] - first[g] for g in range(groups)]
+        total = sum(ids)
+        ids_per_group = torch.tensor(ids, dtype=torch.int64, device=device)
+        if num_micro == 1:
+            take = slice(self.bounds[0], self.bounds[groups])
+        else:
+            shift = torch.tensor([f - before for f, before in zip(first, _exclusive_sums(ids))],
+                                 dtype=torch.int64, device=device)
+            take = torch.arange(total, device=device) + torch.repeat_interleave(
+                shift, ids_per_group, output_size=total)
+        # Each id's index into its group's rows -> into the message's rows.
+        inverse = self.inverse[take] + torch.repeat_interleave(
+            unique_offsets[:-1], ids_per_group, output_size=total)
+        weights = None if self.weights is None else self.weights[take]
+        # Bags (group, feature, sample) in that order; a group has only its own features.
         start = sum(self.micro[:k])
-        lengths = self.lengths[group, :features, start: start + self.micro[k]].reshape(-1)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        max_features = self.lengths.shape[1]
+        lengths = self.lengths[:, :, start: start + self.micro[k]]
+        if any(f != max_features for f in features):
+            valid = torch.tensor([g * max_features + f for g in range(groups)
+                                  for f in range(features[g])], device=device)
+            lengths = lengths.reshape(groups * max_features, -1)[valid]
+        lengths = lengths.reshape(-1)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        weights = None if self.weights is None else self.weights[first:last]
-        return self.inverse[first:last], offsets, weights, int(self.counts[group, k])
+        return MessageBags(unique_values, unique_offsets, inverse, offsets, weights,
+                           [g for g in range(groups) for _ in range(features[g])])
+
+
+@dataclass(frozen=True)
+class MessageBags:
+    """A receiver's bags of every row group in one micro-batch, in the arguments of
+    `recxla.ops.embedding_bag.pooled_forward` with one table per row group (its rows in the
+    message): unique_values int64 [U] (0 .. U_g - 1 per group), unique_offsets int64 [G + 1],
+    inverse int64 [n] into unique_values, offsets int64 [sum_g F_g * B_k + 1], weights float32
+    [n] or None, feature_table: the group of each of the sum_g F_g features."""
+
+    unique_values: torch.Tensor
+    unique_offsets: torch.Tensor
+    inverse: torch.Tensor
+    offsets: torch.Tensor
+    weights: Optional[torch.Tensor]
+    feature_table: List[int]
+
+
+def _exclusive_sums(values: Sequence[int]) -> List[int]:
+    out, total = [], 0
+    for v in values:
+        out.append(total)
+        total += v
+    return out
 
 
 def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
@@ -162,35 +215,6 @@ class RowInput:
 
     def rows(self, group: int, k: int, source: int) -> int:
         return self.counts[group][k][source]
-
-
-def _one_segment(rows: torch.Tensor):
-    """The rows as one table's unique rows: (arange(U), [0, U]), built on the rows' device
-    without a copy from the host."""
-    unique = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
-    bounds = torch.zeros(2, dtype=torch.int64, device=rows.device)
-    bounds[1] = rows.shape[0]
-    return unique, bounds
-
-
-def pool_rows(rows: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor,
-              weights: Optional[torch.Tensor], features: int, pooling: int,
-              batch: int) -> torch.Tensor:
-    """The receiver pools its bags of one (owner, row group, micro-batch) from the rows sent:
-    rows float32 [U, cols] -> [batch, features * cols] (feature after feature)."""
-    unique, bounds = _one_segment(rows)
-    return pooled_forward([rows], unique, bounds, inverse, offsets, weights, [0] * features,
-                          [pooling], batch)
-
-
-def row_gradients(grad: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor,
-                  offsets: torch.Tensor, weights: Optional[torch.Tensor], features: int,
-                  pooling: int, batch: int) -> torch.Tensor:
-    """The transpose of pool_rows: grad float32 [batch, features * cols] -> [U, cols], each
-    row's gradient summed over the bags that read it."""
-    unique, bounds = _one_segment(rows)
-    return unique_grad(grad.contiguous(), [rows], unique, bounds, inverse, offsets, weights,
-                       [0] * features, [pooling], batch)[0]
 
 
 def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.Tensor],

@@ -1,0 +1,130 @@
+"""pytest-benchmark: the receiver's two passes of the output dist (recxla/torchrec/output_dist.py)
+on the message a rank gets in the trainer's default 4-rank job, no communication.
+
+    .venv/bin/python -m pytest bench/bench_output_dist.py --benchmark-only
+
+The message: rank 0 of 4, batch 1024, 26 one-feature tables of dim 64, table-wise; 24 of them
+in row exchange (the trainer's plan on 4 ranks), each sending the ~31% unique rows that the
+batch's bags read, the other 2 their pooled bags. One call is the forward pass (the module's
+output columns, every row group's bags pooled from the rows) and the backward pass (the output's
+gradient back into the message's layout, reduced per unique row). Providers:
+- recxla: `OutputDist._assemble` and `_split`: one multi-table lookup for all row groups, one
+  cat per direction;
+- per group: the same arithmetic with one lookup call per row group and its bags built per
+  group (how the output dist pooled before), then the same cats;
+- memcpy: a copy of the message and of the output, both directions (the bytes read and written
+  at least once).
+extra_info as bench/common.py: bytes = the message and the output, read and written, both ways.
+"""
+
+from typing import List
+
+import pytest
+import torch
+
+from bench.common import run_and_record
+from recxla.ops.embedding_bag import SUM, pooled_forward, unique_grad
+from recxla.torchrec.comm_stats import CommStats
+from recxla.torchrec.output_dist import OutputDist
+from recxla.torchrec.row_exchange import RowBags
+from recxla.torchrec.shard_layout import Shard, ShardLayout, TableInfo
+
+WORLD, BATCH, TABLES, ROW_TABLES, DIM, ROWS, UNIQUE = 4, 1024, 26, 24, 64, 100_000, 0.31
+
+
+def _dist() -> OutputDist:
+    tables = [TableInfo(f"t{t}", ROWS, DIM, [f"f{t}"], SUM) for t in range(TABLES)]
+    shards = [[Shard(t, 0, t % WORLD, 0, ROWS, 0, DIM)] for t in range(TABLES)]
+    layout = ShardLayout.build(tables, shards, 0, WORLD, row_tables=range(ROW_TABLES))
+    return OutputDist(layout, None, "e4m3", "e5m2", CommStats())
+
+
+def _bags(groups: int, generator) -> RowBags:
+    """This rank's bags: one id per bag, into UNIQUE x BATCH rows per group."""
+    unique = int(UNIQUE * BATCH)
+    counts = torch.full((groups, 1), unique, dtype=torch.int64)
+    inverse = torch.randint(0, unique, (groups * BATCH,), generator=generator)
+    bounds = [g * BATCH for g in range(groups + 1)]
+    lengths = torch.ones(groups, 1, BATCH, dtype=torch.int64)
+    return RowBags(counts, inverse, bounds, lengths, None, [BATCH])
+
+
+def _recxla(dist, bags, flat, grad_out, bag_lengths):
+    message = dist.receive_layout(BATCH, RowBags(bags.counts, bags.inverse, bags.bounds,
+                                                 bags.lengths, None, bags.micro))
+    out = dist._assemble(flat, message, bag_lengths)
+    return out, dist._split(grad_out, flat, message, bag_lengths)
+
+
+def _group_bags(bags: RowBags, g: int):
+    """One group's bags as the lookup takes them: its rows as a table of their own."""
+    first, last = bags.bounds[g], bags.bounds[g + 1]
+    count = int(bags.counts[g, 0])
+    unique = torch.arange(count, dtype=torch.int64)
+    bounds = torch.zeros(2, dtype=torch.int64)
+    bounds[1] = count
+    lengths = bags.lengths[g, :1, :BATCH].reshape(-1)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    return unique, bounds, bags.inverse[first:last], offsets
+
+
+def _per_group(dist, bags, flat, grad_out, bag_lengths):
+    message = dist.receive_layout(BATCH, bags)
+    blocks = [flat[o: o + BATCH * d].view(BATCH, d) for o, d in message.pooled]
+    rows: List[torch.Tensor] = [flat[o: o + n * c].view(n, c) for o, _, n, c in message.rows]
+    group_bags = [_group_bags(bags, g) for _, g, _, _ in message.rows]
+    pooled = [pooled_forward([r], u, b, i, o, None, [0], [SUM], BATCH)
+              for r, (u, b, i, o) in zip(rows, group_bags)]
+    blocks.append(torch.cat(pooled, dim=1))
+    out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in dist.gather], dim=1)
+    grad = torch.empty_like(flat)
+    grad_blocks = [grad[o: o + BATCH * d].view(BATCH, d) for o, d in message.pooled]
+    grad_blocks.append(grad_out.new_empty((BATCH, dist.row_block_width)))
+    for block, copies in dist.scatter.items():
+        torch.cat([grad_out[:, c.dst: c.dst + c.width] for c in copies], dim=1,
+                  out=grad_blocks[block])
+    for (offset, _, n, c), r, (u, b, i, o), column in zip(
+            message.rows, rows, group_bags, range(0, dist.row_block_width, DIM)):
+        row_grad = unique_grad(grad_blocks[-1][:, column: column + DIM].contiguous(), [r], u,
+                               b, i, o, None, [0], [SUM], BATCH)[0]
+        grad[offset: offset + n * c].view(n, c).copy_(row_grad)
+    return out, grad
+
+
+def _memcpy(flat, grad_out, into):
+    into[0].copy_(flat)
+    into[1].copy_(grad_out)
+    into[2].copy_(grad_out)
+    into[3].copy_(flat)
+    return into
+
+
+@pytest.mark.parametrize("provider", ["recxla", "per group", "memcpy"])
+def test_output_dist_assemble_and_split(benchmark, provider):
+    generator = torch.Generator().manual_seed(0)
+    dist = _dist()
+    groups = len(dist.group_cols)
+    assert groups == ROW_TABLES
+    bags = _bags(groups, generator)
+    message = dist.receive_layout(BATCH, bags)
+    flat = torch.randn(message.total, generator=generator)
+    grad_out = torch.randn(BATCH, dist.out_dim, generator=generator)
+    bag_lengths = torch.empty(BATCH, 0)
+    benchmark.group = (f"output dist, rank 0 of {WORLD}: {TABLES} tables x dim {DIM}, "
+                       f"{groups} in row exchange, batch {BATCH}, forward + backward")
+    moved = 2 * 4 * (flat.numel() + grad_out.numel())  # read + written, fp32
+    fn = {"recxla": lambda: _recxla(dist, bags, flat, grad_out, bag_lengths),
+          "per group": lambda: _per_group(dist, bags, flat, grad_out, bag_lengths),
+          "memcpy": lambda: _memcpy(flat, grad_out, (torch.empty_like(flat),
+                                                     torch.empty_like(grad_out),
+                                                     torch.empty_like(grad_out),
+                                                     torch.empty_like(flat)))}[provider]
+    out = run_and_record(benchmark, fn, nbytes=2 * moved, memcpy_nbytes=moved,
+                         provider=provider, groups=groups)
+    if provider != "memcpy":  # both ways compute the same numbers
+        want = _per_group(dist, bags, flat, grad_out, bag_lengths)
+        torch.testing.assert_close(out[0], want[0])
+        torch.testing.assert_close(out[1], want[1])
+        if provider == "recxla":
+            assert not torch.equal(out[0], torch.zeros_like(out[0]))
