@@ -102,23 +102,27 @@ class RowBags:
     def _make_message_bags(self, k: int, features: Sequence[int]) -> "MessageBags":
         num_micro, groups = len(self.micro), self.counts.shape[0]
         device = self.inverse.device
-        counts = self.counts[:, k].to(device)
-        unique_offsets = torch.zeros(groups + 1, dtype=torch.int64, device=device)
-        torch.cumsum(counts, 0, out=unique_offsets[1:])
-        unique_rows = self.counts[:, k].sum().item()
+        # The small index tables are built on the host (counts and bounds live there) and
+        # moved without a synchronizing copy (as `to`).
+        on_device = lambda values: torch.as_tensor(  # noqa: E731
+            values, dtype=torch.int64).to(device, non_blocking=True)
+        counts = self.counts[:, k]
+        unique_rows = int(counts.sum())
+        unique_starts = [0] + torch.cumsum(counts, 0).tolist()
         # Each group's rows are numbered from 0 in its own table.
+        unique_offsets = on_device(unique_starts)
         unique_values = torch.arange(unique_rows, dtype=torch.int64, device=device) - \
-            torch.repeat_interleave(unique_offsets[:-1], counts, output_size=unique_rows)
+            torch.repeat_interleave(unique_offsets[:-1], on_device(counts),
+                                    output_size=unique_rows)
         # The ids of run (g, k) for every g: one slice with one micro-batch, else a gather.
         first = self.bounds[k::num_micro][:groups]
         ids = [self.bounds[g * num_micro + k + 1] - first[g] for g in range(groups)]
         total = sum(ids)
-        ids_per_group = torch.tensor(ids, dtype=torch.int64, device=device)
+        ids_per_group = on_device(ids)
         if num_micro == 1:
             take = slice(self.bounds[0], self.bounds[groups])
         else:
-            shift = torch.tensor([f - before for f, before in zip(first, _exclusive_sums(ids))],
-                                 dtype=torch.int64, device=device)
+            shift = on_device([f - before for f, before in zip(first, _exclusive_sums(ids))])
             take = torch.arange(total, device=device) + torch.repeat_interleave(
                 shift, ids_per_group, output_size=total)
         # Each id's index into its group's rows -> into the message's rows.
@@ -130,8 +134,8 @@ class RowBags:
         max_features = self.lengths.shape[1]
         lengths = self.lengths[:, :, start: start + self.micro[k]]
         if any(f != max_features for f in features):
-            valid = torch.tensor([g * max_features + f for g in range(groups)
-                                  for f in range(features[g])], device=device)
+            valid = on_device([g * max_features + f for g in range(groups)
+                               for f in range(features[g])])
             lengths = lengths.reshape(groups * max_features, -1)[valid]
         lengths = lengths.reshape(-1)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
