@@ -22,8 +22,8 @@ What it guarantees:
   exit code instead of being waited for;
 - one compute thread per rank: the ranks share the machine's cores;
 - each rank is a fresh process with the test's environment variables, forked from a server that
-  has imported torch, TorchRec and recxla once (see _PRELOAD): a module those imports read an
-  environment variable in is read when the server starts, before any test changed it.
+  has imported torch, TorchRec and recxla once (see _PRELOAD): an environment variable that
+  those imports read is read once, when the server starts, before any test changed it.
 """
 
 import datetime
