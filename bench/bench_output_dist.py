@@ -14,6 +14,8 @@ gradient back into the message's layout, reduced per unique row). Providers:
   group (how the output dist pooled before), then the same cats;
 - memcpy: a copy of the message and of the output, both directions (the bytes read and written
   at least once).
+TorchRec has no counterpart to time: it pools every bag at the owner and sends B x F embeddings,
+so its receiver only permutes columns (the training results compare the two whole steps).
 extra_info as bench/common.py: bytes = the message and the output, read and written, both ways.
 """
 

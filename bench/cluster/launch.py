@@ -23,6 +23,7 @@ cluster is open). An interpreter exit without the block closing is covered by at
 """
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -327,21 +328,20 @@ class EmulatedCluster:
 _HELD_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
-class _signals_held:
+@contextlib.contextmanager
+def _signals_held():
     """Holds Ctrl-C and SIGTERM/SIGHUP back (main thread only) until the block ends, so that a
     rank is recorded as soon as it is started: an interrupt inside Popen would otherwise leave
     a running rank that close() does not know of. A signal that arrives meanwhile is delivered
     when the block ends."""
-
-    def __enter__(self):
-        self._held = threading.current_thread() is threading.main_thread()
-        if self._held:
-            self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
-        return self
-
-    def __exit__(self, *exc):
-        if self._held:
-            signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
 class PeerGroup:

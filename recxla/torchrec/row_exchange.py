@@ -17,6 +17,7 @@ micro-batch and rank by rank: the rows to gather and send, and where their gradi
 """
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -108,9 +109,8 @@ class RowBags:
             values, dtype=torch.int64).to(device, non_blocking=True)
         counts = self.counts[:, k]
         unique_rows = int(counts.sum())
-        unique_starts = [0] + torch.cumsum(counts, 0).tolist()
         # Each group's rows are numbered from 0 in its own table.
-        unique_offsets = on_device(unique_starts)
+        unique_offsets = on_device(list(accumulate(counts.tolist(), initial=0)))
         unique_values = torch.arange(unique_rows, dtype=torch.int64, device=device) - \
             torch.repeat_interleave(unique_offsets[:-1], on_device(counts),
                                     output_size=unique_rows)
@@ -122,7 +122,8 @@ class RowBags:
         if num_micro == 1:
             take = slice(self.bounds[0], self.bounds[groups])
         else:
-            shift = on_device([f - before for f, before in zip(first, _exclusive_sums(ids))])
+            before = accumulate(ids, initial=0)
+            shift = on_device([f - b for f, b in zip(first, before)])
             take = torch.arange(total, device=device) + torch.repeat_interleave(
                 shift, ids_per_group, output_size=total)
         # Each id's index into its group's rows -> into the message's rows.
@@ -158,14 +159,6 @@ class MessageBags:
     offsets: torch.Tensor
     weights: Optional[torch.Tensor]
     feature_table: List[int]
-
-
-def _exclusive_sums(values: Sequence[int]) -> List[int]:
-    out, total = [], 0
-    for v in values:
-        out.append(total)
-        total += v
-    return out
 
 
 def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
