@@ -14,6 +14,7 @@ folder that pip deletes, so compiling there too would compile every unit twice).
 import glob
 import os
 import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
@@ -121,9 +122,50 @@ def get_extensions():
     ]
 
 
-def main():
+# Functions only the C++ runtime itself defines. An extension that defines them carries a private
+# copy of libstdc++ (a compiler that links it statically, as some toolchains under /opt do by
+# default): torch's error messages and streams then cross two runtimes, and the first error raised
+# inside the extension crashes the process (seen as a segfault in std::ostream on a GPU machine).
+CXX_RUNTIME_SYMBOLS = ("_ZNSt6locale7classicEv", "_ZNSt8ios_base4InitC1Ev")
+
+
+def private_cxx_runtime(library: str) -> list:
+    """The C++ runtime functions that `library` defines itself (empty for a sound build, and
+    where binutils' nm is missing)."""
+    found = set()
+    for table in (["--defined-only"], ["-D", "--defined-only"]):
+        try:
+            listing = subprocess.run(["nm", *table, library], capture_output=True, text=True,
+                                     check=False).stdout
+        except OSError:
+            return []
+        found.update(line.split()[-1] for line in listing.splitlines() if line.strip())
+    return [name for name in CXX_RUNTIME_SYMBOLS if name in found]
+
+
+def build_ext_class():
     from torch.utils.cpp_extension import BuildExtension
 
+    class BuildExtensionChecked(BuildExtension):
+        """torch's builder, then a check that the extension links the shared C++ runtime."""
+
+        def build_extension(self, ext):
+            super().build_extension(ext)
+            library = self.get_ext_fullpath(ext.name)
+            if private_cxx_runtime(library):
+                os.remove(library)  # never left where `import recxla` would load it
+                compiler = os.environ.get("CXX") or shutil.which("c++") or "c++"
+                raise RuntimeError(
+                    f"recxla: {library} carries its own copy of the C++ runtime (libstdc++): the "
+                    f"compiler ({compiler}) links it statically, and the extension would crash "
+                    "the first time it raises an error. Build with the compiler torch was built "
+                    "with, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ and /usr/bin first on PATH "
+                    "(nvcc's host compiler is the first g++ on PATH).")
+
+    return BuildExtensionChecked.with_options(use_ninja=True)
+
+
+def main():
     setup(
         name="recxla",
         version="0.1.0",
@@ -134,7 +176,7 @@ def main():
         package_dir={"recxla.triton_kernels": "triton_kernels"},
         ext_modules=[] if os.environ.get("RECXLA_SKIP_EXTENSION", "0") == "1" else
         get_extensions(),
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": build_ext_class()},
         options={"bdist_wheel": {"py_limited_api": "cp39"}},
         python_requires=">=3.10",
         install_requires=["torch>=2.14", "pyarrow>=20", "zstandard>=0.22"],

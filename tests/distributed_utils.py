@@ -23,7 +23,8 @@ What it guarantees:
 - one compute thread per rank: the ranks share the machine's cores;
 - each rank is a fresh process with the test's environment variables, forked from a server that
   has imported torch, TorchRec and recxla once (see _PRELOAD): an environment variable that
-  those imports read is read once, when the server starts, before any test changed it.
+  those imports read is read once, when the server starts, before any test changed it. NCCL
+  ranks are spawned instead (see _context).
 """
 
 import datetime
@@ -48,7 +49,12 @@ HOST = "127.0.0.1"
 _PRELOAD = ["torch", "torch.distributed", "torchrec", "recxla", "recxla.torchrec"]
 
 
-def _context():
+def _context(backend: str):
+    """Forked from the preloaded server on CPU. NCCL ranks are spawned: on a GPU machine the
+    server's imports leave CUDA initialized, and a process forked after that cannot use CUDA
+    ("Cannot re-initialize CUDA in forked subprocess")."""
+    if backend != "gloo":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -119,7 +125,7 @@ def run_distributed(
     Raises:
         DistributedTestError: a rank raised, died, or did not finish within `timeout`.
     """
-    ctx = _context()
+    ctx = _context(backend)
     # The parent owns the rendezvous server, so the port stays taken until every rank has joined.
     server = dist.TCPStore(HOST, 0, None, is_master=True, wait_for_workers=False)
     procs, conns = [], {}

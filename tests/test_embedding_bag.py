@@ -92,7 +92,8 @@ def op_inputs(dtype=torch.int64, weighted=False, batch=7, exponent=1.05):
 
 def fused_args(a, optim, grad, lr=0.05, eps=1e-3, wd=0.0, sign=1.0):
     weights = [w.clone() for w in a["weights"]]
-    states = [torch.rand(w.shape) if optim == ops.ADAGRAD else torch.rand(w.shape[0])
+    # The optimizer state lives where its table does.
+    states = [torch.rand(w.shape if optim == ops.ADAGRAD else w.shape[0], device=w.device)
               for w in weights]
     rest = [a[k] for k in ("unique_values", "unique_offsets", "inverse", "offsets",
                            "per_sample_weights", "feature_table", "pooling", "batch_size")]

@@ -91,6 +91,47 @@ def test_bad_input_raises_what_the_cpu_kernel_raises(unchecked_backend):
                 ops.pooled_forward(*forward_args)
 
 
+def bad_optimizer_args(args):
+    """(argument index, bad value) pairs for the optimizer arguments of backward_update (args of
+    fused_args with ADAGRAD): states (dtype, shape, device), optim, hparams."""
+    states, optim, hparams = args[2], args[11], args[12]
+    with_state = lambda t, s: (2, [s if i == t else x for i, x in enumerate(states)])  # noqa
+    return [
+        with_state(1, states[1].double()),
+        with_state(0, states[0][:-1]),
+        with_state(2, states[2].t() if states[2].shape[1] > 1 else states[2][:1]),
+        (2, states[:2]),
+        (11, optim[:2]),
+        (11, [optim[0], 7, optim[2]]),
+        (12, hparams[:-1]),
+        (12, hparams[:5] + [math.nan] + hparams[6:]),
+        (12, hparams[:10] + [-1.0] + hparams[11:]),
+        (12, hparams[:3] + [0.5] + hparams[4:]),
+    ]
+
+
+def test_bad_optimizer_arguments_raise_what_the_cpu_kernel_raises(unchecked_backend):
+    a = op_inputs(batch=7)
+    args = fused_args(a, ops.ADAGRAD, torch.randn(a["batch_size"], 34))
+    before = [x.clone() for x in args[1] + args[2]]
+    for index, value in bad_optimizer_args(args):
+        bad = list(args)
+        bad[index] = value
+        want = _raised(torch.ops.recxla.embedding_bag_backward_update, *bad)  # the CPU kernel
+        assert want is not None, (index, value)
+        with pytest.raises(type(want)) as got:
+            ops.backward_update(*bad)
+        assert str(want).split(", got")[0] == str(got.value).split(", got")[0], index
+        assert all(torch.equal(x, y) for x, y in zip(args[1] + args[2], before)), index
+    # A state on another device than its table: the CPU kernel's words, shown with the meta
+    # device (the dispatcher would route a meta state to the op's fake kernel instead).
+    states = [args[2][0], args[2][1].to("meta"), args[2][2]]
+    with pytest.raises(ValueError, match=r"backward_update: states\[1\] is on meta but the "
+                                         r"weights are on cpu"):
+        checks.check_optimizer("recxla::embedding_bag_backward_update", args[1], states,
+                               args[11], args[12])
+
+
 def test_valid_input_passes_and_matches_cpu(unchecked_backend):
     a = op_inputs(batch=6, weighted=True)
     flags = checks.check_lookup_data(a["weights"], a["unique_values"], a["unique_offsets"],

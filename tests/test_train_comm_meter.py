@@ -109,3 +109,18 @@ def test_union_length():
     assert _union_length([]) == 0
     assert _union_length([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.5, 3.6)]) == pytest.approx(3.0)
     assert _union_length([(2.0, 2.0)]) == 0
+
+
+def test_a_collective_missing_from_torch_is_left_alone(monkeypatch):
+    """Older torch releases lack some collectives (2.11 has no all_gather_single): the meter
+    wraps the others and puts them back."""
+    import torch.distributed.distributed_c10d as c10d
+
+    monkeypatch.delattr(c10d, "all_gather_single", raising=False)
+    monkeypatch.delattr(dist, "all_gather_single", raising=False)
+    original = c10d.all_reduce
+    meter = CommMeter()
+    with meter.installed():
+        assert c10d.all_reduce is not original and dist.all_reduce is c10d.all_reduce
+        assert not hasattr(c10d, "all_gather_single")
+    assert c10d.all_reduce is original and dist.all_reduce is original

@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from recxla import _extension
-from recxla.ops.embedding_bag_checks import check_lookup
+from recxla.ops.embedding_bag_checks import check_lookup, check_optimizer
 from recxla.reference import embedding_bag as reference
 
 SUM, MEAN = reference.SUM, reference.MEAN
@@ -179,8 +179,11 @@ def backward_update(
     args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
                  feature_table, pooling, batch_size)
     backend = _extension.backend_for(unique_values)
+    op = "recxla::embedding_bag_backward_update"
     if backend != "cpu":
-        check_lookup("recxla::embedding_bag_backward_update", args, increasing=True)
+        check_lookup(op, args, increasing=True)
+    if backend not in ("cpu", "cuda"):  # the C++ kernels check these themselves
+        check_optimizer(op, weights, states, optim, hparams)
     _backward_update(grad_output, states, args, optim, hparams, backend)
 
 

@@ -8,11 +8,14 @@ raises what the CPU kernel raises for the same data. recxla.ops.embedding_bag ca
 before any CUDA or Triton kernel launches.
 """
 
+import math
 from typing import List
 
 import torch
 
-from recxla.reference.embedding_bag import MEAN, SUM
+from recxla.reference.embedding_bag import (
+    ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
+)
 
 _NO_ERROR = 2**62  # "no bad index" in the flag tensor (above any index)
 
@@ -140,3 +143,45 @@ def check_lookup(op, args, increasing: bool) -> None:
     _check_layout(op, weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size)
     flags = check_lookup_data(weights, uv, uo, inv, offsets, feature_table, batch_size, increasing)
     raise_for_lookup_flags(op, flags, weights, inv.numel())
+
+
+def check_optimizer(op, weights, states, optim, hparams) -> None:
+    """The optimizer arguments of embedding_bag_backward_update (host only), as the C++
+    `check_optimizer` raises them: one kind, state and NUM_HPARAMS (lr, eps, weight_decay,
+    grad_sign) per table."""
+    num_tables = len(weights)
+    if len(optim) != num_tables:
+        raise ValueError(f"{op}: optim must have one entry per table ({num_tables}), got "
+                         f"{len(optim)}")
+    if len(states) != num_tables:
+        raise ValueError(f"{op}: states must have one tensor per table ({num_tables}), got "
+                         f"{len(states)}")
+    if len(hparams) != NUM_HPARAMS * num_tables:
+        raise ValueError(f"{op}: hparams must hold {NUM_HPARAMS} values per table "
+                         f"({NUM_HPARAMS * num_tables}), got {len(hparams)}")
+    for t, (w, kind) in enumerate(zip(weights, optim)):
+        if kind not in (NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD):
+            raise ValueError(f"{op}: optim[{t}] must be 0 (none), 1 (SGD), 2 (Adagrad) or 3 "
+                             f"(row-wise Adagrad), got {kind}")
+        if kind in (ADAGRAD, ROWWISE_ADAGRAD):
+            s = states[t]
+            want = w.numel() if kind == ADAGRAD else w.shape[0]
+            if s.dtype != torch.float32:
+                raise TypeError(f"{op}: states[{t}] must be float32, got {s.dtype}")
+            if not s.is_contiguous() or s.numel() != want:
+                what = "one per weight" if kind == ADAGRAD else "one per row"
+                raise ValueError(f"{op}: states[{t}] must be a contiguous tensor of {want} "
+                                 f"values ({what}), got shape {list(s.shape)}")
+            if s.device != w.device:
+                raise ValueError(f"{op}: states[{t}] is on {s.device} but the weights are on "
+                                 f"{w.device}")
+        first = NUM_HPARAMS * t
+        lr, eps, weight_decay, sign = (float(h) for h in hparams[first:first + NUM_HPARAMS])
+        for k, (name, value) in enumerate((("lr", lr), ("eps", eps),
+                                           ("weight_decay", weight_decay))):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{op}: hparams[{first + k}] ({name} of table {t}) must be "
+                                 f"finite and >= 0, got {value}")
+        if sign not in (1.0, -1.0):
+            raise ValueError(f"{op}: hparams[{first + 3}] (grad_sign of table {t}) must be 1 or "
+                             f"-1, got {sign}")

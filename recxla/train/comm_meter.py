@@ -190,7 +190,11 @@ class CommMeter:
         if self._originals:
             return
         for name in METERED:
-            original = getattr(c10d, name)
+            # A collective this torch lacks (all_gather_single is newer than some releases
+            # recxla runs on) cannot be called, so it needs no meter.
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
             self._originals[name] = original
             self._signatures[name] = inspect.signature(original)
             wrapper = self._wrap(name, original)
