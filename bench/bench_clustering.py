@@ -228,6 +228,7 @@ def test_cluster_samples_cuda(benchmark, default_batch, num_micro_batches):
         torch.cuda.synchronize()
         return out
 
+    run()  # the first call loads the kernels: not timed
     benchmark(run)
 
 

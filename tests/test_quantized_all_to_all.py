@@ -373,7 +373,10 @@ def test_steady_loop_allocates_no_new_large_blocks(seed):
     for first, faults, buffers, buffers_after in run_distributed(
             _steady_loop_body, 2, args=(seed,)):
         assert first > 1000, first  # the first step maps its buffers (a sanity check)
-        assert sum(faults) <= 64, f"minor page faults per step after warm-up: {faults}"
+        # A new wire buffer maps at least 136 pages (544 KiB of e4m3 rows); a few faults a step
+        # remain (gloo's and Python's small allocations, copy-on-write pages inherited from the
+        # process the rank was forked from).
+        assert max(faults) < 64, f"minor page faults per step after warm-up: {faults}"
         assert buffers_after == buffers, "the steady loop needed new buffers"
 
 

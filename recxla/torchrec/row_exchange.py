@@ -262,7 +262,7 @@ class RowLookup(torch.autograd.Function):
     def backward(ctx, *grads):
         kinds, states, hparams = ctx.optimizer_step()
         weights = [w.detach() for w in ctx.weights]
-        grads = [g if g is not None else torch.zeros(i.numel(), w.shape[1])
+        grads = [g if g is not None else w.new_zeros(i.numel(), w.shape[1])
                  for g, i, w in zip(grads, ctx.ids, weights)]
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
         with torch.no_grad():
