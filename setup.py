@@ -123,9 +123,9 @@ def get_extensions():
 
 
 # Functions only the C++ runtime itself defines. An extension that defines them carries a private
-# copy of libstdc++ (a compiler that links it statically, as some toolchains under /opt do by
-# default): torch's error messages and streams then cross two runtimes, and the first error raised
-# inside the extension crashes the process (seen as a segfault in std::ostream on a GPU machine).
+# copy of libstdc++ (its compiler links the runtime statically, as one GPU machine's /opt/gcc g++
+# did): torch's error messages and streams then cross two runtimes, and the first error raised
+# inside the extension crashes the process (a segfault in std::ostream).
 CXX_RUNTIME_SYMBOLS = ("_ZNSt6locale7classicEv", "_ZNSt8ios_base4InitC1Ev")
 
 
