@@ -157,9 +157,9 @@ def build_ext_class():
                 compiler = os.environ.get("CXX") or shutil.which("c++") or "c++"
                 raise RuntimeError(
                     f"recxla: {library} carries its own copy of the C++ runtime (libstdc++): the "
-                    f"compiler ({compiler}) links it statically, and the extension would crash "
-                    "the first time it raises an error. Build with the compiler torch was built "
-                    "with, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ and /usr/bin first on PATH "
+                    f"compiler ({compiler}) or LDFLAGS link it statically, and the extension would "
+                    "crash the first time it raises an error. Build with the compiler torch was "
+                    "built with, e.g. CC=/usr/bin/gcc CXX=/usr/bin/g++ and /usr/bin first on PATH "
                     "(nvcc's host compiler is the first g++ on PATH).")
 
     return BuildExtensionChecked.with_options(use_ninja=True)
