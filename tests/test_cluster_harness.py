@@ -19,10 +19,12 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from bench.cluster import (  # noqa: E402
+    ClusterBusy,
     ClusterJobError,
     ClusterTimeout,
     EmulatedCluster,
     NetnsUnavailable,
+    benchmark_lock,
     netns,
     probe,
 )
@@ -214,3 +216,30 @@ def test_run_outside_with_block_and_bad_target():
     with cluster:
         with pytest.raises(ClusterJobError, match="target must be 'module:function'"):
             cluster.run("bench.cluster.jobs", timeout=30, init_process_group=False)
+
+
+def test_a_second_benchmark_fails_at_once_naming_the_first(tmp_path):
+    """Two cluster benchmarks at once would both measure wrong: the second one is refused while
+    the first holds the lock, from another process too, and the lock goes with its holder."""
+    lock = str(tmp_path / "bench.lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            sys.path.insert(0, {REPO_ROOT!r})
+            from bench.cluster import benchmark_lock
+            with benchmark_lock("first run", {lock!r}):
+                print("held", flush=True)
+                time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ClusterBusy, match=rf"second run: .*\(pid {holder.pid}: first run; "):
+            with benchmark_lock("second run", lock):
+                pytest.fail("the second run got the lock")
+    finally:
+        holder.kill()
+        holder.wait()
+    with benchmark_lock("third run", lock):  # the killed holder's lock is gone
+        with pytest.raises(ClusterBusy, match=r"pid \d+: third run"):
+            with benchmark_lock("nested run", lock):
+                pass

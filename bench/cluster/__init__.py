@@ -9,16 +9,21 @@ and runs every rank on plain loopback instead (see launch.py).
   (one process per rank, gloo process group already up), collect each rank's JSON result, and
   always clean up: ranks, namespaces, veths.
 - rank_info (rank.py): inside a rank, its rank, node, local rank and the cluster mode.
+- benchmark_lock (launch.py): one cluster benchmark at a time on a machine (run_a2a, run_train).
 """
 
-from bench.cluster.launch import ClusterJobError, ClusterTimeout, EmulatedCluster, run_job
+from bench.cluster.launch import (
+    ClusterBusy, ClusterJobError, ClusterTimeout, EmulatedCluster, benchmark_lock, run_job,
+)
 from bench.cluster.netns import NetnsUnavailable, Topology, probe
 from bench.cluster.rank import RankInfo, rank_info
 
 __all__ = [
+    "ClusterBusy",
     "ClusterJobError",
     "ClusterTimeout",
     "EmulatedCluster",
+    "benchmark_lock",
     "NetnsUnavailable",
     "RankInfo",
     "Topology",

@@ -24,6 +24,7 @@ cluster is open). An interpreter exit without the block closing is covered by at
 
 import atexit
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -48,6 +49,35 @@ class ClusterJobError(RuntimeError):
 
 class ClusterTimeout(ClusterJobError):
     """The job ran past its timeout; every rank was ended."""
+
+
+class ClusterBusy(ClusterJobError):
+    """Another emulated-cluster benchmark is running on this machine."""
+
+
+BENCHMARK_LOCK = os.path.join(tempfile.gettempdir(), "recxla-cluster-benchmark.lock")
+
+
+@contextlib.contextmanager
+def benchmark_lock(what: str, path: str = BENCHMARK_LOCK):
+    """Holds this machine's cluster-benchmark lock while `what` runs. Two emulated-cluster
+    benchmarks at once share the cores and the links' shaping, and both report wrong figures;
+    the second one fails at once, naming the first, instead of waiting or measuring.
+    The kernel drops the lock when its holder exits, however it ends."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 500, 0).decode(errors="replace").strip() or "unknown"
+            raise ClusterBusy(f"{what}: another emulated-cluster benchmark is running ({holder}; "
+                              f"lock {path}); with both at once the figures of both would be "
+                              "wrong, so wait for it to end") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}: {what}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def free_port() -> int:

@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from bench.cluster.launch import REPO_ROOT, EmulatedCluster
+from bench.cluster.launch import REPO_ROOT, ClusterBusy, EmulatedCluster, benchmark_lock
 from bench.cluster.rank import rank_info
 from recxla.train.metrics import json_safe
 
@@ -383,9 +383,14 @@ def main(argv=None) -> int:
             p.error(f"--passes: each entry must be one of {sorted(VARIANTS)}, got {x!r}")
     picked = range(len(SETTINGS)) if args.settings == "all" else [
         int(i) for i in args.settings.split(",")]
-    t0 = time.time()
-    load_before = os.getloadavg()[0]
-    results = [run_setting(*SETTINGS[i], args) for i in picked]
+    try:
+        with benchmark_lock("bench.cluster.run_a2a"):
+            t0 = time.time()
+            load_before = os.getloadavg()[0]
+            results = [run_setting(*SETTINGS[i], args) for i in picked]
+    except ClusterBusy as e:
+        print(e, file=sys.stderr)
+        return 1
     print_table(results)
     checks = check_targets(results)
     for text, value, ok in checks:

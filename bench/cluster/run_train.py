@@ -45,7 +45,7 @@ import time
 from typing import Dict, List, Optional
 
 from bench.cluster import netns
-from bench.cluster.launch import EmulatedCluster
+from bench.cluster.launch import ClusterBusy, EmulatedCluster, benchmark_lock
 from bench.cluster.run_a2a import _machine, write_json
 
 # The recxla path runs recxla's pipeline; "sequential" waits for every exchange at once (no
@@ -207,6 +207,15 @@ def main(argv=None) -> int:
             p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
     if args.list:
         return list_variants(labels, args)
+    try:
+        with benchmark_lock("bench.cluster.run_train"):
+            return _run(labels, args, argv)
+    except ClusterBusy as e:
+        print(e, file=sys.stderr)
+        return 1
+
+
+def _run(labels: List[str], args, argv) -> int:
     load_before, t0 = os.getloadavg()[0], time.time()
     results = []
     for rate in [r for r in args.rates.split(",") if r]:
