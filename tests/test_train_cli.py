@@ -171,6 +171,18 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.gpu
+def test_trainer_on_one_gpu(tmp_path):
+    """The whole trainer on a GPU (`make gpu-check`): NCCL, the CUDA kernels, the pipeline's
+    streams with 2 micro-batches, the held-out evaluation and the metrics."""
+    steps, warmup = 6, 2
+    launch_ranks([*SMALL, "--device", "cuda", "--steps", str(steps), "--warmup-steps",
+                  str(warmup), "--micro-batches", "2", "--metrics", str(tmp_path / "gpu.json")],
+                 tmp_path, world_size=1)
+    m = check_metrics(tmp_path / "gpu.json", 1, steps, warmup)
+    assert m["path"] == "recxla" and m["device"].startswith("cuda")
+
+
 def _parse_error(capsys, argv) -> str:
     from recxla.train.config import parse_config
 
