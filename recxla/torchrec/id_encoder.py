@@ -131,7 +131,7 @@ class IdEncoder:
         if routed.first_bad >= 0:
             i = routed.first_bad
             slot = int(torch.searchsorted(lengths.view(num_slots_in, batch).sum(1).cumsum(0),
-                                          torch.tensor(i), right=True))
+                                          torch.tensor(i, device=lengths.device), right=True))
             table = layout.tables[layout.input_slot_table[slot]]
             raise IndexError(
                 f"{OWNER}: feature '{layout.input_slot_feature[slot]}' has id {int(values[i])} "
