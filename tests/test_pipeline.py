@@ -130,6 +130,20 @@ def test_pipeline_equals_sequential_loop(seed):
             assert {"lookup", "dense", "update"} <= spans, (rank, name, spans)
 
 
+def test_pipeline_on_one_rank_equals_sequential_loop(seed):
+    """A group of one rank sends nothing: its rows stay exact even with FP8 comms (a quantized
+    row would be off by ~1e-2), on every schedule."""
+    configs = {name: CONFIGURATIONS[name] for name in
+               ("sequential", "fwp+dbp m=4", "fwp+dbp m=3, row exchange",
+                "sequential, row exchange")}
+    [per_config] = run_distributed(_pipeline_body, world_size=1,
+                                   args=(seed, configs, 6, 7, "table_wise", "e4m3", "e5m2"),
+                                   timeout=300)
+    for name, (trained, error, labels_in_order, _) in per_config.items():
+        assert trained == 6 and labels_in_order, name
+        assert error <= 1e-5, (name, error)
+
+
 def test_planted_stale_read_is_caught(seed):
     """The early DBP lookup without its correction reads rows the previous update changed:
     the comparison with the sequential loop fails by far more than rounding."""

@@ -137,6 +137,20 @@ class _DivideGradient(torch.autograd.Function):
         return ctx.dist.divide_gradient(grad), None
 
 
+class _LocalExchange:
+    """The exchange of a group of one rank: the rows never leave the process, so they are handed
+    back as they are (quantized_all_to_all would copy them exactly and make no collective)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self._rows = rows
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> torch.Tensor:
+        return self._rows
+
+
 class _DividedGradientHandle:
     """A gradient exchange in flight whose wait() gives the owner's message divided as
     TorchRec's all-to-all's backward divides it."""
@@ -283,11 +297,7 @@ class OutputDist:
         flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if flat.requires_grad:
             flat = _DivideGradient.apply(flat, self)
-        handle = quantized_all_to_all(flat.view(-1, self.row_dim), [n // self.row_dim for n in recv],
-                                      [n // self.row_dim for n in send], group=self.group,
-                                      fwd=self.fwd, bwd=self.bwd, async_op=True,
-                                      validate_splits=False)
-        return handle, send, recv
+        return self._exchange(flat, recv, send, self.fwd), send, recv
 
     def assemble(self, received: torch.Tensor, message: Message,
                  bag_lengths: Optional[torch.Tensor]) -> torch.Tensor:
@@ -331,12 +341,18 @@ class OutputDist:
         to_owners = _owner_totals(message)
         from_sources = self.send_sizes(source_batches, rows, message.micro_batch)
         self._count(to_owners, from_sources, forward=False)
-        handle = quantized_all_to_all(grad.view(-1, self.row_dim),
-                                      [n // self.row_dim for n in from_sources],
-                                      [n // self.row_dim for n in to_owners], group=self.group,
-                                      fwd=self.bwd, bwd=self.bwd, async_op=True,
-                                      validate_splits=False)
+        handle = self._exchange(grad, from_sources, to_owners, self.bwd)
         return _DividedGradientHandle(handle, self), from_sources
+
+    def _exchange(self, flat: torch.Tensor, recv: List[int], send: List[int], wire: str):
+        """Starts the all-to-all of `flat` (values: `send` to each rank, `recv` from each) in
+        `wire` format (the gradient, if any, goes back in self.bwd) -> its in-flight handle."""
+        rows = flat.view(-1, self.row_dim)
+        if self.layout.world_size == 1:
+            return _LocalExchange(rows)
+        return quantized_all_to_all(rows, [n // self.row_dim for n in recv],
+                                    [n // self.row_dim for n in send], group=self.group,
+                                    fwd=wire, bwd=self.bwd, async_op=True, validate_splits=False)
 
     # -------------------------------------------------------------- the two passes
 
