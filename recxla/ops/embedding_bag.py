@@ -278,7 +278,7 @@ def _per_sample_weight_grad(grad_output, weights, unique_values, unique_offsets,
                             psw, feature_table, pooling, batch_size):
     """d out / d psw[i] = <row of id i, output gradient of its bag> (/ bag length for mean).
     -> float32 [N]."""
-    ids = unique_values[inverse].long()
+    ids = unique_values.index_select(0, inverse).long()
     lengths = offsets.diff()
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
     grad = torch.empty_like(psw)

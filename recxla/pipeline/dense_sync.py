@@ -143,7 +143,8 @@ class MicroBatchGradientSync:
             return done
         if state.deferred and state.can_defer:
             # The average travels in its own tensor; DDP gets the bucket back as it is.
-            sent = (buffer if state.wire is None else buffer.to(state.wire)) / state.world
+            sent = buffer / state.world if state.wire is None else \
+                buffer.to(state.wire).div_(state.world)
             if state.nodes is None:
                 handle = dist.all_reduce(sent, group=state.group, async_op=True)
             else:

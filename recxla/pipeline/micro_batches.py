@@ -37,9 +37,9 @@ def slice_samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedT
                                     counts, output_size=total)
     take = torch.arange(total, device=offsets.device) + shift
     weights = kjt.weights_or_none()
-    return KeyedJaggedTensor(keys=keys, values=kjt.values()[take],
+    return KeyedJaggedTensor(keys=keys, values=kjt.values().index_select(0, take),
                              lengths=lengths[:, start:stop].flatten(),
-                             weights=None if weights is None else weights[take],
+                             weights=None if weights is None else weights.index_select(0, take),
                              stride=stop - start)
 
 
@@ -58,6 +58,8 @@ class MicroBatches:
         return sum(self.sizes)
 
     def micro_batch(self, k: int) -> Any:
+        if len(self.sizes) == 1:
+            return self.batch  # the whole batch: cutting it would copy every id and weight
         start = sum(self.sizes[:k])
         stop = start + self.sizes[k]
         return map_samples(self.batch, self.batch_size,
@@ -83,7 +85,7 @@ def split_batch(batch: Any, num_micro_batches: int, split: str = "contiguous") -
     bounds = [int(b) for b in bounds]
     sizes = [bounds[k + 1] - bounds[k] for k in range(num_micro_batches)]
     reordered = map_samples(batch, size, lambda kjt: permute_samples(kjt, order),
-                            lambda rows: rows[order])
+                            lambda rows: rows.index_select(0, order))
     return MicroBatches(reordered, order, sizes)
 
 
@@ -97,9 +99,7 @@ def _merge(outputs: List[Any], sizes: List[int], order: Optional[torch.Tensor]) 
                 if total else first.detach()
         joined = torch.cat([o.detach() for o in outputs])
         if order is not None and joined.shape[0] == order.numel():
-            restored = torch.empty_like(joined)
-            restored[order] = joined
-            return restored
+            return torch.empty_like(joined).index_copy_(0, order, joined)
         return joined
     if isinstance(first, (tuple, list)):
         return type(first)(_merge([o[i] for o in outputs], sizes, order)

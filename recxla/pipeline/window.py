@@ -188,7 +188,7 @@ class EarlyLookup:
             changes = current_input.unique_values[cur[t]: cur[t + 1]]
             rows = reads[torch.isin(reads, changes)]
             self.rows.append(rows)
-            self.before.append(weight.detach()[rows].clone())
+            self.before.append(weight.detach().index_select(0, rows))
 
     def correction(self) -> torch.Tensor:
         """After the update: float32 [B, D_owner] to add to the early lookup's output."""
@@ -196,7 +196,7 @@ class EarlyLookup:
         batch = li.batch_size
         out = self.output.new_zeros((batch, self.output.shape[1]))
         weights = tables.weights
-        deltas = [w.detach()[rows] - before
+        deltas = [w.detach().index_select(0, rows) - before
                   for w, rows, before in zip(weights, self.rows, self.before)]
         lengths = li.offsets.diff()
         column = 0

@@ -168,7 +168,7 @@ class IdDecoder:
                     index = index.to(torch.int64) & 0xFFFF
                 else:
                     index = received[bounds[2]: bounds[2] + n * 4].view(torch.int32)
-                ids.append(unique[index.to(torch.int64)])
+                ids.append(unique.index_select(0, index))
             if self.is_weighted:
                 weights.append(received[bounds[3]: bounds[3] + n * 4].view(torch.float32))
             if my_groups:
@@ -192,9 +192,9 @@ class IdDecoder:
             # ids in segments (source, slot, micro-batch) -> (slot, micro-batch, source)
             sizes = torch.stack(counts).view(world, num_slots, num_micro)
             gather = _segment_gather(sizes, (1, 2, 0), values.numel())
-            values = values[gather]
+            values = values.index_select(0, gather)
             if psw is not None:
-                psw = psw[gather]
+                psw = psw.index_select(0, gather)
         offsets = torch.zeros(num_slots * total_batch + 1, dtype=torch.int64,
                               device=self.device)
         torch.cumsum(all_lengths.flatten(), 0, out=offsets[1:])
@@ -206,7 +206,7 @@ class IdDecoder:
             # (source, group, micro-batch) runs -> (group, micro-batch, source)
             sizes = torch.stack(row_sizes).view(world, my_groups, num_micro)
             all_ids = torch.cat(row_ids)
-            ordered = all_ids[_segment_gather(sizes, (1, 2, 0), all_ids.numel())]
+            ordered = all_ids.index_select(0, _segment_gather(sizes, (1, 2, 0), all_ids.numel()))
             counts = sizes.permute(1, 2, 0).tolist()
             per_group = [sum(sum(c) for c in group) for group in counts]
             rows = RowInput(list(torch.split(ordered, per_group)), counts)

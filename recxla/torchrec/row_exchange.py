@@ -256,7 +256,7 @@ class RowLookup(torch.autograd.Function):
         ctx.optimizer_step = optimizer_step
         ctx.ids = ids
         ctx.weights = weights
-        return tuple(w.detach()[i] for w, i in zip(weights, ids))
+        return tuple(w.detach().index_select(0, i) for w, i in zip(weights, ids))
 
     @staticmethod
     def backward(ctx, *grads):
