@@ -205,9 +205,9 @@ class EarlyLookup:
             cols = weights[t].shape[1]
             first, last = li.slot_bounds(j)
             if self.rows[t].numel() and last > first:
-                ids = li.unique_values[li.inverse[first:last]]
+                ids = li.unique_values.index_select(0, li.inverse[first:last])
                 where = torch.searchsorted(self.rows[t], ids).clamp(max=self.rows[t].numel() - 1)
-                changed = self.rows[t][where] == ids
+                changed = self.rows[t].index_select(0, where) == ids
                 sample = torch.repeat_interleave(
                     torch.arange(batch, device=ids.device), lengths[j * batch:(j + 1) * batch],
                     output_size=last - first)

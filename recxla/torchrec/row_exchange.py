@@ -120,16 +120,17 @@ class RowBags:
         total = sum(ids)
         ids_per_group = on_device(ids)
         if num_micro == 1:
-            take = slice(self.bounds[0], self.bounds[groups])
+            take = lambda x: x[self.bounds[0]: self.bounds[groups]]  # noqa: E731
         else:
             before = accumulate(ids, initial=0)
             shift = on_device([f - b for f, b in zip(first, before)])
-            take = torch.arange(total, device=device) + torch.repeat_interleave(
+            index = torch.arange(total, device=device) + torch.repeat_interleave(
                 shift, ids_per_group, output_size=total)
+            take = lambda x: x.index_select(0, index)  # noqa: E731
         # Each id's index into its group's rows -> into the message's rows.
-        inverse = self.inverse[take] + torch.repeat_interleave(
+        inverse = take(self.inverse) + torch.repeat_interleave(
             unique_offsets[:-1], ids_per_group, output_size=total)
-        weights = None if self.weights is None else self.weights[take]
+        weights = None if self.weights is None else take(self.weights)
         # Bags (group, feature, sample) in that order; a group has only its own features.
         start = sum(self.micro[:k])
         max_features = self.lengths.shape[1]
@@ -137,7 +138,7 @@ class RowBags:
         if any(f != max_features for f in features):
             valid = on_device([g * max_features + f for g in range(groups)
                                for f in range(features[g])])
-            lengths = lengths.reshape(groups * max_features, -1)[valid]
+            lengths = lengths.reshape(groups * max_features, -1).index_select(0, valid)
         lengths = lengths.reshape(-1)
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
         torch.cumsum(lengths, 0, out=offsets[1:])
@@ -176,12 +177,12 @@ def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
     micro_of_sample = torch.repeat_interleave(
         torch.arange(num_micro, device=device), torch.tensor(list(micro), device=device),
         output_size=batch)
-    k = micro_of_sample[sample] if sample.numel() else sample
-    position = routing.slot_position[slot] if slot.numel() else slot
+    k = micro_of_sample.index_select(0, sample)
+    position = routing.slot_position.index_select(0, slot)
     fmax = routing.max_features
     run = group * num_micro + k
     order = torch.sort((run * fmax + position) * max(batch, 1) + sample, stable=True).indices
-    sorted_ids = local_ids[order]
+    sorted_ids = local_ids.index_select(0, order)
     run_counts = torch.bincount(run, minlength=routing.total * num_micro)
     bounds = torch.zeros(routing.total * num_micro + 1, dtype=torch.int64, device=device)
     torch.cumsum(run_counts, 0, out=bounds[1:])
@@ -192,7 +193,7 @@ def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
                                                                           batch)
     counts = unique_offsets.diff().view(routing.total, num_micro)
     bags = RowBags(counts, inverse - starts, bounds.tolist(), lengths,
-                   None if weights is None else weights[order], list(micro))
+                   None if weights is None else weights.index_select(0, order), list(micro))
     return bags, unique, counts.flatten().tolist()
 
 
