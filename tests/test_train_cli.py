@@ -3,7 +3,8 @@ metrics file, --compare, and options rejected before any process group exists.
 
 `launch_ranks` (used by the other tests/test_train_*.py files too) starts the ranks the way
 torchrun does, by environment variables, but as plain processes: a test can then kill or stop
-one of them.
+one of them. They are forked from an interpreter that has imported the trainer already
+(tests/warm_ranks.py); the end-to-end test here starts them with torchrun.
 """
 
 import json
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import pytest
+from warm_ranks import WarmRank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A model small enough for a few steps in seconds on 2 shared cores.
@@ -32,7 +34,7 @@ def _free_port() -> int:
 
 @dataclass
 class Rank:
-    proc: subprocess.Popen
+    proc: WarmRank
     log: str
 
     def output(self) -> str:
@@ -54,10 +56,8 @@ def start_ranks(args: Sequence[str], tmp_path, world_size: int = 2,
                  LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), PYTHONPATH=REPO, **(env or {}))
         log = str(tmp_path / f"rank{r}.log")
-        with open(log, "w") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "recxla.train", *args], env=e,
-                                    cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
-        ranks.append(Rank(proc, log))
+        open(log, "w").close()
+        ranks.append(Rank(WarmRank(args, e, REPO, log), log))
     return ranks
 
 

@@ -5,7 +5,6 @@ command line), the held-out rows are split off by timestamp, both paths train it
 equals the unsharded model with fp32 comms on both paths."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from distributed_utils import run_distributed
-from test_train_cli import REPO, _parse_error
+from test_train_cli import REPO, _parse_error, launch_ranks
 
 import sharded_cases as cases
 from recxla.data import ParquetDataset
@@ -145,20 +144,13 @@ def test_bad_dataset_options(capsys, monkeypatch, dataset):
     assert "give one or the other" in err
 
 
-def _torchrun(args, timeout=400):
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "recxla.train", *args], cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
-        capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
 @pytest.mark.distributed
 def test_both_paths_train_the_dataset_from_data_alone(dataset, tmp_path):
     rx, tr = str(tmp_path / "recxla.json"), str(tmp_path / "torchrec.json")
-    _torchrun(["--data", dataset, "--steps", "6", "--metrics", rx])
-    _torchrun(["--data", dataset, "--steps", "6", "--baseline", "torchrec", "--metrics", tr])
+    for name, path, extra in (("recxla", rx, []), ("torchrec", tr, ["--baseline", "torchrec"])):
+        (tmp_path / name).mkdir()
+        launch_ranks(["--data", dataset, "--steps", "6", "--metrics", path, *extra],
+                     tmp_path / name, timeout=400)
     for path, name in ((rx, "recxla"), (tr, "torchrec")):
         with open(path) as f:
             m = json.load(f)
