@@ -188,3 +188,72 @@ def test_pipeline_rejects_bad_options():
         TrainPipeline(NoShardedModules(), None, torch.device("cpu"), num_micro_batches=0)
     with pytest.raises(TypeError, match="dense_allreduce_nodes must be a recxla.torchrec.Topo"):
         TrainPipeline(NoShardedModules(), None, torch.device("cpu"), dense_allreduce_nodes=2)
+
+
+def _integer_gathers_body(rank, world, seed, configurations):
+    """The (file:line, shape) of every aten::index by one integer index tensor that recxla's
+    own code calls in 3 pipeline steps, per configuration."""
+    import os
+    import traceback
+
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    import recxla
+    import recxla.torchrec
+    from recxla.pipeline import TrainPipeline
+
+    package = os.path.dirname(recxla.__file__) + os.sep
+    found = []
+
+    class IntegerGathers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.index.Tensor:
+                indices = [i for i in args[1] if i is not None]
+                if len(indices) == 1 and not indices[0].is_floating_point() \
+                        and indices[0].dtype != torch.bool:
+                    caller = [f for f in traceback.extract_stack()[:-1]
+                              if os.sep + "torch" + os.sep not in f.filename][-1]
+                    if caller.filename.startswith(package):
+                        where = f"{caller.filename[len(package):]}:{caller.lineno}"
+                        found.append((where, tuple(args[0].shape)))
+            return func(*args, **(kwargs or {}))
+
+    results = {}
+    generator = torch.Generator().manual_seed(seed + 1)
+    for name, options in configurations.items():
+        options = dict(options)
+        model, configs = dlrm._dlrm(seed)
+        sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
+            fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                          "learning_rate": 0.1}, fwd_comm="e4m3", bwd_comm="e5m2",
+            row_exchange=options.pop("row_exchange", "off"))
+        model = dlrm._dmp(model, sharder, "row_wise", world)
+        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                      lambda params: torch.optim.SGD(params, lr=0.1))
+        batches = [dlrm._slice(dlrm._batch(configs, world * 16, generator), rank * 16,
+                               (rank + 1) * 16) for _ in range(6)]
+        pipeline = TrainPipeline(model, dense, torch.device("cpu"), **options)
+        data = iter(batches)
+        pipeline.progress(data)
+        found.clear()
+        with IntegerGathers():
+            for _ in range(3):
+                pipeline.progress(data)
+        results[name] = sorted(set(found))
+    return results
+
+
+def test_step_gathers_by_index_select(seed):
+    """On the CPU, `x[index]` (aten::index) is 1.6-5.6x slower than `x.index_select(0, index)`
+    for the same result (docs/architecture.md, "CPU on the step's path"): recxla's code on
+    the step's path gathers by index_select. Boolean masks are another op and stay allowed."""
+    configs = {name: CONFIGURATIONS[name] for name in
+               ("sequential", "fwp+dbp m=2 clustered, early lookup", "fwp+dbp m=3, row exchange")}
+    results = run_distributed(_integer_gathers_body, world_size=2, args=(seed, configs),
+                              timeout=300)
+    for rank, per_config in enumerate(results):
+        for name, found in per_config.items():
+            assert not found, (rank, name, found)

@@ -30,7 +30,7 @@ def slice_samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedT
     lengths = kjt.lengths().view(len(keys), batch)
     offsets = kjt.offsets()
     rows = torch.arange(len(keys), device=offsets.device) * batch
-    first, last = offsets[rows + start], offsets[rows + stop]
+    first, last = offsets.index_select(0, rows + start), offsets.index_select(0, rows + stop)
     counts = (last - first).to(torch.int64)
     total = int(counts.sum())
     shift = torch.repeat_interleave(first.to(torch.int64) - (torch.cumsum(counts, 0) - counts),

@@ -211,7 +211,7 @@ class EarlyLookup:
                 sample = torch.repeat_interleave(
                     torch.arange(batch, device=ids.device), lengths[j * batch:(j + 1) * batch],
                     output_size=last - first)
-                rows = deltas[t][where[changed]]
+                rows = deltas[t].index_select(0, where[changed])
                 if li.per_sample_weights is not None:
                     rows = rows * li.per_sample_weights[first:last][changed].unsqueeze(1)
                 block = out[:, column: column + cols]

@@ -157,7 +157,7 @@ class IdDecoder:
             edges = torch.tensor([0] + list(_cumsum(micro[s])), device=self.device)
             cumulative = torch.nn.functional.pad(
                 torch.cumsum(block_lengths, 1, dtype=torch.int64), (1, 0))
-            at_edges = cumulative[:, edges]
+            at_edges = cumulative.index_select(1, edges)
             counts.append((at_edges[:, 1:] - at_edges[:, :-1]).flatten())
             if encoding == wire.RAW:
                 ids.append(received[bounds[1]: bounds[1] + n * id_bytes].view(id_dtype))
@@ -187,7 +187,7 @@ class IdDecoder:
             columns = [torch.arange(source_start[s] + sum(micro[s][:k]),
                                     source_start[s] + sum(micro[s][:k + 1]))
                        for k in range(num_micro) for s in range(world)]
-            all_lengths = all_lengths[:, torch.cat(columns).to(self.device)]
+            all_lengths = all_lengths.index_select(1, torch.cat(columns).to(self.device))
         if values.numel() and (world > 1 or num_micro > 1) and num_slots > 0:
             # ids in segments (source, slot, micro-batch) -> (slot, micro-batch, source)
             sizes = torch.stack(counts).view(world, num_slots, num_micro)
@@ -198,8 +198,8 @@ class IdDecoder:
         offsets = torch.zeros(num_slots * total_batch + 1, dtype=torch.int64,
                               device=self.device)
         torch.cumsum(all_lengths.flatten(), 0, out=offsets[1:])
-        table_bounds = offsets[torch.tensor(self.table_first_slot, device=self.device)
-                               * total_batch]
+        table_bounds = offsets.index_select(
+            0, torch.tensor(self.table_first_slot, device=self.device) * total_batch)
         unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
         rows = None
         if my_groups:

@@ -145,7 +145,8 @@ class IdEncoder:
         slot_counts = routed.slot_counts
         slot_ends = torch.cumsum(slot_counts, 0)
         slot_starts = slot_ends - slot_counts
-        group_bounds = torch.cat([slot_starts, slot_ends[-1:]])[self.group_first_slot] \
+        group_bounds = torch.cat([slot_starts, slot_ends[-1:]]).index_select(
+            0, self.group_first_slot) \
             if total_slots else torch.zeros(1, dtype=torch.int64, device=values.device)
         blocks = self._pack(routed.send_ids, routed.slot_lengths, group_bounds,
                             routed.send_weights, batch, features.values().element_size(),
