@@ -29,24 +29,30 @@ def _state(dmp):
     return out
 
 
-def _pipeline_body(rank, world, seed, configurations, steps, batch, kind, fwd, bwd):
+def _build(seed, world, kind, fwd, bwd, row_exchange="off"):
+    """The test DLRM sharded by recxla's sharder (`kind` sharding, row-wise Adagrad fused)
+    -> (DMP, its dense SGD, the table configs)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.optim.keyed import KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     import recxla.torchrec
+
+    model, configs = dlrm._dlrm(seed)
+    sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1},
+        fwd_comm=fwd, bwd_comm=bwd, row_exchange=row_exchange)
+    model = dlrm._dmp(model, sharder, kind, world)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.1))
+    return model, dense, configs
+
+
+def _pipeline_body(rank, world, seed, configurations, steps, batch, kind, fwd, bwd):
     from recxla.pipeline import Timeline, TrainPipeline
 
     def build(row_exchange="off"):
-        model, configs = dlrm._dlrm(seed)
-        sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
-            fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                          "learning_rate": 0.1}, fwd_comm=fwd, bwd_comm=bwd,
-            row_exchange=row_exchange)
-        model = dlrm._dmp(model, sharder, kind, world)
-        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                      lambda params: torch.optim.SGD(params, lr=0.1))
-        return model, dense, configs
+        return _build(seed, world, kind, fwd, bwd, row_exchange)
 
     generator = torch.Generator().manual_seed(seed + 1)
     model, dense, configs = build()
@@ -196,13 +202,9 @@ def _integer_gathers_body(rank, world, seed, configurations):
     import os
     import traceback
 
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torch.utils._python_dispatch import TorchDispatchMode
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     import recxla
-    import recxla.torchrec
     from recxla.pipeline import TrainPipeline
 
     package = os.path.dirname(recxla.__file__) + os.sep
@@ -225,14 +227,8 @@ def _integer_gathers_body(rank, world, seed, configurations):
     generator = torch.Generator().manual_seed(seed + 1)
     for name, options in configurations.items():
         options = dict(options)
-        model, configs = dlrm._dlrm(seed)
-        sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
-            fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-                          "learning_rate": 0.1}, fwd_comm="e4m3", bwd_comm="e5m2",
-            row_exchange=options.pop("row_exchange", "off"))
-        model = dlrm._dmp(model, sharder, "row_wise", world)
-        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                      lambda params: torch.optim.SGD(params, lr=0.1))
+        model, dense, configs = _build(seed, world, "row_wise", "e4m3", "e5m2",
+                                       options.pop("row_exchange", "off"))
         batches = [dlrm._slice(dlrm._batch(configs, world * 16, generator), rank * 16,
                                (rank + 1) * 16) for _ in range(6)]
         pipeline = TrainPipeline(model, dense, torch.device("cpu"), **options)
