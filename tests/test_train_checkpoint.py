@@ -80,19 +80,24 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
 
 def test_recxla_and_torchrec_train_the_same_model(tmp_path):
     """With fp32 communication both paths apply the same updates: same initial tables, data,
-    plan and optimizer (fused SGD), so after 3 steps every parameter agrees to float rounding."""
+    plan and optimizer (fused SGD), so after 3 steps every parameter agrees to float rounding.
+    TorchRec's two pipelines (--baseline-pipeline) run the same ops in the same order, only
+    scheduled apart: they agree bit for bit."""
     common = [*SMALL, "--steps", "3", "--warmup-steps", "1", "--sparse-optimizer", "sgd",
               "--sharding", "table_wise"]
     launch_ranks([*common, "--fwd-comm", "fp32", "--bwd-comm", "fp32", "--dense-allreduce",
                   "fp32", "--checkpoint-dir", str(tmp_path / "r")], tmp_path)
     launch_ranks([*common, "--baseline", "torchrec", "--checkpoint-dir", str(tmp_path / "t")],
                  tmp_path)
-    rx = _load(checkpoint.checkpoint_path(str(tmp_path / "r"), 3), tmp_path, "r")
-    tr = _load(checkpoint.checkpoint_path(str(tmp_path / "t"), 3), tmp_path, "t")
+    launch_ranks([*common, "--baseline", "torchrec", "--baseline-pipeline", "sparse_dist_lite",
+                  "--checkpoint-dir", str(tmp_path / "lite")], tmp_path)
+    rx, tr, lite = (_load(checkpoint.checkpoint_path(str(tmp_path / name), 3), tmp_path, name)
+                    for name in ("r", "t", "lite"))
     params = [k for k in rx if k.startswith("model.")]
     assert len(params) > 26
     for k in params:
         torch.testing.assert_close(rx[k], tr[k], rtol=1e-5, atol=1e-6 * float(tr[k].abs().max()))
+        assert torch.equal(lite[k], tr[k]), k
 
 
 def test_resume_rejects_other_options(tmp_path):

@@ -8,6 +8,9 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
                          own plan (its planner may make small tables data-parallel)
     torchrec bf16        the baseline with TorchRec's bf16 codec both ways
     torchrec bf16+AR     ... and DDP's bf16 compress hook on the dense all-reduce
+    torchrec bf16+AR lite   the same in TrainPipelineSparseDistLite (one batch in flight, the
+                         input dist on the step's path), TorchRec's other pipeline that runs on
+                         CPU (recxla.train.loop.METERED_PIPELINES)
     torchrec fp32 same plan   the baseline on the recxla path's plan (no data-parallel tables)
     recxla sequential    recxla's sharder, nothing overlapped: FP8 e4m3 forward, e5m2 backward,
                          dedup'd input dist, every table pooled at its owner (the dense
@@ -56,6 +59,9 @@ VARIANTS = {
     "torchrec bf16": ["--baseline", "torchrec", "--baseline-comms", "bf16"],
     "torchrec bf16+AR": ["--baseline", "torchrec", "--baseline-comms", "bf16",
                          "--dense-allreduce", "bf16"],
+    "torchrec bf16+AR lite": ["--baseline", "torchrec", "--baseline-comms", "bf16",
+                              "--dense-allreduce", "bf16", "--baseline-pipeline",
+                              "sparse_dist_lite"],
     "torchrec fp32 same plan": ["--baseline", "torchrec", "--baseline-plan", "same"],
     "recxla sequential": [*_SEQ],
     "recxla no FP8": [*_SEQ, "--fwd-comm", "fp32", "--bwd-comm", "fp32"],

@@ -12,7 +12,7 @@ way. One idea per module:
 - data: this rank's batches (synthetic, or a Parquet dataset with its own tables and held-out
   split); models: TorchRec's models, seeded tables;
 - sharding: the sharder (recxla's or TorchRec's), the plan, DMP and optimizers;
-- loop: TorchRec's TrainPipelineSparseDist, step by step, measured;
+- loop: the training pipelines (TorchRec's, metered, or recxla's), step by step, measured;
 - comm_meter: bytes and time of every collective; memory: freed memory kept, page faults;
 - metrics: the summary and its JSON; checkpoint: DCP checkpoints; compare: runs side by side.
 

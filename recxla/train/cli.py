@@ -7,7 +7,7 @@
 
 A run: options checked (exit 2 on a bad one, before any process group) -> process group and
 watchdog -> model (TorchRec's DLRM or DLRM_DCN), plan, DMP with this path's sharder, seeded
-tables -> optional resume -> TorchRec's TrainPipelineSparseDist for --steps steps, measured ->
+tables -> optional resume -> a TorchRec or recxla training pipeline for --steps steps, measured ->
 final checkpoint -> AUC on the held-out split -> summary on rank 0 (printed; JSON with
 --metrics). Exit status: 0 done; 1 this rank failed; 2 bad options; 3 another rank died, hung
 or failed (the message names it); 4 this rank made no progress for --timeout seconds.
@@ -111,7 +111,7 @@ def _train(config, conn, watchdog, meter) -> dict:
 
     from recxla.train import checkpoint
     from recxla.train.data import TrainData
-    from recxla.train.loop import MeteredPipeline, Progress, StepLog, run_steps
+    from recxla.train.loop import METERED_PIPELINES, Progress, StepLog, run_steps
     from recxla.train.metrics import (
         evaluate, format_summary, iface_bytes, local_figures, machine, summarize, write_metrics)
     from recxla.train.models import build_model, init_embedding_tables
@@ -164,7 +164,7 @@ def _train(config, conn, watchdog, meter) -> dict:
                                     dmp, optimizer)
     timeline = None
     if config.baseline:
-        pipeline = MeteredPipeline(dmp, optimizer, device, meter)
+        pipeline = METERED_PIPELINES[config.baseline_pipeline](dmp, optimizer, device, meter)
     else:
         from recxla.pipeline import Timeline, TrainPipeline
 
@@ -245,7 +245,7 @@ def _train(config, conn, watchdog, meter) -> dict:
         "name": config.display_name, "path": config.path,
         "sharder": sharder_description(config, row_tables), "world_size": world,
         "gradient_division": gradient_division_description(),
-        "pipeline": "torchrec TrainPipelineSparseDist" if config.baseline else (
+        "pipeline": f"torchrec {pipeline.torchrec_name}" if config.baseline else (
             f"recxla TrainPipeline: {config.micro_batches} micro-batches, overlap "
             f"{'on' if config.overlap else 'off'}, dbp {'on' if config.dbp else 'off'}"),
         "topology": config.topology,

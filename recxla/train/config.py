@@ -32,6 +32,8 @@ BASELINE_COMMS = ("fp32", "fp16", "bf16")
 # How the baseline plans with --sharding auto: as TorchRec would (its planner and sharder, free to
 # make tables data-parallel), or with the recxla path's plan.
 BASELINE_PLANS = ("torchrec", "same")
+# TorchRec's training pipelines the baseline runs (recxla.train.loop.METERED_PIPELINES).
+BASELINE_PIPELINES = ("sparse_dist", "sparse_dist_lite")
 # The recxla path's DDP bucket size (MB). Its all-reduce waits only at the dense optimizer step,
 # so a bucket that fills early in the backward travels during the rest of it: at 200 Mbit/s on
 # 2 x 2 ranks 1 MB buckets train 6-8% faster than TorchRec's 25 (bench/results/training.md),
@@ -133,8 +135,8 @@ class TrainConfig:
         default_text=f"{RECXLA_DDP_BUCKET_MB:g} on the recxla path, TorchRec's DDP wrapper's "
         "(25) on the baseline")
     baseline: Optional[str] = option(
-        None, "train with plain TorchRec (DMP + TrainPipelineSparseDist) instead", group=_C,
-        choices=("torchrec",))
+        None, "train with plain TorchRec (DMP and one of TorchRec's training pipelines: "
+        "--baseline-pipeline) instead", group=_C, choices=("torchrec",))
     baseline_comms: str = option("fp32", "TorchRec's own codecs, both ways", group=_C,
                                  applies=TORCHREC, choices=BASELINE_COMMS)
     baseline_plan: str = option(
@@ -142,6 +144,11 @@ class TrainConfig:
         "(TorchRec's planner with the baseline's sharder, free to make small tables "
         "data-parallel); same plans as the recxla path does (no data-parallel tables), for "
         "comparisons of the sharders alone", group=_C, applies=TORCHREC, choices=BASELINE_PLANS)
+    baseline_pipeline: str = option(
+        "sparse_dist", "TorchRec's training pipeline: sparse_dist (TrainPipelineSparseDist: the "
+        "next batch's input dist during this batch) or sparse_dist_lite "
+        "(TrainPipelineSparseDistLite: one batch in flight, its input dist on the step's path)",
+        group=_C, applies=TORCHREC, choices=BASELINE_PIPELINES)
 
     data_parallel_tables: bool = option(
         False, "with --sharding auto: plan as a TorchRec user's run does, TorchRec's planner "
@@ -261,7 +268,9 @@ class TrainConfig:
             return self.label
         fwd, bwd = self.comms
         dedup = "" if self.baseline or self.dedup_ids else ", no dedup"
-        return f"{self.path} {fwd}/{bwd}{dedup}"
+        pipeline = f", {self.baseline_pipeline}" if self.baseline and \
+            self.baseline_pipeline != "sparse_dist" else ""
+        return f"{self.path} {fwd}/{bwd}{dedup}{pipeline}"
 
     @property
     def model_from_data(self) -> bool:

@@ -1,11 +1,11 @@
 """The training loop: a pipeline's `progress()`, step by step, measured.
 
 The TorchRec baseline runs TorchRec's TrainPipelineSparseDist (which overlaps the next batch's
-id all-to-all with the current step) as `MeteredPipeline`; the recxla path runs
-recxla.pipeline.TrainPipeline, which tags its own phases. `MeteredPipeline` only tells the
-CommMeter which phase each collective belongs to: "input" (the id all-to-alls of the input
-dist), "forward", "backward" (the embedding gradients' all-to-all and the dense all-reduce) and
-"optimizer".
+id all-to-all with the current step) as `MeteredPipeline`, or TrainPipelineSparseDistLite
+(`--baseline-pipeline`); the recxla path runs recxla.pipeline.TrainPipeline, which tags its own
+phases. The metered TorchRec pipelines only tell the CommMeter which phase each collective
+belongs to: "input" (the id all-to-alls of the input dist), "forward", "backward" (the embedding
+gradients' all-to-all and the dense all-reduce) and "optimizer".
 
 The dense all-reduce waits inside DDP's C++ finalize at the end of backward, where no Python
 wait() can time it: a callback queued when backward starts runs once the autograd graph is done
@@ -26,6 +26,7 @@ from typing import Callable, Iterator, List, Optional
 import torch
 from torch.autograd import Variable
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDistLite
 
 from recxla.train.comm_meter import CommMeter
 from recxla.train.faults import kill_point
@@ -39,12 +40,15 @@ def process_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-class MeteredPipeline(TrainPipelineSparseDist):
-    """TrainPipelineSparseDist that tags its collectives with phases for a CommMeter."""
+class _Metered:
+    """Tags a TorchRec pipeline's collectives with phases for a CommMeter (`meter`)."""
 
-    def __init__(self, model, optimizer, device: torch.device, meter: CommMeter):
-        super().__init__(model, optimizer, device, execute_all_batches=True)
-        self.meter = meter
+    meter: CommMeter
+
+    @property
+    def torchrec_name(self) -> str:
+        """The TorchRec pipeline's class name."""
+        return next(c for c in type(self).__mro__ if c.__module__.startswith("torchrec.")).__name__
 
     def start_sparse_data_dist(self, *args, **kwargs):
         with self.meter.phase("input"):
@@ -72,6 +76,30 @@ class MeteredPipeline(TrainPipelineSparseDist):
     def _optimizer_step(self) -> None:
         with self.meter.phase("optimizer"):
             super()._optimizer_step()
+
+
+class MeteredPipeline(_Metered, TrainPipelineSparseDist):
+    """TrainPipelineSparseDist: the next batch's input dist during this batch."""
+
+    def __init__(self, model, optimizer, device: torch.device, meter: CommMeter):
+        super().__init__(model, optimizer, device, execute_all_batches=True)
+        self.meter = meter
+
+
+class MeteredLitePipeline(_Metered, TrainPipelineSparseDistLite):
+    """TrainPipelineSparseDistLite: one batch in flight, its input dist on the step's path."""
+
+    def __init__(self, model, optimizer, device: torch.device, meter: CommMeter):
+        super().__init__(model, optimizer, device)
+        self.meter = meter
+
+
+# --baseline-pipeline (recxla.train.config.BASELINE_PIPELINES): TorchRec's training pipelines
+# that run on CPU with gloo and train what the plain loop trains. TrainPipelineFusedSparseDist
+# and TrainPipelineSemiSync (which also trains on embeddings one update older) do not run on a
+# CPU: their pipelined forward takes the CUDA device when there is no stream (TorchRec 1.9,
+# train_pipeline/runtime_forwards.py); the prefetch and PT2 pipelines need CUDA too.
+METERED_PIPELINES = {"sparse_dist": MeteredPipeline, "sparse_dist_lite": MeteredLitePipeline}
 
 
 class TimedIterator:
@@ -139,7 +167,7 @@ class Progress:
 def run_steps(pipeline, batches: Iterator, first: int, last: int,
               meter: CommMeter, progress: Progress, on_step_done: Callable[[int], None],
               log: Optional[StepLog] = None) -> StepLog:
-    """Train steps first .. last - 1 with `pipeline` (MeteredPipeline or recxla's
+    """Train steps first .. last - 1 with `pipeline` (a METERED_PIPELINES one or recxla's
     TrainPipeline: anything with `progress(iterator)`; `batches` yields exactly their batches).
 
     on_step_done(steps_done) runs after each step (watchdog, checkpoints); its time is not
