@@ -2,14 +2,14 @@
 
 A rank of `python -m recxla.train` spends about 9 s of CPU importing torch, TorchRec and the
 trainer before its first step, more than the few steps a test runs; with 2 ranks on 2 cores and
-about 50 launches that was most of the suite's time. `start_rank` instead forks the rank from
+about 50 launches that was most of the suite's time. `WarmRank` instead forks the rank from
 a multiprocessing forkserver that has imported those modules once: the rank then runs the
 same `recxla.train` main module, with its own arguments, environment, working directory and log,
 and exits as that process would (its exit code, or minus the signal that ended it).
 
 What only a fresh interpreter shows (an import-time error, the console entry point) stays
-covered by the tests that start the trainer with torchrun or `python -m` (tests/test_train_cli.py,
-tests/test_train_user_data.py).
+covered by the tests that start the trainer with torchrun or `python -m recxla.train`
+(tests/test_train_cli.py).
 """
 
 import atexit
