@@ -24,7 +24,7 @@ import recxla.train
 
 _MAIN = os.path.join(os.path.dirname(recxla.train.__file__), "__main__.py")
 # What a rank imports before its first step. (The forkserver imports them from the installed
-# packages: it does not see the tests' sys.path, and skips a module it cannot import.)
+# packages: it does not see the tests' sys.path.)
 _PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "torchmetrics.classification",
             "recxla.pipeline", "recxla.train.checkpoint", "recxla.train.cli",
             "recxla.train.comm_meter", "recxla.train.data", "recxla.train.loop",
@@ -35,9 +35,24 @@ _context = None
 def _forkserver():
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(_PRELOAD)
+        # The forkserver skips a preload module it cannot import without a word, and every rank
+        # would then import it again: say so instead of running the suite slowly.
+        receive, send = context.Pipe(duplex=False)
+        probe = context.Process(target=_not_imported, args=(_PRELOAD, send))
+        probe.start()
+        send.close()
+        missing = receive.recv()
+        probe.join()
+        if missing:
+            raise RuntimeError(f"tests/warm_ranks.py: the forkserver could not import {missing}")
+        _context = context
     return _context
+
+
+def _not_imported(names: List[str], send) -> None:
+    send.send([name for name in names if name not in sys.modules])
 
 
 def _run_trainer(args: List[str], env: Dict[str, str], cwd: str, log: str) -> None:
