@@ -142,9 +142,10 @@ class MicroBatchGradientSync:
             done.set_result(buffer)
             return done
         if state.deferred and state.can_defer:
-            # The average travels in its own tensor; DDP gets the bucket back as it is.
+            # The average travels in its own tensor; DDP gets the bucket back as it is (copy=True:
+            # a bucket already in the wire dtype must not be divided in place).
             sent = buffer / state.world if state.wire is None else \
-                buffer.to(state.wire).div_(state.world)
+                buffer.to(state.wire, copy=True).div_(state.world)
             if state.nodes is None:
                 handle = dist.all_reduce(sent, group=state.group, async_op=True)
             else:
