@@ -22,7 +22,7 @@ What it guarantees:
   exit code instead of being waited for;
 - one compute thread per rank: the ranks share the machine's cores;
 - each rank is a fresh process with the test's environment variables, forked from a server that
-  has imported torch, TorchRec and recxla once (see _PRELOAD): an environment variable that
+  has imported torch, TorchRec and recxla once (tests/preloaded_forkserver.py): an environment variable that
   those imports read is read once, when the server starts, before any test changed it. NCCL
   ranks are spawned instead (see _context).
 """
@@ -38,15 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import preloaded_forkserver
+
 HOST = "127.0.0.1"
-
-
-# What every rank imports anyway. The ranks are forked from one server process that imported
-# these once (the first run starts it), instead of each spawned rank importing torch, TorchRec
-# and FBGEMM anew: seconds of CPU per rank on a 2-core machine. The server has run no op, so
-# it holds no thread pool that a fork could break; each rank still starts from a clean
-# process (no state of the test's own process is inherited, unlike a plain fork).
-_PRELOAD = ["torch", "torch.distributed", "torchrec", "recxla", "recxla.torchrec"]
 
 
 def _context(backend: str):
@@ -55,9 +49,7 @@ def _context(backend: str):
     ("Cannot re-initialize CUDA in forked subprocess")."""
     if backend != "gloo":
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+    return preloaded_forkserver.context()
 
 
 class DistributedTestError(AssertionError):

@@ -41,8 +41,11 @@ def more_bad_inputs(a):
     repeated[bounds[t] + 1] = repeated[bounds[t]]
     inverse = a["inverse"].clone()
     inverse[0] = bounds[2]  # feature 0 (table 0) pointing at table 2's first row
+    # Bag 0 ends at the last id and bag 1 at 0: decreasing whenever there is an id at all (the
+    # bags are random and may all be empty up to any given one), yet every offset in bounds.
     decreasing = a["offsets"].clone()
-    decreasing[3], decreasing[4] = decreasing[4], decreasing[3] - 1 if decreasing[3] else 0
+    assert decreasing[-1] > 0, "op_inputs drew no ids at all"
+    decreasing[1], decreasing[2] = decreasing[-1], 0
     return [
         ("unique_values", repeated, ValueError, f"table {t}'s are not"),
         ("inverse", inverse, IndexError, "outside the unique_values segment of its table"),

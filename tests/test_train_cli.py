@@ -4,7 +4,8 @@ metrics file, --compare, and options rejected before any process group exists.
 `launch_ranks` (used by the other tests/test_train_*.py files too) starts the ranks the way
 torchrun does, by environment variables, but as plain processes: a test can then kill or stop
 one of them. They are forked from an interpreter that has imported the trainer already
-(tests/warm_ranks.py); the end-to-end test here starts them with torchrun.
+(tests/warm_ranks.py), except GPU ranks, which start afresh; the end-to-end test here starts
+them with torchrun.
 """
 
 import json
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import pytest
 from warm_ranks import WarmRank
@@ -34,7 +35,7 @@ def _free_port() -> int:
 
 @dataclass
 class Rank:
-    proc: WarmRank
+    proc: Union[WarmRank, subprocess.Popen]
     log: str
 
     def output(self) -> str:
@@ -56,8 +57,16 @@ def start_ranks(args: Sequence[str], tmp_path, world_size: int = 2,
                  LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), PYTHONPATH=REPO, **(env or {}))
         log = str(tmp_path / f"rank{r}.log")
-        open(log, "w").close()
-        ranks.append(Rank(WarmRank(args, e, REPO, log), log))
+        if any("cuda" in a for a in args):
+            # A process forked after the server's imports may find the CUDA driver unusable
+            # ("Cannot re-initialize CUDA in forked subprocess"): a GPU rank starts afresh.
+            with open(log, "w") as out:
+                proc = subprocess.Popen([sys.executable, "-m", "recxla.train", *args], env=e,
+                                        cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+        else:
+            open(log, "w").close()
+            proc = WarmRank(args, e, REPO, log)
+        ranks.append(Rank(proc, log))
     return ranks
 
 

@@ -3,7 +3,8 @@
 A rank of `python -m recxla.train` spends about 9 s of CPU importing torch, TorchRec and the
 trainer before its first step, more than the few steps a test runs; with 2 ranks on 2 cores and
 about 50 launches that was most of the suite's time. `WarmRank` instead forks the rank from
-a multiprocessing forkserver that has imported those modules once: the rank then runs the
+the test run's forkserver, which has imported those modules once
+(tests/preloaded_forkserver.py): the rank then runs the
 same `recxla.train` main module, with its own arguments, environment, working directory and log,
 and exits as that process would (its exit code, or minus the signal that ended it).
 
@@ -13,7 +14,6 @@ covered by the tests that start the trainer with torchrun or `python -m recxla.t
 """
 
 import atexit
-import multiprocessing
 import os
 import runpy
 import subprocess
@@ -22,37 +22,9 @@ from typing import Dict, List, Optional, Sequence
 
 import recxla.train
 
+import preloaded_forkserver
+
 _MAIN = os.path.join(os.path.dirname(recxla.train.__file__), "__main__.py")
-# What a rank imports before its first step. (The forkserver imports them from the installed
-# packages: it does not see the tests' sys.path.)
-_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "torchmetrics.classification",
-            "recxla.pipeline", "recxla.train.checkpoint", "recxla.train.cli",
-            "recxla.train.comm_meter", "recxla.train.data", "recxla.train.loop",
-            "recxla.train.metrics", "recxla.train.models", "recxla.train.sharding"]
-_context = None
-
-
-def _forkserver():
-    global _context
-    if _context is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(_PRELOAD)
-        # The forkserver skips a preload module it cannot import without a word, and every rank
-        # would then import it again: say so instead of running the suite slowly.
-        receive, send = context.Pipe(duplex=False)
-        probe = context.Process(target=_not_imported, args=(_PRELOAD, send))
-        probe.start()
-        send.close()
-        missing = receive.recv()
-        probe.join()
-        if missing:
-            raise RuntimeError(f"tests/warm_ranks.py: the forkserver could not import {missing}")
-        _context = context
-    return _context
-
-
-def _not_imported(names: List[str], send) -> None:
-    send.send([name for name in names if name not in sys.modules])
 
 
 def _run_trainer(args: List[str], env: Dict[str, str], cwd: str, log: str) -> None:
@@ -77,8 +49,8 @@ class WarmRank:
 
     def __init__(self, args: Sequence[str], env: Dict[str, str], cwd: str, log: str):
         self.args = ["python", "-m", "recxla.train", *args]
-        self._process = _forkserver().Process(target=_run_trainer,
-                                              args=(list(args), dict(env), cwd, log))
+        self._process = preloaded_forkserver.context().Process(
+            target=_run_trainer, args=(list(args), dict(env), cwd, log))
         self._process.start()
         self.pid = self._process.pid
 
