@@ -4,8 +4,8 @@ metrics file, --compare, and options rejected before any process group exists.
 `launch_ranks` (used by the other tests/test_train_*.py files too) starts the ranks the way
 torchrun does, by environment variables, but as plain processes: a test can then kill or stop
 one of them. They are forked from an interpreter that has imported the trainer already
-(tests/warm_ranks.py), except GPU ranks, which start afresh; the end-to-end test here starts
-them with torchrun.
+(tests/warm_ranks.py), except where a fork would differ (`_needs_a_fresh_process`); the
+end-to-end test here starts them with torchrun.
 """
 
 import json
@@ -43,6 +43,18 @@ class Rank:
             return f.read()
 
 
+# Read by the C library when a process starts, never again: a forked rank would run with the
+# forkserver's values.
+_READ_AT_EXEC = ("GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def _needs_a_fresh_process(args: Sequence[str], env: Dict[str, str]) -> bool:
+    """A GPU rank (a process forked after the server's imports may find the CUDA driver unusable:
+    "Cannot re-initialize CUDA in forked subprocess"), or one whose environment sets a variable
+    that only a new process reads."""
+    return any("cuda" in a for a in args) or any(name in env for name in _READ_AT_EXEC)
+
+
 def start_ranks(args: Sequence[str], tmp_path, world_size: int = 2,
                 env: Optional[Dict[str, str]] = None,
                 ranks_per_node: Optional[int] = None) -> List[Rank]:
@@ -57,9 +69,7 @@ def start_ranks(args: Sequence[str], tmp_path, world_size: int = 2,
                  LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                  MASTER_PORT=str(port), PYTHONPATH=REPO, **(env or {}))
         log = str(tmp_path / f"rank{r}.log")
-        if any("cuda" in a for a in args):
-            # A process forked after the server's imports may find the CUDA driver unusable
-            # ("Cannot re-initialize CUDA in forked subprocess"): a GPU rank starts afresh.
+        if _needs_a_fresh_process(args, env or {}):
             with open(log, "w") as out:
                 proc = subprocess.Popen([sys.executable, "-m", "recxla.train", *args], env=e,
                                         cwd=REPO, stdout=out, stderr=subprocess.STDOUT)

@@ -4,13 +4,14 @@ A rank of `python -m recxla.train` spends about 9 s of CPU importing torch, Torc
 trainer before its first step, more than the few steps a test runs; with 2 ranks on 2 cores and
 about 50 launches that was most of the suite's time. `WarmRank` instead forks the rank from
 the test run's forkserver, which has imported those modules once
-(tests/preloaded_forkserver.py): the rank then runs the
-same `recxla.train` main module, with its own arguments, environment, working directory and log,
-and exits as that process would (its exit code, or minus the signal that ended it).
+(tests/preloaded_forkserver.py): the rank then runs the same `recxla.train` main module, with
+its own arguments, environment, working directory and log, and exits as that process would (its
+exit code, or minus the signal that ended it).
 
-What only a fresh interpreter shows (an import-time error, the console entry point) stays
-covered by the tests that start the trainer with torchrun or `python -m recxla.train`
-(tests/test_train_cli.py).
+What a fork cannot give stays with a fresh interpreter: an import-time error and the console
+entry point (the tests that start the trainer with torchrun or `python -m recxla.train`), an
+environment variable that only a starting process reads (GLIBC_TUNABLES) and a GPU rank
+(`start_ranks` in tests/test_train_cli.py starts those afresh).
 """
 
 import atexit
