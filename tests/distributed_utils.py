@@ -22,9 +22,9 @@ What it guarantees:
   exit code instead of being waited for;
 - one compute thread per rank: the ranks share the machine's cores;
 - each rank is a fresh process with the test's environment variables, forked from a server that
-  has imported torch, TorchRec and recxla once (tests/preloaded_forkserver.py): an environment variable that
-  those imports read is read once, when the server starts, before any test changed it. NCCL
-  ranks are spawned instead (see _context).
+  has imported torch, TorchRec and recxla once (tests/preloaded_forkserver.py): an environment
+  variable that those imports read is read once, when the server starts. NCCL ranks are spawned
+  instead (see _context).
 """
 
 import datetime
