@@ -43,9 +43,9 @@ class Rank:
             return f.read()
 
 
-# Read by the C library when a process starts, never again: a forked rank would run with the
-# forkserver's values.
-_READ_AT_EXEC = ("GLIBC_TUNABLES", "LD_PRELOAD")
+# Read when a process starts or a library loads (the C library's malloc, the dynamic loader,
+# OpenMP when torch loads it), never again: a forked rank would run with the forkserver's values.
+_READ_AT_EXEC = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_ARENA_MAX", "OMP_NUM_THREADS")
 
 
 def _needs_a_fresh_process(args: Sequence[str], env: Dict[str, str]) -> bool:
