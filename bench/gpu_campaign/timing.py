@@ -1,0 +1,91 @@
+"""Timing and result rows for the GPU campaign's kernel stages.
+
+A GPU kernel is timed with CUDA events around each call (device time, not host time), after
+warm-up calls that are left out (module load, Triton compilation, allocator growth), as the
+median of many calls. Calls rotate over several input sets whose total exceeds the L2 cache, so
+a kernel that reads its input does not find it in the cache from the previous call. On CPU (the
+campaign's dry run) the same functions time with the host clock, so the code path is the one
+that runs on the GPU.
+
+Every timing becomes one row (`row`): group, provider, median and minimum in microseconds,
+bytes moved, GB/s and the ratio to a device copy of the same bytes, and the outcome of the check
+against the reference that preceded it.
+"""
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+# Inputs rotate until they span this many bytes: above the H100's 50 MB and the H200's 60 MB of L2.
+ROTATE_BYTES = 256 << 20
+
+
+def rotation_count(bytes_per_set: int, limit: int = 16) -> int:
+    """How many input sets to rotate over so that they span ROTATE_BYTES (1 to `limit`)."""
+    if bytes_per_set <= 0:
+        return 1
+    return max(1, min(limit, -(-ROTATE_BYTES // bytes_per_set)))
+
+
+def time_calls(fn: Callable, arg_sets: Sequence[tuple], warmup: int = 3, iters: int = 40,
+               device: str = "cuda") -> Dict[str, float]:
+    """Times fn(*arg_sets[i % len(arg_sets)]) for `iters` calls after `warmup` untimed ones.
+
+    Returns {"median_us", "min_us", "iters"}: device time per call from CUDA events on a CUDA
+    device, host time on CPU.
+    """
+    n = len(arg_sets)
+    for i in range(warmup):
+        fn(*arg_sets[i % n])
+    samples: List[float] = []
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(iters)]
+        for i, (start, end) in enumerate(events):
+            start.record()
+            fn(*arg_sets[i % n])
+            end.record()
+        torch.cuda.synchronize()
+        samples = [1e3 * start.elapsed_time(end) for start, end in events]
+    else:
+        for i in range(iters):
+            t0 = time.perf_counter()
+            fn(*arg_sets[i % n])
+            samples.append(1e6 * (time.perf_counter() - t0))
+    return {"median_us": statistics.median(samples), "min_us": min(samples), "iters": iters}
+
+
+def copy_fn(nbytes: int, device: str, sets: int = 1):
+    """(function, arg sets) of a device copy of `nbytes` (it moves 2 * nbytes: read + write),
+    rotated over `sets` source/destination pairs like the kernels' inputs."""
+    pairs = []
+    for _ in range(sets):
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+        pairs.append((torch.empty_like(src), src))
+    return (lambda dst, src: dst.copy_(src)), pairs
+
+
+def row(group: str, provider: str, timing: Dict[str, float], nbytes: Optional[int] = None,
+        copy_us: Optional[float] = None, check: str = "exact", **extra) -> dict:
+    """One result row. nbytes: bytes read + written by one call; copy_us: the device copy of
+    the same bytes (read + written) timed in the same process, for `of_copy`. check: how the
+    provider's output compared with the reference before it was timed ("exact" bit for bit,
+    "close" within the stated tolerance, "FAILED: ..." otherwise)."""
+    out = {"group": group, "provider": provider, "median_us": round(timing["median_us"], 2),
+           "min_us": round(timing["min_us"], 2), "check": check}
+    if nbytes is not None:
+        out["bytes"] = nbytes
+        out["gbps"] = round(nbytes / timing["median_us"] / 1e3, 1)
+        if copy_us:
+            out["of_copy"] = round(copy_us / timing["median_us"], 3)
+    out.update(extra)
+    return out
+
+
+def pick_winner(rows: List[dict], providers: Sequence[str]) -> Optional[dict]:
+    """The fastest of `providers` among rows whose check passed, or None."""
+    ok = [r for r in rows if r["provider"] in providers and not r["check"].startswith("FAILED")]
+    return min(ok, key=lambda r: r["median_us"]) if ok else None
