@@ -21,7 +21,7 @@ RUN_DIR ?= build/run
 RUN_ARGS ?= --steps 50 --warmup-steps 10 --batch-size 1024 --eval-batches 4
 TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
 
-.PHONY: setup build run demo test bench bench-cluster gpu-check clean
+.PHONY: setup build run demo test bench bench-cluster gpu-campaign gpu-campaign-dry-run clean
 
 $(STAMPS)/venv:
 	mkdir -p $(STAMPS)
@@ -76,12 +76,17 @@ bench: setup
 bench-cluster: setup
 	$(PY) -m bench.cluster.run_a2a
 
-gpu-check: setup
-	@$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || \
-	  { echo "make gpu-check: no CUDA device is visible on this machine; the GPU tests and benchmarks need one."; exit 1; }
-	$(PY) -m pytest -q tests -m gpu
-	RECXLA_BACKEND=triton $(PY) -m pytest -q tests -m gpu
-	$(PY) -m pytest -q bench -m gpu --benchmark-only
+# The GPU campaign (docs/gpu.md), on a GPU machine with its own python3 and torch (no venv: the
+# campaign builds recxla against that torch): build, GPU tests on both backends, sanitizers,
+# kernel variants and benchmarks, the trainer on one GPU; report in bench/results/gpu.md, logs
+# in $OUT (else build/gpu_campaign). Without a GPU it runs, then fails at its env stage.
+GPU_PYTHON ?= python3
+gpu-campaign:
+	$(GPU_PYTHON) -m bench.gpu_campaign
+
+# The campaign's dry run here: every stage that needs no GPU (tests/test_gpu_campaign.py).
+gpu-campaign-dry-run: setup
+	$(PY) -m bench.gpu_campaign --dry-run
 
 clean:
 	rm -rf build $(STAMPS) recxla/_C*.so *.egg-info

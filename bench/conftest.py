@@ -7,7 +7,7 @@
   heap was trimmed, smaller ones) gets new pages from the kernel, and on these VMs a first touch
   costs about 3 us per 4 KiB page: 25 ms for 32 MiB, ten times the work of the kernels measured.
   The setting applies to every provider alike (references, FBGEMM, memcpy+alloc).
-- The `gpu` marker skips its benchmarks when no CUDA device is visible (`make gpu-check` runs
+- The `gpu` marker skips its benchmarks when no CUDA device is visible (`make gpu-campaign` runs
   them on a GPU machine).
 """
 
@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device: run `make gpu-check` on a GPU machine")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device: run `make gpu-campaign` on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -46,7 +46,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device: run `make gpu-check` on a GPU machine")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device: run `make gpu-campaign` on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -211,7 +211,7 @@ def test_op_rejects_bad_hparams_before_writing(index, bad, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_bad_input_raises_before_any_kernel(monkeypatch, backend):
-    """The same cases on a GPU (`make gpu-check`): the errors of the CPU kernel, rows and states
+    """The same cases on a GPU (`make gpu-campaign`): the errors of the CPU kernel, rows and states
     untouched, and no device assert (which would poison the CUDA context for the process)."""
     import recxla
 

@@ -97,7 +97,11 @@ def test_fused_optimizer_matches_dense_optimizer(optimizer, exponent):
         dense.step()
     for (name, p), q in zip(module.named_parameters(), twin.parameters()):
         assert p.grad is None, name
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+        # Summation order differs between the fused and the dense path, so an entry that ends
+        # near 0 by cancellation carries the rounding of the table's largest entries: SGD on this
+        # loss lets rows grow to ~30.
+        atol = 1e-6 * max(1.0, q.abs().max().item())
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=atol, msg=name)
         if optimizer != "sgd":
             state = p._in_backward_optimizers[0].state[p]
             torch.testing.assert_close(state["sum"], dense.state[q]["sum"], rtol=1e-5, atol=1e-7)
@@ -236,7 +240,7 @@ def test_unsupported_configurations_raise():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU (make gpu-check)
+# GPU (make gpu-campaign)
 
 
 @pytest.mark.gpu

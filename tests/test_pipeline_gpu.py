@@ -1,4 +1,4 @@
-"""recxla.pipeline on CUDA (run by `make gpu-check`): the pipelined run equals the plain loop
+"""recxla.pipeline on CUDA (run by `make gpu-campaign`): the pipelined run equals the plain loop
 with NCCL (2 ranks where 2 GPUs exist, else 1), and the steady-state step never synchronizes
 the host with the device (torch.cuda.set_sync_debug_mode("error") raises on any sync)."""
 

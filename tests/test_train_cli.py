@@ -192,7 +192,7 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
 
 @pytest.mark.gpu
 def test_trainer_on_one_gpu(tmp_path):
-    """The whole trainer on a GPU (`make gpu-check`): NCCL, the CUDA kernels, the pipeline's
+    """The whole trainer on a GPU (`make gpu-campaign`): NCCL, the CUDA kernels, the pipeline's
     streams with 2 micro-batches, the held-out evaluation and the metrics."""
     steps, warmup = 6, 2
     launch_ranks([*SMALL, "--device", "cuda", "--steps", str(steps), "--warmup-steps",

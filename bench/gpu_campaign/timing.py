@@ -89,3 +89,9 @@ def pick_winner(rows: List[dict], providers: Sequence[str]) -> Optional[dict]:
     """The fastest of `providers` among rows whose check passed, or None."""
     ok = [r for r in rows if r["provider"] in providers and not r["check"].startswith("FAILED")]
     return min(ok, key=lambda r: r["median_us"]) if ok else None
+
+
+def failed_row(group: str, provider: str, why: str) -> dict:
+    """The row of a provider that failed its check or raised: never timed, never chosen."""
+    return {"group": group, "provider": provider, "median_us": None, "min_us": None,
+            "check": why if why.startswith("FAILED") else f"FAILED: {why}"}

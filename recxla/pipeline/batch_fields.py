@@ -111,11 +111,17 @@ def map_samples(batch: Any, size: int, on_kjt: Callable[[KeyedJaggedTensor], Any
     return replace_fields(batch, changes)
 
 
-def dense_to(batch: Any, device: torch.device) -> Any:
-    """The batch with its tensor fields on `device` (non-blocking); the KeyedJaggedTensors stay
-    where they are (the input dist reads them there, and the sharded modules never read the
-    model's copy)."""
-    changes = {name: value.to(device, non_blocking=True)
-               for name, value in batch_fields(batch).items()
+def dense_to(batch: Any, device: torch.device) -> Tuple[Any, List[torch.Tensor]]:
+    """(the batch with its tensor fields on `device`, the tensors moved): non-blocking copies,
+    from pinned memory to a GPU. The KeyedJaggedTensors stay where they are (the input dist
+    reads them there, and the sharded modules never read the model's copy)."""
+    device = torch.device(device)
+
+    def move(value: torch.Tensor) -> torch.Tensor:
+        if device.type == "cuda" and value.device.type == "cpu" and not value.is_pinned():
+            value = value.pin_memory()  # else the copy blocks the host, and no stream overlaps
+        return value.to(device, non_blocking=True)
+
+    changes = {name: move(value) for name, value in batch_fields(batch).items()
                if isinstance(value, torch.Tensor) and value.device != device}
-    return replace_fields(batch, changes)
+    return replace_fields(batch, changes), list(changes.values())

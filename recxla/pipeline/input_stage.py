@@ -2,9 +2,11 @@
 
 One `PreparedBatch` per batch, advanced in three steps that the schedule places
 (train_pipeline.py): `prepare_batch` (split, find each sharded module's KeyedJaggedTensor,
-start the sizes' all-to-all), `advance(decode=False)` (sizes received, ids' all-to-all started)
-and `advance(decode=True)` (ids received and decoded at the owner). When a step returns, no
-all-to-all of a prepared batch is left in flight.
+start the sizes' all-to-all, the dense fields' copy to the device), `advance(decode=False)`
+(sizes received, ids' all-to-all started) and `advance(decode=True)` (ids received and decoded
+at the owner, their copy to the device started). When a step returns, no all-to-all of a
+prepared batch is left in flight; `arrive` makes the batch's copies usable on the current
+stream (copy_stream.py) before its step reads them.
 """
 
 from dataclasses import dataclass, field
@@ -13,6 +15,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from recxla.pipeline.batch_fields import dense_to, module_features
+from recxla.pipeline.copy_stream import CopyStream, InFlight, moved
 from recxla.pipeline.micro_batches import MicroBatches, split_batch
 from recxla.pipeline.window import EarlyLookup
 
@@ -24,6 +27,7 @@ class ModuleInput:
     meta: Any = None          # the first all-to-all (sizes) in flight
     data: Any = None          # the second (ids) in flight
     lookup_input: Any = None  # decoded at the owner
+    lookup_copy: Optional[InFlight] = None  # its copy to the module's device
     bag_lengths: Optional[torch.Tensor] = None
     row_bags: Any = None  # this rank's bags of row-exchange tables
     early: Optional[EarlyLookup] = None  # dbp_lookup="early": looked up before the update
@@ -37,6 +41,7 @@ class ModuleInput:
 class PreparedBatch:
     raw: Any  # the batch as the loader gave it (prepared again if the model changes)
     micro: Optional[MicroBatches] = None
+    dense_copy: Optional[InFlight] = None  # micro.batch's dense fields on their way
     inputs: List[ModuleInput] = field(default_factory=list)
     # An error of this batch's input dist, raised when the batch's own step starts, so that a
     # bad next batch never interrupts the current step halfway.
@@ -56,9 +61,10 @@ class PreparedBatch:
 
 
 def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batches: int,
-                  split: str, device: torch.device) -> PreparedBatch:
-    """Splits `batch` and starts every sharded module's input dist (the sizes' all-to-all).
-    Errors of the batch are kept in the result (see PreparedBatch.error)."""
+                  split: str, copies: CopyStream) -> PreparedBatch:
+    """Splits `batch`, starts the copy of its dense fields to `copies.device` and every
+    sharded module's input dist (the sizes' all-to-all). Errors of the batch are kept in the
+    result (see PreparedBatch.error)."""
     prepared = PreparedBatch(batch)
     try:
         micro = split_batch(batch, num_micro_batches, split)
@@ -66,8 +72,8 @@ def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batc
     except (TypeError, ValueError) as e:
         prepared.error = e
         return prepared
-    if device.type != "cpu":
-        micro.batch = dense_to(micro.batch, device)
+    if copies.device.type != "cpu":
+        prepared.dense_copy = copies.start(lambda: dense_to(micro.batch, copies.device))
     prepared.micro = micro
     for (_, module), kjt in zip(modules, features):
         meta = module.start_input_dist(kjt, micro.sizes)
@@ -78,16 +84,36 @@ def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batc
     return prepared
 
 
-def advance(prepared: PreparedBatch, decode: bool) -> None:
+def advance(prepared: PreparedBatch, decode: bool, modules: Sequence[Tuple[str, Any]] = (),
+            copies: Optional[CopyStream] = None) -> None:
     """Waits for the sizes and starts the ids' all-to-all; with decode, also waits for the
-    ids and decodes them at the owner."""
+    ids, decodes them at the owner and starts their copy to each module's device (`modules`:
+    the (path, module) pairs the batch was prepared for)."""
     if prepared.error is not None:
         return
     try:
-        for state in prepared.inputs:
+        for i, state in enumerate(prepared.inputs):
             if state.meta is not None:
                 state.data, state.meta = state.meta.wait(), None
             if decode and state.data is not None:
                 state.lookup_input, state.data = state.data.wait(), None
+                if copies is not None:
+                    module, lookup_input = modules[i][1], state.lookup_input
+                    state.lookup_copy = copies.start(
+                        lambda: moved(module.to_device(lookup_input)))
     except (ValueError, TypeError, IndexError) as e:
         prepared.error = e
+
+
+def arrive_lookup(state: ModuleInput) -> None:
+    """The module's decoded input, on its device and usable on the current stream."""
+    if state.lookup_copy is not None:
+        state.lookup_input, state.lookup_copy = state.lookup_copy.wait(), None
+
+
+def arrive(prepared: PreparedBatch) -> None:
+    """Every copy of the batch usable on the current stream: called before its step."""
+    if prepared.dense_copy is not None:
+        prepared.micro.batch, prepared.dense_copy = prepared.dense_copy.wait(), None
+    for state in prepared.inputs:
+        arrive_lookup(state)

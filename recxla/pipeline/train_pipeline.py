@@ -22,7 +22,9 @@ One batch n, split into M micro-batches (see micro_batches.py), on every rank:
     ids(n+1)  double buffering across batches (DBP): the next batch is loaded and split, its
           block sizes sent while O(0) travels, and its ids while D(0) computes (the links are
           otherwise idle then); they are decoded after D(M-1). Its lookup waits for U(n): the
-          tables it reads are then the ones the sequential loop would read.
+          tables it reads are then the ones the sequential loop would read. On a GPU its
+          dense fields (when it is split) and decoded ids (when decoded) go to the device on a
+          copy stream, under this batch's kernels (copy_stream.py).
 
 Every step equals the sequential step (model forward, backward, optimizer) on the same batch up
 to the order of float additions: same weights read, same gradients summed, one update.
@@ -50,9 +52,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from recxla.pipeline.dense_sync import MicroBatchGradientSync, check_nodes, wire_dtype
+from recxla.pipeline.copy_stream import CopyStream
 from recxla.pipeline.input_stage import (
     PreparedBatch,
     advance,
+    arrive,
+    arrive_lookup,
     prepare_batch,
 )
 from recxla.pipeline.micro_batches import OWNER, SPLITS
@@ -136,6 +141,8 @@ class TrainPipeline:
         self._set_model(model)
         self._optimizer = optimizer
         self._device = torch.device(device)
+        # A GPU's host-to-device copies of the next batch run under this batch's kernels.
+        self._copies = CopyStream(self._device)
         self._num_micro = num_micro_batches
         self._overlap = overlap
         self._dbp = dbp
@@ -225,10 +232,11 @@ class TrainPipeline:
                     self.flush()  # the epoch's last update
                     raise
                 current = self._prepare(raw)
-            advance(current, decode=True)
+            advance(current, decode=True, modules=self._modules, copies=self._copies)
         if current.error is not None:
             self.flush()
             raise current.error
+        arrive(current)
         if not self._model.training:
             self.flush()
             with torch.no_grad():
@@ -274,7 +282,7 @@ class TrainPipeline:
             raise
 
     def _prepare(self, batch: Any) -> PreparedBatch:
-        return prepare_batch(batch, self._modules, self._num_micro, self._split, self._device)
+        return prepare_batch(batch, self._modules, self._num_micro, self._split, self._copies)
 
     # ------------------------------------------------------------------ one step
 
@@ -339,12 +347,13 @@ class TrainPipeline:
                 self._exchange_gradients(windows, embeddings, k)
         if self._next is not None:
             with self._span("next batch", "input"):
-                advance(self._next, decode=True)
+                advance(self._next, decode=True, modules=self._modules, copies=self._copies)
             if training and self._dbp_lookup == "early" and self._next.error is None:
                 # While the last gradients travel: the next batch's lookup with the weights
                 # before this update; FrozenWindow corrects the rows the update changes.
                 with self._span("early lookup", "input"):
                     for w, state in zip(windows, self._next.inputs):
+                        arrive_lookup(state)
                         state.lookup_input = w.module.to_device(state.lookup_input)
                         state.early = EarlyLookup(w.module, state.lookup_input, w.input)
         if training:

@@ -87,10 +87,15 @@ class LookupInput:
                            self.micro_batch_sizes, rows, self.unique_bounds,
                            self.slot_id_bounds)
 
+    def tensors(self) -> List[torch.Tensor]:
+        """Every tensor the input holds (the requested rows' ids included)."""
+        rows = [] if self.rows is None else list(self.rows.ids)
+        return [t for t in (self.unique_values, self.unique_offsets, self.inverse, self.offsets,
+                            self.per_sample_weights, *rows) if t is not None]
+
     def record_stream(self, stream) -> None:  # TorchRec's Multistreamable protocol
-        for t in (self.unique_values, self.unique_offsets, self.inverse, self.offsets,
-                  self.per_sample_weights):
-            if t is not None and t.is_cuda:
+        for t in self.tensors():
+            if t.is_cuda:
                 t.record_stream(stream)
 
 

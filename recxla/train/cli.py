@@ -111,6 +111,7 @@ def _train(config, conn, watchdog, meter) -> dict:
 
     from recxla.train import checkpoint
     from recxla.train.data import TrainData
+    from recxla.train.kernel_trace import KernelTrace
     from recxla.train.loop import METERED_PIPELINES, Progress, StepLog, run_steps
     from recxla.train.metrics import (
         evaluate, format_summary, iface_bytes, local_figures, machine, summarize, write_metrics)
@@ -184,8 +185,11 @@ def _train(config, conn, watchdog, meter) -> dict:
     read_iface = config.net_iface is not None and place.local_rank == 0
     iface_start = iface_bytes(config.net_iface) if read_iface and warmup == 0 else None
 
+    kernel_trace = KernelTrace(config.kernel_trace, place.rank, start, warmup, config.steps)
+
     def on_step_done(done: int) -> None:
         watchdog.progress(f"step {done}")
+        kernel_trace.step_done(done)
         nonlocal iface_start
         if done == start + warmup:
             for m in stats_modules:
@@ -218,8 +222,11 @@ def _train(config, conn, watchdog, meter) -> dict:
         run_steps(pipeline, data.train(start, config.steps), start, config.steps, meter,
                   progress, on_step_done, log)
     finally:
+        kernel_trace.close()
         data.close()  # the loader's workers, and a Ray it started
     progress.close()
+    if kernel_trace.written and place.rank == 0:
+        print(f"wrote {kernel_trace.written}", file=sys.stderr, flush=True)
     sharder_stats = _comm_stats(stats_modules)  # before the evaluation's forwards add to them
     iface = None
     if read_iface:

@@ -175,6 +175,10 @@ class TrainConfig:
     trace: Optional[str] = option(
         None, "write a Chrome trace (chrome://tracing, Perfetto) of every rank's steps: "
         "compute, waits and collectives", group=_O, applies=RECXLA, metavar="PATH")
+    kernel_trace: Optional[str] = option(
+        None, "write a torch.profiler Chrome trace of a few steps after the warm-up: every "
+        "CUDA kernel and copy with its stream, and the CPU ops (.gz: compressed; rank r > 0 "
+        "adds .rank<r>)", group=_O, metavar="PATH")
 
     topology: str = option("1d", "2d: embeddings sharded inside each node (all-to-alls on "
                            "intra-node links), nodes as replicas", group=_G, applies=RECXLA,

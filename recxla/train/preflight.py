@@ -1,6 +1,6 @@
 """Checks that look outside the options, before any process group exists: the files and
 folders the options name (--data, --eval-data, --checkpoint-dir, --metrics, --trace,
---resume's checkpoint), the network interface (--net-iface), Ray for --loader ray. Each failure
+--kernel-trace, --resume's checkpoint), the network interface (--net-iface), Ray for --loader ray. Each failure
 exits with status 2 naming the option and the file, like a bad option.
 
 The dataset checks open footers only (no data): a missing path, an unreadable file, a dataset
@@ -45,7 +45,7 @@ def _check_paths(err, f: dict) -> None:
         if latest_checkpoint(f["checkpoint_dir"]) is None:
             err(f"--resume: no checkpoint in --checkpoint-dir {f['checkpoint_dir']!r}")
     for flag, path in (("--metrics", f["metrics"]), ("--checkpoint-dir", f["checkpoint_dir"]),
-                       ("--trace", f["trace"])):
+                       ("--trace", f["trace"]), ("--kernel-trace", f["kernel_trace"])):
         parent = os.path.dirname(os.path.abspath(path)) if path else None
         if parent and not os.path.isdir(parent):
             err(f"{flag} {path!r}: the folder {parent!r} does not exist")

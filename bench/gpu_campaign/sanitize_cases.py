@@ -1,0 +1,154 @@
+"""Small calls of every CUDA kernel recxla has, in every variant, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck python -m bench.gpu_campaign.sanitize_cases
+    compute-sanitizer --tool racecheck python -m bench.gpu_campaign.sanitize_cases
+    python -m bench.gpu_campaign.sanitize_cases --device cpu     # the same calls on CPU
+
+Sizes are small (the sanitizers run kernels tens of times slower) but odd: empty inputs, one
+row, lengths that are not multiples of a warp, a vector width or a block. Every result is
+compared with the reference, so a call that a sanitizer passes also computed the right thing.
+Prints "<n> kernel calls" last; exits non-zero at the first wrong result.
+"""
+
+import argparse
+import sys
+
+import torch
+
+from recxla import _extension
+
+CALLS = [0]
+
+
+def _each_variant(family: str, device: str):
+    """Yields each variant name of `family` with it selected (CUDA), or once on CPU."""
+    from recxla.ops import gpu_variants
+
+    if device != "cuda":
+        yield "cpu"
+        return
+    for name in gpu_variants.variants(family):
+        with gpu_variants.use_variant(family, name):
+            yield name
+
+
+def _counted(fn, *args, **kwargs):
+    CALLS[0] += 1
+    out = fn(*args, **kwargs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where NaN (NaN != NaN for torch.equal)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def fp8_rows(device: str) -> None:
+    import recxla
+    from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref
+
+    for family in ("fp8_quantize", "fp8_dequantize"):
+        for variant in _each_variant(family, device):
+            for rows, dim in ((0, 8), (1, 1), (3, 7), (33, 64), (17, 128), (5, 130), (2, 1024)):
+                for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    for fmt in ("e4m3", "e5m2"):
+                        x = (torch.randn(rows, dim) * 10).to(dtype)
+                        if rows and dim > 2:
+                            x[0, 1], x[-1, -1] = float("nan"), float("inf")
+                        want = quantize_rows_ref(x, fmt)
+                        got = _counted(recxla.quantize_rows, x.to(device), fmt).cpu()
+                        if not torch.equal(got, want):
+                            raise AssertionError(f"{variant}: quantize {rows}x{dim} {dtype} {fmt}")
+                        y = _counted(recxla.dequantize_rows, want.to(device), dim, fmt,
+                                     dtype=dtype).cpu()
+                        ref = dequantize_rows_ref(want, dim, fmt, dtype=dtype)
+                        if not _same(y, ref):
+                            raise AssertionError(f"{variant}: dequantize {rows}x{dim} {dtype} {fmt}")
+
+
+def dedup(device: str) -> None:
+    import recxla
+    from recxla.reference.dedup import segmented_unique_ref
+
+    layouts = ([0], [0, 0], [0, 1], [0, 5, 5, 40], [0, 33, 34, 300, 300, 513])
+    for variant in _each_variant("dedup", device):
+        for offsets in layouts:
+            for dtype in (torch.int32, torch.int64):
+                n = offsets[-1]
+                values = torch.randint(-50, 50, (n,), dtype=dtype)
+                if n > 10:
+                    values[3] = torch.iinfo(dtype).max  # a range that packs into no small key
+                offs = torch.tensor(offsets, dtype=torch.int64)
+                want = segmented_unique_ref(values, offs)
+                got = _counted(recxla.unique_keys, values.to(device), offs.to(device))
+                for g, w, name in zip(got, want, ("unique_values", "unique_offsets", "inverse")):
+                    if not torch.equal(g.cpu(), w):
+                        raise AssertionError(f"{variant}: dedup {offsets} {dtype}: {name}")
+
+
+def cluster(device: str) -> None:
+    from torchrec import KeyedJaggedTensor
+
+    import recxla
+
+    batch, features = 96, 5
+    for variant in _each_variant("cluster", device):
+        lengths = torch.randint(0, 6, (features * batch,))
+        lengths[:batch] = 1
+        values = torch.randint(0, 40, (int(lengths.sum()),))
+        kjt = KeyedJaggedTensor([f"f{i}" for i in range(features)], values, lengths=lengths,
+                                stride=batch)
+        for m in (2, 4):
+            want, _ = recxla.cluster_samples(kjt, m)  # the C++ CPU kernel
+            got, _ = _counted(recxla.cluster_samples, kjt.to(torch.device(device)), m)
+            if not torch.equal(got.cpu(), want):
+                raise AssertionError(f"{variant}: cluster_samples M={m}")
+
+
+def embedding_bag(device: str) -> None:
+    from torchrec import KeyedJaggedTensor
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    from recxla.nn import EmbeddingBagCollection
+
+    dev = torch.device(device)
+    for pooling in (PoolingType.SUM, PoolingType.MEAN):
+        tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
+                                     feature_names=[f"f{i}"], pooling=pooling)
+                  for i, (rows, dim) in enumerate(((50, 8), (7, 33), (300, 64)))]
+        for optimizer, kwargs in ((None, {}), ("sgd", {"lr": 0.1}),
+                                  ("rowwise_adagrad", {"lr": 0.1, "eps": 1e-8})):
+            module = EmbeddingBagCollection(tables, device=dev, optimizer=optimizer, **kwargs)
+            batch = 9
+            lengths = torch.randint(0, 5, (3 * batch,))
+            values = torch.cat([torch.randint(0, t.num_embeddings, (int(n),))
+                                for t, n in zip(tables, lengths.view(3, batch).sum(1))])
+            kjt = KeyedJaggedTensor(["f0", "f1", "f2"], values, lengths=lengths).to(dev)
+            out = _counted(module, kjt).values()
+            _counted(out.backward, torch.randn_like(out))
+
+
+FAMILIES = {"fp8_rows": fp8_rows, "dedup": dedup, "cluster": cluster,
+            "embedding_bag": embedding_bag}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_campaign.sanitize_cases")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--families", default=",".join(FAMILIES))
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if not _extension.HAVE_EXTENSION:
+        print("recxla._C is not built", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    for name in args.families.split(","):
+        FAMILIES[name](args.device)
+        print(f"{name}: done ({CALLS[0]} kernel calls so far)", flush=True)
+    print(f"{CALLS[0]} kernel calls", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

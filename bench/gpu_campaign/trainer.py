@@ -1,0 +1,109 @@
+"""Campaign stage: the trainer on one GPU, pipelined against its sequential schedule.
+
+    python -m bench.gpu_campaign.trainer --out trainer.json --work DIR [--dry-run]
+
+Two runs of `python -m recxla.train` (torchrun, one rank, the same seed, data and model):
+- pipelined: 2 micro-batches, all-to-alls overlapped, the next batch prepared during this one
+  (DBP), its host-to-device copies on the pipeline's copy stream; with --kernel-trace;
+- sequential: one micro-batch, no overlap, no DBP.
+Both send every wire in fp32 (EXACT_WIRES), and the two must agree to float rounding (training loss over the last steps, held-out loss and
+AUC: relative differences below EQUAL_RTOL); the trace gives the share of the copy and
+communication streams' busy time that runs under compute-stream kernels (trace_overlap.py).
+A dry run does the same on CPU with 2 gloo ranks, the small profile and a few steps (the CPU
+trace has no device streams: the overlap is then reported as absent, not as zero).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from bench.gpu_campaign import trace_overlap
+
+# Float rounding only: the micro-batches sum the same gradients in another order.
+EQUAL_RTOL = 1e-4
+# fp32 on every wire: the check compares schedules, and FP8/bf16 rounding would turn their float
+# rounding differences into steps of 2**-4 / 2**-8 that grow over the run.
+EXACT_WIRES = ["--fwd-comm", "fp32", "--bwd-comm", "fp32", "--dense-allreduce", "fp32"]
+GPU_ARGS = ["--device", "cuda", "--batch-size", "4096", "--steps", "30", "--warmup-steps", "10",
+            "--eval-batches", "4"]
+CPU_ARGS = ["--device", "cpu", "--profile", "small", "--batch-size", "64", "--steps", "5",
+            "--warmup-steps", "1", "--eval-batches", "1", "--threads", "1"]
+RUNS = {
+    "pipelined": ["--micro-batches", "2", "--overlap", "--dbp"],
+    "sequential": ["--micro-batches", "1", "--no-overlap", "--no-dbp"],
+}
+
+
+def _run(name: str, args, work: str, nproc: int, timeout: float) -> dict:
+    metrics = os.path.join(work, f"trainer_{name}.json")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", "-m", "recxla.train", *args, "--seed", "0",
+            "--no-progress", "--metrics", metrics]
+    began = time.monotonic()
+    with open(os.path.join(work, f"trainer_{name}.log"), "w") as log:
+        log.write(" ".join(argv) + "\n")
+        log.flush()
+        try:
+            rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    out = {"command": " ".join(argv[1:]), "returncode": rc,
+           "seconds": round(time.monotonic() - began, 1)}
+    if rc == 0 and os.path.exists(metrics):
+        with open(metrics) as f:
+            m = json.load(f)
+        out.update({k: m.get(k) for k in ("final_loss", "eval_loss", "auc", "examples_per_s",
+                                            "exposed_comm_fraction", "device", "pipeline")})
+    return out
+
+
+def _relative(a, b) -> float:
+    return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_campaign.trainer")
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", required=True)
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    base, nproc = (CPU_ARGS, 2) if args.dry_run else (GPU_ARGS, 1)
+    base = base + EXACT_WIRES
+    trace_path = os.path.join(args.work, "kernel_trace.json.gz")
+    runs = {}
+    for name, extra in RUNS.items():
+        more = ["--kernel-trace", trace_path] if name == "pipelined" else []
+        runs[name] = _run(name, base + extra + more, args.work, nproc, 120)
+    result = {"runs": runs, "status": "fail"}
+    done = all(r["returncode"] == 0 and r.get("final_loss") is not None for r in runs.values())
+    if not done:
+        failed = [n for n, r in runs.items() if r["returncode"] != 0]
+        result["summary"] = f"runs that failed: {failed} (trainer_<run>.log)"
+    else:
+        a, b = runs["pipelined"], runs["sequential"]
+        diffs = {k: _relative(a[k], b[k]) for k in ("final_loss", "eval_loss", "auc")}
+        result["relative_differences"] = diffs
+        equal = all(d <= EQUAL_RTOL for d in diffs.values())
+        overlap = None
+        if os.path.exists(trace_path):
+            overlap = trace_overlap.stream_overlap(trace_overlap.load(trace_path))
+        result["overlap"] = overlap
+        side = overlap["side"] if overlap else None
+        share = "no device streams in the trace" if not side or side["share"] is None else \
+            f"{side['share']:.0%} of the side streams' {side['busy_us']:.0f} us under compute"
+        result["status"] = "pass" if equal else "fail"
+        result["summary"] = (
+            f"pipelined {'equals' if equal else 'DIFFERS FROM'} sequential (max relative "
+            f"difference {max(diffs.values()):.1e}); {a['examples_per_s']:.0f} vs "
+            f"{b['examples_per_s']:.0f} ex/s; {share}")
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+    print(result["summary"], flush=True)
+    return 0 if result["status"] == "pass" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The GPU campaign (`make gpu-campaign`, docs/gpu.md) proven without a GPU: its dry run end to
+end, and the pieces that read what a GPU run produces (trace overlap, junit counts, report)."""
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.gpu_campaign import report, stages, trace_overlap  # noqa: E402
+from recxla.train.kernel_trace import rank_path  # noqa: E402
+
+
+def _random_trace(rng: random.Random):
+    events = []
+    for stream in (7, 13, 21):
+        t = rng.randrange(0, 50)
+        for _ in range(rng.randrange(1, 30)):
+            dur = rng.randrange(1, 40)
+            cat = rng.choice(["kernel", "kernel", "gpu_memcpy"]) if stream != 7 else "kernel"
+            events.append({"ph": "X", "cat": cat, "name": "k", "ts": t, "dur": dur,
+                           "args": {"stream": stream, "device": 0}})
+            t += dur + rng.randrange(-dur, 30)  # overlapping events on one stream too
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::add", "ts": 0, "dur": 10**6,
+                   "args": {}})  # host events never count
+    return {"traceEvents": events}
+
+
+def _busy_grid(events, stream):
+    return {t for e in events if e.get("cat") in trace_overlap.DEVICE_CATEGORIES
+            and e["args"]["stream"] == stream for t in range(e["ts"], e["ts"] + e["dur"])}
+
+
+def test_stream_overlap_matches_a_time_grid(seed):
+    rng = random.Random(seed)
+    for _ in range(20):
+        trace = _random_trace(rng)
+        found = trace_overlap.stream_overlap(trace)
+        events = trace["traceEvents"]
+        kernel = {s: sum(e["dur"] for e in events if e.get("cat") == "kernel"
+                         and e["args"]["stream"] == s) for s in (7, 13, 21)}
+        compute = max(kernel, key=kernel.get)
+        assert found["compute_stream"] == f"0:{compute}"
+        busy = {s: _busy_grid(events, s) for s in (7, 13, 21)}
+        side = set()
+        for s in found["streams"]:
+            number = int(s["stream"].split(":")[1])
+            assert s["busy_us"] == len(busy[number])
+            assert s["overlapped_us"] == len(busy[number] & busy[compute])
+            side |= busy[number]
+        assert found["side"]["busy_us"] == len(side)
+        assert found["side"]["overlapped_us"] == len(side & busy[compute])
+
+
+def test_stream_overlap_of_a_cpu_trace_is_absent_not_zero():
+    found = trace_overlap.stream_overlap({"traceEvents": [{"ph": "X", "cat": "cpu_op",
+                                                           "ts": 0, "dur": 5}]})
+    assert found["compute_stream"] is None and found["side"]["share"] is None
+
+
+def test_kernel_trace_rank_paths():
+    assert rank_path("t.json.gz", 0) == "t.json.gz"
+    assert rank_path("t.json.gz", 3) == "t.rank3.json.gz"
+    assert rank_path("out/t.json", 1) == "out/t.rank1.json"
+    assert rank_path("trace", 2) == "trace.rank2"
+
+
+def test_junit_counts(tmp_path):
+    path = tmp_path / "j.xml"
+    path.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.a" name="ok"/>'
+        '<testcase classname="tests.a" name="bad"><failure message="x"/></testcase>'
+        '<testcase classname="tests.b" name="boom"><error message="y"/></testcase>'
+        '<testcase classname="tests.b" name="later"><skipped message="z"/></testcase>'
+        '</testsuite></testsuites>')
+    counts = stages.junit_counts(str(path))
+    assert counts == {"tests": 4, "passed": 1, "failures": 1, "errors": 1, "skipped": 1,
+                      "failed_names": ["tests.a::bad", "tests.b::boom"]}
+    assert stages.junit_counts(str(tmp_path / "missing.xml"))["tests"] == 0
+
+
+def test_kernel_targets_read_the_rows():
+    rows = [
+        {"group": "fp8_quantize 65536x128", "provider": "cuda:a", "median_us": 20.0,
+         "min_us": 19.0, "of_copy": 0.9, "check": "exact"},
+        {"group": "fp8_quantize 65536x128", "provider": "cuda:b", "median_us": 10.0,
+         "min_us": 9.0, "of_copy": 1.8, "check": "FAILED: differs"},
+        {"group": "dedup criteo zipf", "provider": "cuda:x", "median_us": 100.0, "min_us": 90.0,
+         "check": "exact"},
+        {"group": "dedup criteo zipf", "provider": "torch.unique", "median_us": 250.0,
+         "min_us": 240.0, "check": "baseline"},
+        {"group": "cluster batch 8192 M=4", "provider": "cuda:fused", "median_us": 700.0,
+         "min_us": 650.0, "check": "exact"},
+    ]
+    found = {t.split(":")[0]: (measured, met) for t, measured, met in report.kernel_targets(rows)}
+    assert found["codec >= 0.85x copy bandwidth"] == ("cuda:a 0.90x", True)  # b failed its check
+    assert found["dedup >= 2.0x torch.unique"] == ("cuda:x 2.50x", True)
+    assert found["clustering <= 0.5 ms"] == ("cuda:fused 700.0 us", False)
+
+
+def _digest(path):
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+@pytest.mark.timeout(900)
+def test_campaign_dry_run(tmp_path):
+    """Every stage that needs no GPU runs and passes; the report is written to the output
+    folder only (a dry run's CPU figures never reach bench/results)."""
+    before = _digest(report.RESULTS_JSON), _digest(report.RESULTS_MD)
+    out = tmp_path / "campaign"
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_campaign", "--dry-run", "--out",
+                           str(out), "--deadline", "850"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=880)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert (_digest(report.RESULTS_JSON), _digest(report.RESULTS_MD)) == before
+    assert sorted(os.listdir(out)) == ["campaign.log", "gpu.json", "gpu.md", "logs.tar.gz",
+                                       "summary.txt"]
+    with open(out / "gpu.json") as f:
+        run = json.load(f)["runs"][-1]
+    assert run["dry_run"]
+    assert {name: s["status"] for name, s in run["stages"].items()} == {
+        name: "pass" for name in ("env", "build", "tests-cuda", "tests-triton", "memcheck",
+                                  "racecheck", "kernels", "trainer")}
+    kernels = run["stages"]["kernels"]["data"]
+    families = {r["group"].split()[0] for r in kernels["rows"]}
+    assert {"fp8_quantize", "fp8_dequantize", "dedup", "cluster", "embedding-bag"} <= families
+    assert not [r for r in kernels["rows"] if r["check"].startswith("FAILED")]
+    trainer = run["stages"]["trainer"]["data"]
+    assert max(trainer["relative_differences"].values()) <= 1e-4
+    text = (out / "gpu.md").read_text()
+    assert "dry run on CPU" in text and "## Targets" in text
+    assert "campaign (dry run (CPU))" in proc.stdout.splitlines()[-1]
