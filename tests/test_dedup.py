@@ -2,6 +2,7 @@
 
 import importlib
 import os
+import random
 
 import pytest
 import torch
@@ -245,6 +246,167 @@ def test_triton_interpreted_matches_reference(interpreted_triton, kind, dtype):
         assert_same(got, segmented_unique_ref(values, offsets))
 
 
+# ---------------------------------------------------------------------------------------------
+# The CUDA variant "packed_radix_sort" (csrc/cuda/dedup_packed.cuh): its plan, and its steps
+# around the sort run on the host by its mirror (recxla::_dedup_packed_host: the same
+# recxla/dedup.h functions, std::sort for CUB), so that all but the CUB call and the launch
+# arithmetic is tested without a GPU. Both hooks are compiled with the CUDA kernels.
+needs_packed_hooks = pytest.mark.skipif(
+    not recxla.built_with_cuda(), reason="the packed variant's hooks are built with its kernels"
+)
+
+
+def packed_plan_formula(segments: int, key_min: int, key_max: int, dtype) -> list:
+    """[key_bits, segment_bits, end_bit, word_bytes], from the definition: the keys' offsets from
+    the least key, the segment id above them, a 32- or 64-bit word or none."""
+    key_bits = (key_max - key_min).bit_length()
+    segment_bits = (segments - 1).bit_length()
+    end_bit = key_bits + segment_bits
+    return [key_bits, segment_bits, end_bit, 4 if end_bit <= 32 else 8 if end_bit <= 64 else 0]
+
+
+def packed_host_or_fallback(values, offsets):
+    """The mirror's result, or None where the plan sends the CUDA op to the segmented sort (the
+    mirror must then refuse, naming why)."""
+    if values.numel():
+        plan = packed_plan_formula(offsets.numel() - 1, int(values.min()), int(values.max()),
+                                   values.dtype)
+        if plan[3] == 0:
+            with pytest.raises(ValueError, match=r"_dedup_packed_host: .* more than 64"):
+                torch.ops.recxla._dedup_packed_host(values, offsets)
+            return None
+    return torch.ops.recxla._dedup_packed_host(values, offsets)
+
+
+@needs_packed_hooks
+def test_packed_plan_decides_the_word():
+    plan = torch.ops.recxla._dedup_packed_plan
+    i64, i32 = torch.iinfo(torch.int64), torch.iinfo(torch.int32)
+    assert plan(26, 0, 10131226, torch.int64) == [24, 5, 29, 4]  # a Criteo batch: 4 passes
+    assert plan(32, -7, 2**27 - 8, torch.int64) == [27, 5, 32, 4]  # every bit of 32
+    assert plan(33, -7, 2**27 - 8, torch.int64) == [27, 6, 33, 8]
+    assert plan(1, i64.min, i64.max, torch.int64) == [64, 0, 64, 8]  # no room for a segment
+    assert plan(2, i64.min, i64.max, torch.int64) == [64, 1, 65, 0]  # the segmented sort
+    assert plan(4, i32.min, i32.max, torch.int32) == [32, 2, 34, 8]  # int32 always packs
+    assert plan(1, 5, 5, torch.int32) == [0, 0, 0, 4]  # one key: nothing to sort
+    for _ in range(300):  # ranges of every width, segment counts of every width
+        dtype = random.choice(DTYPES)
+        info = torch.iinfo(dtype)
+        low = random.randint(info.min, info.max)
+        high = min(info.max, low + random.randint(0, 2 ** random.randint(0, info.bits) - 1))
+        segments = random.randint(1, 2 ** random.randint(0, 31))
+        assert plan(segments, low, high, dtype) == packed_plan_formula(segments, low, high, dtype)
+    with pytest.raises(ValueError, match=r"_dedup_packed_plan: needs segments >= 1"):
+        plan(0, 1, 2, torch.int64)
+    with pytest.raises(ValueError, match=r"_dedup_packed_plan: needs .* key_min <= key_max"):
+        plan(3, 2, 1, torch.int64)
+    with pytest.raises(ValueError, match=r"_dedup_packed_plan: int32 keys must lie in"):
+        plan(3, 0, 2**31, torch.int32)
+
+
+@needs_packed_hooks
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_host_matches_reference(kind, dtype):
+    for segments, max_len in [(1, 3000), (26, 800), (int(torch.randint(2, 300, ())), 40)]:
+        offsets = random_offsets(segments, max_len)
+        values = random_keys(kind, int(offsets[-1]), dtype)
+        got = packed_host_or_fallback(values, offsets)
+        if got is not None:
+            assert_same(got, segmented_unique_ref(values, offsets))
+
+
+@needs_packed_hooks
+def test_packed_host_on_the_campaign_cases():
+    # The GPU campaign's check set (bench/gpu_campaign/dedup.py): no segment, empty segments,
+    # negative and int32 keys, one key, one distinct key (0 bits), a full 32-bit word, a 64-bit
+    # key field, the fallback, thousands of tiny segments.
+    from bench.gpu_campaign import dedup as campaign
+
+    paths = set()
+    for name, values, offsets in campaign.check_cases(dry_run=True):
+        got = packed_host_or_fallback(values, offsets)
+        paths.add("fallback" if got is None else "packed")
+        if got is not None:
+            want = segmented_unique_ref(values, offsets)
+            for label, g, w in zip(("unique_values", "unique_offsets", "inverse"), got, want):
+                assert g.dtype == w.dtype and torch.equal(g, w), f"{name}: {label} differs"
+    assert paths == {"fallback", "packed"}
+
+
+@needs_packed_hooks
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), int32=st.booleans())
+def test_packed_host_hypothesis(data, int32):
+    dtype = torch.int32 if int32 else torch.int64
+    info = torch.iinfo(dtype)
+    width = data.draw(st.integers(0, info.bits))
+    low = data.draw(st.integers(info.min, info.max))
+    keys = st.integers(low, min(info.max, low + 2**width - 1))
+    segments = data.draw(st.lists(st.lists(keys, max_size=30), min_size=1, max_size=9))
+    values = torch.tensor([k for seg in segments for k in seg], dtype=dtype)
+    offsets = torch.tensor([0] + [len(s) for s in segments], dtype=torch.int64).cumsum(0)
+    got = packed_host_or_fallback(values, offsets)
+    if got is not None:
+        assert_same(got, segmented_unique_ref(values, offsets))
+
+
+@needs_packed_hooks
+def test_packed_host_checks_offsets():
+    with pytest.raises(ValueError, match=r"_dedup_packed_host: offsets must be non-decreasing"):
+        torch.ops.recxla._dedup_packed_host(torch.arange(6), torch.tensor([0, 4, 3, 6]))
+
+
+def test_campaign_check_catches_wrong_and_unwritten_outputs():
+    from bench.gpu_campaign import dedup as campaign
+
+    cases = [(name, v, o, segmented_unique_ref(v, o))
+             for name, v, o in campaign.check_cases(dry_run=True)]
+    assert campaign.check(segmented_unique, cases, "cpu") == "exact"
+
+    def leaves_one_unwritten(values, offsets):
+        unique_values, unique_offsets, inverse = segmented_unique(values, offsets)
+        out = torch.empty_like(inverse)  # filled with int64's largest value during the check
+        out[1:] = inverse[1:]
+        return unique_values, unique_offsets, out
+
+    def one_wrong(values, offsets):
+        unique_values, unique_offsets, inverse = segmented_unique(values, offsets)
+        return unique_values, unique_offsets, inverse.flip(0)
+
+    assert campaign.check(leaves_one_unwritten, cases, "cpu").startswith(
+        "FAILED: criteo zipf int64: inverse[0] = 9223372036854775807")
+    assert campaign.check(one_wrong, cases, "cpu").startswith("FAILED: criteo zipf int64: inverse")
+    assert not torch.are_deterministic_algorithms_enabled()  # the check restores the mode
+
+
+def test_campaign_dry_run(interpreted_triton):
+    # The campaign module's whole code path on CPU, small batches, Triton interpreted.
+    from bench.gpu_campaign import dedup as campaign
+    from recxla.ops import gpu_variants
+
+    found = campaign.run("cpu", dry_run=True)
+    groups = sorted({r["group"] for r in found["rows"]})
+    assert [g.split(", ")[-1] for g in groups] == ["uniform int64", "zipf int32", "zipf int64"]
+    providers = ["device copy"] + [f"cuda:{v}" for v in gpu_variants.variants("dedup")] + [
+        "triton", "torch.unique"]
+    for group in groups:
+        rows = [r for r in found["rows"] if r["group"] == group]
+        assert [r["provider"] for r in rows] == providers
+        for r in rows:
+            assert r["check"] == ("baseline" if r["provider"] == "device copy" else "exact"), r
+            assert r["median_us"] > 0 and r["bytes"] > 0
+            # keys in, unique keys and the int64 inverse out
+            size = 4 if group.endswith("int32") else 8
+            assert r["bytes"] == r["n_keys"] * (size + 8) + r["n_unique"] * size
+    packed = [r for r in found["rows"] if r["provider"] == "cuda:packed_radix_sort"][0]
+    assert "the segmented sort" in " ".join(packed["plans"].values())
+    (choice,) = found["choices"]
+    assert choice["family"] == "dedup" and choice["capability"] == 0
+    assert choice["winner"] in gpu_variants.variants("dedup")
+    assert choice["why"].startswith("dry run on CPU")
+
+
 def _random_tables(tables: int, max_len: int, max_rows: int):
     offsets = random_offsets(tables, max_len)
     num_rows = torch.randint(1, max_rows, (tables,)).tolist()
@@ -312,6 +474,29 @@ def test_gpu_matches_reference(monkeypatch, backend, kind, dtype):
         assert_same([t.cpu() for t in got], want)
     with pytest.raises(ValueError, match=r"offsets must be non-decreasing"):
         segmented_unique(torch.arange(6).cuda(), torch.tensor([0, 4, 3, 6]).cuda())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["segmented_sort", "packed_radix_sort"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_variants_match_reference(variant, dtype):
+    # Every CUDA kernel variant of the family, whichever this architecture runs by default; the
+    # packed one on 32- and 64-bit words and on its fallback (keys over all of int64).
+    from recxla.ops import gpu_variants
+
+    if not recxla.built_with_cuda():
+        pytest.skip("this build has no CUDA kernels")
+    assert variant in gpu_variants.variants("dedup")
+    with gpu_variants.use_variant("dedup", variant):
+        for kind in KINDS:
+            for segments, max_len in [(0, 0), (3, 0), (1, 1), (1, 20000), (26, 9000), (700, 9)]:
+                offsets = random_offsets(segments, max_len)
+                values = random_keys(kind, int(offsets[-1]), dtype)
+                got = torch.ops.recxla.segmented_unique(values.cuda(), offsets.cuda())
+                assert_same([t.cpu() for t in got], segmented_unique_ref(values, offsets))
+        with pytest.raises(ValueError, match=r"offsets must be non-decreasing"):
+            torch.ops.recxla.segmented_unique(torch.arange(6).cuda(),
+                                              torch.tensor([0, 4, 3, 6]).cuda())
 
 
 @pytest.mark.gpu

@@ -33,7 +33,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
     for r in result["rows"]:
-        print(f"{r['group']:<50} {r['provider']:<28} {r['median_us']:>10.1f} us  {r['check']}")
+        median = "-" if r["median_us"] is None else f"{r['median_us']:.1f} us"
+        print(f"{r['group']:<50} {r['provider']:<28} {median:>12}  {r['check']}")
     for ch in result["choices"]:
         print(f"choice: {ch['family']} on sm_{ch['capability']}: {ch['winner']} ({ch['why']})")
     return 0

@@ -10,9 +10,13 @@
 //   raises the same ValueError before any work on every device;
 // - the order-preserving map of a signed key onto unsigned bits (CPU radix sort and key ranges);
 // - the head rule of the sort-based kernels (CUDA, Triton): a sorted position starts a new
-//   unique key when it starts a segment or differs from its left neighbour.
+//   unique key when it starts a segment or differs from its left neighbour;
+// - the packed sort of the CUDA variant "packed_radix_sort" (csrc/cuda/dedup_packed.cuh): the
+//   plan that decides whether (segment, key) fits one 32- or 64-bit word, and the per-position
+//   steps around the sort, which its host mirror (recxla::_dedup_packed_host) runs on CPU.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -115,6 +119,76 @@ inline void check_dedup_offsets(const char* op, const int64_t* offsets, int64_t 
   TORCH_CHECK_VALUE(
       offsets[count - 1] == n, op, ": offsets[-1] must equal values.numel()=", n, ", got ",
       offsets[count - 1]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The packed sort. Each key becomes one unsigned word
+//     word = (segment << key_bits) | (ordered_bits(key) - lo)
+// where [lo, hi] is the range of all keys' ordered bits and key_bits the width of hi - lo. One
+// device-wide radix sort of the words on bits [0, end_bit) then orders the keys by (segment,
+// key), and two positions hold equal words exactly when they hold equal keys of one segment:
+// the head rule needs no segment test (is_head with segment_start = false).
+
+struct PackedPlan {
+  int key_bits;      // width of hi - lo (0 when every key is equal)
+  int segment_bits;  // width of S - 1 (0 for one segment)
+  int end_bit;       // key_bits + segment_bits: the sort's bits are [0, end_bit)
+  int word_bytes;    // 4 (end_bit <= 32) or 8 (<= 64); 0 when the word does not fit in 64 bits,
+                     // and the CUDA op runs the segmented sort instead
+};
+
+// segments: S >= 1; lo <= hi: the least and greatest ordered_bits of the keys.
+inline PackedPlan packed_sort_plan(int64_t segments, uint64_t lo, uint64_t hi) {
+  TORCH_CHECK(segments >= 1 && lo <= hi,
+              "recxla::packed_sort_plan: needs S >= 1 and lo <= hi, got S=", segments, " lo=", lo,
+              " hi=", hi);
+  PackedPlan plan;
+  plan.key_bits = static_cast<int>(std::bit_width(hi - lo));
+  plan.segment_bits = static_cast<int>(std::bit_width(static_cast<uint64_t>(segments - 1)));
+  plan.end_bit = plan.key_bits + plan.segment_bits;
+  // 32-bit words halve the bytes of every sort pass; the pass count is the same for a given
+  // end_bit (CUB's onesweep sorts 8 bits a pass either way).
+  plan.word_bytes = plan.end_bit <= 32 ? 4 : plan.end_bit <= 64 ? 8 : 0;
+  return plan;
+}
+
+// The segment of position i (0 <= i < N, offsets checked): the last s with offsets[s] <= i. An
+// empty segment shares its offset with the next one, so the search passes over it. A binary
+// search over the S + 1 offsets, which stay in L1 on a GPU.
+RECXLA_DEDUP_HD int64_t segment_of(const int64_t* offsets, int64_t count, int64_t i) {
+  int64_t lo = 0, hi = count;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (offsets[mid] <= i) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo - 1;
+}
+
+// The word of a key: segment above the key's offset from lo. key_bits == 64 leaves no room for
+// a segment (the plan then has segment_bits == 0, so segment == 0), and a shift by 64 would be
+// undefined.
+RECXLA_DEDUP_HD uint64_t pack_key(int64_t segment, uint64_t ordered, uint64_t lo, int key_bits) {
+  const uint64_t offset = ordered - lo;
+  return key_bits < 64 ? (static_cast<uint64_t>(segment) << key_bits) | offset : offset;
+}
+
+// The key of a word (the inverse of pack_key for any segment).
+template <typename key_t>
+RECXLA_DEDUP_HD key_t unpack_key(uint64_t word, uint64_t lo, int key_bits) {
+  const uint64_t mask = key_bits < 64 ? (uint64_t{1} << key_bits) - 1 : ~uint64_t{0};
+  return from_ordered_bits<key_t>(lo + (word & mask));
+}
+
+// Segment s's unique keys start after the heads that sort before its first position, since a
+// segment-major sort leaves every segment at its own offsets. numbers: the inclusive count of
+// heads at each sorted position.
+template <typename number_t>
+RECXLA_DEDUP_HD int64_t unique_offset(const int64_t* offsets, const number_t* numbers, int64_t s) {
+  return offsets[s] > 0 ? static_cast<int64_t>(numbers[offsets[s] - 1]) : 0;
 }
 
 }  // namespace dedup
