@@ -1,6 +1,15 @@
-// FP8 row-wise quantize / dequantize on CUDA. One warp per row (grid-stride over rows): the lanes
-// stride over the row's columns, so loads and stores are coalesced, and the row's amax is a warp
-// shuffle reduction. The per-element math is recxla/fp8.h, shared with the CPU kernel.
+// FP8 row-wise quantize / dequantize on CUDA. The per-element math is recxla/fp8.h, shared with the
+// CPU kernel. Each family (fp8_quantize, fp8_dequantize) has three kernels that write the same
+// bytes (csrc/gpu_variants.cpp picks one per GPU architecture, the campaign measures them:
+// bench/gpu_campaign/fp8_rows.py):
+//   warp_per_row (here; the fallback): one warp per row (grid-stride over rows), the lanes stride
+//     over the row's columns one value at a time, so loads and stores are coalesced, and the row's
+//     amax is a warp shuffle reduction; quantize reads the row twice.
+//   vector_warp_per_row, vector_rows_per_warp (fp8_rows_vector.cuh): 16-byte loads, the row read
+//     once and kept in registers, codes moved as 4-byte words; 32 lanes per row, or as few as
+//     give each lane two chunks of its row. They need D % 4 == 0 (quantize: a whole number of
+//     16-byte chunks per row, D <= 1024 float32 / 2048 16-bit) and aligned buffers; a call that
+//     breaks a condition runs warp_per_row (recxla/fp8_vector.h: quantize_plan, dequantize_plan).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,8 +17,11 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include "fp8_rows_vector.cuh"
 #include "recxla/checks.h"
 #include "recxla/fp8.h"
+#include "recxla/fp8_vector.h"
+#include "recxla/gpu_variants.h"
 
 namespace recxla {
 namespace {
@@ -94,6 +106,22 @@ void dispatch_float_type(at::ScalarType dtype, Body&& body) {
   }
 }
 
+// The kernel family `family` runs on the current device: the variant gpu_variants picks for its
+// architecture (or the process's override).
+fp8::vec::Kernel chosen_kernel(const char* family) {
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const std::string f(family);
+  const std::string& name =
+      gpu_variants::names(f)[gpu_variants::chosen(f, props->major * 10 + props->minor)];
+  if (name == "vector_warp_per_row") return fp8::vec::Kernel::VectorWarpPerRow;
+  if (name == "vector_rows_per_warp") return fp8::vec::Kernel::VectorRowsPerWarp;
+  TORCH_INTERNAL_ASSERT(name == "warp_per_row", "recxla: ", family, " has a variant '", name,
+                        "' that csrc/cuda/fp8_rows.cu does not know");
+  return fp8::vec::Kernel::WarpPerRow;
+}
+
+uint64_t address(const void* p) { return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)); }
+
 int blocks_for(int64_t rows) {
   const int64_t warps_per_block = kThreads / kWarp;
   const int64_t wanted = (rows + warps_per_block - 1) / warps_per_block;
@@ -112,8 +140,16 @@ void quantize_rows_into(
   const int64_t rows = x.size(0), dim = x.size(1);
   if (rows == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const fp8::vec::Plan plan = fp8::vec::quantize_plan(
+      chosen_kernel("fp8_quantize"), dim, static_cast<int>(x.element_size()),
+      address(x.const_data_ptr()), x.stride(0), address(out.const_data_ptr()));
   dispatch_float_type(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
+    if (plan.fallback == fp8::vec::Fallback::None) {
+      fp8_cuda::quantize_vector<scalar_t>(plan, fmt, x.const_data_ptr<scalar_t>(), x.stride(0),
+                                          rows, dim, out.data_ptr<uint8_t>(), stream);
+      return;
+    }
     quantize_rows_kernel<scalar_t><<<blocks_for(rows), kThreads, 0, stream>>>(
         x.const_data_ptr<scalar_t>(), x.stride(0), rows, dim, fmt, out.data_ptr<uint8_t>());
   });
@@ -143,8 +179,16 @@ void dequantize_rows_into(
   const int64_t rows = packed.size(0);
   if (rows == 0 || dim == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const fp8::vec::Plan plan = fp8::vec::dequantize_plan(
+      chosen_kernel("fp8_dequantize"), dim, static_cast<int>(y.element_size()),
+      address(packed.const_data_ptr()), address(y.const_data_ptr()));
   dispatch_float_type(y.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
+    if (plan.fallback == fp8::vec::Fallback::None) {
+      fp8_cuda::dequantize_vector<scalar_t>(plan, fmt, packed.const_data_ptr<uint8_t>(), rows,
+                                            dim, y.data_ptr<scalar_t>(), stream);
+      return;
+    }
     dequantize_rows_kernel<scalar_t><<<blocks_for(rows), kThreads, 0, stream>>>(
         packed.const_data_ptr<uint8_t>(), rows, dim, fmt, y.data_ptr<scalar_t>());
   });

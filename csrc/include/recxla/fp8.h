@@ -177,5 +177,69 @@ RECXLA_HD float decode(uint8_t code, Format fmt) {
   return fmt == Format::E4M3 ? decode_e4m3(code) : decode_e5m2(code);
 }
 
+// ---------------------------------------------------------------- four codes at once
+// The vector kernels (recxla/fp8_vector.h) move codes as 4-byte words: byte j of a word (bits
+// 8j .. 8j + 7, little-endian) is the code of the word's element j, the byte at the lower address.
+
+// a * b rounded once: __fmul_rn on the GPU, which nvcc never contracts with a later addition into
+// an FMA (a plain `*` may be, where --fmad=false is not given); the CPU builds use
+// -ffp-contract=off, so a plain product rounds the same way there.
+RECXLA_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+template <Format F>
+RECXLA_HD float decode(uint8_t code) {
+  return F == Format::E4M3 ? decode_e4m3(code) : decode_e5m2(code);
+}
+
+// The codes of v[0..3] * inv_scale, packed into one word: what encode<F>(mul_rn(v[j],
+// inv_scale)) gives element by element.
+template <Format F>
+RECXLA_HD uint32_t encode_word(const float (&v)[4], float inv_scale) {
+  uint32_t word = 0;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < 4; ++j) {
+    word |= static_cast<uint32_t>(encode<F>(mul_rn(v[j], inv_scale))) << (8 * j);
+  }
+  return word;
+}
+
+// decode<F>(code) with the special codes selected rather than branched to: the GPU then runs the
+// same instructions for every code (nvcc keeps decode_e4m3's early return as a branch per value).
+template <Format F>
+RECXLA_HD float decode_select(uint8_t code) {
+  const uint32_t magnitude = code & 0x7Fu;
+  const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
+  uint32_t bits;
+  if constexpr (F == Format::E4M3) {
+    const uint32_t finite = float_bits(bits_float(magnitude << 20) * 0x1p120f);
+    bits = magnitude == 0x7Fu ? 0x7FC00000u : finite;
+  } else {
+    const uint32_t finite = float_bits(bits_float(magnitude << 21) * 0x1p112f);
+    const uint32_t special = magnitude == 0x7Cu ? 0x7F800000u : 0x7FC00000u;
+    bits = magnitude >= 0x7Cu ? special : finite;
+  }
+  return bits_float(bits | sign);
+}
+
+// The four values of a word of codes times the row's scale, in fp32: what decode<F>(code) * scale
+// gives code by code.
+template <Format F>
+RECXLA_HD void decode_word(uint32_t word, float scale, float (&out)[4]) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int j = 0; j < 4; ++j) {
+    out[j] = mul_rn(decode_select<F>(static_cast<uint8_t>(word >> (8 * j))), scale);
+  }
+}
+
 }  // namespace fp8
 }  // namespace recxla
