@@ -1,7 +1,8 @@
 // Schemas of key-centric sample clustering (kernels: csrc/cpu/cluster.cpp and
-// csrc/cpu/cluster_order.cpp, csrc/cuda/cluster.cu, triton_kernels/cluster.py; per-value math:
-// csrc/include/recxla/cluster.h; reference: recxla/reference/cluster.py; Python API and fake
-// kernels: recxla/clustering.py).
+// csrc/cpu/cluster_order.cpp, csrc/cuda/cluster.cu, triton_kernels/cluster.py; the fused GPU
+// variant: csrc/cuda/cluster_fused.cu and csrc/cpu/cluster_fused.cpp; per-value math:
+// csrc/include/recxla/cluster.h and cluster_fused*.h; reference: recxla/reference/cluster.py;
+// Python API and fake kernels: recxla/clustering.py).
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(recxla, m) {
@@ -11,6 +12,12 @@ TORCH_LIBRARY_FRAGMENT(recxla, m) {
   m.def(
       "cluster_permutation(Tensor values, Tensor lengths, int batch_size, int num_micro_batches,"
       " float[] key_bytes) -> Tensor");
+  // The same order, computed by the "fused" GPU variant (recxla/cluster_fused*.h): CUDA kernels
+  // with one host sync (csrc/cuda/cluster_fused.cu); on CPU tensors the same steps run serially
+  // on the host (csrc/cpu/cluster_fused.cpp), which is how machines without a GPU test them.
+  m.def(
+      "cluster_permutation_fused(Tensor values, Tensor lengths, int batch_size,"
+      " int num_micro_batches, float[] key_bytes) -> Tensor");
   // Pass 1, scoring: values int32/int64 [>= N] holding F features one after another (feature f
   // is values[feature_offsets[f]:feature_offsets[f + 1]]) -> int64 [F], the keys clustering is
   // estimated to save on each feature (reference: feature_gains).

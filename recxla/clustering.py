@@ -11,9 +11,17 @@ and fingerprint signatures of the best features' bags, then moves whole groups t
 micro-batch that holds most of their keys) is documented with its plain-PyTorch reference,
 `recxla.reference.cluster`. Implementations, all with the same result bit for bit:
 - CPU: one C++ call, `torch.ops.recxla.cluster_permutation` (csrc/cpu/cluster*.cpp);
-- CUDA tensors: the two passes over every key (scoring, bag signatures) are CUDA kernels
-  (`RECXLA_BACKEND=cuda`, csrc/cuda/cluster.cu) or Triton kernels (`triton`,
-  triton_kernels/cluster.py), the sorts and group moves are the reference's torch ops;
+- CUDA tensors, two GPU variants (family "cluster" of `recxla.ops.gpu_variants`: each
+  architecture runs the one the GPU campaign measured fastest there, "passes" where nothing
+  was measured):
+  - "passes": the two passes over every key (scoring, bag signatures) are CUDA kernels
+    (`RECXLA_BACKEND=cuda`, csrc/cuda/cluster.cu) or Triton kernels (`triton`,
+    triton_kernels/cluster.py), the sorts and group moves are the reference's torch ops;
+  - "fused" (CUDA backend only): the whole order as one C++ op,
+    `recxla::cluster_permutation_fused` (csrc/cuda/cluster_fused.cu): about 44 device
+    operations behind one host sync, where "passes" pays about 400 launches and 66 syncs
+    (docs/clustering.md). On CPU tensors the same op runs its steps serially on the host,
+    which is how its tests run without a GPU;
 - no compiled extension: the reference.
 The per-key math (hashes, sampling, fingerprints) lives in csrc/include/recxla/cluster.h.
 Cost: about 3 ms for a batch of 8192 (700,000 ids) on one CPU thread, against 11-15 ms for the
@@ -39,6 +47,11 @@ _ID_DTYPES = (torch.int32, torch.int64)
 
 @_extension.register_fake("recxla::cluster_permutation")
 def _cluster_permutation_fake(values, lengths, batch_size, num_micro_batches, key_bytes):
+    return values.new_empty(batch_size, dtype=torch.int64)
+
+
+@_extension.register_fake("recxla::cluster_permutation_fused")
+def _cluster_permutation_fused_fake(values, lengths, batch_size, num_micro_batches, key_bytes):
     return values.new_empty(batch_size, dtype=torch.int64)
 
 
@@ -182,12 +195,27 @@ def cluster_samples(
     elif backend == "reference":
         check_ids(kjt, op)
         perm = reference.cluster_permutation_ref(values, lengths, batch, num_micro_batches, weights)
+    elif gpu_variant(values.device, backend) == "fused":
+        check_id_dtypes(kjt, op)  # the op checks the lengths (its one host sync)
+        perm = torch.ops.recxla.cluster_permutation_fused(
+            values, lengths, batch, num_micro_batches, weights.tolist()
+        )
     else:
         check_ids(kjt, op)
         perm = cluster_permutation_with_passes(
             values, lengths, batch, num_micro_batches, weights, gpu_passes(backend)
         )
     return perm, offsets
+
+
+def gpu_variant(device: torch.device, backend: str) -> str:
+    """The cluster family's GPU variant that runs on `device` with GPU backend `backend`
+    ("cuda" or "triton"): "fused" is CUDA C++, so the Triton backend always runs "passes"."""
+    if backend != "cuda":
+        return "passes"
+    from recxla.ops import gpu_variants
+
+    return gpu_variants.chosen("cluster", gpu_variants.capability(device))
 
 
 class KeyPasses(NamedTuple):
@@ -250,12 +278,17 @@ def cluster_permutation_with_passes(
 
 
 if _extension.HAVE_EXTENSION:
-    # The op's CUDA kernel is the composite GPU path: its two passes over every key are kernels,
-    # the sorts and group moves are torch ops (a grid-wide sort has no place in one kernel).
+    # The op's CUDA kernel is the chosen GPU variant: "fused" is the C++ op of the same contract;
+    # "passes" composes the two passes over every key (kernels) with the reference's torch ops.
     @torch.library.impl("recxla::cluster_permutation", "CUDA")
     def _cluster_permutation_cuda(values, lengths, batch_size, num_micro_batches, key_bytes):
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+        backend = _extension.gpu_backend()
+        if gpu_variant(values.device, backend) == "fused":
+            return torch.ops.recxla.cluster_permutation_fused(
+                values, lengths, batch_size, num_micro_batches, key_bytes
+            )
         op = "recxla::cluster_permutation"
         if values.dim() != 1 or lengths.dim() != 1:
             raise ValueError(f"{op}: values and lengths must be 1-D")
@@ -270,8 +303,7 @@ if _extension.HAVE_EXTENSION:
         weights = key_bytes_tensor(kjt, list(key_bytes), op)
         check_ids(kjt, op)
         return cluster_permutation_with_passes(
-            values, lengths, batch_size, num_micro_batches, weights,
-            gpu_passes(_extension.gpu_backend()),
+            values, lengths, batch_size, num_micro_batches, weights, gpu_passes(backend)
         )
 
 

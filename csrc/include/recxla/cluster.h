@@ -6,7 +6,9 @@
 //   tie exactly, different ones with probability about 2**-64);
 // - sampled_slot: the counting-table slot of a key hash when the feature's sampling keeps it;
 // - gain_of_count: keys saved by clustering on a key seen c times, min(c, M) - ceil(c * M / B);
-// - signature_sort_key: one int64 per bag from its min-hash and fingerprint.
+// - signature_sort_key: one int64 per bag from its min-hash and fingerprint;
+// - gain_step, initial_bin: a count's step of gain_of_count, a group's first micro-batch (the
+//   fused GPU path, recxla/cluster_fused.h, computes these per thread).
 // All integer arithmetic: every backend gets the same bits. Signed values wrap through their
 // unsigned bit patterns (no signed overflow); `>>` on int64_t is arithmetic, as in torch.
 #pragma once
@@ -67,16 +69,38 @@ RECXLA_CLUSTER_HD int64_t signature_sort_key(int64_t min_hash, int64_t fingerpri
       (static_cast<uint64_t>(min_hash) & ~low32) | (static_cast<uint64_t>(fingerprint) >> 32));
 }
 
-// Host helpers (the reference's sample_bits and table_bits).
-inline int bit_length(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
+// What gain_of_count gains when a key's count goes from c to c + 1 (0 once c >= B, where the
+// count is capped): summing it over every increment of a slot's count gives gain_of_count of
+// the final count, in any order of the increments (integers: exact).
+RECXLA_CLUSTER_HD int64_t gain_step(int64_t c, int64_t batch, int64_t m) {
+  return c >= batch ? 0 : gain_of_count(c + 1, batch, m) - gain_of_count(c, batch, m);
+}
+
+// The first bin of a group whose middle sample sits at sorted position `middle` (0 <= middle
+// < B): the chunk [j * B / M, (j + 1) * B / M) that holds it, i.e. the largest j <= M - 1 with
+// floor(j * B / M) <= middle, which is j < (middle + 1) * M / B. No overflow for B < 2**31.
+RECXLA_CLUSTER_HD int64_t initial_bin(int64_t middle, int64_t batch, int64_t m) {
+  const int64_t j = ((middle + 1) * m - 1) / batch;
+  return j < m - 1 ? j : m - 1;
+}
+
+// Number of bits of x (the reference's int.bit_length).
+RECXLA_CLUSTER_HD int bit_length(uint64_t x) {
+#if defined(__CUDA_ARCH__)
+  return x == 0 ? 0 : 64 - __clzll(static_cast<long long>(x));
+#else
+  return x == 0 ? 0 : 64 - __builtin_clzll(x);
+#endif
+}
 
 // log2 of the sampling rate R of a feature with n values: R >= n / kSampleValues.
-inline int sample_bits(int64_t n) {
+RECXLA_CLUSTER_HD int sample_bits(int64_t n) {
   return bit_length(static_cast<uint64_t>(n > 0 ? (n - 1) / kSampleValues : 0));
 }
 
 // log2 of a counting table for n sampled values: the power of two in [n, 2n), at least 2 slots.
-inline int table_bits(int64_t n) {
+// With n = max(N >> sample_bits(N), 1) it is at most 13 for any N: N <= kSampleValues * R.
+RECXLA_CLUSTER_HD int table_bits(int64_t n) {
   const int b = bit_length(static_cast<uint64_t>(n - 1));
   return b > 1 ? b : 1;
 }
