@@ -11,6 +11,7 @@ Prints "<n> kernel calls" last; exits non-zero at the first wrong result.
 """
 
 import argparse
+import itertools
 import sys
 
 import torch
@@ -49,23 +50,25 @@ def fp8_rows(device: str) -> None:
     import recxla
     from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref
 
+    shapes = ((0, 8), (1, 1), (3, 7), (33, 64), (17, 128), (5, 130), (2, 1024))
     for family in ("fp8_quantize", "fp8_dequantize"):
         for variant in _each_variant(family, device):
-            for rows, dim in ((0, 8), (1, 1), (3, 7), (33, 64), (17, 128), (5, 130), (2, 1024)):
-                for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                    for fmt in ("e4m3", "e5m2"):
-                        x = (torch.randn(rows, dim) * 10).to(dtype)
-                        if rows and dim > 2:
-                            x[0, 1], x[-1, -1] = float("nan"), float("inf")
-                        want = quantize_rows_ref(x, fmt)
-                        got = _counted(recxla.quantize_rows, x.to(device), fmt).cpu()
-                        if not torch.equal(got, want):
-                            raise AssertionError(f"{variant}: quantize {rows}x{dim} {dtype} {fmt}")
-                        y = _counted(recxla.dequantize_rows, want.to(device), dim, fmt,
-                                     dtype=dtype).cpu()
-                        ref = dequantize_rows_ref(want, dim, fmt, dtype=dtype)
-                        if not _same(y, ref):
-                            raise AssertionError(f"{variant}: dequantize {rows}x{dim} {dtype} {fmt}")
+            for (rows, dim), dtype, fmt in itertools.product(
+                    shapes, (torch.float32, torch.bfloat16, torch.float16), ("e4m3", "e5m2")):
+                x = (torch.randn(rows, dim) * 10).to(dtype)
+                if rows and dim > 2:
+                    x[0, 1], x[-1, -1] = float("nan"), float("inf")
+                want = quantize_rows_ref(x, fmt)
+                case = f"{variant}: {family} {rows}x{dim} {dtype} {fmt}"
+                if family == "fp8_quantize":
+                    got = _counted(recxla.quantize_rows, x.to(device), fmt).cpu()
+                    if not torch.equal(got, want):
+                        raise AssertionError(case)
+                else:
+                    y = _counted(recxla.dequantize_rows, want.to(device), dim, fmt,
+                                 dtype=dtype).cpu()
+                    if not _same(y, dequantize_rows_ref(want, dim, fmt, dtype=dtype)):
+                        raise AssertionError(case)
 
 
 def dedup(device: str) -> None:

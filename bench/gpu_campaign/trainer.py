@@ -27,7 +27,7 @@ EQUAL_RTOL = 1e-4
 # fp32 on every wire: the check compares schedules, and FP8/bf16 rounding would turn their float
 # rounding differences into steps of 2**-4 / 2**-8 that grow over the run.
 EXACT_WIRES = ["--fwd-comm", "fp32", "--bwd-comm", "fp32", "--dense-allreduce", "fp32"]
-GPU_ARGS = ["--device", "cuda", "--batch-size", "4096", "--steps", "30", "--warmup-steps", "10",
+GPU_ARGS = ["--device", "cuda", "--batch-size", "4096", "--steps", "24", "--warmup-steps", "8",
             "--eval-batches", "4"]
 CPU_ARGS = ["--device", "cpu", "--profile", "small", "--batch-size", "64", "--steps", "5",
             "--warmup-steps", "1", "--eval-batches", "1", "--threads", "1"]
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     runs = {}
     for name, extra in RUNS.items():
         more = ["--kernel-trace", trace_path] if name == "pipelined" else []
-        runs[name] = _run(name, base + extra + more, args.work, nproc, 120)
+        runs[name] = _run(name, base + extra + more, args.work, nproc, 50)
     result = {"runs": runs, "status": "fail"}
     done = all(r["returncode"] == 0 and r.get("final_loss") is not None for r in runs.values())
     if not done:
