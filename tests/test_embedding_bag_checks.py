@@ -171,6 +171,26 @@ def test_fused_lookup_checks_once_per_step_before_any_kernel(unchecked_backend, 
     assert all(torch.equal(w, w0) for w, w0 in zip(weights, frozen))
 
 
+def test_fused_lookup_checked_upstream_skips_the_data_checks(unchecked_backend, monkeypatch):
+    """recxla's sharded module looks up ids its input dist already checked: its plan skips the
+    data checks, whose flags cost a host sync every step on a GPU; the layout checks (host
+    only) still run, and the result is the checked lookup's."""
+    calls = []
+    check = checks.check_lookup_data
+    monkeypatch.setattr(checks, "check_lookup_data", lambda *x: calls.append(x[-1]) or check(*x))
+    a = op_inputs(batch=5)
+    rest = [a[k] for k in ("unique_values", "unique_offsets", "inverse", "offsets")]
+    outs = []
+    for upstream in (False, True):
+        plan = ops.LookupPlan(a["feature_table"], a["pooling"], 5, checked_upstream=upstream)
+        outs.append(ops.FusedPooledLookup.apply(plan, *rest, None, *a["weights"]))
+    assert calls == [False]  # the unchecked plan only (no optimizer: no increasing check)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    plan = ops.LookupPlan(a["feature_table"], a["pooling"], 4, checked_upstream=True)
+    with pytest.raises(ValueError):  # a batch size that disagrees with offsets: layout
+        ops.FusedPooledLookup.apply(plan, *rest, None, *a["weights"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Hyperparameters: NaN and Inf would turn every touched row into NaN
 

@@ -131,6 +131,23 @@ def test_nan_and_inf_do_not_disturb_other_values(fmt):
     assert torch.isfinite(y[~special]).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FP8)
+def test_a_nan_keeps_its_sign_in_the_code(fmt, dtype):
+    """c10's casts keep a NaN's sign, and so does the code. A GPU's multiply returns a
+    canonical positive NaN whatever its operand, which once made every GPU path encode -NaN as
+    0x7F (found by the GPU campaign: torch's CPU cast of a float NaN to bfloat16 gives 0xFFFF,
+    a negative NaN); the kernels pass a NaN through unscaled (recxla/fp8.h scale_value)."""
+    x = random_rows(3, 9).to(dtype)
+    bits = x.view(torch.int16 if dtype != torch.float32 else torch.int32)
+    negative_nan = {torch.float32: -0x400000, torch.bfloat16: -1, torch.float16: -1}[dtype]
+    bits[1, 4] = negative_nan  # 0xFFC00000 / 0xFFFF: sign set, all-ones or quiet payload
+    bits[2, 0] = {torch.float32: 0x7FC00000, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00}[dtype]
+    want = quantize_rows_ref(x, fmt)
+    assert want[1, 4] == 0xFF and want[2, 0] == 0x7F
+    assert torch.equal(recxla.quantize_rows(x, fmt), want)
+
+
 @pytest.mark.parametrize("fmt", FP8)
 def test_zero_rows_round_trip_exactly(fmt):
     x = random_rows(5, 19)

@@ -82,7 +82,12 @@ def test_junit_counts(tmp_path):
         '</testsuite></testsuites>')
     counts = stages.junit_counts(str(path))
     assert counts == {"tests": 4, "passed": 1, "failures": 1, "errors": 1, "skipped": 1,
-                      "failed_names": ["tests.a::bad", "tests.b::boom"]}
+                      "failed_names": ["tests.a::bad", "tests.b::boom"],
+                      "outcomes": {"tests.a::ok": "passed", "tests.a::bad": "failure",
+                                   "tests.b::boom": "error", "tests.b::later": "skipped"}}
+    log = ("tests/a.py::ok PASSED [ 25%]\ntests/a.py::bad FAILED [ 50%]\n"
+           "tests/b.py::boom ERROR [ 75%]\ntests/b.py::later SKIPPED (why) [100%]\n")
+    assert stages.verbose_counts(log) == counts  # a run cut at its budget, read from its log
     assert stages.junit_counts(str(tmp_path / "missing.xml"))["tests"] == 0
 
 
@@ -103,6 +108,43 @@ def test_kernel_targets_read_the_rows():
     assert found["codec >= 0.85x copy bandwidth"] == ("cuda:a 0.90x", True)  # b failed its check
     assert found["dedup >= 2.0x torch.unique"] == ("cuda:x 2.50x", True)
     assert found["clustering <= 0.5 ms"] == ("cuda:fused 700.0 us", False)
+
+
+def _run(date, stages_):
+    return {"date": date, "commit": date, "dry_run": False, "machine": {}, "command": "",
+            "stages": stages_}
+
+
+def test_a_rerun_replaces_only_what_it_ran():
+    def tests(outcomes):
+        data = stages.count_outcomes(outcomes)
+        return {"status": "fail" if data["failed_names"] else "pass", "summary": "",
+                "seconds": 1, "data": data}
+
+    def kernels(rows, choices):
+        return {"status": "pass", "summary": "", "seconds": 1,
+                "data": {"rows": rows, "choices": choices}}
+
+    row = lambda g, p, t: {"group": g, "provider": p, "median_us": t, "min_us": t,  # noqa
+                           "check": "exact"}
+    first = _run("1", {
+        "tests-cuda": tests({"t::a": "passed", "t::b": "failure", "t::c": "passed"}),
+        "kernels": kernels([row("fp8 x", "cuda:a", 3.0), row("dedup y", "cuda:b", 5.0)],
+                           [{"family": "fp8", "winner": "a"}, {"family": "dedup", "winner": "b"}]),
+        "trainer": {"status": "fail", "summary": "broken", "seconds": 1, "data": {}}})
+    rerun = _run("2", {
+        "tests-cuda": tests({"t::b": "passed"}),
+        "kernels": kernels([row("fp8 x", "cuda:a", 2.0)], [{"family": "fp8", "winner": "c"}]),
+        "trainer": {"status": "skip", "summary": "not run", "seconds": 0}})
+    view = report.merged([first, rerun])["stages"]
+    assert view["tests-cuda"]["status"] == "pass"
+    assert view["tests-cuda"]["data"]["outcomes"] == {"t::a": "passed", "t::b": "passed",
+                                                      "t::c": "passed"}
+    assert sorted((r["group"], r["median_us"]) for r in view["kernels"]["data"]["rows"]) == [
+        ("dedup y", 5.0), ("fp8 x", 2.0)]
+    assert {c["family"]: c["winner"] for c in view["kernels"]["data"]["choices"]} == {
+        "fp8": "c", "dedup": "b"}
+    assert view["trainer"]["summary"] == "broken" and view["trainer"]["run"] == "1, 1"
 
 
 def _digest(path):

@@ -21,6 +21,10 @@ import pytest
 from warm_ranks import WarmRank
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The ranks import recxla from this checkout, and whatever the caller's PYTHONPATH adds after it
+# (a GPU machine may carry TorchRec in a folder of its own).
+RANK_PYTHONPATH = os.pathsep.join(
+    [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 # A model small enough for a few steps in seconds on 2 shared cores.
 SMALL = ["--profile", "small", "--batch-size", "128", "--embedding-dim", "16",
          "--dense-arch", "32", "--over-arch", "32", "--eval-batches", "2", "--no-progress"]
@@ -67,7 +71,7 @@ def start_ranks(args: Sequence[str], tmp_path, world_size: int = 2,
     for r in range(world_size):
         e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r % per_node),
                  LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), PYTHONPATH=REPO, **(env or {}))
+                 MASTER_PORT=str(port), PYTHONPATH=RANK_PYTHONPATH, **(env or {}))
         log = str(tmp_path / f"rank{r}.log")
         if _needs_a_fresh_process(args, env or {}):
             with open(log, "w") as out:
@@ -144,7 +148,7 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "recxla.train", *common, "--row-exchange", "off",  # pooled bags' arithmetic
          "--metrics", str(tmp_path / "recxla.json")],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True,
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=RANK_PYTHONPATH), capture_output=True, text=True,
         timeout=150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "examples/s" in proc.stdout and "AUC" in proc.stdout
@@ -269,7 +273,7 @@ def test_resume_needs_a_checkpoint(capsys, tmp_path):
 def test_bad_options_exit_before_any_process_group(tmp_path):
     # Rank 1 of a job whose rank 0 never comes: joining the group would wait for the timeout.
     env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=REPO)
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=RANK_PYTHONPATH)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "recxla.train", "--baseline", "torchrec",
                            "--micro-batches", "4", "--timeout", "60"], env=env, cwd=REPO,
@@ -326,3 +330,26 @@ def test_docs_options_reference_is_the_declaration():
     documented = text[text.index(begin) + len(begin):text.index(end)]
     assert documented.strip() == options_markdown().strip(), (
         "docs/training.md's options are out of date: regenerate them with options_markdown()")
+
+
+def test_dense_optimizer_runs_where_torch_has_its_kernel():
+    """torch's fused Adagrad has no CUDA kernel (a GPU run stopped at its first dense step):
+    there the trainer's dense Adagrad runs foreach; everything else fused, with the same update
+    as torch's plain loop."""
+    import torch
+
+    from recxla.train.sharding import dense_optimizer_kwargs
+
+    assert dense_optimizer_kwargs("adagrad", "cuda") == {"foreach": True}
+    assert dense_optimizer_kwargs("sgd", "cuda") == {"fused": True}
+    for name, make in (("adagrad", torch.optim.Adagrad), ("sgd", torch.optim.SGD)):
+        for device_type in ("cpu", "cuda"):
+            kwargs = dense_optimizer_kwargs(name, device_type)
+            fast, plain = [torch.nn.Parameter(torch.randn(7, 5)) for _ in range(2)]
+            plain.data.copy_(fast.data)
+            grad = torch.randn(7, 5)
+            steps = [make([fast], lr=0.1, **kwargs), make([plain], lr=0.1, foreach=False)]
+            for p, opt in zip((fast, plain), steps):
+                p.grad = grad.clone()
+                opt.step()
+            torch.testing.assert_close(fast, plain)

@@ -43,6 +43,13 @@ _FORMATS = {
 # so they only run interpreted if TRITON_INTERPRET was set before that import; this module's own
 # functions follow the mode it was imported in (see recxla.triton_kernels.interpreted).
 @triton.jit
+def _scale_value(x, inv_scale):
+    """x * inv_scale per row, a NaN passed unscaled: a GPU's multiply returns a canonical
+    positive NaN, and the code keeps the NaN's sign (recxla/fp8.h scale_value)."""
+    return tl.where(x != x, x, x * inv_scale[:, None])
+
+
+@triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
 
@@ -141,13 +148,14 @@ def _quantize_kernel(x_ptr, out_ptr, n_rows, dim, x_row_stride, out_row_stride,
     scale = tl.math.div_rn(tl.full((BLOCK_ROWS,), 1.0, tl.float32), inv_scale)
 
     if ONE_BLOCK:
-        codes = _encode(x * inv_scale[:, None], MANT, BIAS, MAX_BITS, INF_CODE, NAN_CODE)
+        codes = _encode(_scale_value(x, inv_scale), MANT, BIAS, MAX_BITS, INF_CODE, NAN_CODE)
         tl.store(out_rows + cols[None, :], codes, mask=mask)
     else:
         for start in range(0, dim, BLOCK_D):
             mask = row_mask[:, None] & (start + cols[None, :] < dim)
             xb = _load_f32(x_rows + start + cols[None, :], mask, IN_BF16)
-            codes = _encode(xb * inv_scale[:, None], MANT, BIAS, MAX_BITS, INF_CODE, NAN_CODE)
+            codes = _encode(_scale_value(xb, inv_scale), MANT, BIAS, MAX_BITS, INF_CODE,
+                            NAN_CODE)
             tl.store(out_rows + start + cols[None, :], codes, mask=mask)
 
     # The scale's four bytes, little-endian, after the codes.

@@ -1,7 +1,8 @@
 """`python3 -m bench.gpu_campaign [--dry-run] [--out DIR] [--stages a,b] [--deadline S]`
 
 Runs the campaign's stages (stages.py) and writes the report (report.py); prints the summary
-table last. --stages reruns a part (env, build and report always run: the others need them).
+table last. --stages reruns a part (env, build and report always run: the others need them),
+--tests-k and --kernel-modules a part of a stage.
 Exit status 0 when every stage that ran passed, 1 otherwise.
 """
 
@@ -34,6 +35,11 @@ def parse(argv):
                    help=f"comma-separated subset of {', '.join(ALL_STAGES)}")
     p.add_argument("--deadline", type=float, default=DEFAULT_DEADLINE_S,
                    help="seconds for the whole campaign (default %(default)s)")
+    p.add_argument("--tests-k", default=None, metavar="EXPR",
+                   help="rerun a part: pytest -k EXPR in the tests stages")
+    p.add_argument("--kernel-modules", default=",".join(stages.KERNEL_MODULES),
+                   help=f"rerun a part: the kernels stage's modules, of "
+                        f"{', '.join(stages.KERNEL_MODULES)}")
     p.add_argument("--no-results", action="store_true",
                    help="do not update bench/results/gpu.md and gpu.json (a dry run never does)")
     args = p.parse_args(argv)
@@ -42,12 +48,18 @@ def parse(argv):
     if unknown:
         p.error(f"--stages: unknown {unknown}; the stages are {', '.join(ALL_STAGES)}")
     args.stages = [s for s in ALL_STAGES if s in wanted or s in ("env", "build")]
+    modules = [m.strip() for m in args.kernel_modules.split(",") if m.strip()]
+    if not modules or any(m not in stages.KERNEL_MODULES for m in modules):
+        p.error(f"--kernel-modules: choose from {', '.join(stages.KERNEL_MODULES)}, "
+                f"got {args.kernel_modules!r}")
+    args.kernel_modules = modules
     return args
 
 
 def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     campaign = Campaign(args.out, args.dry_run, args.deadline)
+    campaign.options.update(tests_k=args.tests_k, kernel_modules=args.kernel_modules)
     for name in ("env", "build"):
         campaign.run_stage(name, FUNCTIONS[name])
     ready = all(campaign.results[n].status == "pass" for n in ("env", "build"))
@@ -61,7 +73,7 @@ def main(argv=None) -> int:
             if name in args.stages:
                 campaign.run_stage(name, FUNCTIONS[name])
     write_results = not args.dry_run and not args.no_results
-    report.write(campaign, write_results)
+    report.write(campaign, write_results, sys.argv[1:] if argv is None else list(argv))
     table = campaign.summary_table()
     with open(os.path.join(campaign.out, "summary.txt"), "w") as f:
         f.write(table + "\n")

@@ -76,6 +76,8 @@ class Campaign:
             p for p in (ROOT, self.env.get("PYTHONPATH", "")) if p)
         self.python = sys.executable
         self.results: Dict[str, StageResult] = {}
+        # Parts of stages to rerun (tests_k: pytest -k; kernel_modules), set by the command line.
+        self.options: dict = {"tests_k": None, "kernel_modules": None}
         self._log_lock = threading.Lock()
         self._log = open(os.path.join(self.out, "campaign.log"), "a", buffering=1)
 

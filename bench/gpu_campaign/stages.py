@@ -141,8 +141,10 @@ def first_error(log: str) -> str:
 
 def _use_installed_extension(c: Campaign) -> None:
     """The tests import recxla from the source tree: put the extension pip built there."""
+    installed = dict(c.env, PYTHONPATH=os.pathsep.join(
+        p for p in c.env["PYTHONPATH"].split(os.pathsep) if p and p != ROOT))
     probe = c.command([c.python, "-c", "import recxla._C as m; print(m.__file__)"],
-                      "build_locate.log", 60, cwd="/tmp")
+                      "build_locate.log", 60, env=installed, cwd="/tmp")
     if probe.returncode == 0:
         shutil.copy(c.tail("build_locate.log", 1).strip(), os.path.join(ROOT, "recxla"))
     link = os.path.join(ROOT, "recxla", "triton_kernels")
@@ -154,6 +156,8 @@ def _tests(c: Campaign, backend: str) -> StageResult:
     env = dict(c.env, RECXLA_BACKEND=backend)
     junit = c.path(f"tests_{backend}.xml")
     argv = [c.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-m", "gpu"]
+    if c.options.get("tests_k"):
+        argv += ["-k", c.options["tests_k"]]
     if c.dry_run:
         cmd = c.command(argv + ["--collect-only"], f"tests_{backend}.log", 120, env=env)
         found = re.search(r"(\d+)(?:/\d+)? tests? collected", c.tail(f"tests_{backend}.log", 3))
@@ -175,37 +179,44 @@ def _tests(c: Campaign, backend: str) -> StageResult:
 
 def junit_counts(path: str) -> dict:
     """{tests, passed, failures, errors, skipped, failed_names} of a pytest junit file."""
-    out = {"tests": 0, "passed": 0, "failures": 0, "errors": 0, "skipped": 0, "failed_names": []}
     try:
         root = ElementTree.parse(path).getroot()
     except (OSError, ElementTree.ParseError):
-        return out
+        return count_outcomes({})
+    outcomes = {}
     for case in root.iter("testcase"):
-        out["tests"] += 1
         kinds = {child.tag for child in case}
-        if "failure" in kinds or "error" in kinds:
-            out["failures" if "failure" in kinds else "errors"] += 1
-            out["failed_names"].append(f"{case.get('classname')}::{case.get('name')}")
-        elif "skipped" in kinds:
-            out["skipped"] += 1
-        else:
-            out["passed"] += 1
+        name = f"{case.get('classname')}::{case.get('name')}"
+        outcomes[name] = next((k for k in ("failure", "error", "skipped") if k in kinds),
+                              "passed")
+    return count_outcomes(outcomes)
+
+
+OUTCOME_KEYS = {"passed": "passed", "failure": "failures", "error": "errors",
+                "skipped": "skipped"}
+
+
+def count_outcomes(outcomes: dict) -> dict:
+    """{tests, passed, failures, errors, skipped, failed_names, outcomes} of {test: outcome},
+    outcome one of passed, failure, error, skipped."""
+    out = {"tests": len(outcomes), "passed": 0, "failures": 0, "errors": 0, "skipped": 0,
+           "failed_names": [], "outcomes": dict(outcomes)}
+    for name, outcome in outcomes.items():
+        out[OUTCOME_KEYS[outcome]] += 1
+        if outcome in ("failure", "error"):
+            out["failed_names"].append(name)
     return out
 
 
 def verbose_counts(log: str) -> dict:
     """The same counts from `pytest -v` output ("tests/x.py::name PASSED [ 5%]" lines), for a
     run that was killed before it wrote its junit file."""
-    out = {"tests": 0, "passed": 0, "failures": 0, "errors": 0, "skipped": 0, "failed_names": []}
-    for name, outcome in re.findall(r"^(tests/\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)", log,
-                                    re.MULTILINE):
-        out["tests"] += 1
-        key = {"PASSED": "passed", "FAILED": "failures", "ERROR": "errors",
-               "SKIPPED": "skipped"}[outcome]
-        out[key] += 1
-        if outcome in ("FAILED", "ERROR"):
-            out["failed_names"].append(name)
-    return out
+    words = {"PASSED": "passed", "FAILED": "failure", "ERROR": "error", "SKIPPED": "skipped"}
+    found = re.findall(r"^tests/(\S+)\.py::(\S+) (PASSED|FAILED|ERROR|SKIPPED)", log,
+                       re.MULTILINE)
+    # Named as junit names them: the module's dotted path, then the test.
+    return count_outcomes({f"tests.{module.replace('/', '.')}::{test}": words[outcome]
+                           for module, test, outcome in found})
 
 
 def tests_cuda(c: Campaign) -> StageResult:
@@ -256,7 +267,7 @@ def racecheck(c: Campaign) -> StageResult:
 
 def kernels(c: Campaign) -> StageResult:
     rows, choices, failed = [], [], []
-    for module in KERNEL_MODULES:
+    for module in c.options.get("kernel_modules") or KERNEL_MODULES:
         out = c.path(f"kernels_{module}.json")
         argv = [c.python, "-m", "bench.gpu_campaign.kernels", module, "--out", out]
         cmd = c.command(argv + (["--dry-run"] if c.dry_run else []), f"kernels_{module}.log",

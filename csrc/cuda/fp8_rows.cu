@@ -59,8 +59,8 @@ __global__ void quantize_rows_kernel(
     const float inv_scale = fp8::inv_scale_from_amax(fp8::bits_float(amax_bits), fmt);
     uint8_t* orow = out + row * out_stride;
     for (int64_t j = lane; j < dim; j += kWarp) {
-      // __fmul_rn: never contracted into an FMA, so the product rounds as on the CPU.
-      orow[j] = fp8::encode(__fmul_rn(load_float(xr + j), inv_scale), fmt);
+      // Never contracted into an FMA (the product rounds as on the CPU); a NaN keeps its sign.
+      orow[j] = fp8::encode(fp8::scale_value(load_float(xr + j), inv_scale), fmt);
     }
     if (lane < fp8::kScaleBytes) {
       const uint32_t scale_bits = fp8::float_bits(fp8::scale_from_inv_scale(inv_scale));

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from recxla.distributed.gather import all_gather_flat
+
 OP = "recxla.distributed.all_reduce_by_node"
 
 
@@ -40,7 +42,7 @@ class AllReduceByNodeHandle:
             return self._result
         if self._work is not None:
             self._work.wait()
-        dist.all_gather_single(self._padded, self._part, group=self._node_group)
+        all_gather_flat(self._padded, self._part, group=self._node_group)
         flat = self._tensor.view(-1)
         if self._padded is not flat:
             flat.copy_(self._padded[:flat.numel()])

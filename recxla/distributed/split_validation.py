@@ -11,6 +11,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from recxla.distributed.gather import all_gather_flat
+
 from recxla.formats import FORMATS
 
 _FORMAT_IDS = {name: i for i, name in enumerate(sorted(FORMATS))}
@@ -25,7 +27,7 @@ def _gather_rows(local: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tor
     """[world, local.numel()]: row r is rank r's `local` (gloo wants a flat output)."""
     world = dist.get_world_size(group)
     out = local.new_empty((world * local.numel(),))
-    dist.all_gather_single(out, local, group=group)
+    all_gather_flat(out, local, group=group)
     return out.view(world, local.numel())
 
 

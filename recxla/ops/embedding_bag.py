@@ -199,7 +199,11 @@ class LookupPlan:
     (recxla.nn.workspace.Workspace, or anything with its `empty(name, shape, dtype, device)`)
     that provides the pooled output's buffer, reused across steps on CPU. after_update, if
     set, is called right after the fused update with (weights, unique_values, unique_offsets):
-    e.g. to round the updated rows of a table stored at lower precision."""
+    e.g. to round the updated rows of a table stored at lower precision. checked_upstream: the
+    ids were checked where they were made (recxla's sharded module: its input dist's sender
+    checks every id's range, and dedup makes each table's rows unique and increasing), so on
+    GPU the forward skips the data checks, whose flags cost a host sync every step; the
+    layout checks (host only) still run."""
 
     feature_table: List[int]
     pooling: List[int]
@@ -207,6 +211,7 @@ class LookupPlan:
     optimizer_step: Optional[OptimizerStep] = None
     workspace: Optional[Any] = None
     after_update: Optional[Callable[[List[torch.Tensor], torch.Tensor, torch.Tensor], None]] = None
+    checked_upstream: bool = False
 
 
 class FusedPooledLookup(torch.autograd.Function):
@@ -215,7 +220,7 @@ class FusedPooledLookup(torch.autograd.Function):
     Inputs: plan, unique_values, unique_offsets, inverse, offsets, per_sample_weights, *weights.
     Per-sample weights get a gradient when they require one (computed before any row moves).
     On GPU the data are checked once, in the forward (strictly increasing rows too when the plan
-    has an optimizer), before any kernel runs.
+    has an optimizer), before any kernel runs, unless the plan says they were checked upstream.
     """
 
     @staticmethod
@@ -225,7 +230,8 @@ class FusedPooledLookup(torch.autograd.Function):
         backend = _extension.backend_for(unique_values)
         if backend != "cpu":
             check_lookup("recxla.ops.embedding_bag.FusedPooledLookup", args,
-                   increasing=plan.optimizer_step is not None)
+                         increasing=plan.optimizer_step is not None,
+                         data=not plan.checked_upstream)
         out = None
         if plan.workspace is not None:
             total_dim = sum(weights[t].shape[1] for t in plan.feature_table)

@@ -136,11 +136,14 @@ def raise_for_lookup_flags(op: str, flags: torch.Tensor, weights, num_ids: int) 
                          f"table (feature {outside})")
 
 
-def check_lookup(op, args, increasing: bool) -> None:
-    """Layout and data checks of `args` (weights, unique_values, unique_offsets, inverse,
-    offsets, psw, feature_table, pooling, batch_size) for a backend whose kernels trust them."""
+def check_lookup(op, args, increasing: bool, data: bool = True) -> None:
+    """Layout and (with `data`: one host sync) data checks of `args` (weights, unique_values,
+    unique_offsets, inverse, offsets, psw, feature_table, pooling, batch_size) for a backend
+    whose kernels trust them."""
     weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size = args
     _check_layout(op, weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size)
+    if not data:
+        return
     flags = check_lookup_data(weights, uv, uo, inv, offsets, feature_table, batch_size, increasing)
     raise_for_lookup_flags(op, flags, weights, inv.numel())
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.types import ShardingEnv
 
+from recxla.distributed.gather import all_gather_flat
 from recxla.ops.embedding_bag import NONE, backward_update, pooled_forward, unique_grad
 from recxla.torchrec.row_exchange import apply_row_gradients
 from recxla.torchrec.shard_layout import OWNER
@@ -186,14 +187,14 @@ def sum_over_replicas(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64, device=device)
     # gloo gathers into flat outputs only.
     all_counts = torch.empty(size * counts.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_single(all_counts, counts, group=group)
+    all_gather_flat(all_counts, counts, group=group)
     all_counts = all_counts.view(size, -1).cpu()
     longest = int(all_counts.sum(1).max()) if size else 0
     mine = torch.full((longest,), -1, dtype=torch.int64, device=device)
     flat = torch.cat([r.to(torch.int64) for r in rows]) if rows else mine[:0]
     mine[: flat.numel()] = flat
     gathered = torch.empty(size * longest, dtype=torch.int64, device=device)
-    dist.all_gather_single(gathered, mine, group=group)
+    all_gather_flat(gathered, mine, group=group)
     gathered = gathered.view(size, longest)
     unions, positions, offset = [], [], 0
     starts = torch.cumsum(all_counts, 1) - all_counts

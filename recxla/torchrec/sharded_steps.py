@@ -145,6 +145,7 @@ class ShardedSteps:
                 optimizer_step=(lambda: self.fused_step_arguments(0, self._num_pooled))
                 if self._has_fused_update else None,
                 after_update=self._round_fp16_rows,
+                checked_upstream=True,  # ids checked by the input dist's sender (id_encoder)
             )
             pooled = FusedPooledLookup.apply(
                 plan, lookup_input.unique_values, lookup_input.unique_offsets,

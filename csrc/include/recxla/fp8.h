@@ -10,7 +10,8 @@
 //   inv_scale = amax > 0 ? min(FP8_MAX / amax, FLT_MAX) : 1     (IEEE division)
 //   scale     = 1 / inv_scale                                    (IEEE division; stored)
 //   code      = fp8(x * inv_scale), round to nearest even, finite values saturate at +-FP8_MAX
-//   NaN  -> NaN code; +-Inf -> +-Inf code in e5m2, NaN code in e4m3 (which has no infinity)
+//   NaN  -> NaN code with the NaN's sign (scale_value: a GPU's multiply would drop it);
+//   +-Inf -> +-Inf code in e5m2, +-NaN code in e4m3 (which has no infinity)
 // Decoding: value(code) * scale, computed in fp32.
 //
 // The conversions agree bit for bit with c10's fp8 conversions (torch's `.to(torch.float8_*)`, the
@@ -192,12 +193,19 @@ RECXLA_HD float mul_rn(float a, float b) {
 #endif
 }
 
+// x * inv_scale as the encoder takes it: a NaN x passes unscaled. inv_scale is finite and > 0,
+// so the product of a NaN is a NaN either way, but not the same one: a CPU returns the operand
+// (its sign kept, as c10's casts keep it in the code), a GPU a canonical positive NaN.
+RECXLA_HD float scale_value(float x, float inv_scale) {
+  return x != x ? x : mul_rn(x, inv_scale);
+}
+
 template <Format F>
 RECXLA_HD float decode(uint8_t code) {
   return F == Format::E4M3 ? decode_e4m3(code) : decode_e5m2(code);
 }
 
-// The codes of v[0..3] * inv_scale, packed into one word: what encode<F>(mul_rn(v[j],
+// The codes of v[0..3] * inv_scale, packed into one word: what encode<F>(scale_value(v[j],
 // inv_scale)) gives element by element.
 template <Format F>
 RECXLA_HD uint32_t encode_word(const float (&v)[4], float inv_scale) {
@@ -206,7 +214,7 @@ RECXLA_HD uint32_t encode_word(const float (&v)[4], float inv_scale) {
 #pragma unroll
 #endif
   for (int j = 0; j < 4; ++j) {
-    word |= static_cast<uint32_t>(encode<F>(mul_rn(v[j], inv_scale))) << (8 * j);
+    word |= static_cast<uint32_t>(encode<F>(scale_value(v[j], inv_scale))) << (8 * j);
   }
   return word;
 }
