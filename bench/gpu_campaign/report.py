@@ -222,10 +222,10 @@ def markdown(runs: List[dict]) -> str:
     lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
     for target, measured, met in targets(run):
         lines.append(f"| {target} | {measured} | {'yes' if met else 'no'} |")
-    failed = [n for b in ("cuda", "triton")
+    failed = [f"`{n}` ({b})" for b in ("cuda", "triton")
               for n in _stage(run, f"tests-{b}").get("data", {}).get("failed_names", [])]
     if failed:
-        lines += ["", "Failed tests:", ""] + [f"- `{n}`" for n in failed]
+        lines += ["", "Failed tests (backend):", ""] + [f"- {n}" for n in failed]
     lines += _kernel_tables(_stage(run, "kernels").get("data", {}))
     lines += _trainer_section(_stage(run, "trainer"))
     lines += ["", "## Runs", "", "| date | commit | device | dry run | stages passed |",
@@ -247,7 +247,10 @@ def _kernel_tables(data: dict) -> List[str]:
              "Device-event medians (minimum beside), warm-up excluded, inputs rotated beyond the "
              "L2 cache; every recxla variant checked against the reference on fresh random inputs "
              "before it was timed. GB/s counts bytes read plus written; `of copy` is a device "
-             "copy's time for the same bytes over the provider's, measured in the same process.",
+             "copy's time for the same bytes over the provider's, measured in the same process. "
+             "At the trainer's message sizes (1-2 MB) a call, the copy's too, lasts about as long "
+             "as its launch, and the event pair around one call also spans the host's launch of "
+             "it: there `of copy` compares launch costs, not bandwidth.",
              ""]
     for group in dict.fromkeys(r["group"] for r in rows):
         lines += [f"### {group}", "", "| provider | median | min | GB/s | of copy | check |",
