@@ -19,8 +19,8 @@ Providers, all producing the same (unique_values, unique_offsets, inverse):
 each on 1 thread and on all threads (the test id ends in the thread count: torch's own sort is
 parallel too, and on a busy machine its threads can lose more than they gain).
 FBGEMM's jagged_unique_indices has no CPU kernel (fbgemm-gpu-cpu 1.9.0 registers none), so
-there is no upstream provider on CPU. On a GPU, `make gpu-check` times the CUDA and Triton
-kernels against the combined torch.unique with the `gpu` cases.
+there is no upstream provider on CPU. On a GPU, `python -m pytest bench -m gpu --benchmark-only`
+times the CUDA and Triton kernels against the combined torch.unique with the `gpu` cases.
 
 extra_info: threads, allocator (bench/conftest.py keeps freed memory in the process unless
 RECXLA_BENCH_MALLOC=default), n_keys, n_unique, unique_ratio, bytes (the memcpy bytes) and gbps

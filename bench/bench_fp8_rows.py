@@ -24,7 +24,7 @@ of log-normal magnitudes, format e4m3. Providers, each at 1 and 2 threads unless
 The PyTorch reference of the tests (fp64, bit-exact) is an oracle, not a provider. Bandwidth =
 bytes read + written (bench/common.py); extra_info holds threads, wire_bytes, of_memcpy (against
 the memcpy on the same thread count). The `gpu` cases time the CUDA and Triton kernels on a GPU
-(`make gpu-check`).
+(`python -m pytest bench -m gpu --benchmark-only`).
 """
 
 import json
@@ -210,7 +210,7 @@ def test_dequantize(benchmark, x, threads, provider):
         check_round_trip(x, y)
 
 
-# ---------------------------------------------------------------- GPU (make gpu-check)
+# ---------------------------------------------------------------- GPU (pytest bench -m gpu)
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """FP8 row codec on the GPU paths: the Triton kernels against the PyTorch reference in Triton's
 interpreter on CPU tensors (no GPU needed), their lowering to PTX (no GPU needed either), and, with
-a GPU (`make gpu-check`), the CUDA and Triton kernels on CUDA tensors.
+a GPU (`make gpu-campaign`), the CUDA and Triton kernels on CUDA tensors.
 """
 
 import pytest
@@ -120,7 +120,7 @@ def test_triton_kernels_compile_for_gpu_without_one():
             assert "div.full" not in ptx and "div.approx" not in ptx
 
 
-# ---------------------------------------------------------------- GPU (make gpu-check)
+# ---------------------------------------------------------------- GPU (make gpu-campaign)
 
 
 @pytest.mark.gpu

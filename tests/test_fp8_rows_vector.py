@@ -1,5 +1,5 @@
 """The FP8 row codec's vector GPU kernels (variants vector_warp_per_row and vector_rows_per_warp of
-the families fp8_quantize / fp8_dequantize) without a GPU, and with one (`make gpu-check`).
+the families fp8_quantize / fp8_dequantize) without a GPU, and with one (`make gpu-campaign`).
 
 Without a GPU: tests/fp8_rows_vector_harness.cpp, built here with g++, runs the kernels' own lane
 code (csrc/include/recxla/fp8_vector.h) on the CPU, every lane of every warp of a small grid, with
@@ -243,7 +243,7 @@ def test_dequantize_plans(harness):
         assert dequantize_plan(harness, kernel, 64, f16, a, a + 4)[0] == MISALIGNED
 
 
-# ---------------------------------------------------------------- on a GPU (make gpu-check)
+# ---------------------------------------------------------------- on a GPU (make gpu-campaign)
 
 
 def poisoned_like(shape, dtype, pattern):
