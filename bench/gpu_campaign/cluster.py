@@ -48,13 +48,13 @@ before any GPU run (H100, sm_90; not measurements):
 """
 
 import contextlib
-import os
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 
-from bench.gpu_campaign.timing import failed_row, row, time_calls
+from bench.gpu_campaign.timing import Guard, choice, failed_row, row, time_calls
+from bench.gpu_campaign.timing import backend as backend_env
 
 FAMILY = "cluster"
 BATCH = 8192
@@ -64,8 +64,6 @@ BUDGET_S = 40.0  # the kernels stage gives a module 50 s
 REFERENCE_NEEDS_S = 8.0  # the slow reference is timed last, only while this much is left
 CPU_KERNEL = "C++ CPU kernel, 1 thread"
 REFERENCE = "torch reference"
-CUDA_ERRORS = ("CUDA error", "illegal memory access", "misaligned address", "illegal instruction",
-               "unspecified launch failure", "device-side assert")
 
 
 def criteo_batch(seed: int, batch: int):
@@ -116,23 +114,10 @@ def check_cases(device: str, dry_run: bool) -> List[tuple]:
 
 
 @contextlib.contextmanager
-def _backend(name: str):
-    saved = os.environ.get("RECXLA_BACKEND")
-    os.environ["RECXLA_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("RECXLA_BACKEND", None)
-        else:
-            os.environ["RECXLA_BACKEND"] = saved
-
-
-@contextlib.contextmanager
 def _variant(backend: str, variant: str):
     from recxla.ops import gpu_variants
 
-    with _backend(backend), gpu_variants.use_variant(FAMILY, variant):
+    with backend_env(backend), gpu_variants.use_variant(FAMILY, variant):
         yield
 
 
@@ -197,30 +182,6 @@ def providers(device: str) -> Dict[str, tuple]:
     out[CPU_KERNEL] = (api, _one_thread, "cpu")
     out[REFERENCE] = (reference, contextlib.nullcontext, device)
     return out
-
-
-class _Guard:
-    """Runs a provider's calls so that an exception becomes its row's check, and a CUDA error
-    (the context is then poisoned) stops every later CUDA call."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.poisoned: Optional[str] = None
-
-    def __call__(self, name: str, on_cuda: bool, fn: Callable):
-        if on_cuda and self.poisoned:
-            return None, f"FAILED: not run: {self.poisoned}"
-        try:
-            out = fn()
-            if on_cuda:
-                torch.cuda.synchronize()  # an asynchronous error surfaces here, in its row
-            return out, None
-        except Exception as e:  # noqa: BLE001 - one provider's failure is a row, not the end
-            text = f"{type(e).__name__}: {str(e)[:300]}"
-            if on_cuda and any(s in str(e) for s in CUDA_ERRORS):
-                self.poisoned = (f"CUDA context poisoned by {name} ({text[:120]}); "
-                                 "no CUDA call after it")
-            return None, f"FAILED: {text}"
 
 
 def check(fn: Callable, cases, device: str, quick: bool) -> str:
@@ -296,7 +257,7 @@ def run(device: str, dry_run: bool) -> dict:
     batch = 96 if dry_run else BATCH
     timing = {"warmup": 1, "iters": 2} if dry_run else {"warmup": 3, "iters": 30}
     slow = {"warmup": 0, "iters": 1} if dry_run else {"warmup": 1, "iters": 8}
-    guard = _Guard(device)
+    guard = Guard(device)
     table = providers(device)
     rows: List[dict] = []
 
@@ -307,12 +268,12 @@ def run(device: str, dry_run: bool) -> dict:
             with context():
                 return check(fn, cases, where, quick=dry_run and name == "triton")
 
-        result, error = guard(name, where.startswith("cuda"), checked)
+        result, error = guard(name, checked, on_cuda=where.startswith("cuda"))
         checks[name] = error or result
 
     sets = [criteo_batch(1000 + k, batch) for k in range(2 if dry_run else 16)]
-    moved, copy_error = guard("the batches' copy to the device", on_gpu,
-                              lambda: [k.to(torch.device(device)) for k in sets])
+    moved, copy_error = guard("the batches' copy to the device",
+                              lambda: [k.to(torch.device(device)) for k in sets], on_cuda=on_gpu)
     on_device = {"cpu": sets, device: moved or []}
     for m in MICRO_BATCHES:
         group = GROUP.format(batch=batch, m=m)
@@ -336,7 +297,7 @@ def run(device: str, dry_run: bool) -> dict:
                 with context():
                     return time_calls(fn, args, plan["warmup"], plan["iters"], where)
 
-            result, error = guard(name, where.startswith("cuda"), timed)
+            result, error = guard(name, timed, on_cuda=where.startswith("cuda"))
             if error:
                 rows.append(failed_row(group, name, error))
                 continue
@@ -375,12 +336,4 @@ def _choices(rows: List[dict], variants: List[str], device: str, dry_run: bool, 
            f"against {others or 'no other variant'}; the C++ CPU kernel on one thread "
            f"{figures(CPU_KERNEL)}; target <= 500 us {'met' if best <= 500 else 'missed'} at "
            f"best ({best:.0f} us)")
-    if dry_run:
-        why = "dry run on CPU (each variant's code on CPU tensors; not a measurement): " + why
-    capability = 0
-    if device.startswith("cuda"):
-        from recxla.ops.gpu_variants import capability as device_capability
-
-        capability = device_capability()
-    why += f" (the module ran {time.monotonic() - began:.0f} s)"
-    return [{"family": FAMILY, "capability": capability, "winner": winner, "why": why}]
+    return [choice(FAMILY, winner, why, device, dry_run, began)]

@@ -47,7 +47,6 @@ Predictions, written before any GPU run (H100 SXM, sm_90; not measurements):
 
 import contextlib
 import importlib
-import os
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
@@ -55,7 +54,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from bench.bench_dedup import criteo_batch, torch_unique_combined
-from bench.gpu_campaign.timing import copy_fn, failed_row, rotation_count, row, time_calls
+from bench.gpu_campaign.timing import (
+    Guard, backend, choice, copy_fn, failed_row, rotation_count, row, time_calls,
+)
 from recxla.reference.dedup import segmented_unique_ref
 
 FAMILY = "dedup"
@@ -64,8 +65,6 @@ GROUP = "dedup criteo batch 8192 x 26 tables"
 # which alone may take tens of seconds, runs last and only while this much time is left.
 BUDGET_S = 40.0
 COMPILE_NEEDS_S = 20.0
-CUDA_ERRORS = ("CUDA error", "illegal memory access", "misaligned address", "illegal instruction",
-               "unspecified launch failure", "device-side assert")
 # Provider names follow report.py: recxla's variants "cuda:<variant>" (in the dry run the C++
 # CPU op stands in for each), "triton", and the baselines by what they are.
 BASELINE = "torch.unique"
@@ -149,24 +148,10 @@ def _plan_note(values: torch.Tensor, offsets: torch.Tensor) -> str:
 
 
 @contextlib.contextmanager
-def _backend(name: Optional[str]):
-    saved = os.environ.get("RECXLA_BACKEND")
-    if name is not None:
-        os.environ["RECXLA_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("RECXLA_BACKEND", None)
-        else:
-            os.environ["RECXLA_BACKEND"] = saved
-
-
-@contextlib.contextmanager
 def _variant(name: str):
     from recxla.ops import gpu_variants
 
-    with _backend("cuda"), gpu_variants.use_variant(FAMILY, name):
+    with backend("cuda"), gpu_variants.use_variant(FAMILY, name):
         yield
 
 
@@ -225,27 +210,6 @@ def cases_for(provider: str, cases):
     return cases
 
 
-class _Guard:
-    """Runs each provider's calls so that an exception becomes its row's check, and a CUDA error
-    (the context is then poisoned) stops every later CUDA call."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.poisoned: Optional[str] = None
-
-    def __call__(self, name: str, fn: Callable):
-        """(result, None) or (None, "FAILED: ...")."""
-        if self.poisoned:
-            return None, f"FAILED: not run: {self.poisoned}"
-        try:
-            return fn(), None
-        except Exception as e:  # noqa: BLE001 - one provider's failure is a row, not the end
-            text = f"{type(e).__name__}: {str(e)[:300]}"
-            if self.device.startswith("cuda") and any(s in str(e) for s in CUDA_ERRORS):
-                self.poisoned = f"CUDA context poisoned by {name} ({text[:120]})"
-            return None, f"FAILED: {text}"
-
-
 def _providers(device: str) -> Dict[str, Tuple[Callable, Callable]]:
     """name -> (function of (values, offsets), factory of the context to run it in); the
     compiled baseline is made apart, last (`run`)."""
@@ -262,7 +226,7 @@ def _providers(device: str) -> Dict[str, Tuple[Callable, Callable]]:
 
         out["triton"] = (triton_cpu, contextlib.nullcontext)
     else:
-        out["triton"] = (segmented_unique, lambda: _backend("triton"))
+        out["triton"] = (segmented_unique, lambda: backend("triton"))
     out[BASELINE] = (torch_unique_combined, contextlib.nullcontext)
     return out
 
@@ -302,7 +266,7 @@ def run(device: str, dry_run: bool) -> dict:
 
     began = time.monotonic()
     timing = {"iters": 3, "warmup": 1} if dry_run else {"iters": 60, "warmup": 5}
-    guard = _Guard(device)
+    guard = Guard(device)
     variants = gpu_variants.variants(FAMILY)
     providers = _providers(device)
     rows: List[dict] = []
@@ -399,12 +363,4 @@ def _choices(rows, variants, device, dry_run, began) -> list:
     why = (f"{winner} took {figures('cuda:' + winner)} ({names}, median of "
            f"{'3' if dry_run else '60'} calls) against {others or 'no other variant'}, and "
            f"torch.unique over (table, key) {figures(BASELINE)}")
-    if dry_run:
-        why = "dry run on CPU (the CPU op stood in for every variant; not a measurement): " + why
-    capability = 0
-    if device.startswith("cuda"):
-        from recxla.ops.gpu_variants import capability as device_capability
-
-        capability = device_capability()
-    why += f" (the module ran {time.monotonic() - began:.0f} s)"
-    return [{"family": FAMILY, "capability": capability, "winner": winner, "why": why}]
+    return [choice(FAMILY, winner, why, device, dry_run, began)]

@@ -22,7 +22,7 @@ from typing import Dict, List
 
 import torch
 
-from bench.gpu_campaign.timing import copy_fn, failed_row, row, time_calls
+from bench.gpu_campaign.timing import Guard, backend, copy_fn, failed_row, row, time_calls
 
 GROUP = "embedding-bag step (fwd+bwd+rowwise adagrad), batch 8192, dim 64"
 
@@ -66,6 +66,7 @@ def run(device: str, dry_run: bool) -> dict:
     eb = _setup(dry_run)
     iters = 3 if dry_run else 20
     rows: List[dict] = []
+    guard = Guard(device)
     distributions = ["zipf-1.05"] if dry_run else ["zipf-1.05", "iid-uniform"]
     for distribution in distributions:
         kjts = [k.to(torch.device(device)) for k in eb.batches(distribution)]
@@ -77,36 +78,30 @@ def run(device: str, dry_run: bool) -> dict:
         rows.append(row(group, "device copy", {"median_us": copy_us, "min_us": copy_us},
                         nbytes, copy_us, check="baseline"))
         providers: Dict[str, tuple] = {}
-        backends = ["cuda", "triton"] if device == "cuda" else ["cpu"]
-        for backend in backends:
-            providers[f"recxla-{backend}"] = ("recxla", backend)
+        for name in (["cuda", "triton"] if device == "cuda" else ["cpu"]):
+            providers[f"recxla-{name}"] = ("recxla", name)
         providers["torch"] = ("torch", None)
         if not dry_run:
             providers["torch-compile"] = ("torch-compile", None)
-        for name, (provider, backend) in providers.items():
-            saved = os.environ.get("RECXLA_BACKEND")
-            if backend in ("cuda", "triton"):
-                os.environ["RECXLA_BACKEND"] = backend
-            try:
-                check = _check_forward(eb, kjts[0], device) if provider == "recxla" else "baseline"
+        for name, (provider, which) in providers.items():
+            with backend(which if which in ("cuda", "triton") else None):
+                check, error = guard(f"{name} check", lambda: _check_forward(eb, kjts[0], device)
+                                     if provider == "recxla" else "baseline")
+                check = error or check
                 if check.startswith("FAILED"):
                     rows.append(failed_row(group, name, check))
                     continue
-                step = eb.make_step(provider, "rowwise_adagrad", device)
+                step, error = guard(f"{name} setup",
+                                    lambda: eb.make_step(provider, "rowwise_adagrad", device))
+                if error:
+                    rows.append(failed_row(group, name, error))
+                    continue
                 began = time.perf_counter()
-                timing = time_calls(step, [(k,) for k in kjts], warmup=3, iters=iters,
-                                    device=device)
-                rows.append(row(group, name, timing, nbytes, copy_us, check=check,
-                                wall_s=round(time.perf_counter() - began, 2)))
-            except Exception as e:  # noqa: BLE001 - one provider's failure is a row, not the end
-                rows.append(failed_row(group, name, f"{type(e).__name__}: {str(e)[:300]}"))
-                if "illegal memory access" in str(e) or "CUDA error" in str(e):
-                    break  # the context is poisoned: later CUDA work would only fail too
-            finally:
-                if saved is None:
-                    os.environ.pop("RECXLA_BACKEND", None)
-                else:
-                    os.environ["RECXLA_BACKEND"] = saved
+                timing, error = guard(name, lambda: time_calls(
+                    step, [(k,) for k in kjts], warmup=3, iters=iters, device=device))
+                rows.append(failed_row(group, name, error) if error else row(
+                    group, name, timing, nbytes, copy_us, check=check,
+                    wall_s=round(time.perf_counter() - began, 2)))
         eb._model.clear()
         if device == "cuda":
             torch.cuda.empty_cache()

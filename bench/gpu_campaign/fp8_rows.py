@@ -73,7 +73,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from bench.bench_fp8_rows import plain_dequantize, plain_quantize
-from bench.gpu_campaign.timing import copy_fn, failed_row, rotation_count, row, time_calls
+from bench.gpu_campaign.timing import (
+    Guard, choice, copy_fn, failed_row, rotation_count, row, time_calls,
+)
 from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref
 
 FAMILIES = {"quantize": "fp8_quantize", "dequantize": "fp8_dequantize"}
@@ -95,8 +97,6 @@ DRY_TIMED = [(32, 128, torch.float32, "e4m3", "benchmark shape (dry run size)"),
 BUDGET_S = 40.0
 COMPILE_NEEDS_S = 15.0  # torch.compile starts only while this much of the budget is left
 NOISE = 1.03  # a variant must beat warp_per_row by 3% (geometric mean) to replace it
-CUDA_ERRORS = ("CUDA error", "illegal memory access", "misaligned address", "illegal instruction",
-               "unspecified launch failure", "device-side assert")
 PLAIN, COMPILED, COPY = "plain PyTorch", "torch.compile(plain PyTorch)", "device copy"
 
 
@@ -133,27 +133,6 @@ def _differs(op: str, got: torch.Tensor, want: torch.Tensor) -> Optional[str]:
     r, c = (int(i) for i in torch.nonzero(bad)[0])
     return (f"{int(bad.sum())} elements differ, first [{r}, {c}]: "
             f"{got[r, c].item()!r}, want {want[r, c].item()!r}")
-
-
-class _Guard:
-    """Runs each provider's calls so that an exception becomes its row's check, and a CUDA error
-    (the context is then poisoned) stops every later CUDA call."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.poisoned: Optional[str] = None
-
-    def __call__(self, name: str, fn: Callable):
-        """(result, None) or (None, "FAILED: ...")."""
-        if self.poisoned:
-            return None, f"FAILED: not run: {self.poisoned}"
-        try:
-            return fn(), None
-        except Exception as e:  # noqa: BLE001 - one provider's failure is a row, not the end
-            text = f"{type(e).__name__}: {str(e)[:300]}"
-            if self.device.startswith("cuda") and any(s in str(e) for s in CUDA_ERRORS):
-                self.poisoned = f"CUDA context poisoned by {name} ({text[:120]})"
-            return None, f"FAILED: {text}"
 
 
 def _providers(device: str) -> Dict[str, Tuple[Callable, Callable, Callable]]:
@@ -272,7 +251,7 @@ def _sets(rows, dim, dtype, fmt, device, count):
 def run(device: str, dry_run: bool) -> dict:
     began = time.monotonic()
     timing = {"iters": 2, "warmup": 1} if dry_run else {"iters": 40, "warmup": 3}
-    guard = _Guard(device)
+    guard = Guard(device)
     providers = _providers(device)
     timed = DRY_TIMED if dry_run else TIMED
     rows: List[dict] = []
@@ -385,11 +364,6 @@ def _choices(rows, timed, device, dry_run, began, iters) -> list:
     the fallback stays unless the fastest beats it by NOISE."""
     from recxla.ops.gpu_variants import variants
 
-    capability = 0
-    if device.startswith("cuda"):
-        from recxla.ops.gpu_variants import capability as device_capability
-
-        capability = device_capability()
     choices = []
     for op, family in FAMILIES.items():
         names = variants(family)
@@ -400,8 +374,7 @@ def _choices(rows, timed, device, dry_run, began, iters) -> list:
         timed_all = [v for v in names if all((f"cuda:{v}", g) in median for g in groups)]
         if not timed_all:
             why = "no variant passed its check and was timed on every shape: kept the fallback"
-            choices.append({"family": family, "capability": capability, "winner": names[0],
-                            "why": why})
+            choices.append(choice(family, names[0], why, device, dry_run, began))
             continue
         best = {g: min(median[(f"cuda:{v}", g)] for v in timed_all) for g in groups}
         score = {v: math.exp(sum(math.log(median[(f"cuda:{v}", g)] / best[g]) for g in groups)
@@ -427,10 +400,5 @@ def _choices(rows, timed, device, dry_run, began, iters) -> list:
                f"{score[winner]:.2f}x, {others or 'no other variant'}")
         if kept:
             why += f" (kept: the fastest was within {100 * (NOISE - 1):.0f}% of it)"
-        if dry_run:
-            why = "dry run on CPU (the CPU op stood in for every variant; not a measurement): " \
-                + why
-        why += f" (the module ran {time.monotonic() - began:.0f} s)"
-        choices.append({"family": family, "capability": capability, "winner": winner,
-                        "why": why})
+        choices.append(choice(family, winner, why, device, dry_run, began))
     return choices

@@ -12,9 +12,11 @@ bytes moved, GB/s and the ratio to a device copy of the same bytes, and the outc
 against the reference that preceded it.
 """
 
+import contextlib
+import os
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -95,3 +97,69 @@ def failed_row(group: str, provider: str, why: str) -> dict:
     """The row of a provider that failed its check or raised: never timed, never chosen."""
     return {"group": group, "provider": provider, "median_us": None, "min_us": None,
             "check": why if why.startswith("FAILED") else f"FAILED: {why}"}
+
+
+# What a CUDA error that leaves the context unusable says (every later CUDA call fails too).
+CUDA_ERRORS = ("CUDA error", "illegal memory access", "misaligned address", "illegal instruction",
+               "unspecified launch failure", "device-side assert")
+
+
+@contextlib.contextmanager
+def backend(name: Optional[str]) -> Iterator[None]:
+    """RECXLA_BACKEND=name for the block (None: left as it is), restored after."""
+    saved = os.environ.get("RECXLA_BACKEND")
+    if name is not None:
+        os.environ["RECXLA_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RECXLA_BACKEND", None)
+        else:
+            os.environ["RECXLA_BACKEND"] = saved
+
+
+class Guard:
+    """Runs a provider's calls so that an exception becomes its row's check, and a CUDA error
+    (the context is then poisoned) stops every later CUDA call."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.poisoned: Optional[str] = None
+
+    def __call__(self, name: str, fn: Callable, on_cuda: Optional[bool] = None):
+        """(fn's result, None) or (None, "FAILED: ..."). on_cuda (default: the guard's device is
+        a GPU): fn runs CUDA work, which is synchronized so that an asynchronous error surfaces
+        in its own row."""
+        on_cuda = self.device.startswith("cuda") if on_cuda is None else on_cuda
+        if on_cuda and self.poisoned:
+            return None, f"FAILED: not run: {self.poisoned}"
+        try:
+            out = fn()
+            if on_cuda:
+                torch.cuda.synchronize()
+            return out, None
+        except Exception as e:  # noqa: BLE001 - one provider's failure is a row, not the end
+            text = f"{type(e).__name__}: {str(e)[:300]}"
+            if on_cuda and any(s in str(e) for s in CUDA_ERRORS):
+                self.poisoned = (f"CUDA context poisoned by {name} ({text[:120]}); "
+                                 "no CUDA call after it")
+            return None, f"FAILED: {text}"
+
+
+DRY_RUN_NOTE = "dry run on CPU (the CPU op stood in for every variant; not a measurement): "
+
+
+def choice(family: str, winner: str, why: str, device: str, dry_run: bool,
+           began: float) -> dict:
+    """A family's variant choice: for the device's compute capability (0 on CPU), why says
+    which figures decided it (a dry run says it is none), and how long the module ran."""
+    capability = 0
+    if device.startswith("cuda"):
+        from recxla.ops.gpu_variants import capability as device_capability
+
+        capability = device_capability()
+    if dry_run:
+        why = DRY_RUN_NOTE + why
+    return {"family": family, "capability": capability, "winner": winner,
+            "why": f"{why} (the module ran {time.monotonic() - began:.0f} s)"}

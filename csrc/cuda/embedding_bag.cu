@@ -16,6 +16,10 @@
 // (recxla.ops.embedding_bag's functions, FusedPooledLookup, recxla.nn) runs
 // recxla.ops.embedding_bag_checks on the device first and reads its one flag tensor before a
 // kernel launches. A device assert stays on the forward's ids as a last guard.
+// The forward and the fused update never wait for the device: unique_offsets stays there, and
+// every small host array (the per-call metadata, the optimizer's kinds and hyperparameters) goes
+// up from pinned memory without blocking. A blocking copy, or a read of a device value, would
+// stall the host until the GPU caught up, and the host could no longer queue work ahead of it.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -39,8 +43,8 @@ constexpr int kThreads = kWarp * kWarpsPerBlock;
 constexpr int64_t kMaxSharedBytes = 48 * 1024;
 
 // Per-call metadata, one int64 array on the device:
-//   [feature_table F][feature_column F][table_dim T][pooling T][unique_offsets T + 1]
-//   [weights T][states T][grad_out T]   (the last three are pointers)
+//   [feature_table F][feature_column F][table_dim T][pooling T][weights T][states T][grad_out T]
+// (the last three are pointers); unique_offsets points at the caller's device tensor.
 struct Meta {
   const int64_t* feature_table;
   const int64_t* feature_column;
@@ -55,19 +59,28 @@ struct Meta {
 
 struct DeviceMeta {
   at::Tensor storage;
+  at::Tensor unique_offsets;  // kept alive with the metadata that points into it
   Meta meta;
 };
 
+// A small host array on `device`, copied from pinned memory without blocking the host (the
+// caching host allocator keeps the pinned block until the copy has run).
+template <typename T>
+at::Tensor upload(const std::vector<T>& host, at::ScalarType dtype, const at::Device& device) {
+  return at::tensor(host, at::TensorOptions().dtype(dtype))
+      .pin_memory()
+      .to(at::TensorOptions().device(device), /*non_blocking=*/true);
+}
+
 DeviceMeta make_meta(
-    const Layout& l, at::TensorList weights, at::TensorList states,
-    const std::vector<at::Tensor>& grad_out, const at::Device& device) {
+    const Layout& l, const at::Tensor& unique_offsets, at::TensorList weights,
+    at::TensorList states, const std::vector<at::Tensor>& grad_out, const at::Device& device) {
   const int64_t F = l.num_features, T = l.num_tables;
   std::vector<int64_t> host;
   host.insert(host.end(), l.feature_table.begin(), l.feature_table.end());
   host.insert(host.end(), l.feature_column.begin(), l.feature_column.end());
   host.insert(host.end(), l.table_dim.begin(), l.table_dim.end());
   host.insert(host.end(), l.pooling.begin(), l.pooling.end());
-  host.insert(host.end(), l.unique_offsets.begin(), l.unique_offsets.end());
   for (int64_t t = 0; t < T; ++t) host.push_back(reinterpret_cast<int64_t>(weights[t].data_ptr()));
   for (int64_t t = 0; t < T; ++t) {
     const bool has = static_cast<int64_t>(states.size()) > t && states[t].numel() > 0;
@@ -79,10 +92,11 @@ DeviceMeta make_meta(
   }
   host.push_back(0);  // never empty
   DeviceMeta m;
-  m.storage = at::tensor(host, at::TensorOptions().dtype(at::kLong)).to(device);
+  m.storage = upload(host, at::kLong, device);
+  m.unique_offsets = unique_offsets.contiguous();
   const int64_t* p = m.storage.const_data_ptr<int64_t>();
-  m.meta = Meta{p, p + F, p + 2 * F, p + 2 * F + T, p + 2 * F + 2 * T, p + 2 * F + 3 * T + 1,
-                p + 2 * F + 4 * T + 1, p + 2 * F + 5 * T + 1, T};
+  m.meta = Meta{p, p + F, p + 2 * F, p + 2 * F + T, m.unique_offsets.const_data_ptr<int64_t>(),
+                p + 2 * F + 2 * T, p + 2 * F + 3 * T, p + 2 * F + 4 * T, T};
   return m;
 }
 
@@ -193,13 +207,13 @@ int64_t shared_dim(const char* op, const Layout& l) {
 }
 
 void forward_into(const char* op, const Layout& l, at::TensorList weights,
-                  const at::Tensor& unique_values, const at::Tensor& inverse,
-                  const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
-                  at::Tensor& out) {
+                  const at::Tensor& unique_values, const at::Tensor& unique_offsets,
+                  const at::Tensor& inverse, const at::Tensor& offsets,
+                  const std::optional<at::Tensor>& per_sample_weights, at::Tensor& out) {
   const int64_t bags = l.num_features * l.batch_size;
   if (out.numel() == 0) return;
   const int64_t smem_dim = shared_dim(op, l);
-  const DeviceMeta meta = make_meta(l, weights, {}, {}, unique_values.device());
+  const DeviceMeta meta = make_meta(l, unique_offsets, weights, {}, {}, unique_values.device());
   const at::Tensor rows = unique_values.contiguous(), inv = inverse.contiguous();
   const at::Tensor offs = offsets.contiguous();
   const at::Tensor psw = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
@@ -221,10 +235,12 @@ at::Tensor embedding_bag_forward_cuda(
     at::IntArrayRef pooling, int64_t batch_size) {
   constexpr const char* op = "recxla::embedding_bag_forward";
   const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
-                                     per_sample_weights, feature_table, pooling, batch_size);
+                                     per_sample_weights, feature_table, pooling, batch_size,
+                                     /*read_unique_offsets=*/false);
   const c10::cuda::CUDAGuard guard(unique_values.device());
   at::Tensor out = at::empty({batch_size, l.total_dim}, unique_values.options().dtype(at::kFloat));
-  forward_into(op, l, weights, unique_values, inverse, offsets, per_sample_weights, out);
+  forward_into(op, l, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
+               out);
   return out;
 }
 
@@ -235,10 +251,12 @@ void embedding_bag_forward_out_cuda(
     at::IntArrayRef pooling, int64_t batch_size, at::Tensor& out) {
   constexpr const char* op = "recxla::embedding_bag_forward_out";
   const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
-                                     per_sample_weights, feature_table, pooling, batch_size);
+                                     per_sample_weights, feature_table, pooling, batch_size,
+                                     /*read_unique_offsets=*/false);
   emb::check_forward_out(op, out, l, unique_values.device());
   const c10::cuda::CUDAGuard guard(unique_values.device());
-  forward_into(op, l, weights, unique_values, inverse, offsets, per_sample_weights, out);
+  forward_into(op, l, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
+               out);
 }
 
 // The ids of every unique row (start [U + 1], grad_offset [N], scale [N]), in ATen ops; the
@@ -253,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_ids(
   const at::Tensor bag = at::repeat_interleave(at::arange(lengths.numel(), i64), lengths, 0,
                                                inverse.numel());
   const at::Tensor feature = at::floor_divide(bag, B);
-  const at::Tensor column = at::tensor(l.feature_column, at::kLong).to(dev).index_select(0, feature);
+  const at::Tensor column = upload(l.feature_column, at::kLong, dev).index_select(0, feature);
   const at::Tensor grad_offset = (bag - feature * B) * l.total_dim + column;
   std::vector<float> feature_sign;
   std::vector<uint8_t> feature_mean;
@@ -261,14 +279,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_ids(
     feature_sign.push_back(sign[l.feature_table[f]]);
     feature_mean.push_back(l.pooling[l.feature_table[f]] == 1);
   }
-  const at::Tensor fsign = at::tensor(feature_sign, at::kFloat).to(dev).index_select(0, feature);
-  const at::Tensor fmean = at::tensor(feature_mean, at::kByte).to(dev).index_select(0, feature);
+  const at::Tensor fsign = upload(feature_sign, at::kFloat, dev).index_select(0, feature);
+  const at::Tensor fmean = upload(feature_mean, at::kByte, dev).index_select(0, feature);
   const at::Tensor inv_len = at::reciprocal(lengths.index_select(0, bag).to(at::kFloat));
   at::Tensor scale = at::where(fmean.to(at::kBool), fsign * inv_len, fsign);
   if (psw.defined()) scale = psw * scale;
   const at::Tensor order = std::get<1>(at::sort(inverse, /*stable=*/true, 0, false));
   at::Tensor start = at::zeros({l.num_unique + 1}, i64);
-  if (l.num_ids > 0) start.slice(0, 1).copy_(at::cumsum(at::bincount(inverse, {}, l.num_unique), 0));
+  // Ids per unique row by index_add (bincount would read the largest id back to the host).
+  if (l.num_ids > 0) {
+    at::Tensor count = at::zeros({l.num_unique}, i64).index_add_(0, inverse, at::ones_like(inverse));
+    start.slice(0, 1).copy_(at::cumsum(count, 0));
+  }
   return {start, grad_offset.index_select(0, order), scale.index_select(0, order)};
 }
 
@@ -277,7 +299,7 @@ void run_update(
     const std::vector<at::Tensor>& grad_out, const at::Tensor& grad_output,
     const at::Tensor& unique_values, const at::Tensor& inverse, const at::Tensor& offsets,
     const std::optional<at::Tensor>& per_sample_weights, const std::vector<int64_t>& optim,
-    const std::vector<Hparams>& h) {
+    const std::vector<Hparams>& h, const at::Tensor& unique_offsets) {
   if (l.num_unique == 0) return;
   const int64_t smem_dim = shared_dim(op, l);
   const auto dev = unique_values.device();
@@ -291,9 +313,9 @@ void run_update(
   const at::Tensor& start = std::get<0>(ids);
   const at::Tensor& grad_offset = std::get<1>(ids);
   const at::Tensor& scale = std::get<2>(ids);
-  const DeviceMeta meta = make_meta(l, weights, states, grad_out, dev);
-  const at::Tensor optim_d = at::tensor(optim, at::kLong).to(dev);
-  const at::Tensor hp_d = at::tensor(hp, at::kFloat).to(dev);
+  const DeviceMeta meta = make_meta(l, unique_offsets, weights, states, grad_out, dev);
+  const at::Tensor optim_d = upload(optim, at::kLong, dev);
+  const at::Tensor hp_d = upload(hp, at::kFloat, dev);
   const at::Tensor rows = unique_values.contiguous(), grad = grad_output.contiguous();
   const auto stream = at::cuda::getCurrentCUDAStream();
   const size_t smem = smem_dim * kWarpsPerBlock * sizeof(float);
@@ -325,7 +347,7 @@ std::vector<at::Tensor> embedding_bag_unique_grad_cuda(
   const std::vector<int64_t> optim(l.num_tables, static_cast<int64_t>(Optim::None));
   const std::vector<Hparams> h(l.num_tables, Hparams{0.0f, 0.0f, 0.0f, 1.0f});
   run_update(op, l, weights, {}, out, grad_output, unique_values, inverse, offsets,
-             per_sample_weights, optim, h);
+             per_sample_weights, optim, h, unique_offsets);
   return out;
 }
 
@@ -337,13 +359,15 @@ void embedding_bag_backward_update_cuda(
     at::IntArrayRef optim, at::ArrayRef<double> hparams) {
   constexpr const char* op = "recxla::embedding_bag_backward_update";
   const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
-                                     per_sample_weights, feature_table, pooling, batch_size);
+                                     per_sample_weights, feature_table, pooling, batch_size,
+                                     /*read_unique_offsets=*/false);
   emb::check_grad_output(op, grad_output, l);
   const std::vector<Hparams> h =
       emb::check_optimizer(op, l, unique_values.device(), states, optim, hparams);
   const c10::cuda::CUDAGuard guard(unique_values.device());
   run_update(op, l, weights, states, {}, grad_output, unique_values, inverse, offsets,
-             per_sample_weights, std::vector<int64_t>(optim.begin(), optim.end()), h);
+             per_sample_weights, std::vector<int64_t>(optim.begin(), optim.end()), h,
+             unique_offsets);
 }
 
 }  // namespace

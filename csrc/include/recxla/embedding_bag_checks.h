@@ -28,14 +28,17 @@ struct Layout {
   std::vector<int64_t> table_dim;       // [T]
   std::vector<int64_t> table_rows;      // [T]
   std::vector<int64_t> pooling;         // [T] Pooling
-  std::vector<int64_t> unique_offsets;  // [T + 1] host copy
+  std::vector<int64_t> unique_offsets;  // [T + 1] host copy (empty when not read: see below)
 };
 
 inline Layout check_layout(
     const char* op, at::TensorList weights, const at::Tensor& unique_values,
     const at::Tensor& unique_offsets, const at::Tensor& inverse, const at::Tensor& offsets,
     const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
-    at::IntArrayRef pooling, int64_t batch_size) {
+    at::IntArrayRef pooling, int64_t batch_size, bool read_unique_offsets = true) {
+  // read_unique_offsets = false: the values of unique_offsets are neither copied to the host nor
+  // checked here (on a GPU the copy would stall the host until the device caught up; the data
+  // checks of recxla.ops.embedding_bag_checks check them on the device).
   Layout l;
   l.num_tables = static_cast<int64_t>(weights.size());
   l.num_features = static_cast<int64_t>(feature_table.size());
@@ -78,17 +81,20 @@ inline Layout check_layout(
                     " entries, got shape ", unique_offsets.sizes());
   TORCH_CHECK_TYPE(unique_offsets.scalar_type() == at::kLong, op,
                    ": unique_offsets must be int64, got ", unique_offsets.scalar_type());
-  const at::Tensor uoff = unique_offsets.to(at::kCPU).contiguous();
-  const int64_t* uo = uoff.const_data_ptr<int64_t>();
-  l.unique_offsets.assign(uo, uo + l.num_tables + 1);
-  TORCH_CHECK_VALUE(l.unique_offsets[0] == 0 && l.unique_offsets[l.num_tables] == l.num_unique,
-                    op, ": unique_offsets must start at 0 and end at len(unique_values) = ",
-                    l.num_unique, ", got ", l.unique_offsets[0], " and ",
-                    l.unique_offsets[l.num_tables]);
-  for (int64_t t = 0; t < l.num_tables; ++t) {
-    TORCH_CHECK_VALUE(l.unique_offsets[t] <= l.unique_offsets[t + 1], op,
-                      ": unique_offsets must be non-decreasing, but entry ", t + 1, " (",
-                      l.unique_offsets[t + 1], ") < entry ", t, " (", l.unique_offsets[t], ")");
+  if (read_unique_offsets) {
+    const at::Tensor uoff = unique_offsets.to(at::kCPU).contiguous();
+    const int64_t* uo = uoff.const_data_ptr<int64_t>();
+    l.unique_offsets.assign(uo, uo + l.num_tables + 1);
+    TORCH_CHECK_VALUE(l.unique_offsets[0] == 0 && l.unique_offsets[l.num_tables] == l.num_unique,
+                      op, ": unique_offsets must start at 0 and end at len(unique_values) = ",
+                      l.num_unique, ", got ", l.unique_offsets[0], " and ",
+                      l.unique_offsets[l.num_tables]);
+    for (int64_t t = 0; t < l.num_tables; ++t) {
+      TORCH_CHECK_VALUE(l.unique_offsets[t] <= l.unique_offsets[t + 1], op,
+                        ": unique_offsets must be non-decreasing, but entry ", t + 1, " (",
+                        l.unique_offsets[t + 1], ") < entry ", t, " (", l.unique_offsets[t],
+                        ")");
+    }
   }
   TORCH_CHECK_VALUE(inverse.dim() == 1, op, ": inverse must be 1-D, got ", inverse.dim(), "-D");
   TORCH_CHECK_TYPE(inverse.scalar_type() == at::kLong, op, ": inverse must be int64, got ",
