@@ -99,28 +99,54 @@ def check_id_dtypes(kjt: "KeyedJaggedTensor", op: str) -> None:
         raise TypeError(f"{op}: kjt.lengths() must be int32 or int64, got {kjt.lengths().dtype}")
 
 
+_INT64_MAX = 2**63 - 1
+
+
+def _bag_name(kjt: "KeyedJaggedTensor", index: int) -> str:
+    batch = kjt.stride()
+    return f"at index {index} (feature {kjt.keys()[index // batch]!r}, sample {index % batch})"
+
+
 def check_lengths(kjt: "KeyedJaggedTensor", op: str) -> None:
     """Lengths that are integers >= 0 and stay within kjt.values(): the checks the C++ kernel
     makes in its first pass, for the paths that run torch ops (which would raise bare errors
-    or read the wrong keys). O(F * B)."""
+    or read the wrong keys). O(F * B), two host syncs (the bounds, the sum).
+
+    The sum is exact: an int64 sum of lengths near 2**62 wraps to a negative total that passes
+    a plain `sum > numel` test (torch then fails on negative repeats, or reads the wrong keys).
+    So each length is first bounded by the values' count, and the sum is then taken over chunks
+    short enough that no chunk's int64 sum can wrap, adding the chunks in Python ints."""
     lengths, num_values = kjt.lengths(), kjt.values().numel()
     if lengths.dtype not in _ID_DTYPES:
         raise TypeError(f"{op}: kjt.lengths() must be int32 or int64, got {lengths.dtype}")
     if lengths.numel() == 0:
         return
-    if int(lengths.min()) < 0:
-        index = int(torch.nonzero(lengths < 0)[0])
-        batch = kjt.stride()
+    flat = lengths.reshape(-1)
+    low, high = torch.stack(torch.aminmax(flat)).tolist()
+    if low < 0:
+        index = int(torch.nonzero(flat < 0)[0])
         raise ValueError(
-            f"{op}: kjt.lengths() must be >= 0, got {int(lengths[index])} at index {index} "
-            f"(feature {kjt.keys()[index // batch]!r}, sample {index % batch})"
+            f"{op}: kjt.lengths() must be >= 0, got {int(flat[index])} {_bag_name(kjt, index)}"
         )
-    total = int(lengths.sum(dtype=torch.int64))
-    if total > num_values:
+    if high > num_values:
+        index = int(torch.nonzero(flat > num_values)[0])
         raise ValueError(
-            f"{op}: kjt.lengths() overrun kjt.values(): they sum to {total}, kjt.values() "
-            f"holds {num_values}"
+            f"{op}: kjt.lengths() overrun kjt.values(): length {int(flat[index])} "
+            f"{_bag_name(kjt, index)} exceeds the {num_values} values kjt.values() holds"
         )
+    # 0 <= length <= high, so a chunk of _INT64_MAX // high lengths sums without wrapping (one
+    # chunk unless the lengths' count times the values' count passes 2**63).
+    chunk = _INT64_MAX // max(high, 1)
+    parts = flat.split(chunk)
+    total = 0
+    for i, part in enumerate(parts):
+        total += int(part.sum(dtype=torch.int64))
+        if total > num_values:
+            exact = "" if i == len(parts) - 1 else "at least "
+            raise ValueError(
+                f"{op}: kjt.lengths() overrun kjt.values(): they sum to {exact}{total}, "
+                f"kjt.values() holds {num_values}"
+            )
 
 
 def check_ids(kjt: "KeyedJaggedTensor", op: str) -> None:

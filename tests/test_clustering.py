@@ -396,3 +396,53 @@ def test_bad_lengths_raise_value_error(name, call):
     kjt = kjt_with_lengths(lengths.tolist(), int(lengths.sum()) - 1)
     with pytest.raises(ValueError, match=r"lengths(\(\))? overrun (kjt\.)?values"):
         call(kjt)
+
+
+
+def wrapping_kjt(lengths, values):
+    """A KJT of 2 features of 2 or more samples with int64 `lengths` exactly as given."""
+    lengths = torch.tensor(lengths, dtype=torch.int64)
+    return KeyedJaggedTensor(keys=["a", "b"], values=values, lengths=lengths,
+                             stride=lengths.numel() // 2)
+
+
+def _whole_batch(kjt):
+    return torch.arange(kjt.stride()), torch.tensor([0, kjt.stride()])
+
+
+WRAP_OPS = {
+    "permute_samples": lambda kjt: clustering.permute_samples(kjt, torch.arange(kjt.stride())),
+    "micro_batch_unique_keys": lambda kjt: micro_batch_unique_keys(kjt, *_whole_batch(kjt)),
+    "cluster_samples_ref": lambda kjt: cluster_samples_ref(kjt, 2),
+    "cluster_samples": lambda kjt: recxla.cluster_samples(kjt, 2),  # the C++ kernel's check
+}
+BIG = 2**62
+
+
+@pytest.mark.parametrize("name", sorted(WRAP_OPS))
+def test_lengths_whose_int64_sum_wraps_raise_value_error(name):
+    """Two lengths of 2**62 sum to 2**63, which wraps to a negative int64 that passed the
+    `sum > values` check: permute_samples then failed inside torch (a bare RuntimeError on the
+    negative size) and micro_batch_unique_keys returned a cost for keys it never read."""
+    kjt = wrapping_kjt([BIG, BIG, 0, 0], torch.randint(0, 50, (3,)))
+    if name == "cluster_samples":
+        want = r"lengths overrun values: features 0..0 need 4611686018427387904 values or more, " \
+               r"values holds 3"
+    else:
+        want = rf"{name}: kjt.lengths\(\) overrun kjt.values\(\): length 4611686018427387904 " \
+               r"at index 0 \(feature 'a', sample 0\) exceeds the 3 values kjt.values\(\) holds"
+    with pytest.raises(ValueError, match=want):
+        WRAP_OPS[name](kjt)
+
+
+@pytest.mark.parametrize("name", ["permute_samples", "micro_batch_unique_keys",
+                                  "cluster_samples_ref"])
+def test_lengths_within_the_values_but_summing_past_int64_raise(name):
+    """Each length within the values' count (a stride-0 view of 2**62 ids), their sum past
+    2**63 - 1 or past the values: the sum is taken in chunks that cannot wrap."""
+    values = torch.randint(0, 50, (1,)).expand(BIG)
+    for lengths in ([BIG, 0, BIG, 0], [BIG // 2] * 6, [BIG, 1, 0, 0]):
+        with pytest.raises(ValueError, match=rf"{name}: kjt.lengths\(\) overrun kjt.values\(\): "
+                                             rf"they sum to (at least )?\d+, kjt.values\(\) "
+                                             rf"holds {BIG}"):
+            WRAP_OPS[name](wrapping_kjt(lengths, values))

@@ -2,6 +2,7 @@
 EmbeddingBagCollection trained on 2 gloo ranks against TorchRec's fp32 communication."""
 
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -30,14 +31,15 @@ def test_encode_decode_match_the_row_codec_reference(fmt, dtype):
     ctx = codec.create_context()
     wire = codec.encode(x, ctx)
     n = x.numel()
-    # FP8 rows travel as 1-D bytes; the casts keep the input's shape (FBGEMM's contract).
-    want_shape = (codec.calc_quantized_size(n, ctx),) if FORMATS[fmt].is_fp8 else x.shape
+    # Both keep the leading dim: FP8 rows of 12 make [5, 3 x 16] bytes, the casts the input's
+    # shape (FBGEMM's contract).
+    want_shape = (5, codec.calc_quantized_size(36, ctx)) if FORMATS[fmt].is_fp8 else x.shape
     assert wire.shape == want_shape and wire.dtype == codec.quantized_dtype
     rows = x.reshape(-1, row_dim) if FORMATS[fmt].is_fp8 else x.reshape(1, -1)
     want = quantize_rows_ref(rows, fmt).view(-1)
     assert torch.equal(wire.reshape(-1).contiguous().view(torch.uint8), want)
     out = codec.decode(wire, ctx)
-    assert out.shape == ((n,) if FORMATS[fmt].is_fp8 else x.shape) and out.dtype == torch.float32
+    assert out.shape == x.shape and out.dtype == torch.float32
     ref = dequantize_rows_ref(want.view(rows.shape[0], -1), rows.shape[1], fmt, torch.float32)
     assert torch.equal(out.reshape(-1), ref.view(-1))
     if FORMATS[fmt].is_fp8:
@@ -71,8 +73,27 @@ def test_bad_arguments_raise_naming_the_limit():
     with pytest.raises(ValueError, match="rank 1's embedding-dim sum of 48 values"):
         strict.padded_size(torch.randn(4, 64), [64, 48], 0, strict.create_context())
     assert RecxlaQuantizedCommCodec("bf16", row_dim=32).calc_quantized_size(48) == 48
-    with pytest.raises(ValueError, match="row_dim must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="row_dim must be None or an int >= 1, got 0"):
         RecxlaQuantizedCommCodec("e4m3", row_dim=0)
+    with pytest.raises(ValueError, match="auto_row_dim=False needs a row_dim"):
+        RecxlaQuantizedCommCodec("e4m3", auto_row_dim=False)
+    # A configured row never straddles two rows of an N-D tensor (1-D: any whole rows).
+    with pytest.raises(ValueError, match=r"the last dimension of the tensor to encode \(4, 6\) "
+                                         r"of 6 values is not a multiple of row_dim=4: a row must "
+                                         r"not straddle two rows of the tensor; flatten it first"):
+        RecxlaQuantizedCommCodec("e4m3", row_dim=4).encode(torch.randn(4, 6))
+    assert RecxlaQuantizedCommCodec("e4m3", row_dim=4).encode(torch.randn(4, 6).view(-1)).shape \
+        == (6 * 8,)
+    # No row set: a length alone does not give the wire size (rows are whole last dimensions).
+    unset = RecxlaQuantizedCommCodec("e4m3")
+    with pytest.raises(ValueError, match=r"calc_quantized_size needs a row_dim, and the context "
+                                         r"has none \(-1\): no padded_size call"):
+        unset.calc_quantized_size(32, unset.create_context())
+    with pytest.raises(ValueError, match=r"decode got 3 bytes: with no row_dim set that is one "
+                                         r"row, 4 bytes of scale after the codes, so at least 4"):
+        unset.decode(torch.zeros(3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"e4m3 encode takes a tensor of 1 or more dims"):
+        unset.encode(torch.tensor(1.0))
     with pytest.raises(TypeError, match="output_dtype must be float32"):
         RecxlaQuantizedCommCodec("e4m3", output_dtype=torch.int8)
     with pytest.raises(ValueError, match="fwd must be one of"):
@@ -122,17 +143,19 @@ def test_auto_row_dim_is_the_largest_divisor_of_every_ranks_dims():
     reg = qcomm_codecs_registry("e4m3", "e5m2", comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL])
     fwd, bwd = reg[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward, reg[
         CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].backward
-    assert bwd.create_context().row_dim == 32  # nothing seen yet: the requested row_dim
+    # Nothing seen yet, no row_dim configured: unset (rows along the last dimension).
+    assert bwd.create_context().row_dim == -1 and fwd.create_context().row_dim == -1
     for dims, want in (([8, 8], 8), ([64, 96], 32), ([24, 0], 24), ([48, 80, 16], 16),
                        ([6, 9], 3), ([0, 0], 32)):
         ctx = fwd.create_context()
         x = torch.randn(5, dims[0])
         assert fwd.padded_size(x, dims, 0, ctx) == (dims[0], 0)
         assert ctx.row_dim == want, dims
-        wire = fwd.encode(x, ctx)  # 5 x D values, whole rows of `want`
+        wire = fwd.encode(x.view(-1), ctx)  # 5 x D values, whole rows of `want`
         assert wire.numel() == sum(fwd.calc_quantized_size(5 * d, ctx) for d in dims[:1])
         assert torch.equal(fwd.decode(wire, ctx), dequantize_rows_ref(
             quantize_rows_ref(x.reshape(-1, want), "e4m3"), want, "e4m3").view(-1))
+        assert fwd.create_context().row_dim == -1  # the forward's rows come from padded_size
     # The backward codec: the gcd of every dim its partner has seen (8, 64, 96, 24, 48, 80, 16, 6,
     # 9 -> 1).
     assert bwd.create_context().row_dim == 1
@@ -347,23 +370,107 @@ def test_casts_return_the_shapes_fbgemm_codecs_return(fmt, shape):
     assert torch.equal(out, want_out)
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-def test_round_trip_within_torchrecs_codec_tolerance(fmt):
-    """TorchRec's codec test (test_fbgemm_qcomm_codec.py): a random [rows, cols] in [0, 1)
-    comes back from encode then decode within rtol = atol = 0.005 (FP8: 0.05), in the shape
-    FBGEMM gives: the input's for the casts; FP8 rows take the flat tensor, as TorchRec's test
-    hands FBGEMM's row-wise FP8."""
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    rows, cols = (int(v) for v in torch.randint(4, 257, (2,), generator=gen))
-    cols -= cols % 4
-    x = torch.rand(rows, cols, generator=gen, requires_grad=True)
-    codec = RecxlaQuantizedCommCodec(fmt, row_dim=4)
-    if FORMATS[fmt].is_fp8:
-        x = x.view(-1)
-    ctx = codec.create_context()
-    out = codec.decode(codec.encode(x, ctx), ctx)
-    tol = 0.05 if FORMATS[fmt].is_fp8 else 0.005
-    torch.testing.assert_close(x.detach(), out.detach(), rtol=tol, atol=tol)
+FP8_FMTS = [f for f in FMTS if FORMATS[f].is_fp8]
+A2A = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name
+
+
+def _fp8_input(shape, dtype=torch.float32):
+    """Fresh values far past FBGEMM's unscaled FP8 range (it clamps at +-0.9375), each row of
+    its own magnitude, strided as a batch's slice can be."""
+    lead, d = shape[:-1], shape[-1]
+    x = torch.randn(*lead, 2 * d) * torch.exp(2 * torch.randn(*lead, 1))
+    return x[..., ::2].to(dtype)
+
+
+def _unset_codecs(fmt):
+    """Each way a codec meets a tensor with no row size: the pooled all-to-all entry's forward
+    and backward codecs of a fresh default registry with their own contexts (TorchRec's codec
+    test), FBGEMM's QuantizationContext with row_dim -1, and no context at all."""
+    from fbgemm_gpu.quantize_comm import QuantizationContext
+
+    entry = qcomm_codecs_registry(fmt, fmt, comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL])[A2A]
+    return {"registry forward": (entry.forward, entry.forward.create_context),
+            "registry backward": (entry.backward, entry.backward.create_context),
+            "fbgemm context": (RecxlaQuantizedCommCodec(fmt), lambda: QuantizationContext(-1)),
+            "no context": (RecxlaQuantizedCommCodec(fmt), lambda: None)}
+
+
+@pytest.mark.parametrize("fmt", FP8_FMTS)
+@pytest.mark.parametrize("shape", [(4, 8), (4, 4), (3, 5, 7), (0, 8), (4, 0), (13,), (0,)],
+                         ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_without_row_dim_scales_each_last_dimension(fmt, shape, dtype):
+    """No row size configured (TorchRec's own codec test: create_context, encode, decode): a row
+    is the last dimension, the wire keeps the leading dims ([..., D] -> [..., D + 4]) and decode
+    gives the input's shape back, row by row as the reference. Before, the default registry cut
+    the flat tensor into rows of 32: [4, 8] came back as (32,), and [4, 4] (16 values) raised."""
+    x = _fp8_input(shape, dtype)
+    lead, d = shape[:-1], shape[-1]
+    rows = x.reshape(math.prod(lead), d)
+    want_wire = quantize_rows_ref(rows, fmt)
+    want = dequantize_rows_ref(want_wire, d, fmt, torch.float32)
+    for how, (codec, context) in _unset_codecs(fmt).items():
+        ctx = context()
+        wire = codec.encode(x, ctx)
+        assert (wire.shape, wire.dtype) == ((*lead, d + 4), torch.uint8), how
+        assert torch.equal(wire.reshape(-1, d + 4), want_wire), how
+        out = codec.decode(wire, ctx)
+        assert (out.shape, out.dtype) == (shape, torch.float32), how
+        assert torch.equal(out.reshape(rows.shape), want), how
+        if ctx is not None:
+            assert (ctx.row_dim, ctx.row_dim_quant) == (-1, d + 4), how
+    if rows.numel():  # scaled per row: each row's largest magnitude comes back
+        torch.testing.assert_close(want.abs().amax(1), rows.float().abs().amax(1), rtol=1e-6,
+                                   atol=0)
+    if fmt == "e4m3" and len(shape) == 2:  # the shape FBGEMM's FP8 codec gives (2-D only)
+        from fbgemm_gpu.quantize_comm import QuantizedCommCodec
+        from fbgemm_gpu.split_embedding_configs import SparseType
+
+        theirs = QuantizedCommCodec(SparseType.FP8)
+        ctx = theirs.create_context()
+        assert theirs.decode(theirs.encode(x.float(), ctx), ctx).shape == shape
+
+
+@pytest.mark.parametrize("fmt", FP8_FMTS)
+@pytest.mark.parametrize("shape,row_dim", [((4, 8), 4), ((4, 8), 8), ((3, 5, 8), 4),
+                                           ((0, 8), 4), ((24,), 8), ((4, 0), 4)], ids=str)
+def test_fp8_with_row_dim_keeps_the_leading_dims(fmt, shape, row_dim):
+    """A row_dim set (configured, or a context's as padded_size sets it for the all-to-all):
+    rows of row_dim along the last dimension, the wire [..., D / row_dim x (row_dim + 4)], the
+    input's shape back; the flattened tensor (as TorchRec's all-to-alls hand it over) gives the
+    same bytes in 1-D."""
+    from fbgemm_gpu.quantize_comm import QuantizationContext
+
+    x = _fp8_input(shape)
+    lead, d = shape[:-1], shape[-1]
+    want_wire = quantize_rows_ref(x.reshape(-1, row_dim), fmt)
+    want = dequantize_rows_ref(want_wire, row_dim, fmt, torch.float32)
+    entry = qcomm_codecs_registry(fmt, fmt, row_dim=row_dim,
+                                  comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL])[A2A]
+    for codec, ctx in ((RecxlaQuantizedCommCodec(fmt, row_dim, auto_row_dim=False), None),
+                       (entry.forward, entry.forward.create_context()),
+                       (RecxlaQuantizedCommCodec(fmt), QuantizationContext(row_dim))):
+        wire = codec.encode(x, ctx)
+        assert wire.shape == (*lead, d // row_dim * (row_dim + 4))
+        assert torch.equal(wire.reshape(-1, row_dim + 4), want_wire)
+        out = codec.decode(wire, ctx)
+        assert out.shape == shape and torch.equal(out.reshape(-1, row_dim), want)
+        flat = codec.encode(x.reshape(-1), ctx)
+        assert torch.equal(flat, wire.reshape(-1))
+        assert flat.numel() == codec.calc_quantized_size(x.numel(), ctx)
+        assert torch.equal(codec.decode(flat, ctx), out.reshape(-1))
+
+
+def test_the_sequence_all_to_all_gets_a_row_dim_it_can_split_by():
+    """TorchRec's sequence all-to-all calls no padded_size: with no row_dim named its codecs
+    use 32, as before; the pooled entry leaves the row unset until padded_size sets it."""
+    reg = qcomm_codecs_registry("e4m3", "e5m2")
+    seq = reg[CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.name]
+    assert seq.forward.create_context().row_dim == 32 == seq.backward.create_context().row_dim
+    assert seq.forward.calc_quantized_size(64, seq.forward.create_context()) == 2 * 36
+    assert qcomm_codecs_registry("e4m3", "e5m2", row_dim=16)[
+        CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.name].forward.create_context().row_dim == 16
+    assert reg[A2A].forward.create_context().row_dim == -1
 
 
 def _reduce_scatter_body(rank, world, seed):

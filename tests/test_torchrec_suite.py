@@ -8,6 +8,9 @@
 2. TorchRec's EmbeddingBagCollectionTest (torchrec/modules/tests/test_embedding_modules.py in
    TorchRec's repository: not in the wheel), its checks on recxla.nn.EmbeddingBagCollection and,
    as the control, on TorchRec's module, with the outputs compared between the two.
+3. TorchRec's QuantizationCommCodecTest.test_quantized_comm_codec
+   (torchrec/distributed/tests/test_fbgemm_qcomm_codec.py: not in the wheel either), its body as
+   TorchRec writes it, on recxla's codecs and, as the control, on FBGEMM's.
 The count of TorchRec tests run is printed at the end of the session.
 """
 
@@ -39,10 +42,11 @@ class _Counts:
 
     def pytest_runtest_logreport(self, report):
         name = report.nodeid.rsplit("::", 1)[-1]
-        if report.when != "call" or not name.startswith(("test_torchrec_case[", "test_ebc_")):
+        if report.when != "call" or not name.startswith(
+                ("test_torchrec_case[", "test_ebc_", "test_quantized_comm_codec[")):
             return
         param = name[name.index("[") + 1 : -1]
-        variant = CASES[param].variant if param in CASES else param
+        variant = CASES[param].variant if param in CASES else param.split(":")[0]
         self.outcomes[report.nodeid] = (variant, report.passed)
 
     def pytest_terminal_summary(self, terminalreporter):
@@ -205,3 +209,93 @@ def test_ebc_device(ebc_class):
     assert ebc.embedding_bags["t1"].weight.device == torch.device("meta") == ebc.device
     ebc = ebc_class(tables=tables)
     assert ebc.embedding_bags["t1"].weight.device == torch.device("cpu") == ebc.device
+
+
+# ----------------------------------------------------------------------------------------------
+# TorchRec's QuantizationCommCodecTest.test_quantized_comm_codec, on recxla's codecs
+# (suite.recxla_qcomm_codecs) and on FBGEMM's (TorchRec's get_qcomm_codecs: the control).
+
+def _quantized_comm_codec(get_qcomm_codecs, rowwise, comm_precision, loss_scale, row_size,
+                          col_size, rand_seed, row_dim):
+    """TorchRec's test body, line for line. `rowwise` stands for its
+    `torch.cuda.device_count() != 0`, the condition for FBGEMM's row-wise FP8, which runs on CUDA
+    only (and, there, on the flattened tensor): recxla's runs on CPU, so its variant takes that
+    branch too. loss_scale is drawn and unused, as in TorchRec's test."""
+    from hypothesis import assume
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig
+
+    if comm_precision == CommType.FP8:
+        if row_dim > 0:
+            assume((col_size * row_size) % row_dim == 0)
+        assume(col_size % 4 == 0)
+
+    torch.manual_seed(rand_seed)
+    shape = (row_size, col_size)
+    input_tensor = torch.rand(shape, requires_grad=True)
+    cur_row_dim = None
+
+    if comm_precision == CommType.FP8 and rowwise and row_dim > 0:
+        cur_row_dim = row_dim
+        input_tensor = input_tensor.view(-1)
+        if torch.cuda.is_available():
+            input_tensor = input_tensor.cuda()
+
+    quant_codec = get_qcomm_codecs(
+        QCommsConfig(forward_precision=comm_precision, fp8_quantize_dim=cur_row_dim))
+    ctx = quant_codec.forward.create_context()
+    if comm_precision == CommType.INT8:
+        assume(row_size * col_size % ctx.row_dim == 0)
+        input_tensor = input_tensor.view(-1)
+
+    quant_tensor = quant_codec.forward.encode(input_tensor, ctx)
+    output_tensor = quant_codec.forward.decode(quant_tensor, ctx)
+
+    rtol = 0.005
+    atol = 0.005
+    if comm_precision == CommType.FP8:
+        rtol = 0.05
+        atol = 0.05
+
+    torch.testing.assert_close(
+        input_tensor.detach().cpu(), output_tensor.detach().cpu(), rtol=rtol, atol=atol)
+
+
+def _codec_cases():
+    """(id, variant, precision name, loss_scale, rows, cols, row_dim): the arguments TorchRec's
+    strategy draws (precision and loss scale from its list, rows and cols in [4, 256], row_dim in
+    {-1, 4, 8, 16, 32}), chosen: every precision, and for FP8 every row_dim on the shapes its
+    assumptions admit, [4, 8] and [4, 4] among them. INT8 runs as the control only (see
+    NOT_APPLICABLE)."""
+    out = []
+    for variant in ("torchrec", suite.CODECS):
+        rows = [("FP32", None, 37, 12, -1), ("FP16", None, 37, 12, -1),
+                ("FP16", 4.0, 5, 256, -1), ("BF16", None, 256, 4, -1)]
+        if variant == "torchrec":
+            rows += [("INT8", None, 4, 8, -1), ("INT8", None, 24, 36, -1)]
+        for row_dim in (-1, 4, 8, 16, 32):
+            for r, c in ((4, 8), (4, 4), (24, 36), (256, 256)):
+                if row_dim < 0 or (r * c) % row_dim == 0:
+                    rows.append(("FP8", None, r, c, row_dim))
+        for precision, scale, r, c, row_dim in rows:
+            name = f"{variant}:{precision}{'' if scale is None else f'x{scale}'}:{r}x{c}:" \
+                   f"row_dim={row_dim}"
+            out.append((name, variant, precision, scale, r, c, row_dim))
+    return out
+
+
+CODEC_CASES = {case[0]: case[1:] for case in _codec_cases()}
+
+
+@pytest.mark.parametrize("case", sorted(CODEC_CASES), ids=sorted(CODEC_CASES))
+def test_quantized_comm_codec(case, seed):
+    """recxla's FP8 codec used to fail here: the flat tensor in rows of 32, so [4, 8] came
+    back as (32,) and [4, 4] raised (16 values, not whole rows of 32)."""
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, get_qcomm_codecs
+
+    variant, precision, scale, rows, cols, row_dim = CODEC_CASES[case]
+    if variant == "torchrec":
+        codecs, rowwise = get_qcomm_codecs, torch.cuda.device_count() != 0
+    else:
+        codecs, rowwise = suite.recxla_qcomm_codecs, True
+    _quantized_comm_codec(codecs, rowwise, CommType[precision], scale, rows, cols,
+                          seed % 65535, row_dim)

@@ -135,6 +135,11 @@ NOT_APPLICABLE: Dict[str, str] = {
     "StateDict.test_parameter_init":
         "a plain module with no embeddings: no sharder is involved",
     "EmbeddingBagCollectionTest (recxla.nn)": "see EBC_NOT_APPLICABLE in test_torchrec_suite.py",
+    "QuantizationCommCodecTest.test_quantized_comm_codec[torchrec+recxla-codecs: INT8]":
+        "recxla has no INT8 wire format (e4m3, e5m2, bf16, fp16, fp32); FBGEMM's INT8 codec runs "
+        "as the control",
+    "QuantizationCommCodecTest.test_mx4_comm_codec":
+        "MX4 (FBGEMM's shared-exponent groups of 32) is not a recxla wire format",
 }
 
 
@@ -186,10 +191,36 @@ _COMM_NAMES = {"FP32": "fp32", "FP16": "fp16", "BF16": "bf16"}
 
 
 def _recxla_formats(qcomms_config) -> Tuple[str, str]:
+    """recxla's (forward, backward) formats for TorchRec's precisions: FP8 is FBGEMM's 1-4-3
+    forward, 1-5-2 backward unless fp8_bwd_uses_143. TorchRec's INT8 and MX4 have none."""
     if qcomms_config is None:
         return "fp32", "fp32"
-    return (_COMM_NAMES[qcomms_config.forward_precision.name],
-            _COMM_NAMES[qcomms_config.backward_precision.name])
+    fp8 = {"fwd": "e4m3", "bwd": "e4m3" if qcomms_config.fp8_bwd_uses_143 else "e5m2"}
+    formats = []
+    for direction, precision in (("fwd", qcomms_config.forward_precision),
+                                 ("bwd", qcomms_config.backward_precision)):
+        if precision.name == "FP8":
+            formats.append(fp8[direction])
+        elif precision.name in _COMM_NAMES:
+            formats.append(_COMM_NAMES[precision.name])
+        else:
+            raise ValueError(f"recxla has no wire format for TorchRec's {precision.name}")
+    return formats[0], formats[1]
+
+
+def recxla_qcomm_codecs(qcomms_config):
+    """TorchRec's get_qcomm_codecs (QCommsConfig -> QuantizedCommCodecs) on recxla's codecs:
+    the precisions as recxla's formats, fp8_quantize_dim(_bwd) as the FP8 row_dim (None: none
+    configured, as for FBGEMM's codec)."""
+    from recxla.torchrec import qcomm_codecs_registry
+    from torchrec.distributed.types import CommOp
+
+    if qcomms_config.forward_loss_scale or qcomms_config.backward_loss_scale:
+        raise ValueError("recxla's codecs take no loss scale")
+    op = CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL
+    return qcomm_codecs_registry(
+        *_recxla_formats(qcomms_config), row_dim=qcomms_config.fp8_quantize_dim,
+        row_dim_bwd=qcomms_config.fp8_quantize_dim_bwd, comm_ops=[op])[op.name]
 
 
 def _recxla_sharder_class():

@@ -18,23 +18,34 @@ How TorchRec drives a codec (torchrec/distributed/comm_ops.py, pooled all-to-all
 The element splits are B_rank x D_local_sum (sent) and B_local x D_rank_sum (received); the
 backward pass does the same with the gradient and the other codec.
 
-Rows (FP8 formats): like FBGEMM's FP8 row-wise codec, the flat input is viewed as rows of
-`row_dim` values (`ctx.row_dim`), each quantized with its own fp32 scale: row_dim + 4 bytes a
-row. A row must not straddle two ranks' splits. The pooled all-to-all's splits are B x (one rank's
-embedding-dim sum), and TorchRec passes those dim sums to `padded_size` before it encodes, so
-each call picks its own row_dim there: the largest divisor of every rank's dim sum that is at most
-the requested `row_dim` (auto_row_dim, the default). A column-wise shard of a dim-16 table over 2
-ranks (8 columns each) thus gets rows of 8 under the default row_dim of 32, and a table-wise
-all-to-all of dims 64 and 96 gets rows of 32. The backward codec of the same registry entry is not
-shown the dims (TorchRec calls no padded_size there): it uses the largest divisor, up to its own
-requested row_dim, of every dim sum its forward partner has seen, which every rank has seen alike
-since the all-to-alls are collective. Paths that call no padded_size at all (TorchRec's
-variable-batch all-to-all, a codec used on its own) use the requested row_dim as given. With
-auto_row_dim=False every call uses the requested row_dim, and a dim sum it does not divide raises
+Rows (FP8 formats): each row of values is quantized with its own fp32 scale (row_dim + 4 bytes a
+row), as in FBGEMM's FP8 row-wise codec. Which values make a row is the context's `row_dim`
+(TorchRec's QuantizationContext field):
+- unset (-1; a codec with row_dim=None, the registry's default, until something gives it a row):
+  the tensor's last dimension. encode keeps the leading dims: x [..., D] -> uint8
+  [..., D + 4], and decode gives [..., D] back (a 1-D tensor is one row). This is how TorchRec's
+  own codec test (test_fbgemm_qcomm_codec.py) uses a codec: create_context, encode, decode, with
+  no row size configured, where FBGEMM falls back to unscaled FP8 that clamps at +-0.9375.
+- set (> 0): rows of row_dim values; row_dim must divide the last dimension (a row never
+  straddles two rows of x), and the wire keeps the leading dims as well: [..., D] -> uint8
+  [..., D / row_dim x (row_dim + 4)]. TorchRec's all-to-alls flatten first (1-D in, 1-D out).
+A row must not straddle two ranks' splits either. The pooled all-to-all's splits are B x (one
+rank's embedding-dim sum), and TorchRec passes those dim sums to `padded_size` before it encodes,
+so each call picks its row_dim there: the largest divisor of every rank's dim sum that is at most
+the codec's row_dim (32 when None; auto_row_dim, the default). A column-wise shard of a dim-16
+table over 2 ranks (8 columns each) thus gets rows of 8, and a table-wise all-to-all of dims 64
+and 96 gets rows of 32. The backward codec of the same registry entry is not shown the dims
+(TorchRec calls no padded_size there): it uses the largest divisor, up to its own row_dim, of every
+dim sum its forward partner has seen, which every rank has seen alike since the all-to-alls are
+collective. An all-to-all that gives no dims (TorchRec's sequence and variable-batch all-to-alls)
+needs a configured row_dim: the registry gives its sequence codecs row_dim 32 when none is named,
+and calc_quantized_size raises a ValueError that says so where a row is still unset. With
+auto_row_dim=False every call uses the configured row_dim, and a dim sum it does not divide raises
 ValueError naming row_dim, before any data moves. Smaller rows scale more finely and cost 4 bytes
 of scale each (rows of 8: 1.5 bytes a value; of 4: 2 bytes, no less than bf16, which is logged).
 The plain casts (bf16, fp16, fp32) have no rows and no such constraint; their wire dtype is the
-cast dtype itself, so they also serve the reduce-scatter, which sums on the wire.
+cast dtype itself and they keep the input's shape, so they also serve the reduce-scatter, which
+sums on the wire.
 """
 
 import logging
@@ -44,7 +55,9 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, FLOAT_DTYPES, as_count, get_format
+from recxla.formats import (
+    DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, FLOAT_DTYPES, FP8_SCALE_BYTES, as_count, get_format,
+)
 from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
 
 logger = logging.getLogger(__name__)
@@ -81,12 +94,15 @@ class CodecStats:
 
 class SplitWidths:
     """The embedding-dim sums per rank that the forward codec of a registry entry has been shown
-    (TorchRec's `padded_size`), kept as their gcd (0: none yet), for the backward codec."""
+    (TorchRec's `padded_size`), kept as their gcd, for the backward codec. `seen`: whether any
+    were shown (the gcd of dims that are all 0 is 0 too)."""
 
     def __init__(self):
         self.gcd = 0
+        self.seen = False
 
     def record(self, dims: Sequence[int]) -> None:
+        self.seen = True
         for d in dims:
             self.gcd = math.gcd(self.gcd, d)
 
@@ -95,42 +111,53 @@ class RecxlaQuantizedCommCodec:
     """One direction's codec (TorchRec's QuantizedCommCodec protocol) on recxla's row codec.
 
     Args:
-        fmt: wire format: "e4m3", "e5m2" (FP8 rows of row_dim values + an fp32 scale; wire dtype
-            uint8), "bf16", "fp16" or "fp32" (plain casts; wire dtype the cast dtype).
-        row_dim: values per FP8 row: with auto_row_dim the largest row a call may use, else the
-            row of every call (see the module docstring); ignored by the casts.
+        fmt: wire format: "e4m3", "e5m2" (FP8 rows with an fp32 scale each; wire dtype uint8),
+            "bf16", "fp16" or "fp32" (plain casts; wire dtype the cast dtype).
+        row_dim: values per FP8 row, or None (no row size configured; see the module
+            docstring): with auto_row_dim, the largest row padded_size may pick (32 when None)
+            and the row of calls no dims were given for (None: rows along the last dimension);
+            without, the row of every call (an int). Ignored by the casts.
         output_dtype: dtype decode returns: float32 (TorchRec's assumption, FBGEMM's default),
             bfloat16 or float16.
         auto_row_dim: pick each call's row_dim from the dims TorchRec passes to padded_size.
         widths: the SplitWidths this codec records into (forward) or picks from (backward);
             qcomm_codecs_registry shares one between the two codecs of an entry.
-    encode takes a float tensor (float32/bfloat16/float16) of any shape. Shapes are those of
-    FBGEMM's codecs (fbgemm_gpu/quantize_comm.py), which TorchRec's collectives rely on: the
-    casts return the input's shape from encode and the wire's shape from decode (TorchRec's
-    reduce-scatters encode [B, D] and read `.size(1)`); FP8 rows, like FBGEMM's row-wise FP8,
-    encode to 1-D bytes (calc_quantized_size(x.numel()) of them) and decode to 1-D.
+        backward: the backward codec of an entry: with auto_row_dim, its contexts take their rows
+            from `widths` (its forward partner's dims), once there are any.
+    encode takes a float tensor (float32/bfloat16/float16) and keeps its leading dims: the
+    casts return the input's shape from encode and the wire's shape from decode, as FBGEMM's
+    (TorchRec's reduce-scatters encode [B, D] and read `.size(1)`); FP8 encodes [..., D] to
+    uint8 [..., bytes of D's rows] and decodes back to [..., D] (1-D for TorchRec's flattened
+    all-to-alls; calc_quantized_size(n) bytes for n values in rows of a set row_dim).
     """
 
     def __init__(
         self,
         fmt: str,
-        row_dim: int = DEFAULT_ROW_DIM,
+        row_dim: Optional[int] = None,
         output_dtype=torch.float32,
         auto_row_dim: bool = True,
         widths: Optional[SplitWidths] = None,
+        backward: bool = False,
     ):
         self.fmt = fmt
         self._format = get_format(fmt, NAME)
-        if isinstance(row_dim, bool) or not isinstance(row_dim, int) or row_dim < 1:
-            raise ValueError(f"{NAME}: row_dim must be an int >= 1, got {row_dim!r}")
+        if row_dim is not None and (
+                isinstance(row_dim, bool) or not isinstance(row_dim, int) or row_dim < 1):
+            raise ValueError(f"{NAME}: row_dim must be None or an int >= 1, got {row_dim!r}")
         if output_dtype not in FLOAT_DTYPES:
             raise TypeError(f"{NAME}: output_dtype must be float32, bfloat16 or float16, got "
                             f"{output_dtype}")
-        if not isinstance(auto_row_dim, bool):
-            raise TypeError(f"{NAME}: auto_row_dim must be a bool, got {auto_row_dim!r}")
+        for name, flag in (("auto_row_dim", auto_row_dim), ("backward", backward)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{NAME}: {name} must be a bool, got {flag!r}")
+        if not auto_row_dim and row_dim is None:
+            raise ValueError(f"{NAME}: auto_row_dim=False needs a row_dim (an int >= 1): the row "
+                             "every call uses")
         self.row_dim = row_dim
         self.output_dtype = output_dtype
         self.auto_row_dim = auto_row_dim
+        self.backward = backward
         self.widths = widths if widths is not None else SplitWidths()
         self.stats = CodecStats()
         self._warned_row_dims: Set[int] = set()
@@ -155,9 +182,13 @@ class RecxlaQuantizedCommCodec:
         return {"bf16": SparseType.BF16, "fp16": SparseType.FP16}.get(self.fmt, SparseType.FP32)
 
     def _pick_row_dim(self, gcd: int) -> int:
-        if not self.auto_row_dim or gcd == 0:
+        """The row of a call whose dims have gcd `gcd` (0: no values anywhere, any row fits)."""
+        if not self.auto_row_dim:
             return self.row_dim
-        row_dim = largest_divisor_up_to(gcd, self.row_dim)
+        limit = DEFAULT_ROW_DIM if self.row_dim is None else self.row_dim
+        if gcd == 0:
+            return limit
+        row_dim = largest_divisor_up_to(gcd, limit)
         if row_dim <= 4 and row_dim not in self._warned_row_dims:
             self._warned_row_dims.add(row_dim)
             logger.warning(
@@ -167,23 +198,31 @@ class RecxlaQuantizedCommCodec:
         return row_dim
 
     def create_context(self) -> RowCodecContext:
-        """A fresh context; FP8: row_dim is the requested one (padded_size may lower it), or for a
-        backward codec the one its forward partner's dims allow."""
+        """A fresh context. FP8: row_dim is the configured one (padded_size may lower it), for
+        an auto backward codec the one its forward partner's dims allow, else -1 (unset: rows
+        along the last dimension)."""
         if not self._format.is_fp8:
             return RowCodecContext(row_dim=-1)
-        return RowCodecContext(row_dim=self._pick_row_dim(self.widths.gcd))
+        if self.auto_row_dim and self.backward and self.widths.seen:
+            return RowCodecContext(row_dim=self._pick_row_dim(self.widths.gcd))
+        return RowCodecContext(row_dim=-1 if self.row_dim is None else self.row_dim)
 
-    def _row_dim(self, ctx: Optional[RowCodecContext]) -> int:
-        return ctx.row_dim if ctx is not None and ctx.row_dim > 0 else self.row_dim
+    def _row_dim(self, ctx) -> int:
+        """The call's row: the context's when one is given (-1: unset), else the codec's."""
+        if ctx is None:
+            return -1 if self.row_dim is None else self.row_dim
+        row_dim = getattr(ctx, "row_dim", None)
+        return row_dim if isinstance(row_dim, int) and row_dim > 0 else -1
 
-    def _check_rows(self, n: int, row_dim: int, what: str) -> None:
+    def _check_rows(self, n: int, row_dim: int, what: str, why: Optional[str] = None) -> None:
         if n % row_dim:
-            hint = ("pass a row_dim that divides every table's embedding dimension" if not
-                    self.auto_row_dim else "only padded_size's dims choose row_dim by themselves")
+            if why is None:
+                why = (f"with {self.fmt} every split (batch x embedding-dim sum) must be whole "
+                       "rows; " + ("pass a row_dim that divides every table's embedding "
+                                   "dimension" if not self.auto_row_dim else
+                                   "only padded_size's dims choose row_dim by themselves"))
             raise ValueError(
-                f"{NAME}: {what} of {n} values is not a multiple of row_dim={row_dim}: with "
-                f"{self.fmt} every split (batch x embedding-dim sum) must be whole rows; {hint}"
-            )
+                f"{NAME}: {what} of {n} values is not a multiple of row_dim={row_dim}: {why}")
 
     def padded_size(
         self,
@@ -193,15 +232,14 @@ class RecxlaQuantizedCommCodec:
         qcomm_ctx: Optional[RowCodecContext],
     ) -> Tuple[int, int]:
         """(dim sum, 0): no padding. FP8 picks this call's row_dim here from the dim sums of all
-        ranks (or, with auto_row_dim=False, checks that the requested one divides them), before
+        ranks (or, with auto_row_dim=False, checks that the configured one divides them), before
         anything is encoded."""
         if input_tensor.dim() == 1:
             return input_tensor.shape[0], 0
         if self._format.is_fp8:
             dims = [as_count(d, NAME, f"dim_per_rank[{r}]") for r, d in enumerate(dim_per_rank)]
             self.widths.record(dims)
-            gcd = math.gcd(*dims) if dims else 0
-            row_dim = self._pick_row_dim(gcd)
+            row_dim = self._pick_row_dim(math.gcd(*dims) if dims else 0)
             for rank, d in enumerate(dims):
                 self._check_rows(d, row_dim, f"rank {rank}'s embedding-dim sum")
             if qcomm_ctx is not None:
@@ -210,11 +248,18 @@ class RecxlaQuantizedCommCodec:
 
     def calc_quantized_size(self, input_len: int, ctx: Optional[RowCodecContext] = None) -> int:
         """Wire elements for a split of `input_len` values (bytes for FP8); input_len is any
-        integer >= 0."""
+        integer >= 0. FP8 needs a set row_dim: an unset one makes rows of whole last
+        dimensions, whose size a length alone does not give."""
         input_len = as_count(input_len, f"{NAME}: calc_quantized_size", "input_len")
         if not self._format.is_fp8:
             return input_len
         row_dim = self._row_dim(ctx)
+        if row_dim < 0:
+            raise ValueError(
+                f"{NAME}: calc_quantized_size needs a row_dim, and the context has none (-1): "
+                "no padded_size call gave it the embedding dims (TorchRec's variable-batch "
+                "all-to-all gives none); configure a row_dim that divides every split, "
+                "qcomm_codecs_registry(row_dim=...)")
         self._check_rows(input_len, row_dim, "a split")
         return input_len // row_dim * self._format.row_bytes(row_dim)
 
@@ -225,6 +270,9 @@ class RecxlaQuantizedCommCodec:
         if x.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"{NAME}: encode takes float32, bfloat16 or float16 values, got {x.dtype}")
+        if self._format.is_fp8 and x.dim() == 0:
+            raise ValueError(f"{NAME}: {self.fmt} encode takes a tensor of 1 or more dims (rows "
+                             "lie along the last), got a 0-D tensor")
         self.stats.encode_calls += 1
         self.stats.values_encoded += x.numel()
         if not self._format.is_fp8:
@@ -232,9 +280,20 @@ class RecxlaQuantizedCommCodec:
             # [B, D] and size their output from it (an fp32 wire is the input itself).
             wire = x.to(self._format.wire_dtype)
         else:
+            lead, dim = x.shape[:-1], x.shape[-1]
             row_dim = self._row_dim(ctx)
-            self._check_rows(x.numel(), row_dim, "the tensor to encode")
-            wire = quantize_rows(x.reshape(-1, row_dim), self.fmt).view(-1)
+            if row_dim < 0:  # unset: one row per last dimension
+                row_dim = dim
+            elif x.dim() == 1:
+                self._check_rows(dim, row_dim, "the tensor to encode")
+            else:
+                self._check_rows(
+                    dim, row_dim, f"the last dimension of the tensor to encode {tuple(x.shape)}",
+                    "a row must not straddle two rows of the tensor; flatten it first "
+                    "(x.view(-1)), as TorchRec's all-to-alls do")
+            per_slice = dim // row_dim if row_dim else 1  # rows in each last-dimension slice
+            rows = quantize_rows(x.reshape(math.prod(lead) * per_slice, row_dim), self.fmt)
+            wire = rows.view(*lead, per_slice * rows.shape[1])
             self.stats.row_dims.add(row_dim)
             if ctx is not None:
                 ctx.row_dim_quant = self._format.row_bytes(row_dim)
@@ -248,17 +307,32 @@ class RecxlaQuantizedCommCodec:
         if wire.dtype != self.quantized_dtype:
             raise TypeError(f"{NAME}: decode of {self.fmt} takes {self.quantized_dtype} wire "
                             f"elements, got {wire.dtype}")
-        self.stats.decode_calls += 1
         if not self._format.is_fp8:
+            self.stats.decode_calls += 1
             return wire.to(self.output_dtype)
+        if wire.dim() == 0:
+            raise ValueError(f"{NAME}: {self.fmt} decode takes a tensor of 1 or more dims (rows "
+                             "lie along the last), got a 0-D tensor")
+        lead, width = wire.shape[:-1], wire.shape[-1]
+        where = "" if wire.dim() == 1 else f" in the last dimension (shape {tuple(wire.shape)})"
         row_dim = self._row_dim(ctx)
+        if row_dim < 0:  # unset: one row per last dimension, codes then a 4-byte scale
+            row_dim = width - FP8_SCALE_BYTES
+            if row_dim < 0:
+                raise ValueError(
+                    f"{NAME}: decode got {width} bytes{where}: with no row_dim set that is one "
+                    f"row, {FP8_SCALE_BYTES} bytes of scale after the codes, so at least "
+                    f"{FP8_SCALE_BYTES}")
         row_bytes = self._format.row_bytes(row_dim)
-        if wire.numel() % row_bytes:
+        if width % row_bytes:
             raise ValueError(
-                f"{NAME}: decode got {wire.numel()} bytes, not whole rows of row_dim={row_dim} "
+                f"{NAME}: decode got {width} bytes{where}, not whole rows of row_dim={row_dim} "
                 f"({row_bytes} bytes each: {row_dim} codes + a 4-byte scale)")
-        rows = wire.reshape(-1, row_bytes)
-        return dequantize_rows(rows, row_dim, self.fmt, self.output_dtype).view(-1)
+        self.stats.decode_calls += 1
+        per_slice = width // row_bytes
+        rows = wire.reshape(math.prod(lead) * per_slice, row_bytes)
+        out = dequantize_rows(rows, row_dim, self.fmt, self.output_dtype)
+        return out.view(*lead, per_slice * row_dim)
 
 
 # Reduce-scatters add on the wire, which row-scaled FP8 bytes cannot do; like TorchRec's own
@@ -270,7 +344,7 @@ _REDUCE_SCATTER_FALLBACK = {"fwd": "fp16", "bwd": "bf16"}
 def qcomm_codecs_registry(
     fwd: str = DEFAULT_FWD_COMM,
     bwd: str = DEFAULT_BWD_COMM,
-    row_dim: int = DEFAULT_ROW_DIM,
+    row_dim: Optional[int] = None,
     row_dim_bwd: Optional[int] = None,
     comm_ops: Optional[Sequence] = None,
     output_dtype: torch.dtype = torch.float32,
@@ -281,12 +355,16 @@ def qcomm_codecs_registry(
     Args:
         fwd: wire format of the forward embeddings: "e4m3", "e5m2", "bf16", "fp16", "fp32".
         bwd: wire format of the backward gradients (same names); bf16 or e5m2 keep the range.
-        row_dim: values per FP8 row in forward: the largest row a call may use when
-            auto_row_dim, else the row of every call, which must then divide every rank's
-            embedding-dim sum (see the module docstring). Ignored by the casts.
+        row_dim: values per FP8 row in forward, or None (none configured, as FBGEMM's
+            fp8_quantize_dim): with auto_row_dim, the largest row the pooled all-to-all may
+            pick (32 for None), and the row of a call no dims were given for (None: the
+            tensor's last dimension, as in TorchRec's own codec test); without, the row of
+            every call, which must then divide every rank's embedding-dim sum (see the module
+            docstring). The sequence all-to-all gives no dims: its codecs use row_dim, 32 for
+            None. Ignored by the casts.
         row_dim_bwd: the same for backward; None: row_dim.
         auto_row_dim: each call picks its FP8 row_dim from the embedding-dim sums per rank (the
-            largest divisor of all of them up to row_dim); False: row_dim as given.
+            largest divisor of all of them up to row_dim); False: row_dim as given (an int).
         comm_ops: torchrec CommOp members to register; None: the pooled all-to-all, the pooled
             reduce-scatter (FP8 falls back to fp16 forward / bf16 backward there, with a
             warning, since it sums on the wire) and the sequence all-to-all.
@@ -319,13 +397,18 @@ def qcomm_codecs_registry(
                         "%s: %s %s cannot be summed on the wire by a reduce-scatter; using %s",
                         NAME, direction, fmt, formats[direction],
                     )
+        rows = {"fwd": row_dim, "bwd": row_dim if row_dim_bwd is None else row_dim_bwd}
+        if op == CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL:
+            # TorchRec's sequence all-to-all calls no padded_size: its splits (ids x dim) need a
+            # row set from the start.
+            rows = {d: DEFAULT_ROW_DIM if r is None else r for d, r in rows.items()}
         # The backward codec picks its rows from the dims its forward partner was shown.
         widths = SplitWidths()
         registry[op.name] = QuantizedCommCodecs(
             forward=RecxlaQuantizedCommCodec(
-                formats["fwd"], row_dim, output_dtype, auto_row_dim, widths),
+                formats["fwd"], rows["fwd"], output_dtype, auto_row_dim, widths),
             backward=RecxlaQuantizedCommCodec(
-                formats["bwd"], row_dim if row_dim_bwd is None else row_dim_bwd, output_dtype,
-                auto_row_dim, widths),
+                formats["bwd"], rows["bwd"], output_dtype, auto_row_dim, widths,
+                backward=True),
         )
     return registry
