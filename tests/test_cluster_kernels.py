@@ -441,3 +441,13 @@ def test_gpu_campaign_module_dry_run(monkeypatch):
     assert choice["family"] == "cluster" and choice["capability"] == 0
     assert choice["winner"] in gpu_variants.variants("cluster")
     assert choice["why"].startswith("dry run on CPU")
+
+
+def test_lengths_whose_sum_wraps_int64_are_an_error():
+    """Each length within the values' count (a stride-0 view of 2**62 ids), their sum past
+    int64: the C++ kernel's own check once let the wrapped sum through and read past the
+    values."""
+    values = torch.zeros(1, dtype=torch.int64).expand(2**62)
+    lengths = torch.tensor([2**62, 2**62], dtype=torch.int64)
+    with pytest.raises(ValueError, match="need more values than an int64 counts"):
+        torch.ops.recxla.cluster_permutation(values, lengths, 2, 2, [1.0])

@@ -58,8 +58,9 @@ void feature_starts(
     const len_t* row = lengths + f * batch;
     int64_t sum = 0;
     len_t smallest = 0, largest = 0;
+    bool wrapped = false;  // lengths each <= N can still wrap an int64 sum (N up to 2**63 - 1)
     for (int64_t s = 0; s < batch; ++s) {
-      sum += row[s];
+      wrapped |= __builtin_add_overflow(sum, int64_t{row[s]}, &sum);
       smallest = std::min(smallest, row[s]);
       largest = std::max(largest, row[s]);
     }
@@ -69,11 +70,15 @@ void feature_starts(
           false, op, ": lengths must be >= 0, got ", int64_t{row[s]}, " at index ", f * batch + s,
           " (feature ", f, ", sample ", s, ")");
     }
-    // Each length is at most N, so the sum cannot wrap before the check below fires.
+    int64_t end = 0;
+    wrapped |= __builtin_add_overflow(start[f], sum, &end);
     TORCH_CHECK_VALUE(
-        int64_t{largest} <= num_values && start[f] + sum <= num_values, op,
+        !wrapped, op, ": lengths overrun values: features 0..", f,
+        " need more values than an int64 counts, values holds ", num_values);
+    TORCH_CHECK_VALUE(
+        int64_t{largest} <= num_values && end <= num_values, op,
         ": lengths overrun values: features 0..", f, " need ",
-        int64_t{largest} <= num_values ? start[f] + sum : int64_t{largest},
+        int64_t{largest} <= num_values ? end : int64_t{largest},
         " values or more, values holds ", num_values);
     TORCH_CHECK_VALUE(
         sum <= std::numeric_limits<uint32_t>::max(), op, ": feature ", f,
