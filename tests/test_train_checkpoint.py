@@ -2,8 +2,10 @@
 uninterrupted run ends (CPU, fp32 communication): tables, dense layers, the fused embedding
 optimizer's state, the dense optimizer's state. And, read from checkpoints: the recxla path and
 the TorchRec baseline train the same model. The checkpoint folder's protocol on fake folders:
-which count as complete (a torn file, a missing or foreign marker, an uncommitted folder do
-not), what is removed, what pruning keeps. (Kills during training: test_train_crash_consistency.)"""
+which are committed, which of those verify against their marker (a torn or changed file, a
+missing, foreign or checksum-less marker do not, and are kept), what is removed (uncommitted
+folders only), what pruning keeps. (Kills during training: test_train_crash_consistency;
+damaged and planted files on resume: test_train_checkpoint_reader.)"""
 
 import json
 import os
@@ -115,8 +117,8 @@ def test_resume_rejects_other_options(tmp_path):
 
 
 def _write_checkpoint(directory, step, *, commit=True):
-    """A checkpoint folder the way save() leaves it: random data files, the marker, the
-    rename (commit=False: marked but still `.partial`)."""
+    """A checkpoint folder the way save() leaves it: random data files, the marker (their sizes
+    and checksums), the rename (commit=False: marked but still `.partial`)."""
     partial = checkpoint_files.partial_path(str(directory), step)
     os.makedirs(partial)
     for name in (".metadata", "__0_0.distcp", "__1_0.distcp"):
@@ -127,31 +129,64 @@ def _write_checkpoint(directory, step, *, commit=True):
     return checkpoint_files.commit(str(directory), step) if commit else partial
 
 
-def test_only_complete_checkpoints_count_and_the_rest_is_removed(tmp_path):
+def test_committed_checkpoints_are_kept_and_only_leftovers_removed(tmp_path):
+    """Every `step_<N>` folder is a committed checkpoint (the rename is the commit): one that
+    does not match its marker was damaged since; verify() names the file and what is wrong,
+    and it is never removed nor passed over. Only `.partial` and `.old` folders are removed."""
     path = lambda step: checkpoint.checkpoint_path(str(tmp_path), step)  # noqa: E731
     _write_checkpoint(tmp_path, 2)
     incomplete = [_write_checkpoint(tmp_path, 4, commit=False)]  # marked, never renamed
+    damaged = {}
     _write_checkpoint(tmp_path, 6)
     with open(os.path.join(path(6), "__1_0.distcp"), "r+b") as f:
-        f.truncate(1)  # a torn data file: its size is not the marker's
+        f.truncate(1)
+    damaged[6] = ("__1_0.distcp", r"has 1 bytes, train_state.json recorded \d+ at the commit: "
+                  "truncated since")
     _write_checkpoint(tmp_path, 8)
-    os.remove(os.path.join(path(8), checkpoint.STATE_FILE))  # no marker
+    os.remove(os.path.join(path(8), checkpoint.STATE_FILE))
+    damaged[8] = (checkpoint.STATE_FILE, "missing")
     _write_checkpoint(tmp_path, 10)
-    with open(os.path.join(path(10), checkpoint.STATE_FILE), "w") as f:
-        json.dump({"steps_done": 12, "files": {".metadata": 1}}, f)  # another step's marker
-    os.makedirs(path(12) + ".old")
-    incomplete += [path(6), path(8), path(10), path(12) + ".old"]
+    marker = json.loads((tmp_path / "step_00000010" / checkpoint.STATE_FILE).read_text())
+    (tmp_path / "step_00000010" / checkpoint.STATE_FILE).write_text(
+        json.dumps({**marker, "steps_done": 12}))
+    damaged[10] = (checkpoint.STATE_FILE, "names 12 steps done, not the folder's 10")
+    _write_checkpoint(tmp_path, 12)
+    with open(os.path.join(path(12), ".metadata"), "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    damaged[12] = (".metadata", "its sha256 is not the one train_state.json recorded")
+    _write_checkpoint(tmp_path, 14)
+    (tmp_path / "step_00000014" / checkpoint.STATE_FILE).write_text(json.dumps(
+        {"steps_done": 14, "files": {n: 1 for n in os.listdir(path(14))}}))
+    damaged[14] = (checkpoint.STATE_FILE, "records file sizes but no checksums")
+    os.makedirs(path(16) + ".old")
+    incomplete.append(path(16) + ".old")
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     (tmp_path / "step_x").mkdir()
 
-    assert checkpoint.latest_checkpoint(str(tmp_path)) == (2, path(2))
+    assert checkpoint.latest_checkpoint(str(tmp_path)) == (14, path(14))  # never passed over
+    assert checkpoint_files.committed_checkpoints(str(tmp_path)) == \
+        [(s, path(s)) for s in (2, 6, 8, 10, 12, 14)]
+    # Marker and sizes alone (no checksums): the .metadata with a changed byte passes.
+    assert checkpoint_files.complete_checkpoints(str(tmp_path)) == [(2, path(2)), (12, path(12))]
+    marker = checkpoint_files.verify(path(2))
+    for step, (file, problem) in damaged.items():
+        with pytest.raises(checkpoint_files.DamagedCheckpoint,
+                           match=f"^checkpoint {path(step)}: {file}: {problem}"):
+            checkpoint_files.verify(path(step))
+    for name in ("notes.txt", "../step_00000006/.metadata"):
+        with pytest.raises(ValueError, match=f": {name}: not one of the files "
+                           "train_state.json lists"):
+            checkpoint_files.check_file(path(2), marker, name)
     assert checkpoint_files.incomplete_folders(str(tmp_path)) == sorted(incomplete)
     assert checkpoint_files.remove_incomplete(str(tmp_path)) == sorted(incomplete)
-    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "step_00000002", "step_x"]
-    # A commit over a leftover folder of the same step replaces it.
-    os.makedirs(path(4))
-    _write_checkpoint(tmp_path, 4)
-    assert checkpoint.latest_checkpoint(str(tmp_path)) == (4, path(4))
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", *(os.path.basename(path(s)) for s in
+                                                           (2, 6, 8, 10, 12, 14)), "step_x"]
+    # A commit of a step replaces the folder of that step (a run resumed from step 2 writing
+    # step 6 anew).
+    _write_checkpoint(tmp_path, 6)
+    checkpoint_files.verify(path(6))
 
 
 def test_prune_keeps_the_newest_and_never_a_newer_run(tmp_path):

@@ -5,7 +5,8 @@ fp32 communication).
 One uninterrupted run, then one checkpoint folder through a chain of runs, each killed at
 another point (recxla.train.faults names them; the last kill comes from outside, at whatever
 instant the checkpoint write has reached) and resumed by the next, the last one to the end.
-After each kill the newest complete checkpoint is the one the kill point implies.
+After each kill the newest committed checkpoint is the one the kill point implies, and every
+committed checkpoint verifies against its marker.
 """
 
 import json
@@ -92,6 +93,12 @@ def test_kill_anywhere_then_resume_ends_bit_for_bit(tmp_path):
                         _logs(tmp_path, "last"))
     assert f"steps {start}..{STEPS}" in last[0].output()
     assert checkpoint_files.incomplete_folders(str(crash)) == []
+    # Every checkpoint the chain committed verifies: each file's size and SHA-256, recorded by
+    # the rank that wrote it, and DCP's metadata through the restricted unpickler.
+    committed = checkpoint_files.committed_checkpoints(str(crash))
+    assert [s for s, _ in committed] == list(range(EVERY, STEPS + 1, EVERY))
+    for _, path in committed:
+        checkpoint.read_train_state(path)
 
     ends = [checkpoint.checkpoint_path(str(d), STEPS) for d in (ref, crash)]
     expected, got = (_load(path, tmp_path, name) for path, name in zip(ends, ("a", "b")))

@@ -21,30 +21,46 @@ has been looked up or trained; a resumed run reads that batch again from the dat
 exchanges it again (with --dbp-lookup early the next batch is looked up before the update and
 corrected after; a resumed run looks it up after, which equals it only up to float rounding).
 
-How a checkpoint is committed, which folders count as complete and what is removed:
+How a checkpoint is committed, which folders are committed and what is removed:
 recxla.train.checkpoint_files. In short: a run killed at any instant, on one rank or all,
-leaves the newest complete checkpoint intact, and --resume continues from it; a run stopped
+leaves the newest committed checkpoint whole, and --resume continues from it; a run stopped
 and resumed ends with the parameters of an uninterrupted run, bit for bit on CPU with fp32
 communication.
+
+What a resume trusts: the marker records every file's size and SHA-256, computed by the rank
+that wrote the file; `read_train_state` (which the trainer calls before any process group
+exists) checks them all and unpickles `.metadata` with an unpickler that admits only DCP's
+metadata types, and `load` checks each file again just before DCP opens it
+(recxla.train.checkpoint_reader). A checkpoint that does not match its marker is refused with
+a DamagedCheckpoint (a ValueError) naming the folder, the file and what to do; it is never
+deleted, and a resume from an older checkpoint happens only when asked for
+(`resume_checkpoint(directory, step)`), the newer ones it passes over printed with the reason.
 """
 
 import hashlib
-import json
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from recxla.train import checkpoint_files as files
-from recxla.train.checkpoint_files import STATE_FILE, checkpoint_path, latest_checkpoint
+from recxla.train.checkpoint_files import (
+    STATE_FILE, DamagedCheckpoint, checkpoint_path, latest_checkpoint)
+from recxla.train.checkpoint_reader import VerifyingReader, WeightsOnlyPlanner, read_metadata
 from recxla.train.config import TrainConfig
 from recxla.train.faults import kill_point
 
-__all__ = ["STATE_FILE", "checkpoint_path", "latest_checkpoint", "read_train_state",
-           "check_compatible", "save", "load", "state_fingerprint"]
+__all__ = ["STATE_FILE", "DamagedCheckpoint", "checkpoint_path", "latest_checkpoint",
+           "resume_checkpoint", "read_train_state", "check_compatible", "save", "load",
+           "state_fingerprint"]
+
+# The trainer's option that resumes from a checkpoint older than the newest (see
+# resume_checkpoint); named in the advice of a DamagedCheckpoint.
+RESUME_STEP_FLAG = "--resume-step"
 
 # Options a checkpoint's contents depend on: resuming with others is an error.
 COMPATIBLE = ("model", "embedding_dim", "dense_arch", "over_arch", "dcn_layers", "dcn_low_rank",
@@ -52,9 +68,63 @@ COMPATIBLE = ("model", "embedding_dim", "dense_arch", "over_arch", "dcn_layers",
               "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction")
 
 
+def resume_checkpoint(directory: str, step: Optional[int] = None) -> Tuple[int, str]:
+    """(steps done, folder) of the checkpoint a resume continues from: the newest committed one
+    (step None), intact or not (`read_train_state` says), or the one of `step` steps, which
+    must exist (the newer ones are then passed over: `load` prints them). ValueError naming
+    the folder otherwise."""
+    found = files.committed_checkpoints(directory)
+    if step is None:
+        if not found:
+            raise ValueError(f"--resume: no checkpoint in --checkpoint-dir {directory!r}")
+        return found[-1]
+    for s, path in found:
+        if s == step:
+            return s, path
+    raise ValueError(f"{RESUME_STEP_FLAG} {step}: --checkpoint-dir {directory!r} holds no "
+                     f"checkpoint of {step} steps (it holds: "
+                     f"{', '.join(str(s) for s, _ in found) or 'none'})")
+
+
 def read_train_state(path: str) -> dict:
-    with open(os.path.join(path, STATE_FILE)) as f:
-        return json.load(f)
+    """The marker of committed checkpoint `path`, once the checkpoint is verified: every file
+    has the size and SHA-256 the marker records (one pass over the checkpoint's bytes) and
+    `.metadata` unpickles as DCP's metadata (recxla.train.checkpoint_reader). Raises
+    DamagedCheckpoint (a ValueError) naming the folder and the file, and what to do."""
+    try:
+        marker = files.verify(path)
+        read_metadata(path, marker)
+    except DamagedCheckpoint as e:
+        raise _advised(e) from None
+    return marker
+
+
+def _advised(e: DamagedCheckpoint) -> DamagedCheckpoint:
+    """`e` with what to do: resume from the newest older checkpoint that verifies, by asking
+    for it, or start anew. The damaged checkpoint is left as it is."""
+    folder = os.path.normpath(e.folder)
+    directory, step = os.path.dirname(folder), files.step_of(folder)
+    if step is None:  # not a folder of the trainer's: no older one to point at
+        return e
+    older = None
+    for s, path in reversed(files.committed_checkpoints(directory)):
+        if s < step:
+            try:
+                read_metadata(path, files.verify(path))
+            except DamagedCheckpoint:
+                continue
+            older = s
+            break
+    kept = (f"The checkpoint is left as it is; a run that writes a checkpoint of {step} steps "
+            "replaces it")
+    if older is None:
+        todo = ("no older checkpoint in the folder verifies: start again without --resume, "
+                "or restore the folder from a copy")
+    else:
+        todo = (f"to resume from {checkpoint_path(directory, older)}, the newest older "
+                f"checkpoint that verifies, add {RESUME_STEP_FLAG} {older} (or move {folder} "
+                "out of the folder), or restore the folder from a copy")
+    return DamagedCheckpoint(e.folder, e.file, e.problem, f"{kept}. To go on: {todo}")
 
 
 def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
@@ -99,10 +169,12 @@ class _Writer(FileSystemWriter):
     def __init__(self, path: str, step: int):
         super().__init__(path, sync_files=True)
         self._step = step
+        self.files = []  # the data files this rank wrote
 
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
         written.wait()
+        self.files = sorted({r.storage_data.relative_path for r in written.value()})
         kill_point(f"checkpoint {self._step} writing")
         return written
 
@@ -130,14 +202,21 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
         files.remove_incomplete(directory)  # a killed run's leftovers, this step's included
     dist.barrier()
     state = _contents(model, optimizer, steps_done, rank)
-    dcp.save(state, storage_writer=_Writer(partial, steps_done))
+    writer = _Writer(partial, steps_done)
+    dcp.save(state, storage_writer=writer)
     kill_point(f"checkpoint {steps_done} written")
-    fingerprint = state_fingerprint(state)  # a collective: also the barrier after every write
+    # Each rank hashes the files it wrote, while they are in its page cache; rank 0 hashes
+    # DCP's .metadata in write_marker. A collective: also the barrier after every write.
+    checksums = [None] * dist.get_world_size()
+    dist.all_gather_object(checksums, {name: files.file_checksum(os.path.join(partial, name))
+                                       for name in writer.files})
+    fingerprint = state_fingerprint(state)
     if rank == 0:
         files.write_marker(partial, {
             "steps_done": steps_done, "data_position": steps_done,
             "data_fingerprint": data_fingerprint, "world_size": world_size,
-            "path": config.path, "state_sha256": fingerprint, "config": config.asdict()})
+            "path": config.path, "state_sha256": fingerprint, "config": config.asdict()},
+            {name: value for mine in checksums for name, value in mine.items()})
         kill_point(f"checkpoint {steps_done} marked")
         files.commit(directory, steps_done)
     dist.barrier()  # committed: no rank goes on before the checkpoint exists
@@ -149,21 +228,54 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
 
 def load(path: str, model, optimizer) -> int:
     """Load checkpoint folder `path` into `model` and `optimizer` in place and restore this
-    rank's random number generator (a collective). Rank 0 first deletes the incomplete folders
-    beside it. Returns the steps it had done."""
+    rank's random number generator (a collective). Every file is checked against the marker
+    before DCP opens it, `.metadata` and byte items through restricted unpicklers
+    (recxla.train.checkpoint_reader): DamagedCheckpoint (a ValueError) naming the folder and
+    the file otherwise. Rank 0 first deletes the incomplete folders beside it (never a
+    committed checkpoint) and prints the newer checkpoints it passes over. Returns the steps
+    it had done."""
     rank = dist.get_rank()
+    try:
+        marker = files.verify(path, content=False)  # the marker's form and every file's size
+        reader = VerifyingReader(path, marker)
+        saved_keys = reader.read_metadata().state_dict_metadata
+    except DamagedCheckpoint as e:
+        raise _advised(e) from None
     if rank == 0:
         files.remove_incomplete(os.path.dirname(os.path.normpath(path)))
+        _report_newer(path, marker["steps_done"])
     state = _contents(model, optimizer, -1, rank)
-    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if f"train.{_rng_key(rank)}" not in saved_keys:  # written before generators were saved
         del state["train"][_rng_key(rank)]
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(path))
+    except CheckpointException as e:  # DCP gathers every rank's failure of the read
+        damaged = [exc for exc, _ in e.failures.values() if isinstance(exc, DamagedCheckpoint)]
+        if damaged:
+            raise _advised(damaged[0]) from None
+        raise
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if _rng_key(rank) in state["train"]:
         torch.set_rng_state(state["train"][_rng_key(rank)])
     return int(state["train"]["steps_done"])
+
+
+def _report_newer(path: str, step: int) -> None:
+    """Print the committed checkpoints newer than `path` (of `step` steps), which a resume from
+    `path` passes over, and why: the reason they do not verify, or that an older one was asked
+    for."""
+    directory = os.path.dirname(os.path.normpath(path))
+    for s, newer in files.committed_checkpoints(directory):
+        if s <= step:
+            continue
+        try:
+            files.verify(newer)
+            why = f"it verifies, but {RESUME_STEP_FLAG} {step} asks for {step} steps"
+        except DamagedCheckpoint as e:
+            why = f"{e.file}: {e.problem}"
+        print(f"recxla-train: resuming from {path}, not from the newer {newer} ({why}); a "
+              f"checkpoint this run writes of {s} steps replaces it", flush=True)
 
 
 def state_fingerprint(state: dict) -> str:
