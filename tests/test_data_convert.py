@@ -2,6 +2,8 @@
 reference of the documented mapping (tests/data_convert_cases.py), the spec read back, the
 reader on the result, IdMapper, and bounded memory on an input larger than the limit."""
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -265,3 +267,100 @@ def test_roles_are_inferred_without_a_schema(tmp_path, seed):
     assert [t.mapping for t in spec.tables] == ["vocab"] * 3
     assert spec.table_of("country").num_rows == len(set(read_converted(tmp_path / "out")[
         "sparse:country"][i][0] for i in range(n))) + 1
+
+
+def test_vocab_files_are_unique_per_table(tmp_path, seed):
+    """Tables "a/b" and "a_b" once both wrote vocab/a_b.parquet: each keeps its own file, and
+    IdMapper maps every id to the row stored for it."""
+    rng = random.Random(seed)
+    n = 200
+    x = [rng.randrange(1000, 1040) for _ in range(n)]
+    y = [rng.randrange(5000, 5100) for _ in range(n)]  # other ids, other counts
+    pq.write_table(pa.table({"x": x, "y": y, "label": [rng.randrange(2) for _ in range(n)]}),
+                   tmp_path / "in.parquet")
+    (tmp_path / "s.toml").write_text('[sparse.x]\ntable = "a/b"\n[sparse.y]\ntable = "a_b"\n'
+                                     '[tables."a/b"]\nmapping = "vocab"\n'
+                                     '[tables.a_b]\nmapping = "vocab"\n')
+    out = tmp_path / "out"
+    spec = convert(tmp_path / "in.parquet", out, tmp_path / "s.toml", sort_by=None,
+                   progress=False)
+    files = [spec.table_of(f).vocabulary for f in ("x", "y")]
+    assert len(set(files)) == 2 and all((out / f).exists() for f in files)
+    assert sorted(os.listdir(out / "vocab")) == sorted(os.path.basename(f) for f in files)
+    got = read_converted(out)
+    mapper = IdMapper.from_dataset(out)
+    for feature, raw in (("x", x), ("y", y)):
+        want = vocabulary(raw, 1)
+        assert [r[0] for r in got[f"sparse:{feature}"]] == [want[i] for i in raw]
+        assert mapper.map(feature, raw).tolist() == [want[i] for i in raw]
+
+
+def test_default_row_groups_let_the_trainer_hold_out_one_per_rank(tmp_path, seed):
+    """A 100k-row log once became 2 row groups of 65,536 rows, too few for the trainer's
+    held-out split (one group per rank on each side); the default now comes from the rows."""
+    from recxla.data.parquet_layout import DatasetInfo
+    from recxla.train.data import split_row_groups
+
+    rng = np.random.default_rng(seed)
+    n = 100_000
+    pq.write_table(pa.table({"user": rng.integers(0, 5000, n), "x": rng.random(n),
+                             "label": rng.integers(0, 2, n)}), tmp_path / "in.parquet")
+    convert(tmp_path / "in.parquet", tmp_path / "out", progress=False)
+    info = DatasetInfo(str(tmp_path / "out"))
+    assert len(info.row_groups) >= 16
+    assert min(r for _, _, r in info.row_groups[:-1]) >= 1024  # a trainer batch per group
+    for world_size in (1, 2, 4, 8):
+        train, held = split_row_groups(info, 0.1, world_size, None)
+        assert len(train) >= world_size and len(held) >= world_size
+    # --rows-per-group stays the override; small logs still get 16 groups.
+    convert(tmp_path / "in.parquet", tmp_path / "big", rows_per_group=65536, progress=False)
+    assert [r for _, _, r in DatasetInfo(str(tmp_path / "big")).row_groups] == [65536, 34464]
+    pq.write_table(pa.table({"user": rng.integers(0, 50, 200), "label": [0, 1] * 100}),
+                   tmp_path / "small.parquet")
+    convert(tmp_path / "small.parquet", tmp_path / "small", progress=False)
+    assert len(DatasetInfo(str(tmp_path / "small")).row_groups) >= 16
+
+
+def test_a_column_named_timestamp_is_the_timestamp_and_every_role_is_printed(tmp_path, seed):
+    """MovieLens's ratings: an int64 `timestamp` (epoch seconds) is the timestamp, not a
+    49k-row sparse feature; the command prints each column's role and why."""
+    rng = np.random.default_rng(seed)
+    n = 500
+    pq.write_table(pa.table({
+        "userId": rng.integers(1, 50, n), "movieId": rng.integers(1, 90, n),
+        "rating": rng.integers(1, 11, n) / 2, "label": rng.integers(0, 2, n),
+        "timestamp": rng.integers(9 * 10**8, 17 * 10**8, n),
+        "embedding": [[0.5, 1.5]] * n}), tmp_path / "ratings.parquet")
+    out = tmp_path / "out"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        assert data_main(["convert", str(tmp_path / "ratings.parquet"), "--out", str(out),
+                          "--no-progress"]) == 0
+    spec = read_dataset_spec(out)
+    assert spec.timestamp == "timestamp" and spec.sparse_features == ("userId", "movieId")
+    assert sorted(read_converted(out)["timestamp"]) == sorted(pq.read_table(
+        tmp_path / "ratings.parquet").column("timestamp").to_pylist())
+    roles = [line for line in stdout.getvalue().splitlines() if line.startswith("column ")]
+    assert roles == [
+        "column 'userId': sparse feature userId (table t_userId): int64 ids, inferred",
+        "column 'movieId': sparse feature movieId (table t_movieId): int64 ids, inferred",
+        "column 'rating': dense 0: double, inferred",
+        "column 'label': label: named 'label'",
+        "column 'timestamp': timestamp: named 'timestamp' (int64)",
+        "column 'embedding': left out: list<element: double> is neither ids nor a number",
+    ], stdout.getvalue()
+
+
+def test_a_row_group_whose_bags_are_all_empty(tmp_path):
+    """Sorting a row group by a feature with no ids in it (small default row groups make this
+    common) keeps the rows' order."""
+    n = 64
+    tags = [[] for _ in range(32)] + [[i % 5] for i in range(32)]
+    pq.write_table(pa.table({"tags": pa.array(tags, pa.list_(pa.int64())),
+                             "item": list(range(n)), "label": [i % 2 for i in range(n)]}),
+                   tmp_path / "in.parquet")
+    convert(tmp_path / "in.parquet", tmp_path / "out", rows_per_group=16, sort_by="tags",
+            progress=False)
+    got = read_converted(tmp_path / "out")
+    assert got["sparse:tags"][:32] == [[]] * 32
+    assert sorted(r[0] for r in got["sparse:item"]) == list(range(1, n + 1))

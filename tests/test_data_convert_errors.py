@@ -3,6 +3,7 @@ it applies, the row; nothing is left behind at the output or next to it."""
 
 import os
 import random
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -109,15 +110,13 @@ def test_second_file_failing_in_a_worker_leaves_nothing(tmp_path):
     _convert_fails(tmp_path, src, r"b.parquet: row 31: column 'label'", workers=2)
 
 
-def test_existing_output_is_kept_unless_overwrite(tmp_path):
+def test_existing_output_is_kept_without_overwrite(tmp_path):
     src = _parquet(tmp_path / "in.parquet")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError, match="pass overwrite=True"):
         convert(src, tmp_path / "out", progress=False)
-    assert (tmp_path / "out" / "keep.txt").exists()
-    convert(src, tmp_path / "out", progress=False, overwrite=True)
-    assert sorted(os.listdir(tmp_path / "out")) == ["part-00000.parquet", "vocab"]
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
 
 
 @pytest.mark.parametrize("text, match", [
@@ -161,6 +160,234 @@ def test_command_line_reports_a_bad_csv_value_and_exits_2(tmp_path):
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert res.returncode == 2, res.stderr[-2000:]
     # pyarrow's serial reader (recxla.data.convert_source) counts rows: #150002 is the line.
-    assert ("in.csv: In CSV column #0: Row #150002: CSV conversion error to int64: invalid "
-            "value 'abc'") in res.stderr
+    assert ("in.csv: row 150001 (line 150002): column 'item': 'abc' is not a number (the "
+            "column holds int64") in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# --overwrite replaces only a dataset that convert wrote, and never the input.
+
+def _cli(*args):
+    """python -m recxla.data, in this process: (status, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from recxla.data.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main([str(a) for a in args])
+    return status, out.getvalue(), err.getvalue()
+
+
+def test_overwrite_refuses_the_folder_that_holds_the_input(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    _parquet(logs / "a.parquet")
+    before = (logs / "a.parquet").read_bytes()
+    with pytest.raises(ValueError, match=rf"{logs}: holds the input .*a.parquet.*refusing"):
+        convert(logs, logs, progress=False, overwrite=True)
+    status, _, err = _cli("convert", logs, "--out", logs, "--overwrite", "--no-progress")
+    assert status == 2 and f"{logs}: holds the input" in err, err
+    assert sorted(os.listdir(logs)) == ["a.parquet"]
+    assert (logs / "a.parquet").read_bytes() == before
+
+
+def test_overwrite_refuses_a_dataset_that_holds_the_input(tmp_path):
+    """Converting a converted file into its own folder would delete it."""
+    src = _parquet(tmp_path / "in.parquet")
+    convert(src, tmp_path / "out", progress=False)
+    part = tmp_path / "out" / "part-00000.parquet"
+    with pytest.raises(ValueError, match="holds the input"):
+        convert(part, tmp_path / "out", progress=False, overwrite=True)
+    assert part.exists()
+
+
+@pytest.mark.parametrize("extra", ["notes.txt", "mine.parquet", "vocab/mine.txt"])
+def test_overwrite_refuses_a_folder_convert_did_not_write(tmp_path, extra):
+    src = _parquet(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    if extra != "mine.parquet":
+        convert(src, out, progress=False)  # a dataset, with something of the user's added
+    (out / extra).parent.mkdir(parents=True, exist_ok=True)
+    if extra.endswith(".parquet"):
+        pq.write_table(pa.table({"x": [1, 2]}), out / extra)
+    else:
+        (out / extra).write_text("keep me")
+    with pytest.raises(ValueError, match=rf"{out}: .*{extra.split('/')[-1]}.*not written by "
+                       "recxla.data convert"):
+        convert(src, out, progress=False, overwrite=True)
+    assert (out / extra).exists()
+    status, _, err = _cli("convert", src, "--out", out, "--overwrite", "--no-progress")
+    assert status == 2 and str(out) in err, err
+    assert (out / extra).exists()
+
+
+def test_overwrite_replaces_a_dataset_convert_wrote(tmp_path):
+    src = _parquet(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    convert(src, out, progress=False)
+    with pytest.raises(FileExistsError, match="pass overwrite=True"):
+        convert(src, out, progress=False)
+    _parquet(src, n=80)
+    convert(src, out, progress=False, overwrite=True)
+    assert sorted(os.listdir(out)) == ["part-00000.parquet", "vocab"]
+    assert pq.read_metadata(out / "part-00000.parquet").num_rows == 80
+
+
+# ---------------------------------------------------------------------------------------------
+# Values that would train to nan, that are not text, or that are numbers but for a few.
+
+@pytest.mark.parametrize("bad, shown", [(float("nan"), "nan"), (float("inf"), "inf"),
+                                        (-float("inf"), "-inf"), (1e300, "1e+300")])
+def test_non_finite_dense_value(tmp_path, bad, shown):
+    x = [random.random() for _ in range(50)]
+    x[36] = bad
+    src = _parquet(tmp_path / "in.parquet", x=x)
+    _convert_fails(tmp_path, src, rf"in.parquet: row 37: column 'x': dense value "
+                   rf"{re.escape(shown)} is not a finite float32")
+
+
+def test_non_finite_dense_value_in_csv_and_in_weights(tmp_path):
+    lines = ["user,item,x,label"] + [f"u{i},{i},{random.random()},{i % 2}" for i in range(40)]
+    lines[9] = "u8,8,inf,0"
+    (tmp_path / "in.csv").write_text("\n".join(lines) + "\n")
+    _convert_fails(tmp_path, tmp_path / "in.csv", r"in.csv: row 9: column 'x': dense value inf")
+    w = [[1.0], [0.5]] * 10
+    w[13] = [float("nan")]
+    src = _parquet(tmp_path / "w.parquet", n=20, tags=[[1], [2]] * 10, w=w)
+    _convert_fails(tmp_path, src, r"w.parquet: row 14: column 'w': weight nan is not a finite",
+                   "[sparse.tags]\nweights = 'w'\n")
+
+
+def _csv_with(path, row: int, fields: bytes, n=3000) -> None:
+    """user_id,item,x,label rows; data row `row` (1-based) replaced by `fields`."""
+    lines = [b"user_id,item,x,label"] + [b"u%d,%d,%f,%d" % (i % 50, i, i / 7, i % 2)
+                                         for i in range(n)]
+    lines[row] = fields
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def test_non_utf8_csv_value_is_an_error_not_a_left_out_column(tmp_path):
+    _csv_with(tmp_path / "in.csv", 101, b"u\xff\xfe,5,1.0,0")
+    _convert_fails(tmp_path, tmp_path / "in.csv", r"in.csv: row 101: column 'user_id': "
+                   r"b'u\\xff\\xfe' is not UTF-8 text")
+    status, _, err = _cli("convert", tmp_path / "in.csv", "--out", tmp_path / "out",
+                          "--no-progress")
+    assert status == 2 and "row 101: column 'user_id'" in err, err
+    # A column the schema ignores is not read: its bytes are not checked.
+    (tmp_path / "s.toml").write_text("ignore = ['user_id']\n")
+    spec = convert(tmp_path / "in.csv", tmp_path / "out", tmp_path / "s.toml", progress=False)
+    assert spec.sparse_features == ("item",)
+
+
+def test_non_utf8_csv_value_past_the_first_block(tmp_path):
+    _csv_with(tmp_path / "in.csv", 90_000, b"u\xff,5,1.0,0", n=100_000)
+    _convert_fails(tmp_path, tmp_path / "in.csv", r"in.csv: row 90000 \(line 90001\): column "
+                   "'user_id': a value is not UTF-8 text")
+
+
+@pytest.mark.parametrize("row, fields, match", [
+    (11, b"u1,5,abc,0", r"in.csv: row 11: column 'x': 'abc' is not a number"),
+    (12, b"u1,xyz,0.5,0", r"in.csv: row 12: column 'item': 'xyz' is not a number"),
+])
+def test_a_number_column_with_a_string_in_the_first_block(tmp_path, row, fields, match):
+    _csv_with(tmp_path / "in.csv", row, fields)
+    _convert_fails(tmp_path, tmp_path / "in.csv", match)
+
+
+def test_a_number_column_with_a_string_past_the_first_block(tmp_path):
+    _csv_with(tmp_path / "in.csv", 90_000, b"u1,5,abc,0", n=100_000)
+    _convert_fails(tmp_path, tmp_path / "in.csv", r"in.csv: row 90000 \(line 90001\): column "
+                   r"'x': 'abc' is not a number \(the column holds double")
+
+
+def test_a_dense_column_named_in_the_schema_that_holds_a_string(tmp_path):
+    _csv_with(tmp_path / "in.csv", 7, b"u1,5,n/a!,0")
+    _convert_fails(tmp_path, tmp_path / "in.csv", r"in.csv: row 7: column 'x': 'n/a!' is not a "
+                   "number", "dense = ['x']\n")
+
+
+def test_a_string_id_column_with_a_few_numbers_stays_sparse(tmp_path):
+    lines = ["user,item,label"] + [f"{'u' if i % 10 else ''}{i},{i},{i % 2}" for i in range(60)]
+    (tmp_path / "in.csv").write_text("\n".join(lines) + "\n")
+    spec = convert(tmp_path / "in.csv", tmp_path / "out", progress=False)
+    assert spec.sparse_features == ("user", "item")
+
+
+# ---------------------------------------------------------------------------------------------
+# Clear errors instead of tracebacks.
+
+def test_csv_folder_whose_second_file_lacks_a_column(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.csv").write_text("user,item,label\n" + "".join(f"u{i},{i},{i % 2}\n"
+                                                            for i in range(20)))
+    (src / "b.csv").write_text("user,label\n" + "".join(f"u{i},{i % 2}\n" for i in range(20)))
+    _convert_fails(tmp_path, src, r"b.csv: column 'item' is not in the file \(the first file "
+                   r"has it\)")
+
+
+def test_label_named_in_the_schema_but_missing(tmp_path):
+    src = _parquet(tmp_path / "in.parquet")
+    _convert_fails(tmp_path, src, r"in.parquet: column 'clicked' \(the label in the schema\) is "
+                   "not in the file", "label = 'clicked'\n")
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_full_disk_names_the_output_and_leaves_nothing(tmp_path, monkeypatch, overwrite):
+    import errno
+
+    from recxla.data import parquet_writer
+
+    src = _parquet(tmp_path / "in.parquet", n=200)
+    out = tmp_path / "out"
+    if overwrite:
+        convert(src, out, progress=False)
+        before = sorted(os.listdir(out))
+    calls = []
+
+    def full(self, group):
+        calls.append(group.num_rows)
+        if len(calls) > 2:  # the disk fills up in the middle of the file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, group)
+
+    write = parquet_writer._FileSink.write
+    monkeypatch.setattr(parquet_writer._FileSink, "write", full)
+    with pytest.raises(OSError, match=rf"writing {out}: .*No space left on device.*nothing "
+                       f"was written") as e:
+        convert(src, out, progress=False, rows_per_group=16, workers=1, overwrite=overwrite)
+    assert e.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet"] + (["out"] if overwrite else [])
+    if overwrite:  # the old dataset is kept as it was
+        assert sorted(os.listdir(out)) == before
+    calls.clear()
+    status, _, err = _cli("convert", src, "--out", out, "--workers", "1", "--rows-per-group",
+                          "16", "--no-progress", *(["--overwrite"] if overwrite else []))
+    assert status == 1 and f"error: recxla.data.convert: writing {out}: No space left" in err
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet"] + (["out"] if overwrite else [])
+
+
+def test_id_mapper_reads_vocabularies_only_inside_the_dataset(tmp_path):
+    """A footer is data: a vocabulary path that leaves the dataset's vocab/ folder is refused
+    before anything is read from it."""
+    import json
+
+    from recxla.data import DataFormatError, IdMapper
+    from recxla.data.parquet_layout import SPEC_KEY
+
+    src = _parquet(tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    convert(src, out, progress=False)
+    part = out / "part-00000.parquet"
+    table = pq.read_table(part)
+    meta = dict(pq.read_metadata(part).metadata)
+    spec = json.loads(meta[SPEC_KEY])
+    spec["tables"][0]["vocabulary"] = "vocab/../../in.parquet"
+    meta[SPEC_KEY] = json.dumps(spec).encode()
+    pq.write_table(table.replace_schema_metadata(meta), part)
+    with pytest.raises(DataFormatError, match=r"vocabulary 'vocab/../../in.parquet' is not a "
+                       "file in the dataset's vocab/ folder"):
+        IdMapper.from_dataset(out)

@@ -15,11 +15,17 @@
         its DatasetSpec (features, tables, dense features, label, id mapping).
 
     python -m recxla.data convert SRC --out DIR [--schema FILE] [--format parquet|csv|criteo-tsv]
-                                  [--workers N] [--rows-per-group 65536] [--sort-by auto]
+                                  [--workers N] [--rows-per-group N] [--sort-by auto]
                                   [--overwrite] [--no-progress]
         Converts a click log (a file, or a folder of files of one format) into a dataset folder
         that `python -m recxla.train --data DIR` trains with no other flags (recxla.data.convert;
-        docs/your-data.md describes the formats, the schema file and the id mapping).
+        docs/your-data.md describes the formats, the schema file and the id mapping). Prints
+        every column's role and why before converting. --overwrite replaces only a dataset
+        that convert wrote, never a folder holding the input.
+
+Exit status: 0 done; 2 a usage or data error (bad arguments, input or schema; an output it may
+not replace), the message naming the file, column, row or limit; 1 writing failed (a full
+disk, permissions), the message naming the output; nothing is left at the output on 1 or 2.
 """
 
 import argparse
@@ -73,12 +79,11 @@ def _info(args) -> int:
 
 
 def _convert(args) -> int:
-    from recxla.data.convert import convert, left_out_columns
+    from recxla.data.convert import column_roles, convert
 
     sort_by = None if args.sort_by == "none" else args.sort_by
-    left_out = left_out_columns(args.src, args.schema, args.format)
-    if left_out:
-        print(f"left out (no role in the schema, none inferred): {left_out}", file=sys.stderr)
+    for line in column_roles(args.src, args.schema, args.format):
+        print(line, flush=True)
     start = time.perf_counter()
     spec = convert(args.src, args.out, args.schema, args.format, workers=args.workers,
                    rows_per_group=args.rows_per_group, sort_by=sort_by,
@@ -87,8 +92,11 @@ def _convert(args) -> int:
     from recxla.data.parquet_layout import DatasetInfo
 
     info = DatasetInfo(args.out, "python -m recxla.data convert").summary()
+    groups = DatasetInfo(args.out, "python -m recxla.data convert").row_groups
     print(f"converted {info['rows']:,} rows in {seconds:.1f} s ({info['rows'] / seconds:,.0f} "
-          f"rows/s) to {args.out}: {info['files']} file(s), {info['bytes']:,} bytes")
+          f"rows/s) to {args.out}: {info['files']} file(s), {info['bytes']:,} bytes, "
+          f"{len(groups)} row groups of up to {max(r for _, _, r in groups):,} rows"
+          f"{'' if args.rows_per_group else ' (from the row count; --rows-per-group sets it)'}")
     print(f"dense features ({len(spec.dense_features)}): {list(spec.dense_features)}; label "
           f"{spec.label!r} ({spec.label_kind}); timestamp {spec.timestamp!r}")
     for t in spec.tables:
@@ -125,8 +133,9 @@ def main(argv=None) -> int:
                    help="default: from the file extension (.parquet, .csv, .tsv)")
     c.add_argument("--workers", type=int, default=None,
                    help="processes converting files in parallel (default: min(files, CPUs))")
-    c.add_argument("--rows-per-group", type=int, default=65536,
-                   help="rows per row group, the unit of sharding and shuffling")
+    c.add_argument("--rows-per-group", type=int, default=None,
+                   help="rows per row group, the unit of sharding and shuffling (default: from "
+                   "the row count, 64 groups of 1,024 to 65,536 rows, at least 16 groups)")
     c.add_argument("--sort-by", default="auto",
                    help="auto (default), none, or a sparse feature's name")
     c.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
@@ -138,13 +147,16 @@ def main(argv=None) -> int:
         parser.error("--max-rows must be >= 0 (0: the full tables)")
     if args.command == "convert" and args.workers is not None and args.workers < 1:
         parser.error("--workers must be >= 1")
-    if args.command == "convert" and args.rows_per_group < 1:
+    if args.command == "convert" and args.rows_per_group is not None and args.rows_per_group < 1:
         parser.error("--rows-per-group must be >= 1")
     try:
         return {"write": _write, "info": _info, "convert": _convert}[args.command](args)
     except (FileNotFoundError, FileExistsError, DataFormatError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # writing failed (recxla.data.convert_output.OutputError)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -22,31 +22,56 @@ How (docs/your-data.md for the user's view):
   default is a vocabulary when the table has at most `vocab_limit` distinct ids, else hashing
   into `default_rows` rows; counting stops at the limit), else one.
 - In parallel over files: `workers` processes (fork), one source file each at a time.
-- Nothing half-written: files go to a hidden temporary folder next to `out`, renamed to `out`
-  only when every file and vocabulary is complete; on failure the temporary folder is removed.
+- Row groups: `rows_per_group` rows each, by default chosen from the rows
+  (`default_rows_per_group`): 64 groups of at least 1,024 rows (the trainer's default batch)
+  and at most 65,536, and at least 16 groups whenever there are 16 rows, so that the trainer's
+  held-out split (one group per rank on each side) works on the usual rank counts.
+- The output folder (recxla.data.convert_output): written to a hidden temporary folder next to
+  `out`, renamed to `out` only when every file and vocabulary is complete; on failure the
+  temporary folder is removed. An existing `out` is replaced only when it is a dataset that
+  convert wrote, and never when it holds the input.
 """
 
 import multiprocessing as mp
 import os
-import re
 import shutil
+import struct
 import threading
-import uuid
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recxla.data.convert_plan import Plan, check_same_columns, convert_rows, id_bags, make_plan
-from recxla.data.convert_source import list_sources, read_source, source_schema
+from recxla.data.convert_output import (
+    check_output,
+    install,
+    output_error,
+    temp_folder,
+    writing,
+)
+from recxla.data.convert_plan import Plan, check_same_columns, make_plan
+from recxla.data.convert_rows import convert_rows, id_bags
+from recxla.data.convert_source import (
+    CSV_BLOCK_BYTES,
+    check_csv_columns,
+    check_utf8,
+    list_sources,
+    open_text,
+    read_source,
+    source_sample,
+    source_schema,
+)
 from recxla.data.errors import DataFormatError
-from recxla.data.id_mapping import Vocabulary, count_ids, keys_of, merge_counts
+from recxla.data.id_mapping import Vocabulary, count_ids, keys_of, merge_counts, vocab_files
 from recxla.data.parquet_layout import SPEC_KEY
 from recxla.data.parquet_writer import _FileSink, choose_sort
 from recxla.data.schema import DatasetSpec, Schema, TableSpec, load_schema
 
 OP = "recxla.data.convert"
-DEFAULT_ROWS_PER_GROUP = 65536
+TARGET_ROW_GROUPS = 64
+MIN_ROW_GROUPS = 16
+MIN_GROUP_ROWS = 1024  # the trainer's default --batch-size: a held-out group fills a batch
+MAX_GROUP_ROWS = 65536
 _TRIAL_ROWS = 8192
 _COMPACT_ROWS = 1 << 20  # merge a table's partial counts once they hold this many entries
 
@@ -67,6 +92,8 @@ def _blocks(i: int):
     path, plan = job["files"][i], job["plan"]
     if job["fmt"] == "parquet" and i:
         check_same_columns(plan, source_schema(path, "parquet"), path)
+    elif job["fmt"] == "csv" and i:
+        check_csv_columns(path, plan.columns)
     types = {c: plan.source_types[c] for c in plan.columns} if job["fmt"] == "csv" else None
     row_base = 0
     for t in read_source(path, job["fmt"], plan.columns, job["rows_per_group"], types):
@@ -77,14 +104,16 @@ def _blocks(i: int):
         raise DataFormatError(f"{OP}: {path}: the file holds no rows")
 
 
-def _count_file(i: int) -> Dict[str, Optional[pa.Table]]:
-    """(key, id, count) of every counted table's ids in file i; None for a table that passed
-    its vocab_limit (it will be hashed)."""
+def _count_file(i: int) -> Tuple[int, Dict[str, Optional[pa.Table]]]:
+    """The rows of file i, and the (key, id, count) of every counted table's ids in it; None
+    for a table that passed its vocab_limit (it will be hashed)."""
     plan: Plan = _JOB["plan"]
     counted = _JOB["counted"]
     limit = _JOB["vocab_limit"]
     parts: Dict[str, List[pa.Table]] = {name: [] for name in counted}
+    rows = 0
     for _, t in _blocks(i):
+        rows += t.num_rows
         for f in plan.features:
             if parts.get(f.table) is None:
                 continue
@@ -101,8 +130,8 @@ def _count_file(i: int) -> Dict[str, Optional[pa.Table]]:
                 merged = merge_counts(p)
                 over = counted[name] is None and merged.num_rows > limit
                 parts[name] = None if over else [merged]
-    return {name: None if p is None else merge_counts(p) if p else None for name, p in
-            parts.items()}
+    return rows, {name: None if p is None else merge_counts(p) if p else None for name, p in
+                  parts.items()}
 
 
 def _write_file(i: int) -> int:
@@ -118,13 +147,16 @@ def _write_file(i: int) -> int:
 
     def write(group: pa.Table):
         nonlocal sink
-        if sink is None:
-            # The sort key and encodings are chosen on a sample: the trial writes it twice per
-            # candidate key (27 for Criteo), a cost paid once per file.
-            trial = group.slice(0, _TRIAL_ROWS)
-            choice = choose_sort(trial, layout, job["sort_by"], "zstd", None)
-            sink = _FileSink(final, layout, choice, "zstd", None, False)
-        sink.write(group)
+        try:
+            if sink is None:
+                # The sort key and encodings are chosen on a sample: the trial writes it twice
+                # per candidate key (27 for Criteo), a cost paid once per file.
+                trial = group.slice(0, _TRIAL_ROWS)
+                choice = choose_sort(trial, layout, job["sort_by"], "zstd", None)
+                sink = _FileSink(final, layout, choice, "zstd", None, False)
+            sink.write(group)
+        except OSError as e:  # a full disk, a quota: named as the output's, not the input's
+            raise output_error(job["out"], e) from e
 
     try:
         for row_base, t in _blocks(i):
@@ -138,9 +170,10 @@ def _write_file(i: int) -> int:
                 pending, pending_rows = [whole.slice(rpg)], pending_rows - rpg
         if pending_rows:
             write(pa.concat_tables(pending))
-        sink.writer.add_key_value_metadata({SPEC_KEY: job["spec"].to_json()})
-        sink.close()
-        os.replace(sink.tmp_path, sink.final_path)
+        with writing(job["out"]):
+            sink.writer.add_key_value_metadata({SPEC_KEY: job["spec"].to_json()})
+            sink.close()
+            os.replace(sink.tmp_path, sink.final_path)
     except BaseException:
         if sink is not None:
             sink.abort()
@@ -189,6 +222,7 @@ def _run(fn, n: int, workers: int, total: Optional[int], desc: str, progress: bo
 def _table_specs(plan: Plan, counts: Dict[str, Optional[pa.Table]], default_rows: int):
     """Final TableSpecs (mapping, rows) and the vocabularies, from the schema and counts."""
     specs, vocabs = {}, {}
+    files = vocab_files(plan.tables)
     for name, tp in plan.tables.items():
         ts = tp.schema
         mapping = ts.mapping
@@ -201,13 +235,22 @@ def _table_specs(plan: Plan, counts: Dict[str, Optional[pa.Table]], default_rows
                                      None if ts.rows is None else ts.rows - 1)
             vocabs[name] = vocab
             rows = len(vocab) + 1
-            safe = re.sub(r"[^\w.\-]", "_", name)
-            vocab_file = f"vocab/{safe}.parquet"
+            vocab_file = files[name]
         specs[name] = TableSpec(name=name, features=tp.features, num_rows=rows,
                                 embedding_dim=ts.dim, pooling=ts.pooling, weighted=tp.weighted,
                                 mapping=mapping, min_count=ts.min_count,
                                 vocabulary=vocab_file, id_type=tp.id_type)
     return specs, vocabs
+
+
+def default_rows_per_group(rows: int) -> int:
+    """Rows per row group for a dataset of `rows` rows: TARGET_ROW_GROUPS groups of at least
+    MIN_GROUP_ROWS rows and at most MAX_GROUP_ROWS; when that leaves fewer than MIN_ROW_GROUPS
+    groups, smaller ones, so that any log of at least 16 rows has at least 16 groups."""
+    per = -(-rows // TARGET_ROW_GROUPS)
+    if per < MIN_GROUP_ROWS:
+        per = min(MIN_GROUP_ROWS, max(1, rows // MIN_ROW_GROUPS))
+    return max(1, min(per, MAX_GROUP_ROWS))
 
 
 def _total_rows(files: List[str], fmt: str) -> Optional[int]:
@@ -219,52 +262,64 @@ def _total_rows(files: List[str], fmt: str) -> Optional[int]:
         return None  # reported, naming the file, when the file is read
 
 
+def _estimated_rows(files: List[str]) -> int:
+    """Lines of text files, estimated from the first MiB's bytes per line and the files'
+    sizes (a .gz file: its trailer's uncompressed size, modulo 4 GiB)."""
+    with open_text(files[0]) as f:
+        head = f.read(CSV_BLOCK_BYTES)
+    per_line = max(1.0, len(head) / max(1, head.count(b"\n")))
+    total = 0
+    for path in files:
+        size = os.path.getsize(path)
+        if path.endswith(".gz") and size >= 4:
+            with open(path, "rb") as f:
+                f.seek(-4, os.SEEK_END)
+                size = max(size, struct.unpack("<I", f.read(4))[0])
+        total += size
+    return max(1, int(total / per_line))
+
+
 def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Optional[int] = None,
-            rows_per_group: int = DEFAULT_ROWS_PER_GROUP, sort_by: Optional[str] = "auto",
+            rows_per_group: Optional[int] = None, sort_by: Optional[str] = "auto",
             overwrite: bool = False, progress: bool = True) -> DatasetSpec:
     """Convert SRC (a file, or a folder of files of one format) into the dataset folder `out`.
 
     Args:
         src: path of a .parquet / .csv / Criteo TSV file, or a folder of them.
-        out: the dataset folder to create (must not exist or be empty, unless `overwrite`).
+        out: the dataset folder to create: absent or an empty folder, or with `overwrite` a
+            dataset that convert wrote (nothing else in it); never one that holds the input.
         schema: a schema file path, a parsed `recxla.data.schema.Schema`, or None (infer).
         fmt: "parquet", "csv" or "criteo-tsv"; None: from the file extension.
         workers: processes converting files in parallel (None: min(files, CPUs)).
-        rows_per_group: rows per output row group (the unit of sharding and shuffling).
+        rows_per_group: rows per output row group (the unit of sharding and shuffling); None:
+            `default_rows_per_group` of the rows (CSV/TSV without a counting pass: estimated
+            from the files' sizes).
         sort_by: "auto", a sparse feature's name, or None (source order) within row groups.
         overwrite: replace an existing dataset at `out` (only once the new one is complete).
         progress: show a progress bar (tqdm) on stderr.
     Returns the DatasetSpec stored with the data.
     Raises FileNotFoundError, FileExistsError, ValueError / DataFormatError naming the file,
-    the column and, where it applies, the row. Nothing is left at `out` on failure.
+    the column and, where it applies, the row; ValueError naming `out` for an output it may
+    not replace; recxla.data.convert_output.OutputError (an OSError) naming `out` when
+    writing fails (a full disk). Nothing is left at `out` (or next to it) on failure.
     """
     out = os.fspath(out)
-    if not isinstance(rows_per_group, int) or rows_per_group < 1:
-        raise ValueError(f"{OP}: rows_per_group must be an int >= 1, got {rows_per_group!r}")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)) and not overwrite:
-        raise FileExistsError(f"{OP}: {out} exists and is not an empty folder; pass "
-                              "overwrite=True (--overwrite) to replace it")
+    if rows_per_group is not None and (not isinstance(rows_per_group, int) or isinstance(
+            rows_per_group, bool) or rows_per_group < 1):
+        raise ValueError(f"{OP}: rows_per_group must be None or an int >= 1, got "
+                         f"{rows_per_group!r}")
     files, fmt = list_sources(src, fmt)
-    if schema is None:
-        schema = Schema()
-    elif not isinstance(schema, Schema):
-        schema = load_schema(schema)
-    if fmt == "criteo-tsv":
-        from recxla.data.convert_criteo import criteo_schema
-
-        schema = criteo_schema(schema)
-    plan = make_plan(schema, source_schema(files[0], fmt), files[0])
+    check_output(out, files, overwrite)
+    plan = _plan(files, fmt, schema)
     if sort_by not in (None, "auto") and sort_by not in [f.name for f in plan.features]:
         raise ValueError(f"{OP}: sort_by must be None, 'auto' or a sparse feature "
                          f"({[f.name for f in plan.features]}), got {sort_by!r}")
     workers = min(len(files), os.cpu_count() or 1) if workers is None else workers
     total = _total_rows(files, fmt)
-    parent = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.tmp-"
-                       f"{uuid.uuid4().hex[:8]}")
+    tmp = temp_folder(out)
     _JOB.clear()
-    _JOB.update(files=files, fmt=fmt, plan=plan, rows_per_group=rows_per_group,
-                sort_by=sort_by, vocab_limit=schema.vocab_limit, tmp=tmp)
+    _JOB.update(files=files, fmt=fmt, plan=plan, rows_per_group=rows_per_group or MAX_GROUP_ROWS,
+                sort_by=sort_by, vocab_limit=plan.vocab_limit, tmp=tmp, out=out)
     try:
         counted = {n: t.schema.mapping for n, t in plan.tables.items()
                    if t.schema.mapping in (None, "vocab")}
@@ -272,15 +327,19 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
         if counted:
             _JOB["counted"] = counted
             per_file = _run(_count_file, len(files), workers, total, "counting ids", progress)
+            total = sum(rows for rows, _ in per_file)
             for name in counted:
-                parts = [c[name] for c in per_file]
+                parts = [c[name] for _, c in per_file]
                 if any(p is None for p in parts):
                     counts[name] = None
                     continue
                 merged = merge_counts(parts)
-                over = counted[name] is None and merged.num_rows > schema.vocab_limit
+                over = counted[name] is None and merged.num_rows > plan.vocab_limit
                 counts[name] = None if over else merged
-        specs, vocabs = _table_specs(plan, counts, schema.default_rows)
+        if rows_per_group is None:
+            _JOB["rows_per_group"] = default_rows_per_group(
+                total if total is not None else _estimated_rows(files))
+        specs, vocabs = _table_specs(plan, counts, plan.default_rows)
         spec = DatasetSpec(
             sparse_features=tuple(f.name for f in plan.features),
             dense_features=tuple(plan.dense), label=plan.label,
@@ -288,13 +347,15 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
             timestamp=plan.timestamp, label_kind=plan.label_kind)
         spec.check(f"{OP}: {src}")
         _JOB.update(specs=specs, vocabs=vocabs, spec=spec)
-        os.makedirs(tmp)
-        if vocabs:
-            os.makedirs(os.path.join(tmp, "vocab"))
-            for name, v in vocabs.items():
-                v.save(os.path.join(tmp, specs[name].vocabulary))
+        with writing(out):
+            os.makedirs(tmp)
+            if vocabs:
+                os.makedirs(os.path.join(tmp, "vocab"))
+                for name, v in vocabs.items():
+                    v.save(os.path.join(tmp, specs[name].vocabulary))
         _run(_write_file, len(files), workers, total, "converting", progress)
-        _install(tmp, out)
+        with writing(out):
+            install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -303,23 +364,37 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
     return spec
 
 
-def _install(tmp: str, out: str) -> None:
-    """Rename the complete temporary folder to `out`, replacing what was there."""
-    old = None
-    if os.path.exists(out):
-        old = f"{tmp}.old"
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _plan(files: List[str], fmt: str, schema) -> Plan:
+    """The plan of a conversion (schema: a path, a Schema or None)."""
+    if schema is None:
+        schema = Schema()
+    elif not isinstance(schema, Schema):
+        schema = load_schema(schema)
+    if fmt == "criteo-tsv":
+        from recxla.data.convert_criteo import criteo_schema
+
+        schema = criteo_schema(schema)
+    columns, sample = source_sample(files[0], fmt)
+    if fmt == "csv":  # the columns it will read or infer a role for must be text
+        named = schema.named_columns()
+        check_utf8(files[0], sample, [c for c in columns.names if c not in schema.ignore and (
+            schema.infer or c in named)])
+    return make_plan(schema, columns, files[0], sample)
+
+
+def column_roles(src, schema=None, fmt: Optional[str] = None) -> List[str]:
+    """One line per source column: the role a conversion gives it and why ("column 'ts':
+    timestamp: named 'timestamp' (int64)"). Raises what `convert` raises for the columns."""
+    files, fmt = list_sources(src, fmt)
+    if fmt == "criteo-tsv":
+        return ["columns: the Criteo layout (label, int_0..int_12 dense, log(max(x, 0) + 1); "
+                "cat_0..cat_25 sparse, hex ids)"]
+    return _plan(files, fmt, schema).roles
 
 
 def left_out_columns(src, schema=None, fmt: Optional[str] = None) -> List[str]:
     """The source columns a conversion leaves out (no role in the schema, none inferred)."""
     files, fmt = list_sources(src, fmt)
-    schema = Schema() if schema is None else schema if isinstance(schema, Schema) else (
-        load_schema(schema))
     if fmt == "criteo-tsv":
         return []
-    return make_plan(schema, source_schema(files[0], fmt), files[0]).left_out
-
+    return _plan(files, fmt, schema).left_out

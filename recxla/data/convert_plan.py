@@ -1,14 +1,22 @@
-"""What a conversion does with each column (`Plan`, from the schema file and the source's
-columns) and how one block of source rows becomes rows of recxla's Parquet layout
-(`convert_rows`).
+"""What a conversion does with each column: `Plan`, from the schema file, the source's columns
+and a sample of its first rows; `Plan.roles` says for every column what it became and why (the
+command prints one line per column). recxla.data.convert_rows turns blocks of rows into the
+layout by the plan.
 
-Column roles when the schema does not name them (infer = true):
-    label       a column named "label"
-    timestamp   the one column of an Arrow timestamp type, if there is exactly one
+Column roles when the schema does not name them (infer = true), each only where the evidence
+is unambiguous:
+    label       the column named "label"
+    timestamp   the column named "timestamp" (integer, date or timestamp); else the one column
+                of an Arrow timestamp type, if there is exactly one
     dense       float and bool columns
     sparse      integer and string columns (one id per row) and lists of them (a bag per row),
                 each its own table t_<column>
-    left out    anything else (lists of floats, structs, ...): listed in the conversion's report
+    left out    anything else (lists of floats, structs, binary, a second timestamp-typed
+                column, a "timestamp" of another type), with the reason
+A string column whose sampled values are at least half numbers but not all (one "abc" among
+floats) is no role at all: an error naming the row and value, since it is either a number
+column with a bad value or ids the schema should name ([sparse.<column>]). So is a dense column
+named in the schema whose values are strings that are not numbers.
 Missing values: a null id is no id (an empty bag for a one-id column); a null dense value is 0;
 a null label or timestamp is an error.
 """
@@ -20,11 +28,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recxla.data.id_mapping import keys_of, map_keys
-from recxla.data.parquet_layout import Layout, dense_column, sparse_column, weights_column
-from recxla.data.schema import Schema, SparseSchema, TableSchema
+from recxla.data.parquet_layout import Layout
+from recxla.data.schema import (
+    DEFAULT_ROWS,
+    DEFAULT_VOCAB_LIMIT,
+    Schema,
+    SparseSchema,
+    TableSchema,
+)
 
 OP = "recxla.data.convert"
+TIMESTAMP_NAME = "timestamp"
+# What pyarrow's CSV reader and float() take as a number (RE2 syntax).
+_NUMBER = (r"^\s*[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|(?i:inf|infinity|nan))\s*$")
 
 
 def _base(t: pa.DataType) -> pa.DataType:
@@ -79,6 +95,9 @@ class Plan:
     timestamp: Optional[str]
     left_out: List[str]
     source_types: Dict[str, pa.DataType]
+    roles: List[str] = dataclasses.field(default_factory=list)  # "column 'c': role: why"
+    vocab_limit: int = DEFAULT_VOCAB_LIMIT
+    default_rows: int = DEFAULT_ROWS
 
     @property
     def columns(self) -> List[str]:
@@ -94,12 +113,86 @@ class Plan:
                       request_ids=False, timestamp=self.timestamp is not None)
 
 
-def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
-    """The plan for a source whose columns are `columns` (first file `path`). ValueError
-    naming the file and column for a column the schema names that is missing or of a type
-    that cannot have its role."""
+def _numbers(values: pa.Array) -> np.ndarray:
+    """bool [n]: which strings read as a number (null and "" as not)."""
+    if len(values) == 0:
+        return np.zeros(0, dtype=bool)
+    got = pc.match_substring_regex(values, _NUMBER)
+    return pc.fill_null(got, False).to_numpy(zero_copy_only=False)
+
+
+def _check_numbers(sample: Optional[pa.Table], col: str, where: str, dense: bool) -> None:
+    """ValueError naming the first value of `col` in the sample (the file's first rows) that
+    is not a number, where the column is numbers but for a few (dense: for any)."""
+    if sample is None or col not in sample.column_names:
+        return
+    values = sample.column(col).combine_chunks()
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if not _is_string(values.type):
+        return
+    present = pc.fill_null(pc.not_equal(values, ""), False).to_numpy(zero_copy_only=False)
+    numbers = _numbers(values)
+    others = present & ~numbers
+    if not others.any() or not (dense or 2 * numbers.sum() >= present.sum()):
+        return
+    i = int(np.argmax(others))
+    if dense:
+        why = "the schema names it dense: every value must be a number or empty"
+    else:
+        why = (f"{int(numbers.sum()):,} of the first {int(present.sum()):,} values are numbers, "
+               "so the column's role is unclear: fix the row if it holds numbers, or name it "
+               f"in the schema ([sparse.{col}]) if it holds ids")
+    raise ValueError(f"{where}: row {i + 1}: column {col!r}: {values[i].as_py()!r} is not a "
+                     f"number ({why})")
+
+
+def _timestamp(schema: Schema, types: Dict[str, pa.DataType], where: str, need
+               ) -> Tuple[Optional[str], str, Dict[str, str]]:
+    """(the timestamp column or None, why, {column: why left out} for timestamp candidates
+    not taken)."""
+    def fits(t):
+        return pa.types.is_integer(t) or pa.types.is_timestamp(t) or pa.types.is_date(t)
+
+    skipped: Dict[str, str] = {}
+    if schema.timestamp is not None:
+        tt = need(schema.timestamp, "timestamp")
+        if not fits(tt):
+            raise ValueError(f"{where}: column {schema.timestamp!r}: a timestamp must be an "
+                             f"integer, date or timestamp column, got {tt}")
+        return schema.timestamp, "the schema's timestamp", skipped
+    if not schema.infer:
+        return None, "", skipped
+    named = schema.named_columns()  # a role the schema gives is never overridden
+    typed = [n for n, t in types.items() if pa.types.is_timestamp(_base(t)) and n not in named]
+    chosen, why = None, ""
+    if TIMESTAMP_NAME in types and TIMESTAMP_NAME not in named:
+        t = _base(types[TIMESTAMP_NAME])
+        if fits(t):
+            chosen, why = TIMESTAMP_NAME, f"named {TIMESTAMP_NAME!r} ({t})"
+        else:
+            skipped[TIMESTAMP_NAME] = (f"named {TIMESTAMP_NAME!r} but holds {t}, not an "
+                                       "integer, date or timestamp (name its role in the "
+                                       "schema)")
+    if chosen is None and len(typed) == 1:
+        chosen, why = typed[0], f"the only column of a timestamp type ({types[typed[0]]})"
+    for n in typed:
+        if n != chosen:
+            skipped[n] = (f"a column of a timestamp type; the timestamp is {chosen!r}" if chosen
+                          else f"one of {len(typed)} columns of a timestamp type {typed}: name "
+                          "one in the schema (timestamp = ...)")
+    return chosen, why, skipped
+
+
+def make_plan(schema: Schema, columns: pa.Schema, path: str,
+              sample: Optional[pa.Table] = None) -> Plan:
+    """The plan for a source whose columns are `columns` (first file `path`), `sample` its
+    first rows (or None: value checks skipped). ValueError naming the file and column for a
+    column the schema names that is missing or of a type that cannot have its role, and
+    naming the row and value for a column of numbers but for a few (see the module doc)."""
     types = {f.name: f.type for f in columns}
     where = f"{OP}: {path}"
+    roles: Dict[str, List[str]] = {n: [] for n in types}
 
     def need(col: str, role: str) -> pa.DataType:
         if col not in types:
@@ -108,23 +201,22 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
         return _base(types[col])
 
     label = schema.label or "label"
-    if label not in types:
+    if schema.label is not None:
+        lt = need(label, "the label")
+    elif label not in types:
         raise ValueError(f"{where}: no label column: name it in the schema (label = ...); "
                          f"the columns are {list(types)}")
-    lt = need(label, "label")
+    else:
+        lt = _base(types[label])
     if not _is_number(lt):
         raise ValueError(f"{where}: column {label!r}: the label must be 0/1 or a float, the "
                          f"column holds {lt}")
-    timestamp = schema.timestamp
-    if timestamp is None and schema.infer:
-        stamps = [n for n, t in types.items() if pa.types.is_timestamp(t)]
-        timestamp = stamps[0] if len(stamps) == 1 else None
+    roles[label].append("label: " + ("the schema's label" if schema.label else
+                                     f"named {label!r}"))
+    timestamp, ts_why, skipped = _timestamp(schema, types, where, need)
     if timestamp is not None:
-        tt = need(timestamp, "timestamp")
-        if not (pa.types.is_integer(tt) or pa.types.is_timestamp(tt) or pa.types.is_date(tt)):
-            raise ValueError(f"{where}: column {timestamp!r}: a timestamp must be an integer, "
-                             f"date or timestamp column, got {tt}")
-    taken = schema.named_columns() | {label, timestamp}
+        roles[timestamp].append(f"timestamp: {ts_why}")
+    taken = schema.named_columns() | {label, timestamp} | set(skipped)
     sparse: List[Tuple[str, SparseSchema]] = list(schema.sparse)
     for feature, s in sparse:
         t = need(s.column, f"sparse feature {feature}")
@@ -135,6 +227,8 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
         if not _is_id(inner):
             raise ValueError(f"{where}: column {s.column!r} holds {t}: a sparse feature needs "
                              "integer or string ids (or lists of them)")
+        roles[s.column].append(f"sparse feature {feature} (table {s.table}): the schema's "
+                               f"[sparse.{feature}]")
         if s.weights is not None:
             wt = need(s.weights, f"weights of {feature}")
             w_inner = wt.value_type if _is_list(wt) else wt
@@ -142,28 +236,51 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
                 raise ValueError(f"{where}: column {s.weights!r} holds {wt}: the weights of "
                                  f"{feature} ({t}) must be {'lists of ' if _is_list(t) else ''}"
                                  "floats")
+            roles[s.weights].append(f"weights of {feature}: the schema's [sparse.{feature}]")
     dense = list(schema.dense) if schema.dense is not None else []
     for c in dense + list(schema.dense_log1p):
-        if not _is_number(need(c, "dense")):
+        t = need(c, "dense")
+        _check_numbers(sample, c, where, dense=True)
+        if not _is_number(t):
             raise ValueError(f"{where}: column {c!r} holds {types[c]}: dense features must be "
                              "numbers")
+    for j, c in enumerate(dense):
+        log = ", stored as log(max(x, 0) + 1)" if c in schema.dense_log1p else ""
+        roles[c].append(f"dense {j}: the schema's dense{log}")
+    for c in schema.ignore:
+        if c in roles:
+            roles[c].append("left out: the schema's ignore")
     left_out = []
     tables = dict(schema.tables)
-    if schema.infer:
-        for name, t in types.items():
-            if name in taken:
-                continue
-            t = _base(t)
-            inner = _base(t.value_type) if _is_list(t) else t
-            if schema.dense is None and (pa.types.is_floating(t) or pa.types.is_boolean(t)):
+    for name, t in types.items():
+        if name in skipped:
+            left_out.append(name)
+            roles[name].append(f"left out: {skipped[name]}")
+        if name in taken:
+            continue
+        t = _base(t)
+        inner = _base(t.value_type) if _is_list(t) else t
+        if not schema.infer:
+            left_out.append(name)
+            roles[name].append("left out: the schema names it nowhere (infer = false)")
+        elif pa.types.is_floating(t) or pa.types.is_boolean(t):
+            if schema.dense is None:
+                roles[name].append(f"dense {len(dense)}: {t}, inferred")
                 dense.append(name)
-            elif _is_id(inner) and not any(f == name for f, _ in sparse):
-                sparse.append((name, SparseSchema(column=name, table=f"t_{name}")))
-                tables.setdefault(f"t_{name}", TableSchema())
             else:
                 left_out.append(name)
-    else:
-        left_out = [n for n in types if n not in taken]
+                roles[name].append(f"left out: {t}, not in the schema's dense")
+        elif _is_id(inner) and not any(f == name for f, _ in sparse):
+            if _is_string(t):
+                _check_numbers(sample, name, where, dense=False)
+            sparse.append((name, SparseSchema(column=name, table=f"t_{name}")))
+            tables.setdefault(f"t_{name}", TableSchema())
+            bag = "lists of " if _is_list(t) else ""
+            roles[name].append(f"sparse feature {name} (table t_{name}): {bag}{inner} ids, "
+                               "inferred")
+        else:
+            left_out.append(name)
+            roles[name].append(f"left out: {t} is neither ids nor a number")
     features = [FeaturePlan(f, s.column, s.table, s.weights,
                             _is_list(_base(types[s.column])) or s.separator is not None,
                             s.separator) for f, s in sparse]
@@ -182,8 +299,9 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str) -> Plan:
         plans[name] = TablePlan(name, tuple(f.name for f in fs), ts,
                                 "string" if strings else "int",
                                 any(f.weights is not None for f in fs))
+    lines = [f"column {n!r}: " + ("; ".join(r) if r else "left out") for n, r in roles.items()]
     return Plan(features, plans, dense, tuple(schema.dense_log1p), label, schema.label_kind,
-                timestamp, left_out, types)
+                timestamp, left_out, types, lines, schema.vocab_limit, schema.default_rows)
 
 
 def check_same_columns(plan: Plan, columns: pa.Schema, path: str) -> None:
@@ -196,104 +314,3 @@ def check_same_columns(plan: Plan, columns: pa.Schema, path: str) -> None:
         if not types[c].equals(plan.source_types[c]):
             raise ValueError(f"{OP}: {path}: column {c!r} holds {types[c]}, the first file's "
                              f"holds {plan.source_types[c]}")
-
-
-def id_bags(col: pa.Array, is_list: bool, separator: Optional[str] = None
-            ) -> Tuple[np.ndarray, pa.Array, Optional[np.ndarray]]:
-    """(lengths int64 [n], the ids without nulls, mask of the kept flat elements or None).
-    With a separator, a string column's values are bags: "a|b" -> [a, b], "" -> []."""
-    if pa.types.is_dictionary(col.type):
-        col = col.dictionary_decode()
-    if separator is not None:
-        if not pa.types.is_string(col.type):  # CSV inferred integers: no bag had two ids
-            col = col.cast(pa.string())
-        col = pc.split_pattern(pc.if_else(pc.equal(col, ""), None, col), separator)
-    if not is_list:
-        valid = col.is_valid()
-        return (valid.to_numpy(zero_copy_only=False).astype(np.int64), col.filter(valid), None)
-    if pa.types.is_dictionary(col.type.value_type):
-        col = pc.cast(col, pa.list_(col.type.value_type.value_type))
-    lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy().astype(np.int64)
-    flat = col.flatten()
-    if not flat.null_count:
-        return lengths, flat, None
-    keep = flat.is_valid().to_numpy(zero_copy_only=False)
-    owner = np.repeat(np.arange(len(col)), lengths)
-    return np.bincount(owner[keep], minlength=len(col)).astype(np.int64), flat.filter(keep), keep
-
-
-def _list_array(lengths: np.ndarray, values: np.ndarray, dtype) -> pa.Array:
-    offsets = np.zeros(lengths.size + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, dtype))
-
-
-def _first_row(mask: np.ndarray, row_base: int) -> int:
-    return row_base + int(np.argmax(mask)) + 1
-
-
-def convert_rows(t: pa.Table, plan: Plan, tables: Dict, vocabs: Dict, where: str,
-                 row_base: int) -> pa.Table:
-    """Source rows (a table of plan.columns) -> a table of the layout's schema.
-
-    tables: table name -> final TableSpec (mapping, rows); vocabs: table name -> Vocabulary.
-    ValueError naming `where`, the column and the 1-based row of the file for a bad label,
-    timestamp, or weights whose bags differ from the ids'.
-    """
-    layout = plan.layout()
-    cols: Dict[str, pa.Array] = {}
-    for f in plan.features:
-        spec = tables[f.table]
-        col = t.column(f.column).combine_chunks()
-        lengths, ids, keep = id_bags(col, f.is_list, f.separator)
-        keys = keys_of(ids, spec.id_type)
-        rows = map_keys(spec, keys, vocabs.get(f.table), f"{where}: column {f.column!r}")
-        cols[sparse_column(f.name)] = _list_array(lengths, rows, pa.int64())
-        if not layout.weighted:
-            continue
-        if f.weights is None:
-            w = np.ones(int(lengths.sum()), dtype=np.float32)
-        elif f.is_list:
-            wcol = t.column(f.weights).combine_chunks()
-            wlen = pc.fill_null(pc.list_value_length(wcol), 0).to_numpy()
-            raw_len = pc.fill_null(pc.list_value_length(col), 0).to_numpy()
-            if not np.array_equal(wlen, raw_len):
-                raise ValueError(f"{where}: row {_first_row(wlen != raw_len, row_base)}: "
-                                 f"column {f.weights!r} has {wlen[wlen != raw_len][0]} weights "
-                                 f"for the {raw_len[wlen != raw_len][0]} ids of {f.column!r}")
-            w = pc.fill_null(pc.cast(wcol.flatten(), pa.float32()), 1.0).to_numpy()
-            w = w[keep] if keep is not None else w
-        else:
-            wcol = pc.fill_null(pc.cast(t.column(f.weights).combine_chunks(), pa.float32()), 1.0)
-            w = wcol.to_numpy()[lengths > 0]
-        cols[weights_column(f.name)] = _list_array(lengths, w, pa.float32())
-    for j, c in enumerate(plan.dense):
-        x = pc.fill_null(pc.cast(t.column(c), pa.float64()), 0.0).to_numpy()
-        if c in plan.log1p:
-            x = np.log1p(np.maximum(x, 0.0))
-        cols[dense_column(j)] = pa.array(x.astype(np.float32))
-    label = t.column(plan.label).combine_chunks()
-    if label.null_count:
-        bad = ~label.is_valid().to_numpy(zero_copy_only=False)
-        raise ValueError(f"{where}: row {_first_row(bad, row_base)}: column {plan.label!r}: "
-                         "the label is missing")
-    y = pc.cast(label, pa.float64()).to_numpy()
-    bad = ~np.isfinite(y) if plan.label_kind == "float" else (y != 0) & (y != 1)
-    if bad.any():
-        kind = "a finite float" if plan.label_kind == "float" else (
-            "0 or 1 (label_kind = \"binary\"; set label_kind = \"float\" for a regression "
-            "target)")
-        raise ValueError(f"{where}: row {_first_row(bad, row_base)}: column {plan.label!r}: "
-                         f"label {float(y[bad][0])!r} is not {kind}")
-    cols["label"] = pa.array(y.astype(np.float32))
-    if plan.timestamp is not None:
-        ts = t.column(plan.timestamp).combine_chunks()
-        if ts.null_count:
-            bad = ~ts.is_valid().to_numpy(zero_copy_only=False)
-            raise ValueError(f"{where}: row {_first_row(bad, row_base)}: column "
-                             f"{plan.timestamp!r}: the timestamp is missing")
-        if pa.types.is_date32(ts.type):
-            ts = ts.cast(pa.int32())
-        cols["timestamp"] = ts.cast(pa.int64())
-    schema = layout.arrow_schema()
-    return pa.Table.from_arrays([cols[f.name] for f in schema], schema=schema)

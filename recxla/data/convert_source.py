@@ -3,12 +3,15 @@ their rows as a stream of Arrow tables of bounded size (a file larger than memor
 read whole).
 
     parquet      pyarrow.parquet.ParquetFile.iter_batches (one row group's pages at a time)
-    csv          pyarrow.csv.open_csv, a header line, comma-separated, column types inferred
-                 from the first block of the first file and then fixed for every file
+    csv          pyarrow.csv.open_csv, a header line, comma-separated, UTF-8, column types
+                 inferred from the first block of the first file and then fixed for every
+                 file (a value that is not UTF-8, or that does not parse as its column's type,
+                 is an error naming the file, the row, the line and the column)
     criteo-tsv   the Criteo Kaggle / Terabyte layout, see recxla.data.convert_criteo
 """
 
 import os
+import re
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import pyarrow as pa
@@ -70,16 +73,44 @@ def check_not_empty(path: str) -> None:
         raise DataFormatError(f"{OP}: {path}: the file is empty")
 
 
+def open_text(path: str):
+    """The file's bytes (gzip-decompressed for .gz)."""
+    if path.endswith(".gz"):
+        import gzip
+
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def csv_header(path: str) -> List[str]:
+    """The column names of a CSV file's header line. DataFormatError naming the file for a
+    header that is not UTF-8."""
+    import csv
+
+    with open_text(path) as f:
+        first = f.readline()
+    try:
+        text = first.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataFormatError(f"{OP}: {path}: line 1 (the header): {first[:200]!r} is not UTF-8 "
+                              f"text ({e.reason} at byte {e.start})") from None
+    return next(csv.reader([text.rstrip("\r\n")]), [])
+
+
+def check_csv_columns(path: str, columns: List[str]) -> None:
+    """DataFormatError naming the file and the first of `columns` its header lacks."""
+    names = set(csv_header(path))
+    for c in columns:
+        if c not in names:
+            raise DataFormatError(f"{OP}: {path}: column {c!r} is not in the file (the first "
+                                  f"file has it); its columns are {sorted(names)}")
+
+
 def _line_of(path: str, text: str) -> Optional[int]:
     """1-based number of the first line of `path` whose text is `text` (after a bad row was
     found: pyarrow's streaming CSV reader does not know row numbers)."""
     want = text.encode()
-    opener = open
-    if path.endswith(".gz"):
-        import gzip
-
-        opener = gzip.open
-    with opener(path, "rb") as f:
+    with open_text(path) as f:
         for i, line in enumerate(f, 1):
             if line.rstrip(b"\r\n") == want:
                 return i
@@ -126,6 +157,8 @@ def read_csv(path: str, *, column_names=None, column_types=None, delimiter=",",
                                convert_options=convert)
         for batch in reader:
             yield pa.Table.from_batches([batch])
+    except pa.ArrowKeyError as e:  # an include_columns name the header lacks
+        failure = f"{e}".strip('"')
     except pa.ArrowInvalid as e:
         failure = str(e)
     finally:
@@ -138,17 +171,91 @@ def read_csv(path: str, *, column_names=None, column_types=None, delimiter=",",
         return
     if ragged.row is not None:
         raise ragged.error(path, 1 if header else 0, what)
-    hint = "" if "conversion error" not in failure else (
-        " (CSV column types are inferred from the first 1 MiB of the first file: a column "
-        "whose first values look like integers is read as integers)")
-    raise DataFormatError(f"{OP}: {path}: {failure}{hint}")
+    raise DataFormatError(f"{OP}: {path}: {_where_in_csv(path, failure, column_names, header)}")
 
 
-def csv_types(path: str) -> Dict[str, pa.DataType]:
-    """Column types inferred from the first block of a CSV file (header names -> Arrow type)."""
+_CELL = re.compile(r"In CSV column #(\d+): Row #(\d+): (.*)", re.S)
+
+
+def _where_in_csv(path: str, failure: str, column_names, header: bool) -> str:
+    """pyarrow's "In CSV column #c: Row #r: ..." as "row R (line r): column 'name': ...",
+    with what fixed the column's type."""
+    m = _CELL.match(failure)
+    if m is None:
+        return failure
+    index, line, detail = int(m.group(1)), int(m.group(2)), m.group(3)
+    names = list(column_names) if column_names else csv_header(path)
+    name = names[index] if index < len(names) else f"#{index}"
+    return f"row {line - (1 if header else 0)} (line {line}): column {name!r}: {_detail(detail)}"
+
+
+_BAD_VALUE = re.compile(r"CSV conversion error to (.+?): invalid value (.*)", re.S)
+_NUMBER_TYPES = ("int", "uint", "double", "float", "halffloat")
+
+
+def _detail(detail: str) -> str:
+    """pyarrow's reason for a bad cell, in the words of the first block's checks."""
+    if "invalid UTF8" in detail:
+        return ("a value is not UTF-8 text; recxla reads CSV files as UTF-8: re-encode the file "
+                "(e.g. iconv -f latin1 -t utf-8)")
+    m = _BAD_VALUE.match(detail)
+    if m is None:
+        return detail
+    kind, value = m.group(1), m.group(2)
+    what = "a number" if kind.startswith(_NUMBER_TYPES) else f"a {kind}"
+    return (f"{value} is not {what} (the column holds {kind}: CSV column types are inferred "
+            "from the first 1 MiB of the first file and then fixed for every file)")
+
+
+def check_utf8(path: str, table: pa.Table, columns: List[str]) -> None:
+    """DataFormatError naming the first row of one of `columns` of a CSV block that pyarrow
+    read as binary: a value that is not UTF-8 (the column would otherwise be no id and no
+    number, and be left out)."""
+    for name in columns:
+        col = table.column(name)
+        if not pa.types.is_binary(col.type) and not pa.types.is_large_binary(col.type):
+            continue
+        for i, value in enumerate(col.to_pylist()):
+            if value is None:
+                continue
+            try:
+                value.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataFormatError(
+                    f"{OP}: {path}: row {i + 1}: column {name!r}: {value[:100]!r} is not UTF-8 "
+                    f"text ({e.reason} at byte {e.start}); recxla reads CSV files as UTF-8: "
+                    "re-encode the file (e.g. iconv -f latin1 -t utf-8)") from None
+
+
+def csv_first_block(path: str) -> pa.Table:
+    """The first block (1 MiB of text) of a CSV file with its inferred column types: what
+    fixes the types of every file (a column holding a value that is not UTF-8 is binary: see
+    check_utf8)."""
     for table in read_csv(path):
-        return {f.name: f.type for f in table.schema}
+        return table
     raise DataFormatError(f"{OP}: {path}: the file holds a header but no rows")
+
+
+SAMPLE_ROWS = 65536
+
+
+def source_sample(path: str, fmt: str) -> Tuple[pa.Schema, Optional[pa.Table]]:
+    """The columns of the first source file and its first rows, on which column roles are
+    inferred and checked (CSV: the first block, which fixed the types; Parquet: up to
+    SAMPLE_ROWS rows of its string columns; Criteo: no sample, the layout is fixed)."""
+    if fmt == "csv":
+        table = csv_first_block(path)
+        return table.schema, table
+    columns = source_schema(path, fmt)
+    if fmt != "parquet":
+        return columns, None
+    strings = [f.name for f in columns if pa.types.is_string(f.type) or pa.types.is_large_string(
+        f.type) or (pa.types.is_dictionary(f.type) and pa.types.is_string(f.type.value_type))]
+    if not strings:
+        return columns, None
+    for t in read_source(path, fmt, strings, SAMPLE_ROWS):
+        return columns, t
+    return columns, None
 
 
 def source_schema(path: str, fmt: str) -> pa.Schema:
@@ -160,7 +267,7 @@ def source_schema(path: str, fmt: str) -> pa.Schema:
         except (OSError, pa.ArrowException) as e:
             raise DataFormatError(f"{OP}: {path}: not a readable Parquet file: {e}") from None
     if fmt == "csv":
-        return pa.schema(list(csv_types(path).items()))
+        return csv_first_block(path).schema
     from recxla.data.convert_criteo import CRITEO_SCHEMA
 
     return CRITEO_SCHEMA

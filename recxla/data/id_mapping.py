@@ -17,19 +17,23 @@ Keys -> rows, per table (the table's `mapping` in its TableSpec):
              for a key not in it. The vocabulary holds the ids seen at least min_count times
              in the converted files, most frequent first (ties: smaller raw id first), at most
              rows - 1 of them; it is stored in the dataset folder as vocab/<table>.parquet
-             (columns id, key, count; row i + 1 is line i).
+             (columns id, key, count; row i + 1 is line i), a file name of its own per table
+             (`vocab_files`); the spec records each table's file.
 Two different strings with the same 64-bit key are one id (probability about n**2 / 2**65 for n
 distinct strings: 3e-8 for a million).
 """
 
+import hashlib
 import os
-from typing import Dict, Optional, Sequence
+import re
+from typing import Dict, Iterable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from recxla.data.errors import DataFormatError
 from recxla.data.hashing import splitmix64_numpy
 
 FNV_OFFSET = 0xCBF29CE484222325
@@ -105,6 +109,53 @@ def modulo_rows(keys: np.ndarray, rows: int, where: str) -> np.ndarray:
     return keys % rows
 
 
+VOCAB_DIR = "vocab"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+
+
+def vocab_files(tables: Iterable[str]) -> Dict[str, str]:
+    """table name -> its vocabulary file, "vocab/<file>.parquet", one per table.
+
+    <file> is the name itself when it is 1 to 100 letters, digits, "_", "-" and "." (not
+    first); else (a "/" in the name, say: tables "a/b" and "a_b" once shared vocab/a_b.parquet),
+    or when two names differ only in case (one file on a case-insensitive file system), the
+    name with "_" for every other character, cut at 100, then "-" and 8 hex digits of the
+    name's SHA-256. ValueError if two tables would still share a file.
+    """
+    names = list(dict.fromkeys(tables))
+    folded: Dict[str, int] = {}
+    for n in names:
+        folded[n.lower()] = folded.get(n.lower(), 0) + 1
+
+    def file(n: str) -> str:
+        if _PLAIN_NAME.fullmatch(n) and folded[n.lower()] == 1:
+            return n
+        digest = hashlib.sha256(n.encode()).hexdigest()[:8]
+        return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', n)[:100]}-{digest}"
+
+    files = {n: f"{VOCAB_DIR}/{file(n)}.parquet" for n in names}
+    seen: Dict[str, str] = {}
+    for n, f in files.items():
+        if f.lower() in seen:
+            raise ValueError(f"recxla.data.convert: tables {seen[f.lower()]!r} and {n!r} would "
+                             f"share the vocabulary file {f}: rename one")
+        seen[f.lower()] = n
+    return files
+
+
+def _vocab_path(folder: str, table) -> str:
+    """The vocabulary file of a TableSpec read from a dataset's footer: DataFormatError unless
+    it names a file directly in the dataset's vocab/ folder (a spec is data, not a path to
+    follow anywhere)."""
+    v = table.vocabulary
+    head, name = os.path.split(v) if isinstance(v, str) else (None, "")
+    if head != VOCAB_DIR or not name.endswith(".parquet") or name.startswith(".") or \
+            "\\" in name:
+        raise DataFormatError(f"recxla.data.IdMapper: {folder}: table {table.name}: vocabulary "
+                              f"{v!r} is not a file in the dataset's {VOCAB_DIR}/ folder")
+    return os.path.join(folder, VOCAB_DIR, name)
+
+
 class Vocabulary:
     """A table's vocabulary: raw ids in row order (row i + 1 holds ids[i]) with their keys and
     counts; `rows(keys)` maps keys to rows (0 for keys not in it)."""
@@ -175,7 +226,7 @@ class IdMapper:
         self._vocab: Dict[str, Vocabulary] = {}
         for t in spec.tables:
             if t.mapping == "vocab":
-                self._vocab[t.name] = Vocabulary.load(os.path.join(folder, t.vocabulary))
+                self._vocab[t.name] = Vocabulary.load(_vocab_path(folder, t))
 
     @staticmethod
     def from_dataset(path) -> "IdMapper":

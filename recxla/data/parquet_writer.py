@@ -84,9 +84,10 @@ def sort_order(table: pa.Table, key: str) -> np.ndarray:
         col = table.column(sparse_column(key)).combine_chunks()
         offsets = col.offsets.to_numpy()
         values = col.flatten().to_numpy()
-        first = values[np.minimum(offsets[:-1] - offsets[0], max(values.size - 1, 0))]
-        k = np.where(np.diff(offsets) > 0, first, np.iinfo(np.int64).min) if values.size else (
-            np.zeros(table.num_rows, dtype=np.int64))
+        if not values.size:  # every bag empty (a row group of a sparse feature's nulls)
+            return np.arange(table.num_rows)
+        first = values[np.minimum(offsets[:-1] - offsets[0], values.size - 1)]
+        k = np.where(np.diff(offsets) > 0, first, np.iinfo(np.int64).min)
     return np.argsort(k, kind="stable")
 
 

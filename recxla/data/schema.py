@@ -12,7 +12,8 @@ The schema file, every key optional (docs/your-data.md has the full description)
 
     label = "clicked"            # the label column (default: a column named "label")
     label_kind = "binary"        # "binary" (values 0/1) or "float"
-    timestamp = "ts"             # an integer or timestamp column, kept as int64 "timestamp"
+    timestamp = "ts"             # an integer, date or timestamp column, kept as int64
+                                 # "timestamp" (default: a column named "timestamp")
     dense = ["age", "price"]     # dense columns, in this order (default: the float columns)
     dense_log1p = ["price"]      # dense columns stored as log(x + 1), x < 0 and missing -> 0
     ignore = ["comment"]         # columns to leave out
