@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     runs = {}
     for name, extra in RUNS.items():
         more = ["--kernel-trace", trace_path] if name == "pipelined" else []
-        runs[name] = _run(name, base + extra + more, args.work, nproc, 50)
+        # 50 s a run on the GPU (it took 20-25 s there); a loaded CPU gets more.
+        runs[name] = _run(name, base + extra + more, args.work, nproc, 110 if args.dry_run else 50)
     result = {"runs": runs, "status": "fail"}
     done = all(r["returncode"] == 0 and r.get("final_loss") is not None for r in runs.values())
     if not done:
