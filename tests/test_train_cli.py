@@ -215,6 +215,24 @@ def _parse_error(capsys, argv) -> str:
     return capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["--batch-size", "0"], ["--fwd-comm", "int8"],
+                                  ["--resume"], ["--data", "/nonexistent/x.parquet"]])
+def test_an_error_before_training_is_one_line_from_each_nodes_first_rank(
+        capsys, monkeypatch, argv):
+    """Every rank finds the same error: the first rank of a node prints it, on one line with no
+    usage text (argparse's is 40 lines), the others exit 2 too, quietly."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    err = _parse_error(capsys, argv)
+    assert err.startswith("recxla-train: error: ") and err.count("\n") == 1, err
+    assert "usage:" not in err
+    if argv[0] == "--data":  # a file's error names the option and the file; no --help pointer
+        assert "--help" not in err
+    else:
+        assert "`recxla-train --help` lists the options" in err
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _parse_error(capsys, argv) == ""
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "--batch-size: must be an int >= 1, got 0"),
     (["--baseline", "torchrec", "--micro-batches", "2"],
@@ -271,8 +289,9 @@ def test_resume_needs_a_checkpoint(capsys, tmp_path):
 
 
 def test_bad_options_exit_before_any_process_group(tmp_path):
-    # Rank 1 of a job whose rank 0 never comes: joining the group would wait for the timeout.
-    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+    # Rank 1 of a job whose rank 0 never comes (the first rank of a second node, which prints
+    # the error): joining the group would wait for the timeout.
+    env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=RANK_PYTHONPATH)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "recxla.train", "--baseline", "torchrec",
@@ -289,6 +308,42 @@ def test_compare_rejects_a_file_that_is_not_metrics(tmp_path):
     from recxla.train.compare import main
 
     assert main(["--compare", str(bad)]) == 2
+
+
+def _metrics_file(path, name: str, examples_per_s: float) -> str:
+    """A metrics file with what --compare reads (a run's summary has more)."""
+    step = {"mean": 0.05, "compute": 0.03, "data": 0.01, "exposed_comm": 0.01,
+            "comm_in_flight": 0.02}
+    path.write_text(json.dumps({
+        "name": name, "path": "recxla", "world_size": 2, "config": {"batch_size": 128},
+        "examples_per_s": examples_per_s, "step_time_s": step, "exposed_comm_fraction": 0.2,
+        "wire_bytes_per_step": 1e5, "final_loss": 0.5, "auc": 0.75}))
+    return str(path)
+
+
+def test_compare_writes_a_chart_only_when_asked(tmp_path, monkeypatch, capsys):
+    """No compare.png in the current folder unless --chart names it; --chart PATH writes there
+    and says so; a folder that does not exist is an error before anything is printed."""
+    from recxla.train.compare import main
+
+    a = _metrics_file(tmp_path / "a.json", "a", 1000.0)
+    b = _metrics_file(tmp_path / "b.json", "b", 1500.0)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert main(["--compare", a, b]) == 0
+    assert "1.50x" in capsys.readouterr().out
+    assert list(work.iterdir()) == []
+    assert main(["--compare", a, b, "--chart", ""]) == 0
+    assert list(work.iterdir()) == []
+    chart = tmp_path / "charts" / "c.png"
+    assert main(["--compare", a, b, "--chart", str(chart)]) == 2
+    assert "--chart" in capsys.readouterr().err
+    chart.parent.mkdir()
+    assert main(["--compare", a, b, "--chart", str(chart)]) == 0
+    assert f"wrote {chart}" in capsys.readouterr().out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(work.iterdir()) == []
 
 
 def test_options_are_declared_once():

@@ -50,6 +50,22 @@ def test_held_out_split_is_disjoint_from_training(seed):
     assert not train_requests & eval_requests
 
 
+def test_synthetic_held_out_split_has_a_size_of_its_own(seed):
+    """Without --eval-batches the synthetic held-out split is SYNTHETIC_HELD_OUT examples of the
+    job in whole batches per rank, whatever the batch size (at 2 ranks x 1024: the 8 batches
+    --eval-batches used to default to); --eval-batches sets it."""
+    from recxla.train.config import SYNTHETIC_HELD_OUT
+
+    for batch, world, want in ((64, 2, 128), (1024, 2, 8), (1024, 1, 16), (3000, 4, 2)):
+        config = parse_config(["--profile", "small", "--batch-size", str(batch), "--seed",
+                               str(seed % 1000)])
+        data = TrainData(config, world - 1, world)
+        n = data.held_out_batches()  # what held_out() yields (generating them takes a while)
+        assert n == want and n * batch * world >= SYNTHETIC_HELD_OUT, (batch, world, n)
+    capped = TrainData(_config(0, "--eval-batches", "3"), 0, 2)
+    assert capped.held_out_batches() == 3 and sum(1 for _ in capped.held_out()) == 3
+
+
 def test_table_init_is_seeded_per_table(seed):
     tables = TrainData(_config(0), 0, 1).tables(8)
     a = table_init(tables[3], 3, seed)

@@ -1,14 +1,18 @@
 """A rank that dies, hangs or fails makes the others exit non-zero within --timeout, with a
-message naming it; the watchdog's own logic on a fake store."""
+message naming it (the rank hosting the store too); a NaN loss stops the run at its step; the
+watchdog's own logic on a fake store."""
 
+import math
 import os
 import signal
 import threading
 import time
 
 import pytest
+import torch
 from test_train_cli import SMALL, start_ranks, wait_ranks
 
+from recxla.train.loop import EXIT_NON_FINITE_LOSS, NonFiniteLoss, Progress, run_steps
 from recxla.train.watchdog import EXIT_PEER_FAILED, EXIT_STALLED, Watchdog, intervals
 
 TIMEOUT = 12.0  # --timeout of these runs: the survivors must be gone within it
@@ -42,6 +46,95 @@ def test_a_lost_rank_ends_the_others_in_time(tmp_path, how):
     assert code == EXIT_PEER_FAILED, out[-3000:]
     assert "rank 1 stopped responding" in out, out[-3000:]
     assert elapsed < TIMEOUT, f"rank 0 took {elapsed:.1f} s to exit"
+
+
+def test_the_store_host_killed_ends_the_others_with_status_3(tmp_path):
+    """Ranks started without torchrun: rank 0 hosts the store. Killed, it takes the store with
+    it; rank 1 must still exit EXIT_PEER_FAILED naming what happened, with no traceback (its
+    error handler asked the lost store who failed, and raised). A long --timeout spaces the
+    watchdog's checks (1.5 s here), so that the training loop's failed collective, not the
+    watchdog's thread, is what notices first, as in most real runs."""
+    timeout = 60.0
+    ranks = start_ranks([*SMALL, "--steps", "100000", "--timeout", str(timeout)], tmp_path)
+    try:
+        _wait_for(ranks[0], "steps 0..100000")
+        time.sleep(1.0)  # a few steps in
+        os.kill(ranks[0].proc.pid, signal.SIGKILL)
+        lost = time.monotonic()
+        code = wait_ranks(ranks[1:], timeout + 30)[0]
+        elapsed = time.monotonic() - lost
+    finally:
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+    out = ranks[1].output()
+    assert code == EXIT_PEER_FAILED, out[-3000:]
+    assert "lost the rendezvous store" in out and "rank 0" in out, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert elapsed < timeout / 2, f"rank 1 took {elapsed:.1f} s to exit"
+
+
+def test_a_nan_loss_stops_the_run_at_its_step(tmp_path):
+    """A learning rate that blows the weights up gives a NaN (or infinite) loss within a few
+    steps: the run stops there with the non-finite-loss status and a message saying what to
+    check, instead of training on to `loss nan` and exit 0."""
+    ranks = start_ranks([*SMALL, "--steps", "30", "--warmup-steps", "1", "--dense-lr", "1e30",
+                         "--timeout", str(TIMEOUT), "--metrics", str(tmp_path / "m.json")],
+                        tmp_path)
+    codes = wait_ranks(ranks, 150)
+    out = "\n".join(r.output() for r in ranks)
+    # The rank that saw it first exits EXIT_NON_FINITE_LOSS; a peer either saw it too, or
+    # exits EXIT_PEER_FAILED naming that rank.
+    assert EXIT_NON_FINITE_LOSS in codes and set(codes) <= {EXIT_NON_FINITE_LOSS,
+                                                             EXIT_PEER_FAILED}, out[-3000:]
+    assert "error: the training loss is " in out and "Check the training data for NaN" in out
+    assert "--dense-lr" in out and "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "m.json").exists()
+
+
+class _Loss:
+    """A loss the loop reads on the host (float()), counting the reads: on GPU each is a sync."""
+
+    reads = 0
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def __float__(self):
+        _Loss.reads += 1
+        return self.value
+
+
+class _Pipeline:
+    def __init__(self, losses):
+        self.losses = iter(losses)
+
+    def progress(self, batches):
+        next(batches)
+        return _Loss(next(self.losses)), None, None
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_run_steps_stops_at_the_first_non_finite_loss(bad):
+    from recxla.train.comm_meter import CommMeter
+
+    _Loss.reads = 0
+    done = []
+    losses = [0.7, 0.69, bad, 0.5, 0.5]
+    with pytest.raises(NonFiniteLoss, match="the training loss is") as e:
+        run_steps(_Pipeline(losses), iter(range(5)), 0, 5, CommMeter(), Progress(False, 5, 0, 1),
+                  done.append)
+    assert e.value.step == 3 and e.value.exit_status == EXIT_NON_FINITE_LOSS
+    assert "0.7, 0.69" in str(e.value)  # the losses before it: divergence or a bad batch
+    assert done == [1, 2]  # no on_step_done (checkpoint) after the bad step
+    assert _Loss.reads == 3  # one host read of the loss per step: no sync added for the check
+    # A finite run: still one read per step.
+    _Loss.reads = 0
+    log = run_steps(_Pipeline([0.5] * 4), iter(range(4)), 0, 4, CommMeter(),
+                    Progress(False, 4, 0, 1), lambda n: None)
+    assert log.loss == [0.5] * 4 and _Loss.reads == 4
+    assert torch.isfinite(torch.tensor(log.loss)).all()
 
 
 class FakeStore:
@@ -126,6 +219,48 @@ def test_watchdog_reports_a_peer_failure_at_once():
     assert dogs[0].culprit(wait=False) == "rank 1 failed: ValueError: bad batch"
     dogs[0].stop()
     assert not exits
+
+
+class LostStore(FakeStore):
+    """A store whose host is gone: every call raises, as torch's TCPStore client does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost = False
+
+    def _maybe_raise(self):
+        if self.lost:
+            raise RuntimeError("Connection reset by peer")
+
+    def check(self, keys):
+        self._maybe_raise()
+        return super().check(keys)
+
+    def get(self, key):
+        self._maybe_raise()
+        return super().get(key)
+
+    def multi_get(self, keys):
+        self._maybe_raise()
+        return super().multi_get(keys)
+
+    def set(self, key, value):
+        self._maybe_raise()
+        super().set(key, value)
+
+
+def test_watchdog_names_a_lost_store_instead_of_raising():
+    """The error handler asks `culprit()` who failed; with the store's host gone its answer is
+    that, not an exception (which left the rank with status 1 and a traceback)."""
+    store = LostStore()
+    dog = Watchdog(store, 1, 2, 30.0, exit_fn=lambda code: None)
+    dog.start()
+    dog.stop()
+    store.lost = True
+    for wait in (False, True):
+        message = dog.culprit(wait=wait)
+        assert "lost the rendezvous store" in message and "rank 0" in message
+    dog.report_failure("ValueError: x")  # best effort: no raise either
 
 
 def test_intervals_fit_inside_the_timeout():

@@ -5,6 +5,8 @@ command line), the held-out rows are split off by timestamp, both paths train it
 equals the unsharded model with fp32 comms on both paths."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -14,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from distributed_utils import run_distributed
-from test_train_cli import REPO, _parse_error, launch_ranks
+from test_train_cli import RANK_PYTHONPATH, REPO, _parse_error, launch_ranks
 
 import sharded_cases as cases
 from recxla.data import ParquetDataset
@@ -142,6 +144,64 @@ def test_bad_dataset_options(capsys, monkeypatch, dataset):
     err = _parse_error(capsys, ["--data", dataset, "--eval-data", dataset, "--eval-fraction",
                                 "0.2"])
     assert "give one or the other" in err
+
+
+@pytest.fixture(scope="module")
+def one_group_dataset(dataset):
+    """The click log converted into one row group (as `convert`'s default row groups did with
+    a log this small): nothing to split into training and held-out row groups."""
+    from recxla.data.convert import convert
+
+    root = os.path.dirname(dataset)
+    out = os.path.join(root, "one_group")
+    convert(os.path.join(root, "clicks.parquet"), out, os.path.join(root, "schema.toml"),
+            rows_per_group=ROWS, progress=False)
+    return out
+
+
+def test_too_few_row_groups_to_split_name_the_conversion_that_helps(
+        capsys, monkeypatch, one_group_dataset):
+    """Row groups are what the ranks share out: a dataset of one cannot be split at any
+    --eval-fraction, and the error says what helps: converting with smaller row groups."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    err = _parse_error(capsys, ["--data", one_group_dataset])
+    assert "--eval-fraction: " in err and "1 row groups" in err
+    # 10% of the 20,480 rows on 2 ranks: row groups of 1,024 rows give each rank one.
+    assert "`python -m recxla.data convert SRC --out DIR --rows-per-group 1024`" in err
+    assert "lower --eval-fraction" not in err and "--eval-data" in err
+
+
+def test_held_out_split_is_evaluated_whole(dataset):
+    """Without --eval-batches every rank evaluates its whole share of the held-out row groups
+    (not the first 8 batches); --eval-batches caps it."""
+    for batch, cap, want in ((64, None, 16), (64, 3, 3), (1024, None, 1)):
+        argv = ["--data", dataset, "--batch-size", str(batch)]
+        config = parse_config(argv + (["--eval-batches", str(cap)] if cap else []))
+        # 2 held-out row groups of 1,024 rows: one a rank, 1,024 / batch batches each.
+        got = [len(list(TrainData(config, r, 2).held_out())) for r in range(2)]
+        assert got == [want, want], (batch, cap, got)
+
+
+@pytest.mark.distributed
+def test_a_data_error_under_torchrun_is_printed_once_with_status_2(one_group_dataset, tmp_path):
+    """torchrun with a data error every rank finds: the message once, on one line (no usage
+    text), every rank's exit status 2. torchrun's own status is 1 whatever its workers' (its
+    ChildFailedError), so its failure summary is where the 2 shows: the root cause's; a rank
+    still checking when the first exits is ended by torchrun's SIGTERM (-15)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "recxla.train", "--data", one_group_dataset, "--steps", "4"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=RANK_PYTHONPATH), capture_output=True,
+        text=True, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert out.count("recxla-train: error: --eval-fraction: ") == 1, out[-3000:]
+    assert "--rows-per-group" in out and "usage:" not in out
+    summary = re.compile(r"^\s+exitcode\s+: (-?\d+)", re.M)  # torchrun's failure summary
+    codes = summary.findall(out)
+    assert len(codes) == 2 and set(codes) <= {"2", "-15"}, out[-3000:]
+    assert summary.search(out[out.index("Root Cause"):]).group(1) == "2", out[-3000:]
 
 
 @pytest.mark.distributed

@@ -9,8 +9,12 @@ A run: options checked (exit 2 on a bad one, before any process group) -> proces
 watchdog -> model (TorchRec's DLRM or DLRM_DCN), plan, DMP with this path's sharder, seeded
 tables -> optional resume -> a TorchRec or recxla training pipeline for --steps steps, measured ->
 final checkpoint -> AUC on the held-out split -> summary on rank 0 (printed; JSON with
---metrics). Exit status: 0 done; 1 this rank failed; 2 bad options; 3 another rank died, hung
-or failed (the message names it); 4 this rank made no progress for --timeout seconds.
+--metrics). Exit status of each rank: 0 done; 1 this rank failed; 2 bad options or input,
+found before training (printed once, by each node's first rank); 3 another rank died, hung or
+failed, or the rank hosting the store is gone (the message names it); 4 this rank made no
+progress for --timeout seconds; 5 this rank's training loss became NaN or infinite
+(recxla.train.loop.NonFiniteLoss). torchrun itself exits 1 whenever a rank fails (its
+ChildFailedError), whatever the ranks' status; its summary shows each rank's.
 """
 
 import os
@@ -19,7 +23,6 @@ import time
 import traceback
 from typing import List, Optional, Sequence
 
-EXIT_BAD_OPTIONS = 2
 _COMM_ERROR_WORDS = ("connection", "peer", "timed out", "timeout", "gloo", "nccl", "closed",
                      "reset", "broken pipe")
 
@@ -30,7 +33,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from recxla.train.compare import main as compare_main
 
         return compare_main(argv)
-    from recxla.train.config import parse_config
+    from recxla.train.config import exit_bad_input, parse_config
 
     config = parse_config(argv)  # exits 2 with the option's name on a bad one
     from recxla.train import checkpoint
@@ -43,8 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 config, place.world_size,
                 checkpoint.read_train_state(checkpoint.latest_checkpoint(config.checkpoint_dir)[1]))
     except ValueError as e:
-        print(f"recxla-train: error: {e}", file=sys.stderr)
-        return EXIT_BAD_OPTIONS
+        exit_bad_input(str(e).removeprefix("recxla-train: "))  # exits 2
     run(config, place)
     return 0
 
@@ -77,7 +79,7 @@ def run(config, place) -> dict:
     from recxla.train.comm_meter import CommMeter
     from recxla.train.memory import keep_freed_memory
     from recxla.train.rendezvous import connect
-    from recxla.train.watchdog import EXIT_FAILED, EXIT_PEER_FAILED, Watchdog
+    from recxla.train.watchdog import Watchdog
 
     _quiet_upstream_notices()
     if config.allocator == "keep":
@@ -91,19 +93,34 @@ def run(config, place) -> dict:
         with meter.installed():
             summary = _train(config, conn, watchdog, meter)
     except BaseException as e:  # noqa: B902 (KeyboardInterrupt too: peers must hear of it)
-        culprit = watchdog.culprit(wait=_is_comm_error(e))
-        if culprit is not None:
-            print(f"recxla-train: rank {place.rank}: exiting: {culprit} (this rank saw: "
-                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
-                  file=sys.stderr, flush=True)
-            os._exit(EXIT_PEER_FAILED)
-        watchdog.report_failure(f"{type(e).__name__}: {e}")
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(EXIT_FAILED)
+        _exit_failed(e, watchdog, place.rank)
     watchdog.stop()
     conn.close()
     return summary
+
+
+def _exit_failed(e: BaseException, watchdog, rank: int) -> None:
+    """Ends this rank after `e`: EXIT_PEER_FAILED naming the rank that caused it when the
+    heartbeats tell (or the store is gone), else this rank's own failure, published for its
+    peers: a NonFiniteLoss's status and message, or EXIT_FAILED with the traceback."""
+    from recxla.train.loop import NonFiniteLoss
+    from recxla.train.watchdog import EXIT_FAILED, EXIT_PEER_FAILED
+
+    culprit = watchdog.culprit(wait=_is_comm_error(e))
+    if culprit is not None:
+        saw = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        print(f"recxla-train: rank {rank}: exiting: {culprit} (this rank saw: "
+              f"{saw if len(saw) <= 160 else saw[:157] + '...'})", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_FAILED)
+    watchdog.report_failure(f"{type(e).__name__}: {e}")
+    if isinstance(e, NonFiniteLoss):  # the message says what to check; no traceback
+        code = e.exit_status
+        print(f"recxla-train: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+    else:
+        code = EXIT_FAILED
+        traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _train(config, conn, watchdog, meter) -> dict:

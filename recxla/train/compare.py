@@ -4,8 +4,9 @@ Prints one column per metrics file (throughput, the step's time split, bytes on 
 step by kind, training loss, and the held-out AUC and log loss with what they were measured
 on, the CPU time per step and per example), with each run's throughput and bytes as a ratio
 to the first file's (the reference: list the baseline first) and, where several files are
-TorchRec baseline runs, its throughput as a ratio to the fastest of them; and writes a PNG bar
-chart (matplotlib, no display needed) of examples/s, exposed communication and wire bytes.
+TorchRec baseline runs, its throughput as a ratio to the fastest of them; and, with --chart
+PATH, writes a PNG bar chart (matplotlib, no display needed) of examples/s, exposed
+communication and wire bytes there, and says so. Without --chart it writes nothing.
 """
 
 import argparse
@@ -15,16 +16,15 @@ from typing import List, Optional, Sequence
 
 from recxla.train.metrics import read_metrics
 
-DEFAULT_CHART = "compare.png"
-
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="recxla-train --compare",
                                 description="Compare recxla-train metrics files side by side.")
     p.add_argument("--compare", nargs="+", metavar="METRICS_JSON", required=True,
                    help="metrics files (--metrics of recxla-train); the first is the reference")
-    p.add_argument("--chart", default=DEFAULT_CHART,
-                   help=f"PNG bar chart to write (default {DEFAULT_CHART}); '' for none")
+    p.add_argument("--chart", metavar="PATH",
+                   help="also write a PNG bar chart of the runs here (default: no chart; '' is "
+                   "none too)")
     return p
 
 
@@ -121,6 +121,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     try:
         runs = [read_metrics(path) for path in args.compare]
+        if args.chart:
+            folder = os.path.dirname(os.path.abspath(args.chart))
+            if not os.path.isdir(folder):
+                raise ValueError(f"--chart {args.chart!r}: the folder {folder!r} does not exist")
     except ValueError as e:
         print(f"recxla-train: error: {e}", file=sys.stderr)
         return 2

@@ -19,8 +19,9 @@ is the step count alone, so a resumed run sees exactly the batches an uninterrup
 
 Held-out batches (AUC and log loss): --eval-data; else with --eval-fraction (default with the
 dataset's model) the row groups `split_row_groups` holds out of --data, never trained on; else
-the synthetic held-out split (`eval_batches` batches per rank at indices training never
-reaches). Each rank evaluates the first `eval_batches` batches of its share.
+the synthetic held-out split (batches at indices training never reaches: SYNTHETIC_HELD_OUT
+examples of the job in whole batches per rank, or --eval-batches batches per rank). Each rank
+evaluates all of its share (every rank reads as many batches), or its first --eval-batches.
 """
 
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -28,7 +29,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 from torchrec.datasets.utils import Batch as TorchRecBatch
 
 from recxla.data import Profile, SyntheticRankingDataset, criteo_kaggle_profile
-from recxla.train.config import FALLBACK_EMBEDDING_DIM, TrainConfig
+from recxla.train.config import FALLBACK_EMBEDDING_DIM, SYNTHETIC_HELD_OUT, TrainConfig
 
 # First batch index of the held-out split: training never reaches it (2**40 batches of even
 # one sample per rank is far beyond any run).
@@ -115,11 +116,23 @@ def split_row_groups(info, fraction: float, world_size: int,
         held.append(i)
         rows += info.row_groups[i][2]
     if len(order) < world_size:
-        raise ValueError(f"{info.path}: {n} row groups: holding out {fraction} of the rows "
-                         f"({len(held)} row groups, at least one per rank) leaves {len(order)} "
-                         f"for training on {world_size} ranks; lower --eval-fraction, or give "
-                         "--eval-data (or write smaller row groups)")
+        raise ValueError(
+            f"{info.path}: {info.num_rows} rows in {n} row groups: holding out {fraction} of "
+            f"the rows ({len(held)} row groups, at least one per rank) leaves {len(order)} for "
+            f"training on {world_size} ranks. Row groups are what the ranks share out, and "
+            f"both splits need one per rank: {_fewer_rows_per_group(info, fraction, world_size)}"
+            + ("" if n < 2 * world_size else "; or lower --eval-fraction")
+            + "; or give held-out files of their own with --eval-data")
     return sorted(order), sorted(held)
+
+
+def _fewer_rows_per_group(info, fraction: float, world_size: int) -> str:
+    """The advice for a dataset whose row groups are too few to split: convert it again with
+    row groups small enough for one per rank on both sides of the split."""
+    rows = max(1, int(min(fraction, 1 - fraction) * info.num_rows) // world_size)
+    return (f"convert the click log again with smaller row groups, `python -m recxla.data "
+            f"convert SRC --out DIR --rows-per-group {rows}` or fewer (with the first "
+            "conversion's other options)")
 
 
 def _largest_timestamp(info, group: int) -> int:
@@ -279,16 +292,28 @@ class TrainData:
                     f"{len(self.eval_groups)} row groups, {by}")
         return "the synthetic held-out split"
 
-    def held_out(self) -> Iterator[TorchRecBatch]:
-        """The held-out batches: the first `config.eval_batches` of this rank's share of the
-        held-out files (fewer if they hold fewer), or of the synthetic held-out split."""
+    def held_out_batches(self) -> int:
+        """Batches per rank `held_out` yields (the same on every rank: each of them runs the
+        sharded model's collectives)."""
+        cap = self.config.eval_batches
         if self.eval_files is None:
-            for i in range(self.config.eval_batches):
+            if cap is not None:
+                return cap
+            return max(1, -(-SYNTHETIC_HELD_OUT // (self.config.batch_size * self.world_size)))
+        n = self.eval_files.num_batches()
+        return n if cap is None else min(n, cap)
+
+    def held_out(self) -> Iterator[TorchRecBatch]:
+        """This rank's held-out batches: its whole share of the held-out files, or of the
+        synthetic held-out split; the first --eval-batches of it when given."""
+        n = self.held_out_batches()
+        if self.eval_files is None:
+            for i in range(n):
                 yield to_torchrec(self.dataset.batch(HELD_OUT_START + i))
             return
         it = iter(self.eval_files)
         try:
-            for _, batch in zip(range(self.config.eval_batches), it):
+            for _, batch in zip(range(n), it):
                 yield to_torchrec(batch)
         finally:
             it.close()

@@ -17,8 +17,15 @@ Per step (one `progress()` call) the loop records the wall time, the process's C
 producing the batch (`data_s`, part of the step), the loss, and the minor page faults; rank 0
 shows a progress bar. Steps, checkpoints and the evaluation are reported to the watchdog as
 progress.
+
+A NaN or infinite loss stops the run at its first step (`NonFiniteLoss`, exit status
+EXIT_NON_FINITE_LOSS): every later step would train on NaN weights, and the run would end with
+`loss nan` and an AUC of chance. The check reads the value the loop reads anyway for the log and
+the progress bar (one host read of the loss per step, on GPU the step's one sync), so it costs
+no extra sync.
 """
 
+import math
 import resource
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional
@@ -31,6 +38,29 @@ from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSpa
 from recxla.train.comm_meter import CommMeter
 from recxla.train.faults import kill_point
 from recxla.train.memory import minor_faults
+
+
+# The exit status of a run stopped by a non-finite loss (recxla.train.cli lists them all).
+EXIT_NON_FINITE_LOSS = 5
+# Finite losses before the first non-finite one that its message shows (a loss that grows step
+# by step points to divergence, a sudden NaN to the batch).
+_LOSSES_SHOWN = 5
+
+
+class NonFiniteLoss(FloatingPointError):
+    """This rank's training loss at `step` (steps done, 1-based) is NaN or infinite."""
+
+    exit_status = EXIT_NON_FINITE_LOSS
+
+    def __init__(self, step: int, loss: float, before: List[float]):
+        self.step, self.loss = step, loss
+        shown = ", ".join(f"{x:.4g}" for x in before[-_LOSSES_SHOWN:]) or "none"
+        super().__init__(
+            f"the training loss is {loss} at step {step}, training stopped there (the losses "
+            f"of this rank's steps before it: {shown}). Check the training data for NaN or "
+            "infinite values (dense features, labels, per-id weights): a NaN in a batch gives "
+            "a NaN loss at once; a loss that grows over the steps before points to divergence "
+            "instead: lower --dense-lr and --sparse-lr")
 
 
 def process_cpu_seconds() -> float:
@@ -171,7 +201,8 @@ def run_steps(pipeline, batches: Iterator, first: int, last: int,
     TrainPipeline: anything with `progress(iterator)`; `batches` yields exactly their batches).
 
     on_step_done(steps_done) runs after each step (watchdog, checkpoints); its time is not
-    part of the step. Returns the StepLog.
+    part of the step. Returns the StepLog. Raises NonFiniteLoss at the first step whose loss is
+    NaN or infinite, before that step's on_step_done (no checkpoint of its weights).
     """
     log = log or StepLog(first=first)
     timed = TimedIterator(batches, meter.clock)
@@ -187,7 +218,9 @@ def run_steps(pipeline, batches: Iterator, first: int, last: int,
         log.seconds.append(seconds)
         log.data_s.append(timed.take())
         log.faults.append(minor_faults() - faults)
-        log.loss.append(float(loss))
+        log.loss.append(float(loss))  # the step's one host read of the loss
+        if not math.isfinite(log.loss[-1]):
+            raise NonFiniteLoss(step + 1, log.loss[-1], log.loss[:-1])
         progress.update(seconds, log.loss[-1])
         on_step_done(step + 1)
         kill_point(f"step {step + 1}")  # fault injection for tests (recxla.train.faults)

@@ -59,21 +59,21 @@ def evaluate(model, batches, device: torch.device) -> Dict[str, float]:
     from torchmetrics.classification import BinaryAUROC
 
     auroc = BinaryAUROC().to(device)
-    loss, examples = 0.0, 0
+    # [summed BCE, examples], on the model's device: no host read per batch (the whole held-out
+    # split may be many batches), and NCCL, the process group on GPUs, reduces no host tensor.
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     try:
         for batch in batches:
             batch = batch.to(device)
             _, (_, logits, labels) = model(batch)
             auroc.update(logits.float(), labels.long())
-            loss += torch.nn.functional.binary_cross_entropy_with_logits(
-                logits.float(), labels.float(), reduction="sum").item()
-            examples += labels.numel()
+            loss_sum[0] += torch.nn.functional.binary_cross_entropy_with_logits(
+                logits.float(), labels.float(), reduction="sum").double()
+            loss_sum[1] += labels.numel()
         auc = float(auroc.compute())  # gathers every rank's predictions
     finally:
         model.train()
-    # On the model's device: NCCL, the process group on GPUs, reduces no host tensor.
-    loss_sum = torch.tensor([loss, examples], dtype=torch.float64, device=device)
     dist.all_reduce(loss_sum)
     return {"auc": auc, "eval_loss": float(loss_sum[0] / loss_sum[1]),
             "eval_examples": int(loss_sum[1])}

@@ -84,9 +84,26 @@ def _help(field: dataclasses.Field) -> str:
     return f"{meta['help']} ({path[meta['applies']]}default: {default_text(field)})"
 
 
-def build_parser(cls, **parser_kwargs) -> argparse.ArgumentParser:
-    """The argparse parser of dataclass `cls`'s option fields, grouped as declared."""
-    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS, **parser_kwargs)
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors go to `on_error(message)` (which exits) instead of
+    argparse's usage text and exit."""
+
+    def __init__(self, on_error: Optional[Callable[[str], None]] = None, **kwargs):
+        super().__init__(**kwargs)
+        self.on_error = on_error
+
+    def error(self, message: str):
+        if self.on_error is None:
+            super().error(message)
+        self.on_error(message)
+        raise SystemExit(2)  # on_error exits; this keeps argparse's promise if it returns
+
+
+def build_parser(cls, on_error: Optional[Callable[[str], None]] = None,
+                 **parser_kwargs) -> argparse.ArgumentParser:
+    """The argparse parser of dataclass `cls`'s option fields, grouped as declared; its errors
+    (and the checks' that call parser.error) go to `on_error(message)` when given."""
+    parser = _Parser(on_error, argument_default=argparse.SUPPRESS, **parser_kwargs)
     groups = {name: parser.add_argument_group(name) for name in GROUPS}
     for field, meta in options_of(cls):
         kwargs: Dict[str, Any] = dict(dest=field.name, help=_help(field))

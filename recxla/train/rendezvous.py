@@ -8,13 +8,23 @@ Without them, `python -m recxla.train` is a job of one rank on this machine.
 The process group is gloo on CPU and NCCL on GPU, with the run's --timeout, built on a client of
 that store. The watchdog gets a client of its own, so that its heartbeats never queue behind a
 call of the training loop.
+
+A store recxla hosts listens on MASTER_ADDR alone, not on every interface as torch's TCPStore
+server does (it binds the wildcard address): the store is unauthenticated, and with
+MASTER_ADDR=127.0.0.1 nothing off this machine should reach it. `listening_socket` binds the
+address and torch's server takes the socket (TCPStore's `master_listen_fd`). A host name that
+resolves to a loopback address here (Debian's `127.0.1.1 <hostname>` line) while other machines
+reach it by another address is the one case where the store listens on every interface, as
+before: binding loopback would refuse the other nodes' ranks. torchrun's own store (the agent's)
+is torchrun's: it binds as torch does.
 """
 
 import datetime
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,10 +78,61 @@ def place_from_env(env=None) -> RankPlace:
     return place
 
 
+def bind_address(master_addr: str) -> Optional[Tuple[int, str]]:
+    """(address family, address) a store host for `master_addr` listens on: the address itself
+    (an IP address, `localhost`, or a host name as it resolves here); None (every interface)
+    for a host name other than localhost that resolves to a loopback address here, which other
+    machines reach by another address."""
+    # The first address, the one this machine's clients of `master_addr` try first.
+    family, _, _, _, sockaddr = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0]
+    try:
+        ipaddress.ip_address(master_addr)
+        literal = True
+    except ValueError:
+        literal = False
+    if not literal and master_addr != "localhost" and \
+            ipaddress.ip_address(sockaddr[0].split("%")[0]).is_loopback:
+        return None
+    return family, sockaddr[0]
+
+
+def listening_socket(master_addr: str, port: int) -> Optional[socket.socket]:
+    """A TCP socket listening on `master_addr`'s address (`bind_address`), port `port` (0: a
+    free one), for a TCPStore server to take over; None where `bind_address` says every
+    interface (torch's server then binds as it does). OSError when the address is not one of
+    this machine's or the port is taken."""
+    where = bind_address(master_addr)
+    if where is None:
+        return None
+    family, address = where
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As torch's own server: a port a previous run left in TIME_WAIT can be bound again.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _store(place: RankPlace, timeout: datetime.timedelta, host: bool) -> dist.TCPStore:
+    """A client of the job's store, or (host) the store's server, listening on MASTER_ADDR."""
+    listen_fd = None
+    if host:
+        try:
+            sock = listening_socket(place.master_addr, place.master_port)
+        except OSError as e:
+            raise RuntimeError(
+                f"recxla-train: rank {place.rank} hosts the rendezvous store and cannot listen "
+                f"on MASTER_ADDR={place.master_addr} MASTER_PORT={place.master_port}: {e} "
+                "(MASTER_ADDR must be an address of this machine, the port a free one)") from None
+        if sock is not None:
+            listen_fd = sock.detach()  # the store's server owns the socket from here on
     return dist.TCPStore(
         place.master_addr, place.master_port, place.world_size, is_master=host,
-        timeout=timeout, wait_for_workers=False,
+        timeout=timeout, wait_for_workers=False, master_listen_fd=listen_fd,
     )
 
 

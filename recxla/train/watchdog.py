@@ -108,7 +108,7 @@ class Watchdog:
         looking for up to dead_after + 2 intervals (a peer that just died is not silent yet)."""
         deadline = time.monotonic() + (self.dead_after + 2 * self.interval if wait else 0)
         while True:
-            found = self._check_peers()
+            found = self._check_peers_or_store()
             if found is not None or time.monotonic() >= deadline:
                 return found
             time.sleep(self.interval)
@@ -125,6 +125,17 @@ class Watchdog:
         if not present:
             return [self.store.get(k) if self.store.check([k]) else None for k in keys]
         return list(self.store.multi_get(keys))
+
+    def _check_peers_or_store(self) -> Optional[str]:
+        """`_check_peers`, or the lost store named when its calls fail: the store is gone when
+        its host (rank 0, or torchrun's agent) died, and the error handler that asks must still
+        exit with EXIT_PEER_FAILED, not raise."""
+        try:
+            return self._check_peers()
+        except Exception as e:
+            first = str(e).splitlines()[0] if str(e) else ""  # torch's may add a C++ trace
+            return (f"lost the rendezvous store ({type(e).__name__}: {first}); the rank hosting "
+                    "it (rank 0, or torchrun's agent) is gone")
 
     def _check_peers(self) -> Optional[str]:
         """A message naming the rank that failed or went silent, or None."""
@@ -167,10 +178,9 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             try:
                 self._publish()
-                message = self._check_peers()
-            except Exception as e:  # the store is gone: its host (rank 0 or torchrun) died
-                message = (f"lost the rendezvous store ({type(e).__name__}: {e}); the rank "
-                           "hosting it (rank 0, or torchrun's agent) is gone")
+            except Exception:  # the store is gone: the check below names it
+                pass
+            message = self._check_peers_or_store()
             code = EXIT_PEER_FAILED
             if message is None:
                 idle = time.monotonic() - self._last_progress
