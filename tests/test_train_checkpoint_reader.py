@@ -94,6 +94,32 @@ def test_resume_never_deletes_a_checkpoint_with_a_truncated_file(trained, tmp_pa
     assert "truncated since" in _refused(ck, tmp_path, "__1_0.distcp")
 
 
+def test_resume_step_goes_on_from_the_older_checkpoint_the_error_names(trained, tmp_path):
+    """The refusal's advice works: --resume-step 2 trains on from step 2 past the damaged step
+    4, which stays until the run writes a checkpoint of 4 steps itself."""
+    ck, folder = _copy(trained, tmp_path)
+    _xor(os.path.join(folder, "__0_0.distcp"), 64)
+    logs = tmp_path / "older"
+    logs.mkdir()
+    ranks = start_ranks([*RUN, "--steps", "6", "--checkpoint-dir", str(ck), "--resume",
+                         "--resume-step", "2", "--metrics", str(logs / "m.json")], logs)
+    assert wait_ranks(ranks, 150) == [0, 0], ranks[0].output()[-3000:]
+    with open(logs / "m.json") as f:
+        assert json.load(f)["resumed_from_step"] == 2
+    assert sorted(os.listdir(ck)) == ["step_00000002", "step_00000004", "step_00000006"]
+    checkpoint.read_train_state(checkpoint.checkpoint_path(str(ck), 4))  # rewritten: verifies
+
+
+def test_resume_step_needs_resume_and_an_existing_step(trained, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_config([*RUN, "--checkpoint-dir", str(trained), "--resume-step", "2"])
+    assert e.value.code == 2 and "--resume-step applies with --resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse_config([*RUN, "--checkpoint-dir", str(trained), "--resume", "--resume-step", "3"])
+    assert e.value.code == 2
+    assert "--resume-step 3" in capsys.readouterr().err  # names the steps the folder holds
+
+
 def test_resume_refuses_flipped_bytes_in_the_metadata(trained, tmp_path):
     ck, folder = _copy(trained, tmp_path)
     _xor(os.path.join(folder, ".metadata"), 16)

@@ -44,7 +44,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if config.resume:
             checkpoint.check_compatible(
                 config, place.world_size,
-                checkpoint.read_train_state(checkpoint.latest_checkpoint(config.checkpoint_dir)[1]))
+                checkpoint.read_train_state(
+                    checkpoint.resume_checkpoint(config.checkpoint_dir, config.resume_step)[1]))
     except ValueError as e:
         exit_bad_input(str(e).removeprefix("recxla-train: "))  # exits 2
     run(config, place)
@@ -178,8 +179,9 @@ def _train(config, conn, watchdog, meter) -> dict:
         start = 0
         if config.resume:
             watchdog.progress("loading the checkpoint")
-            start = checkpoint.load(checkpoint.latest_checkpoint(config.checkpoint_dir)[1],
-                                    dmp, optimizer)
+            start = checkpoint.load(
+                checkpoint.resume_checkpoint(config.checkpoint_dir, config.resume_step)[1], dmp,
+                optimizer)
     timeline = None
     if config.baseline:
         pipeline = METERED_PIPELINES[config.baseline_pipeline](dmp, optimizer, device, meter)

@@ -250,6 +250,10 @@ class TrainConfig:
                                    group=_R, parse=at_least(0))
     resume: bool = option(False, "continue from the latest checkpoint in --checkpoint-dir",
                           group=_R)
+    resume_step: Optional[int] = option(
+        None, "with --resume: continue from the checkpoint of N steps instead of the newest (a "
+        "damaged newest one is refused, never skipped; the newer ones stay until this run "
+        "writes the same steps)", group=_R, parse=at_least(0), metavar="N")
     metrics: Optional[str] = option(None, "write the summary as JSON here", group=_R,
                                     metavar="PATH")
     label: Optional[str] = option(None, "this run's name in --compare tables", group=_R)
@@ -425,6 +429,8 @@ def _check(err, given: dict) -> dict:
         v["steps"] = v["epochs"] * v["train_batches"]
     if (v["resume"] or v["checkpoint_every"]) and not v["checkpoint_dir"]:
         err("--resume and --checkpoint-every need --checkpoint-dir")
+    if v["resume_step"] is not None and not v["resume"]:
+        err("--resume-step applies with --resume")
     v["threads"] = v["threads"] or max(1, (os.cpu_count() or 1) // local_world_size())
     return v
 

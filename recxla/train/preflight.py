@@ -1,7 +1,8 @@
 """Checks that look outside the options, before any process group exists: the files and
 folders the options name (--data, --eval-data, --checkpoint-dir, --metrics, --trace,
---kernel-trace, --resume's checkpoint), the network interface (--net-iface), Ray for --loader ray. Each failure
-exits with status 2 naming the option and the file, like a bad option.
+--kernel-trace, --resume's checkpoint and --resume-step), the network interface (--net-iface),
+Ray for --loader ray. Each failure exits with status 2 naming the option and the file, like a
+bad option.
 
 The dataset checks open footers only (no data): a missing path, an unreadable file, a dataset
 too small for one batch per rank (or for its held-out split), or features that do not fit the
@@ -40,10 +41,12 @@ def check(err: Callable[[str], None], fields: dict) -> dict:
 
 def _check_paths(err, f: dict) -> None:
     if f["resume"]:
-        from recxla.train.checkpoint import latest_checkpoint
+        from recxla.train.checkpoint import resume_checkpoint
 
-        if latest_checkpoint(f["checkpoint_dir"]) is None:
-            err(f"--resume: no checkpoint in --checkpoint-dir {f['checkpoint_dir']!r}")
+        try:
+            resume_checkpoint(f["checkpoint_dir"], f["resume_step"])
+        except ValueError as e:
+            err(str(e))
     for flag, path in (("--metrics", f["metrics"]), ("--checkpoint-dir", f["checkpoint_dir"]),
                        ("--trace", f["trace"]), ("--kernel-trace", f["kernel_trace"])):
         parent = os.path.dirname(os.path.abspath(path)) if path else None
