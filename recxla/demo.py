@@ -108,8 +108,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.rows < 4 or args.dim < 1 or args.iters < 1:
         parser.error("--rows must be >= 4, --dim and --iters >= 1")
-    # The parent holds the rendezvous server on a free port until both ranks have joined.
-    server = dist.TCPStore(HOST, 0, None, is_master=True, wait_for_workers=False)
+    # The parent holds the rendezvous server on a free port until both ranks have joined. It
+    # listens on HOST only (torch's own server would listen on every interface, unauthenticated).
+    from recxla.train.rendezvous import listening_socket
+
+    sock = listening_socket(HOST, 0)
+    server = dist.TCPStore(HOST, sock.getsockname()[1], None, is_master=True,
+                           wait_for_workers=False, master_listen_fd=sock.detach())
     mp.spawn(_rank_main, args=(server.port, args.rows, args.dim, args.iters), nprocs=WORLD)
 
 
