@@ -1,4 +1,4 @@
-"""`python -m recxla.demo` (what `make run` runs): the quantized all-to-all at work on 2 gloo ranks.
+"""`python -m recxla.demo` (what `make demo` runs): the quantized all-to-all at work on 2 gloo ranks.
 
 Each rank holds pooled-embedding-like rows (D = 128, magnitudes varying from row to row) and
 exchanges them with recxla.quantized_all_to_all in each wire format. For every format it prints

@@ -186,3 +186,20 @@ def test_cli_prints_a_table_and_writes_the_plot(tmp_path, capsys):
     assert "| 2d e4m3/bf16, overlap | 4 |" in out
     assert "measured runs against the model" in out and "2x2" in out
     assert main(["--nodes", "0"]) == 2
+
+
+def test_cli_bad_input_is_one_line_and_status_2(tmp_path, capsys):
+    bad_run = tmp_path / "bad.json"
+    bad_run.write_text(json.dumps([{"nodes": 2}]))
+    not_json = tmp_path / "not.json"
+    not_json.write_text("{")
+    common = ["--nodes", "1", "--batch", "128", "--dim", "16", "--max-rows", "500", "--plot", ""]
+    for argv, message in (
+            (["--check", str(bad_run)], "run 0 lacks"),
+            (["--check", str(not_json)], "Expecting property name"),
+            (["--check", str(tmp_path / "missing.json")], "No such file"),
+            (["--hardware", "tpu"], "unknown hardware 'tpu'")):
+        assert main(common + argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
+        assert err.count("recxla.sim:") == 1, err  # the prefix once

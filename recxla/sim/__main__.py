@@ -95,6 +95,12 @@ def print_diagnostics() -> None:
           f"dense work per example with FWP/DBP overlap, x{k_off:,.0f} without")
 
 
+def _bad_input(e: Exception) -> int:
+    """One line naming the problem (the library's own prefix once), and status 2."""
+    print(f"python -m recxla.sim: {str(e).removeprefix('recxla.sim: ')}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recxla.sim", description=__doc__.split(
         "\n")[0])
@@ -125,8 +131,7 @@ def main(argv=None) -> int:
                                     batch_size=args.batch)
         results = predict(workload, hw, nodes, args.batch, args.imbalance)
     except ValueError as e:
-        print(f"python -m recxla.sim: {e}", file=sys.stderr)
-        return 2
+        return _bad_input(e)
     print(f"# {workload.name} on {hw.name} ({hw.source}); {args.batch} examples per rank, "
           f"{hw.gpus_per_node} ranks per node")
     rows = []
@@ -161,7 +166,10 @@ def main(argv=None) -> int:
     if args.check:
         from recxla.sim.check import compare_runs, load_runs
 
-        compared = compare_runs(load_runs(args.check))
+        try:
+            compared = compare_runs(load_runs(args.check))
+        except (OSError, ValueError) as e:  # a missing file, bad JSON, a run without a field
+            return _bad_input(e)
         print("\n# measured runs against the model")
         print(table(compared, list(compared[0])) if compared else "(no runs)")
     return 0
