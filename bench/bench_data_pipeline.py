@@ -11,12 +11,18 @@ Two entry points:
         - bytes on disk: pyarrow's defaults (pq.write_table, zstd), recxla unsorted, recxla
           sorted, and the first-row-group trial that chose the sort key;
         - examples/s in steady state (after the first batch, so process and Ray start-up are
-          reported apart) of: a naive reader (row-wise Python over `to_pylist()`, the way a
-          Parquet-to-KJT reader is first written), ParquetDataset without and with prefetch,
-          the local loader with 1 and 2 workers, the Ray loader with 2 tasks; medians of
+          reported apart; two epochs, so every shuffle window's read is counted) of: a naive
+          reader (row-wise Python over `to_pylist()`, the way a Parquet-to-KJT reader is first
+          written), ParquetDataset in its default order (rows shuffled within windows of
+          row groups) without and with prefetch, with rows as stored (`shuffle_rows=0`, the
+          order before shuffle windows) and in file order (`shuffle=False`), the local loader
+          with 1 and 2 workers, the Ray loader with 2 tasks; medians of
           `--rounds` interleaved rounds, against the trainer's consumption (--trainer-rate:
           examples/s of `python -m recxla.train` on 2 ranks with its defaults, measured apart,
           since a trainer and these readers on the same 2 cores would measure each other);
+        - distinct users (values of the sort key) per batch of the sorted file, read with rows
+          as stored and in the default shuffle windows, against batches drawn at random from
+          the whole file;
         - CompactBatch bytes and encode/decode times (raw, zstd 1, zstd 3) against pickle of
           the same Batch and a memcpy of the raw bytes.
 
@@ -165,6 +171,12 @@ def reader_table(d: dict, batch_size: int, rounds: int, lines: list, ray_dir: st
             path, batch_size, num_epochs=None, prefetch=0)), n),
         "ParquetDataset, prefetch=2 (thread)": (lambda: iter(ParquetDataset(
             path, batch_size, num_epochs=None)), n),
+        "ParquetDataset, rows as stored (shuffle_rows=0), prefetch=0": (
+            lambda: iter(ParquetDataset(path, batch_size, num_epochs=None, prefetch=0,
+                                        shuffle_rows=0)), n),
+        "ParquetDataset, file order (shuffle=False), prefetch=0": (
+            lambda: iter(ParquetDataset(path, batch_size, num_epochs=None, prefetch=0,
+                                        shuffle=False)), n),
         "ParquetDataset, unsorted file": (lambda: iter(ParquetDataset(
             d["paths"]["unsorted"], batch_size, num_epochs=None)), n),
         "local loader, 1 worker": (lambda: iter(make_loader(path, batch_size, num_workers=1)), n),
@@ -198,6 +210,41 @@ def reader_table(d: dict, batch_size: int, rounds: int, lines: list, ray_dir: st
         lines.append(f"| {name} | {r:,.0f} | {min(rates[name]):,.0f}-{max(rates[name]):,.0f} | "
                      f"{r / naive:.1f}x | {r / trainer_rate:.1f}x | "
                      f"{statistics.median(starts[name]):.2f} s |")
+    lines.append("")
+
+
+def users_table(d: dict, batch_size: int, lines: list) -> None:
+    """Distinct values of the sort key (the user, for the synthetic log) per batch."""
+    path = d["paths"]["sorted"]
+    key = ParquetDataset(path, batch_size).metadata["sort_by"]
+    if key is None or key == "request_id":
+        lines.append(f"(sorted by {key}: no users-per-batch table)\n")
+        return
+
+    def first_ids(batch):  # a sample's user: the first id of its bag (-1: empty bag)
+        jt = batch.sparse[key]
+        ids = np.full(batch.batch_size, -1, dtype=np.int64)
+        lengths = jt.lengths().numpy()
+        starts = np.cumsum(lengths) - lengths
+        ids[lengths > 0] = jt.values().numpy()[starts[lengths > 0]]
+        return ids
+
+    def per_batch(ds):
+        return statistics.mean(np.unique(first_ids(b)).size for b in ds)
+
+    every = np.concatenate([first_ids(b) for b in ParquetDataset(path, 8192, shuffle=False)])
+    rng = np.random.default_rng(0)
+    sample = statistics.mean(np.unique(rng.choice(every, batch_size, replace=False)).size
+                             for _ in range(200))
+    rows = {
+        "rows as stored (shuffle_rows=0; before shuffle windows)":
+            per_batch(ParquetDataset(path, batch_size, shuffle_rows=0)),
+        "default: rows shuffled within windows": per_batch(ParquetDataset(path, batch_size)),
+        f"{batch_size} rows drawn at random from the whole file": sample,
+    }
+    lines += [f"Distinct {key} ids per batch of {batch_size} (the file sorted by {key}):", "",
+              "| order | distinct per batch (mean) | vs random |", "|---|---|---|"]
+    lines += [f"| {name} | {v:,.1f} | {v / sample:.2f}x |" for name, v in rows.items()]
     lines.append("")
 
 
@@ -272,6 +319,8 @@ def main(argv=None) -> None:
         for b in (1024, 8192):
             reader_table(d, b, args.rounds, lines, os.path.join(folder, "run"),
                          args.trainer_rate)
+        lines.append("## Users per batch\n")
+        users_table(d, 1024, lines)
         lines.append("## CompactBatch\n")
         compact_table(d["batches"][0], 3 * args.rounds, lines)
     lines.append(f"load average at the end: {os.getloadavg()[0]:.1f}")
@@ -289,10 +338,13 @@ def written(tmp_path_factory):
     return path, batches[0]
 
 
-def test_reader_one_row_group(benchmark, written):
+@pytest.mark.parametrize("order", ["file", "window"])
+def test_reader_one_row_group(benchmark, written, order):
+    # "window": the row group shuffled on its own (a window of one group).
     path, _ = written
-    ds = ParquetDataset(path, WRITE_BATCH, shuffle=False, prefetch=0)
-    benchmark(lambda: ds.read_chunk(0, 0, 1).__next__())
+    ds = ParquetDataset(path, WRITE_BATCH, shuffle=order == "window", prefetch=0,
+                        shuffle_rows=WRITE_BATCH)
+    benchmark(lambda: list(ds.read_chunk(0, 0, 0, WRITE_BATCH)))
     benchmark.extra_info["examples_per_call"] = WRITE_BATCH
 
 

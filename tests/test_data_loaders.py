@@ -20,10 +20,20 @@ def dataset_path(tmp_path):
     return write(batches, tmp_path / "data", rows_per_file=80)
 
 
+# Shuffle windows (row groups of 37 and 20 rows): none, one group, two groups, the default (all
+# of a rank's groups). Batches straddle windows, so their pieces come from two workers.
+WINDOWS = [0, 40, 80, None]
+
+
+def _window(shuffle_rows) -> dict:
+    return {} if shuffle_rows is None else {"shuffle_rows": shuffle_rows}
+
+
 @pytest.mark.parametrize("num_workers", [1, 2])
-def test_local_loader_yields_the_dataset_batches(dataset_path, num_workers):
+@pytest.mark.parametrize("shuffle_rows", WINDOWS)
+def test_local_loader_yields_the_dataset_batches(dataset_path, num_workers, shuffle_rows):
     b = random.randint(9, 30)
-    kwargs = dict(rank=1, world_size=2, seed=random.randint(0, 99))
+    kwargs = dict(rank=1, world_size=2, seed=random.randint(0, 99), **_window(shuffle_rows))
     want = list(ParquetDataset(dataset_path, b, num_epochs=2, **kwargs))
     loader = make_loader(dataset_path, b, num_workers=num_workers, num_epochs=2, **kwargs)
     assert isinstance(loader, LocalLoader)
@@ -33,18 +43,20 @@ def test_local_loader_yields_the_dataset_batches(dataset_path, num_workers):
         assert_batches_equal(g, w)
 
 
-def test_positions_resume_across_loaders(dataset_path):
+@pytest.mark.parametrize("shuffle_rows", [40, None])
+def test_positions_resume_across_loaders(dataset_path, shuffle_rows):
     b = 16
-    want = list(ParquetDataset(dataset_path, b, num_epochs=3, seed=7))
+    window = _window(shuffle_rows)
+    want = list(ParquetDataset(dataset_path, b, num_epochs=3, seed=7, **window))
     cut = random.randint(1, len(want) - 1)
-    it = iter(make_loader(dataset_path, b, seed=7, num_workers=2, num_epochs=3))
+    it = iter(make_loader(dataset_path, b, seed=7, num_workers=2, num_epochs=3, **window))
     for _ in range(cut):
         next(it)
     position = json.loads(json.dumps(it.state_dict()))
     it.close()
     for workers in (0, 1):
         rest = list(make_loader(dataset_path, b, seed=7, num_workers=workers, num_epochs=3,
-                                position=position))
+                                position=position, **window))
         assert len(rest) == len(want) - cut
         for g, w in zip(rest, want[cut:]):
             assert_batches_equal(g, w)
@@ -69,6 +81,8 @@ def test_make_loader_arguments(dataset_path):
         make_loader(dataset_path, 8, run_dir="/tmp/x")
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         make_loader(dataset_path, 0)
+    with pytest.raises(ValueError, match="shuffle_rows must be an int >= 0"):
+        make_loader(dataset_path, 8, shuffle_rows=-5)
     loader = make_loader(dataset_path, 8, num_workers=0)
     assert loader.metadata["layout"]["num_dense"] == 3
 

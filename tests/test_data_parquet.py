@@ -1,4 +1,5 @@
-"""Parquet writer and ParquetDataset: exact round trips, sorting, order, sharding, resume."""
+"""Parquet writer and ParquetDataset: exact round trips, sorting, order (row groups shuffled,
+rows shuffled within windows), sharding, resume."""
 
 import json
 import os
@@ -120,14 +121,14 @@ def test_sorting_by_user_shrinks_the_synthetic_log(tmp_path):
     assert meta["bytes"] < 0.85 * meta["unsorted_bytes"], meta
 
 
-def test_shuffle_is_a_seeded_permutation_of_row_groups_per_epoch(tmp_path, seed):
+def test_shuffle_rows_zero_is_a_seeded_permutation_of_row_groups_per_epoch(tmp_path, seed):
     b = 16
     batches = random_batches(9, b)
     path = write(batches, tmp_path / "f.parquet")
     s = seed % 10_000
 
     def sequence(seed_, epochs=2):
-        got = list(ParquetDataset(path, b, seed=seed_, num_epochs=epochs))
+        got = list(ParquetDataset(path, b, seed=seed_, num_epochs=epochs, shuffle_rows=0))
         which = []
         for g in got:
             match = [i for i, w in enumerate(batches) if torch.equal(g.labels, w.labels)
@@ -141,6 +142,153 @@ def test_shuffle_is_a_seeded_permutation_of_row_groups_per_epoch(tmp_path, seed)
     assert first[:9] != first[9:]  # a new order every epoch (1 in 9! to tie by chance)
     assert sequence(s) == first
     assert sequence(s + 1) != first
+
+
+def _tagged(groups, rows, **kwargs):
+    """Batches of `rows` samples whose dense column 0 numbers the rows 0, 1, ... (a row's tag)."""
+    batches = random_batches(groups, rows, **kwargs)
+    for i, batch in enumerate(batches):
+        batch.dense[:, 0] = torch.arange(i * rows, (i + 1) * rows, dtype=torch.float32)
+    return batches
+
+
+def _tags(batches) -> list:
+    return [int(t) for batch in batches for t in batch.dense[:, 0].tolist()]
+
+
+@pytest.mark.parametrize("shuffle_rows", [None, 1, 50, 120])
+def test_same_seed_same_batches_other_seed_other_batches(tmp_path, seed, shuffle_rows):
+    rows, b = 40, 16  # 40-row groups: windows of 1 (shuffle_rows 1 and 50) or 3 groups (120)
+    batches = _tagged(8, rows)
+    path = write(batches, tmp_path / "f.parquet")
+    kwargs = {} if shuffle_rows is None else {"shuffle_rows": shuffle_rows}
+    s = seed % 10_000
+
+    def read(seed_):
+        return list(ParquetDataset(path, b, seed=seed_, num_epochs=2, **kwargs))
+
+    first = read(s)
+    again = read(s)
+    assert len(first) == len(again) == 2 * 8 * rows // b
+    for g, w in zip(again, first):
+        assert_batches_equal(g, w)
+    tags = _tags(first)
+    epoch = 8 * rows
+    for e in range(2):  # every row once per epoch, in an order that is not the stored one
+        assert sorted(tags[e * epoch:(e + 1) * epoch]) == list(range(epoch))
+        assert tags[e * epoch:(e + 1) * epoch] != list(range(epoch))
+    assert tags[:epoch] != tags[epoch:]  # a new order every epoch
+    assert _tags(read(s + 1)) != tags
+    # A row's sample travels whole: its bags, weights, dense and label are the written ones.
+    written = {r[2][0]: r for batch in batches for r in to_rows(batch)}
+    for batch in first[:4]:
+        for r in to_rows(batch):
+            assert r == written[r[2][0]]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("shuffle_rows", [0, 30, 100, None])
+def test_every_row_once_per_epoch_across_ranks(tmp_path, world_size, shuffle_rows):
+    # Groups of 24 rows, 4 per rank, batches of 16: 6 batches a rank, straddling groups and
+    # (with windows of 1 or 4 groups) windows.
+    rows, b = 24, 16
+    groups = 4 * world_size
+    path = write(_tagged(groups, rows), tmp_path / "f.parquet")
+    kwargs = {} if shuffle_rows is None else {"shuffle_rows": shuffle_rows}
+    for epoch_seed in (1, 2):
+        tags = []
+        for r in range(world_size):
+            ds = ParquetDataset(path, b, rank=r, world_size=world_size, seed=epoch_seed,
+                                **kwargs)
+            got = list(ds)
+            assert len(got) == 4 * rows // b == ds.num_batches(0)
+            tags += _tags(got)
+        assert sorted(tags) == list(range(groups * rows))
+
+
+def test_uneven_row_groups_read_no_row_twice(tmp_path, seed):
+    batches = []
+    sizes = [random.randint(10, 60) for _ in range(random.randint(6, 12))]  # >= a batch a rank
+    start = 0
+    for n in sizes:
+        batch = random_batch(n)
+        batch.dense[:, 0] = torch.arange(start, start + n, dtype=torch.float32)
+        batches.append(batch)
+        start += n
+    path = write(batches, tmp_path / "f.parquet")
+    b, world = random.randint(3, 20), 2
+    for shuffle_rows in (0, 40, 200):
+        tags = []
+        for r in range(world):
+            ds = ParquetDataset(path, b, rank=r, world_size=world, seed=seed % 1000,
+                                shuffle_rows=shuffle_rows)
+            tags += _tags(ds)
+        assert len(set(tags)) == len(tags) and set(tags) <= set(range(start))
+        # Left out: what the smallest rank's share does not fill, and its last partial batch.
+        plan = ds.plan(0)
+        shares = [sum(sizes[g] for g in plan_r.groups) for plan_r in
+                  (ParquetDataset(path, b, rank=r, world_size=world, seed=seed % 1000,
+                                  shuffle_rows=shuffle_rows).plan(0) for r in range(world))]
+        assert len(tags) == world * plan.num_batches * b == world * (min(shares) // b) * b
+
+
+def test_windows_hold_at_most_shuffle_rows_and_are_read_once(tmp_path, monkeypatch):
+    from recxla.data import parquet_reader
+
+    rows, b = 30, 7
+    path = write(random_batches(10, rows), tmp_path / "f.parquet")
+    ds = ParquetDataset(path, b, shuffle_rows=70, prefetch=0)
+    plan = ds.plan(0)
+    assert all(len(w) == 2 for w in plan.windows[:-1])  # 2 groups of 30 <= 70 < 3 groups
+    assert sum(plan.windows, []) == plan.groups
+    reads = []
+    read = parquet_reader._GroupReader.read
+    monkeypatch.setattr(parquet_reader._GroupReader, "read",
+                        lambda self, g, t: reads.append(g) or read(self, g, t))
+    assert len(list(ds)) == 10 * rows // b
+    assert sorted(reads) == list(range(10))  # each row group read once, straddling or not
+    # A group larger than the window is a window of its own.
+    assert [len(w) for w in ParquetDataset(path, b, shuffle_rows=10).plan(0).windows] == [1] * 10
+
+
+def _user_log(groups: int, rows: int, users: int):
+    """A log with a one-id "user" feature (uniform over `users`) and an item bag."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    out = []
+    for _ in range(groups):
+        user = torch.randint(0, users, (rows,))
+        item_lengths = torch.randint(0, 4, (rows,))
+        items = torch.randint(0, 10_000, (int(item_lengths.sum()),))
+        kjt = KeyedJaggedTensor(
+            keys=["user", "item"], values=torch.cat([user, items]),
+            lengths=torch.cat([torch.ones(rows, dtype=torch.int64), item_lengths]).int(),
+            stride=rows)
+        out.append(Batch(kjt, torch.randn(rows, 2), torch.randint(0, 2, (rows,)).float()))
+    return out
+
+
+def _users_per_batch(batches) -> float:
+    return float(np.mean([batch.sparse["user"].values().unique().numel() for batch in batches]))
+
+
+def test_a_batch_holds_as_many_users_as_a_random_sample(tmp_path, seed):
+    # Row groups sorted by user, as `convert --sort-by auto` writes them: 512 rows of 64 users
+    # hold 8 rows a user side by side, and a batch of 64 read in stored order about 9 users.
+    # Shuffled within windows, a batch holds as many as 64 rows drawn at random from the whole
+    # log (64 * (1 - (63/64)**64), about 41).
+    groups, rows, users, b = 8, 512, 64, 64
+    path = write(_user_log(groups, rows, users), tmp_path / "u.parquet", sort_by="user")
+    assert ParquetDataset(path, b).metadata["sort_by"] == "user"
+    every = np.concatenate([batch.sparse["user"].values().numpy()
+                            for batch in ParquetDataset(path, b, shuffle=False)])
+    rng = np.random.default_rng(seed)
+    sample = np.mean([np.unique(rng.choice(every, b, replace=False)).size for _ in range(400)])
+    stored = _users_per_batch(ParquetDataset(path, b, shuffle=False))
+    assert stored < 0.4 * sample  # the sorted layout, read as stored: few users a batch
+    for kwargs in ({}, {"shuffle_rows": rows}, {"rank": 1, "world_size": 2}):
+        got = _users_per_batch(ParquetDataset(path, b, seed=seed % 1000, **kwargs))
+        assert got > 0.9 * sample, (kwargs, got, sample, stored)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -158,11 +306,16 @@ def test_ranks_read_disjoint_row_groups_and_as_many_batches(tmp_path, world_size
     assert len(set(seen)) == len(seen)
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("shuffle_rows", [0, 45, 70, None])
+def test_resume_continues_exactly(tmp_path, shuffle_rows):
+    # 30-row groups: windows of 1 or 2 groups (45, 70) or all of a rank's (default), so a cut
+    # lands mid-window and, for some batch sizes, mid-way through a batch straddling windows.
     batches = random_batches(7, 30)
     path = write(batches, tmp_path / "f.parquet")
     b = random.randint(11, 40)
     kwargs = dict(rank=1, world_size=2, seed=3, num_epochs=3)
+    if shuffle_rows is not None:
+        kwargs["shuffle_rows"] = shuffle_rows
     full = list(ParquetDataset(path, b, **kwargs))
     cut = random.randint(0, len(full))
     it = iter(ParquetDataset(path, b, **kwargs))
@@ -183,6 +336,13 @@ def test_resume_refuses_other_settings(tmp_path):
     position = it.state_dict()
     with pytest.raises(ValueError, match="batch_size=10.*batch_size=20"):
         ParquetDataset(path, 20, position=position)
+    with pytest.raises(ValueError, match="shuffle_rows=131072.*shuffle_rows=5"):
+        ParquetDataset(path, 10, position=position, shuffle_rows=5)
+    # File order: the window plays no part, any shuffle_rows resumes.
+    it = iter(ParquetDataset(path, 10, shuffle=False, shuffle_rows=7))
+    next(it)
+    assert len(list(ParquetDataset(path, 10, shuffle=False, position=it.state_dict()))) == 7
+    it.close()
     with pytest.raises(ValueError, match="past the"):
         ParquetDataset(path, 10, position={**position, "batch": 10**6})
     with pytest.raises(ValueError, match="not a recxla.data position"):
@@ -195,6 +355,8 @@ def test_too_small_dataset_is_an_error(tmp_path):
         ParquetDataset(path, 100)
     with pytest.raises(ValueError, match="rank must be < world_size"):
         ParquetDataset(path, 4, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="shuffle_rows must be an int >= 0, got -1"):
+        ParquetDataset(path, 4, shuffle_rows=-1)
 
 
 def test_writer_rejects_bad_input_and_leaves_nothing(tmp_path):

@@ -29,11 +29,16 @@ def _loader(path, b, run_dir, **kwargs):
     return make_loader(path, b, loader="ray", num_workers=2, run_dir=run_dir, **kwargs)
 
 
-def test_ray_loader_yields_the_local_batches(tmp_path, run_dir):
+@pytest.mark.parametrize("shuffle_rows", [30, None])
+def test_ray_loader_yields_the_local_batches(tmp_path, run_dir, shuffle_rows):
+    # Windows of one 25-row group (30), or all of a rank's groups (the default): with the
+    # first, batches straddle windows and their pieces come from two Ray tasks.
     path = write(random_batches(6, 25) + random_batches(1, 10), tmp_path / "data",
                  rows_per_file=50)
     b = random.randint(8, 30)
     kwargs = dict(rank=1, world_size=2, seed=random.randint(0, 99), num_epochs=2)
+    if shuffle_rows is not None:
+        kwargs["shuffle_rows"] = shuffle_rows
     loader = _loader(path, b, run_dir, **kwargs)
     assert isinstance(loader, RayLoader)
     got = list(loader)

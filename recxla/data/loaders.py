@@ -2,10 +2,11 @@
 multi-process loader behind it (the Ray loader is in `recxla.data.ray_loader`).
 
 Every loader yields what `ParquetDataset` with the same arguments yields, batch for batch: the
-dataset cuts each epoch into runs of batches that begin in the same row group
-(`ParquetDataset.chunks`), workers read runs and send each batch back as one `CompactBatch`
-buffer, and the consumer decodes the runs in their order. Positions are the dataset's, so a
-position saved from any loader resumes in any other.
+dataset cuts each epoch into chunks, one per shuffle window (`ParquetDataset.chunks`), workers
+read chunks and send each batch, or piece of a batch that straddles two windows, back as one
+`CompactBatch` buffer, and the consumer decodes the chunks in their order and joins the pieces
+(`whole_batches`). Positions are the dataset's, so a position saved from any loader resumes in
+any other.
 """
 
 from typing import Dict, Optional, Sequence
@@ -14,7 +15,9 @@ import torch
 
 from recxla.data.batch_iterator import BatchIterator
 from recxla.data.compact_batch import CompactBatch
+from recxla.data.epoch_plan import SHUFFLE_ROWS
 from recxla.data.parquet_dataset import ParquetDataset
+from recxla.data.parquet_reader import whole_batches
 
 LOADERS = ("local", "ray")
 
@@ -25,26 +28,25 @@ def _check_workers(num_workers, op: str, lo: int) -> int:
     return num_workers
 
 
-def encode_chunk(dataset: ParquetDataset, epoch: int, first: int, stop: int,
+def encode_chunk(dataset: ParquetDataset, epoch: int, window: int, lo: int, hi: int,
                  compress: bool) -> list:
-    """The batches first <= k < stop of `epoch`, each encoded as CompactBatch bytes."""
-    return [CompactBatch.encode(batch, compress=compress)
-            for _, batch in dataset.read_chunk(epoch, first, stop, use_threads=False)]
+    """The pieces of a chunk (`ParquetDataset.read_chunk`) as [(k, CompactBatch bytes)]."""
+    return [(k, CompactBatch.encode(piece, compress=compress))
+            for k, piece in dataset.read_chunk(epoch, window, lo, hi, use_threads=False)]
 
 
 class _ChunkReader(torch.utils.data.Dataset):
-    """Map-style dataset whose items are runs: (epoch, first, stop) -> (epoch, first, [bytes])."""
+    """Map-style dataset whose items are chunks: (epoch, window, lo, hi) -> (epoch, pieces)."""
 
     def __init__(self, dataset: ParquetDataset, compress: bool):
         self.dataset, self.compress = dataset, compress
 
-    def __getitem__(self, run):
-        epoch, first, stop = run
-        return epoch, first, encode_chunk(self.dataset, epoch, first, stop, self.compress)
+    def __getitem__(self, chunk):
+        return chunk[0], encode_chunk(self.dataset, *chunk, compress=self.compress)
 
 
-class _Runs:
-    """The sampler: every run of the dataset from its start position, in order."""
+class _Chunks:
+    """The sampler: every chunk of the dataset from its start position, in order."""
 
     def __init__(self, dataset: ParquetDataset):
         self.dataset = dataset
@@ -60,7 +62,7 @@ def _as_is(item):
 class LocalLoader:
     """Batches of `dataset` read by `num_workers` worker processes on this machine.
 
-    Built on torch's DataLoader: runs go to the workers round-robin and come back in order;
+    Built on torch's DataLoader: chunks go to the workers round-robin and come back in order;
     an exception in a worker is raised here, naming the worker; a worker that dies is reported
     instead of waited for. Batches travel as CompactBatch buffers (zstd when `compress`: worth
     it only where the link is slower than zstd, not between local processes).
@@ -69,7 +71,7 @@ class LocalLoader:
         dataset: what to read (its position, epochs and sharding apply).
         num_workers: worker processes (>= 1).
         compress: zstd the buffers between processes.
-        prefetch_runs: runs each worker reads ahead.
+        prefetch_runs: chunks (shuffle windows) each worker reads ahead.
     """
 
     def __init__(self, dataset: ParquetDataset, num_workers: int = 1, compress: bool = False,
@@ -89,16 +91,17 @@ class LocalLoader:
     def num_batches(self, epoch: int = 0) -> int:
         return self.dataset.num_batches(epoch)
 
-    def _batches(self):
+    def _pieces(self):
         loader = torch.utils.data.DataLoader(
-            _ChunkReader(self.dataset, self.compress), batch_size=None, sampler=_Runs(self.dataset),
+            _ChunkReader(self.dataset, self.compress), batch_size=None,
+            sampler=_Chunks(self.dataset),
             num_workers=self.num_workers, prefetch_factor=self.prefetch_runs, collate_fn=_as_is,
         )  # fmt: skip
         runs = iter(loader)
         try:
-            for epoch, first, blobs in runs:
-                for i, blob in enumerate(blobs):
-                    yield epoch, first + i, CompactBatch.decode(blob)
+            for epoch, pieces in runs:
+                for k, blob in pieces:
+                    yield epoch, k, CompactBatch.decode(blob)
         finally:
             # Stops the workers now rather than when the garbage collector gets to it.
             shutdown = getattr(runs, "_shutdown_workers", None)
@@ -106,7 +109,8 @@ class LocalLoader:
                 shutdown()
 
     def __iter__(self) -> BatchIterator:
-        return BatchIterator(self._batches(), self.dataset.start, self.dataset.identity)
+        batches = whole_batches(self._pieces(), self.dataset.batch_size)
+        return BatchIterator(batches, self.dataset.start, self.dataset.identity)
 
     def close(self) -> None:
         """Nothing to release: workers stop when their iterator is closed or exhausted."""
@@ -124,6 +128,7 @@ def make_loader(
     *,
     num_epochs: Optional[int] = None,
     shuffle: bool = True,
+    shuffle_rows: int = SHUFFLE_ROWS,
     compress: Optional[bool] = None,
     run_dir: Optional[str] = None,
     ray_address: Optional[str] = None,
@@ -136,15 +141,18 @@ def make_loader(
         batch_size: samples per batch on this rank.
         rank, world_size: this rank's share of the row groups (every rank yields as many
             batches per epoch).
-        seed: the order of row groups, a new permutation every epoch.
+        seed: the order of row groups and of rows within shuffle windows, new every epoch.
         loader: "local" (worker processes on this machine) or "ray" (Ray Data tasks; needs
             `pip install recxla[ray]`).
         num_workers: worker processes or Ray tasks; 0 with "local" reads in this process, in a
             background thread.
         position: a dict from the iterator's `state_dict()` to resume right after its last
-            batch (same seed, batch size, world size and files; the same on every rank).
+            batch (same seed, batch size, world size, shuffle settings and files; the same on
+            every rank).
         num_epochs: epochs to iterate (None: endless; the position carries the epoch).
-        shuffle: False reads row groups in file order.
+        shuffle: False reads in file order (row groups in file order, rows as stored).
+        shuffle_rows: rows shuffled together: windows of whole row groups of at most this
+            many rows (see ParquetDataset); 0 shuffles only the order of row groups.
         compress: zstd between processes (default: off for "local", on for "ray").
         run_dir: "ray" only: the folder for Ray's temporary files (default: a new temporary
             folder, removed when the loader is closed).
@@ -162,7 +170,8 @@ def make_loader(
         raise ValueError(f"{op}: loader must be one of {LOADERS}, got {loader!r}")
     _check_workers(num_workers, op, 0 if loader == "local" else 1)
     dataset = ParquetDataset(path, batch_size, rank, world_size, seed, shuffle=shuffle,
-                             num_epochs=num_epochs, position=position, row_groups=row_groups)
+                             shuffle_rows=shuffle_rows, num_epochs=num_epochs,
+                             position=position, row_groups=row_groups)
     if loader == "ray":
         from recxla.data.ray_loader import RayLoader
 

@@ -1,16 +1,19 @@
 """`ParquetDataset`: the iterable of batches a trainer consumes, sharded by rank, in a seeded
-order, resumable from a checkpointed position, read ahead by a background thread.
+order (row groups shuffled, rows shuffled within windows of row groups), resumable from a
+checkpointed position, read ahead by a background thread.
 
 The loaders of `recxla.data.loaders` move the same reading into worker processes or Ray tasks:
 the dataset decides what every batch is (`plan`, `chunks`, `read_chunk`), a loader only decides
-where it is read, so every loader yields the same batches in the same order.
+where it is read (a chunk is one shuffle window, read once, whichever process reads it), so
+every loader yields the same batches in the same order.
 """
 
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 from recxla.data.batch_iterator import POSITION_FORMAT, BatchIterator, check_position
+from recxla.data.epoch_plan import SHUFFLE_ROWS, EpochPlan
 from recxla.data.parquet_layout import DatasetInfo
-from recxla.data.parquet_reader import OP, EpochPlan, _check_int, _GroupReader, read_batches
+from recxla.data.parquet_reader import OP, _check_int, _GroupReader, read_run, whole_batches
 
 
 class ParquetDataset:
@@ -21,19 +24,29 @@ class ParquetDataset:
         batch_size: samples per batch, B (need not match the written batches).
         rank, world_size: this rank reads row groups rank, rank + world_size, ... of each
             epoch's order; every rank yields the same number of batches per epoch.
-        seed: the order of row groups in epoch e is a permutation drawn from (seed, e).
-        shuffle: False reads row groups in file order (each rank its share).
+        seed: the order of row groups in epoch e is a permutation drawn from (seed, e), the
+            order of rows within a shuffle window one drawn from (seed, e, rank, window).
+        shuffle: False reads in file order: row groups in file order (each rank its share),
+            rows in their stored order.
+        shuffle_rows: rows shuffled together (with `shuffle`): this rank's row groups, in the
+            epoch's order, are cut into windows of whole groups holding at most this many rows
+            (at least one group), and each window's rows are read in a random order. Memory:
+            one window's decoded rows, twice while it is shuffled. 0: rows keep their stored
+            order within each row group (only the order of row groups is shuffled). Default
+            `recxla.data.epoch_plan.SHUFFLE_ROWS` (131,072).
         num_epochs: epochs to iterate, counted from epoch 0 (None: endless).
         position: a dict from an iterator's `state_dict()`: iteration continues right after
-            the last batch that iterator returned (same seed, batch size, world size, shuffle
-            and files, else ValueError).
+            the last batch that iterator returned (same seed, batch size, world size, shuffle,
+            shuffle_rows and files, else ValueError).
         prefetch: batches an iterator reads ahead in a background thread (0: none).
         row_groups: read only these row groups (indices into the dataset's row groups in file
             order, e.g. a training or held-out split); None: all of them.
     Iterating yields `recxla.data.Batch` (KJT with the written ids, lengths, weights; dense
     [B, num_dense]; labels [B]; request_ids [B] or None), in an order fixed by the arguments.
     Each `iter()` starts at `position` (or the beginning); the iterator's `state_dict()` gives
-    the position to resume from. Rows within a row group keep their stored order.
+    the position to resume from. Within an epoch no row is read twice; what is left out of an
+    epoch (with row groups of one size, fewer than a row group plus a batch per rank) is said
+    in recxla.data.epoch_plan.
 
     Raises FileNotFoundError for a missing path and DataFormatError (a ValueError) naming the
     file for an unreadable, truncated or inconsistent one, at construction (footers) or on the
@@ -49,6 +62,7 @@ class ParquetDataset:
         seed: int = 0,
         *,
         shuffle: bool = True,
+        shuffle_rows: int = SHUFFLE_ROWS,
         num_epochs: Optional[int] = 1,
         position: Optional[Dict] = None,
         prefetch: int = 2,
@@ -63,6 +77,7 @@ class ParquetDataset:
         if not isinstance(shuffle, bool):
             raise TypeError(f"{OP}: shuffle must be a bool, got {type(shuffle).__name__}")
         self.shuffle = shuffle
+        self.shuffle_rows = _check_int(shuffle_rows, "shuffle_rows", 0)
         self.num_epochs = None if num_epochs is None else _check_int(num_epochs, "num_epochs", 1)
         self.prefetch = _check_int(prefetch, "prefetch", 0)
         self.info = DatasetInfo(path, OP)
@@ -73,7 +88,8 @@ class ParquetDataset:
         self._plan: Optional[EpochPlan] = None
         self.identity = {
             "seed": seed, "batch_size": batch_size, "world_size": world_size,
-            "shuffle": shuffle, "dataset": self.info.fingerprint,
+            "shuffle": shuffle, "shuffle_rows": shuffle_rows if shuffle else 0,
+            "dataset": self.info.fingerprint,
         }  # fmt: skip
         if row_groups is not None:  # a position is a position in the same split
             self.identity["row_groups"] = self.info.split_fingerprint
@@ -107,7 +123,7 @@ class ParquetDataset:
 
     def _make_plan(self, epoch: int) -> EpochPlan:
         plan = EpochPlan(self.info, self.batch_size, self.rank, self.world_size, self.seed,
-                         self.shuffle, epoch)
+                         self.shuffle, epoch, self.shuffle_rows)
         if plan.num_batches == 0:
             raise ValueError(
                 f"{OP}: {self.info.path}: epoch {epoch}: {self.info.num_rows} rows in "
@@ -135,28 +151,35 @@ class ParquetDataset:
             yield epoch
             epoch += 1
 
-    def chunks(self) -> Iterator[Tuple[int, int, int]]:
-        """(epoch, first, stop) runs of batches from the start position to the last epoch; each
-        run's batches begin in the same row group (see EpochPlan.chunks)."""
+    def chunks(self) -> Iterator[Tuple[int, int, int, int]]:
+        """(epoch, window, lo, hi) from the start position to the last epoch: the rows
+        [lo, hi) of the rank's stream that shuffle window `window` holds (EpochPlan.runs).
+        Reading the chunks in order and joining their pieces (`whole_batches`) gives the
+        dataset's batches; each chunk reads its window's row groups once."""
         for epoch in self._epochs():
             first = self.start[1] if epoch == self.start[0] else 0
-            for a, b in self.plan(epoch).chunks(first):
-                yield epoch, a, b
+            for window, lo, hi in self.plan(epoch).runs(first):
+                yield epoch, window, lo, hi
 
-    def read_chunk(self, epoch: int, first: int, stop: int, use_threads: bool = True):
-        """(k, Batch) for batches first <= k < stop of `epoch`."""
-        return read_batches(self._reader, self.plan(epoch), self.layout, first, stop,
-                            use_threads)
+    def read_chunk(self, epoch: int, window: int, lo: int, hi: int, use_threads: bool = True):
+        """(k, Batch) pieces of a chunk: batch k's samples among stream rows [lo, hi), in
+        order (a whole batch, or the part of one that straddles two windows)."""
+        return read_run(self._reader, self.plan(epoch), self.layout, window, lo, hi,
+                        use_threads)
 
-    def _batches(self) -> Iterator[Tuple[int, int, object]]:
+    def _pieces(self) -> Iterator[Tuple[int, int, object]]:
         # An iterator of its own: files and plans are not shared with other iterators'
         # threads (a ParquetFile is not safe to read from two threads at once).
         reader = _GroupReader(self.info)
         for epoch in self._epochs():
             plan = self._make_plan(epoch)
             first = self.start[1] if epoch == self.start[0] else 0
-            for k, batch in read_batches(reader, plan, self.layout, first, plan.num_batches):
-                yield epoch, k, batch
+            for window, lo, hi in plan.runs(first):
+                for k, piece in read_run(reader, plan, self.layout, window, lo, hi):
+                    yield epoch, k, piece
+
+    def _batches(self) -> Iterator[Tuple[int, int, object]]:
+        return whole_batches(self._pieces(), self.batch_size)
 
     def __iter__(self) -> BatchIterator:
         return BatchIterator(self._batches(), self.start, self.identity, self.prefetch)

@@ -1,26 +1,22 @@
-"""`ParquetDataset`: Parquet files -> `recxla.data.Batch`es, straight from Arrow buffers.
+"""Reading for `ParquetDataset`: row groups -> `recxla.data.Batch`es, straight from Arrow
+buffers, in the order an `EpochPlan` (recxla.data.epoch_plan) gives.
 
-What a rank reads in an epoch (`EpochPlan`): the row groups of all files, in file order or in a
-seeded random order that changes every epoch, dealt round-robin to the ranks (rank r takes
-groups r, r + W, ...). A rank's groups, in that order, form one stream of rows cut into batches
-of B; every rank yields the same number of batches (the smallest any rank can fill), so no
-rank waits in a collective for a batch that never comes. The rest of the rows (less than a
-group plus a batch per rank) is left out of that epoch.
-
-Reading a batch: the row groups it spans are read with pyarrow (decompression and decoding in
-C++), and every feature becomes part of the KeyedJaggedTensor by whole-array operations on the
-list column's offsets and values buffers (lengths = diff(offsets)); no Python code runs per row.
+A run of the plan is one shuffle window: its row groups are read with pyarrow (decompression and
+decoding in C++), put in the window's random order by one Arrow `take`, and cut into pieces at
+batch boundaries; every piece becomes a Batch by whole-array operations on the list columns'
+offsets and values buffers (lengths = diff(offsets)), no Python code per row. A batch that
+straddles two windows arrives as two pieces (more when windows are smaller than a batch), which
+`whole_batches` joins: each window is read once, by one reader, whichever process reads it.
 """
 
 import os
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Tuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from recxla.data import hashing
-from recxla.data.batch_iterator import BatchIterator, check_position
+from recxla.data.epoch_plan import EpochPlan
 from recxla.data.errors import DataFormatError
 from recxla.data.parquet_layout import (
     DTYPES,
@@ -33,7 +29,6 @@ from recxla.data.parquet_layout import (
 )
 
 OP = "recxla.data.ParquetDataset"
-_TAG_EPOCH_ORDER = 0x0E90C4
 
 
 def _numpy_dtype(name: str):
@@ -99,45 +94,6 @@ def table_to_batch(table: pa.Table, layout: Layout, where: str):
     return Batch(sparse, torch.from_numpy(dense), torch.from_numpy(labels), request_ids)
 
 
-class EpochPlan:
-    """The row groups one rank reads in one epoch, and how its rows cut into batches.
-
-    groups: indices into DatasetInfo.row_groups, in reading order; starts: the first row of
-    each group in the rank's stream (and the total at the end); num_batches: batches of
-    batch_size every rank yields this epoch.
-    """
-
-    def __init__(self, info: DatasetInfo, batch_size, rank, world_size, seed, shuffle, epoch):
-        n = len(info.row_groups)
-        if shuffle:
-            g = torch.Generator().manual_seed(hashing.mix_scalar(seed, epoch, _TAG_EPOCH_ORDER))
-            order = torch.randperm(n, generator=g).tolist()
-        else:
-            order = list(range(n))
-        rows = [[info.row_groups[i][2] for i in order[r::world_size]] for r in range(world_size)]
-        self.epoch = epoch
-        self.batch_size = batch_size
-        self.groups: List[int] = order[rank::world_size]
-        self.starts = np.concatenate([[0], np.cumsum(rows[rank], dtype=np.int64)])
-        self.num_batches = min(sum(r) for r in rows) // batch_size
-
-    def group_at(self, row: int) -> int:
-        """Position (in self.groups) of the group holding row `row` of the rank's stream."""
-        return int(np.searchsorted(self.starts, row, side="right")) - 1
-
-    def chunks(self, first: int = 0) -> List[Tuple[int, int]]:
-        """Batches [first, num_batches) as (first, stop) runs whose first rows lie in the same
-        group: a worker that reads a run reads each of its groups once."""
-        out: List[Tuple[int, int]] = []
-        for k in range(first, self.num_batches):
-            g = self.group_at(k * self.batch_size)
-            if out and self.group_at(out[-1][0] * self.batch_size) == g:
-                out[-1] = (out[-1][0], k + 1)
-            else:
-                out.append((k, k + 1))
-        return out
-
-
 class _GroupReader:
     """Reads row groups by their index in DatasetInfo.row_groups; files opened on first use,
     once per process (a forked worker opens its own)."""
@@ -166,36 +122,84 @@ class _GroupReader:
         return table
 
 
-def read_batches(reader: _GroupReader, plan: EpochPlan, layout: Layout, first: int, stop: int,
-                 use_threads: bool = True) -> Iterator[Tuple[int, object]]:
-    """(k, Batch) for batches first <= k < stop of `plan`, reading each needed group once."""
-    b = plan.batch_size
-    g = plan.group_at(first * b)
-    skip = first * b - int(plan.starts[g])
-    pending: List[pa.Table] = []
-    pending_rows = 0
-    for k in range(first, stop):
-        while pending_rows < b:
-            t = reader.read(plan.groups[g], use_threads)
-            if skip:
-                t, skip = t.slice(skip), 0
-            pending.append(t)
-            pending_rows += t.num_rows
-            g += 1
-        parts, need = [], b
-        while need:
-            t = pending[0]
-            if t.num_rows <= need:
-                parts.append(pending.pop(0))
-                need -= t.num_rows
-            else:
-                parts.append(t.slice(0, need))
-                pending[0] = t.slice(need)
-                need = 0
-        pending_rows -= b
-        fi, gi, _ = reader.info.row_groups[plan.groups[g - 1]]
-        where = f"{OP}: {reader.info.files[fi].path} (epoch {plan.epoch}, batch {k})"
-        yield k, table_to_batch(pa.concat_tables(parts), layout, where)
+def read_run(reader: "_GroupReader", plan: EpochPlan, layout: Layout, window: int, lo: int,
+             hi: int, use_threads: bool = True) -> Iterator[Tuple[int, object]]:
+    """(k, Batch) pieces of stream rows [lo, hi) of `window` (a run of `plan.runs`), in order:
+    piece k holds the rows of batch k that the window holds in [lo, hi) (all B of them, or the
+    part of a batch that straddles windows). The window's groups are read once."""
+    groups = plan.windows[window]
+    start = int(plan.starts[window])
+    table = pa.concat_tables([reader.read(g, use_threads) for g in groups])
+    order = plan.order(window)
+    if order is None:
+        table = table.slice(lo - start, hi - lo)
+    else:
+        # One take over the whole window (a take per batch costs a call per column per batch;
+        # a take over several chunks is slower than joining them first). Each step replaces
+        # the table, so the window's rows are held at most twice.
+        table = table.combine_chunks()
+        table = table.take(order[lo - start:hi - start])
+    files = sorted({reader.info.files[reader.info.row_groups[g][0]].path for g in groups})
+    for k, a, b in plan.pieces(lo, hi):
+        where = f"{OP}: {', '.join(files)} (epoch {plan.epoch}, batch {k})"
+        yield k, table_to_batch(table.slice(a - lo, b - a), layout, where)
+
+
+def concat_batches(parts: List) -> object:
+    """Batches -> one Batch of their samples in order (same keys, dtypes and dense width)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recxla.data.synthetic import Batch
+
+    if len(parts) == 1:
+        return parts[0]
+    keys = parts[0].sparse.keys()
+    nk = len(keys)
+    lengths = [p.sparse.lengths().view(nk, p.batch_size) for p in parts]
+    per_key = [ln.sum(1, dtype=torch.int64).tolist() for ln in lengths]
+
+    def by_key(tensors):  # key-major: key 0 of every part, then key 1, ...
+        split = [t.split(n) for t, n in zip(tensors, per_key)]
+        return torch.cat([s[f] for f in range(nk) for s in split])
+
+    weighted = parts[0].sparse.weights_or_none() is not None
+    sparse = KeyedJaggedTensor(
+        keys=keys,
+        values=by_key([p.sparse.values() for p in parts]),
+        lengths=torch.cat(lengths, dim=1).reshape(-1),
+        weights=by_key([p.sparse.weights() for p in parts]) if weighted else None,
+        stride=sum(p.batch_size for p in parts),
+    )
+    rid = None
+    if parts[0].request_ids is not None:
+        rid = torch.cat([p.request_ids for p in parts])
+    return Batch(sparse, torch.cat([p.dense for p in parts]),
+                 torch.cat([p.labels for p in parts]), rid)
+
+
+def whole_batches(pieces: Iterable[Tuple[int, int, object]],
+                  batch_size: int) -> Iterator[Tuple[int, int, object]]:
+    """(epoch, k, piece) in stream order -> (epoch, k, Batch) once batch k's pieces hold
+    `batch_size` samples. A batch is handed out only whole: a failure while reading its last
+    piece raises before it."""
+    key, parts, rows = None, [], 0
+    try:
+        for epoch, k, piece in pieces:
+            if (epoch, k) != key:
+                if parts:
+                    raise RuntimeError(f"{OP}: batch {key} ended after {rows} of {batch_size} "
+                                       "samples (pieces out of order)")
+                key = (epoch, k)
+            parts.append(piece)
+            rows += piece.batch_size
+            if rows == batch_size:
+                yield epoch, k, concat_batches(parts)
+                key, parts, rows = None, [], 0
+    finally:
+        # Closed early (the consumer stopped): the source's workers stop now, not at collection.
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()
 
 
 def _check_int(value, name: str, lo: int) -> int:

@@ -3,8 +3,9 @@
 For users with CPU machines to spare: Ray schedules the reading on any node of a cluster, and
 batches come back through Ray's object store as zstd CompactBatch buffers, the small form to
 send between machines. Each epoch is one Ray Data pipeline over the dataset's runs of batches
-(`ParquetDataset.chunks`), executed with `preserve_order`, so the batches are exactly those of
-the local loaders, in the same order.
+(`ParquetDataset.chunks`, one per shuffle window), executed with `preserve_order`, and the
+pieces of batches that straddle two windows are joined as the local loaders join them, so the
+batches are exactly those of the local loaders, in the same order.
 
 Without `address`, a private single-node Ray is started for the loader and shut down by
 `close()`: bound to 127.0.0.1 (nothing listens on other interfaces; checked after start), no
@@ -30,6 +31,7 @@ from recxla.data.compact_batch import CompactBatch
 from recxla.data.errors import DataFormatError
 from recxla.data.loaders import _check_workers, encode_chunk
 from recxla.data.parquet_dataset import ParquetDataset
+from recxla.data.parquet_reader import whole_batches
 
 OP = "recxla.data.RayLoader"
 # Longest temp folder Ray's socket paths fit under: 107 bytes minus
@@ -52,20 +54,20 @@ def _import_ray():
 
 
 def _encode_run(row: Dict, dataset: ParquetDataset, compress: bool):
-    """Ray Data flat_map: one run -> one row per batch {epoch, batch, data, error}.
+    """Ray Data flat_map: one chunk -> one row per piece {epoch, batch, data, error} (a piece
+    is a whole batch, or the part of one that straddles two windows).
 
     A bad file ends the run with a row that carries the error (its type and message) instead
     of raising: an exception crossing Ray arrives wrapped in Ray's own types, with the cause
     only in the text, and the trainer should see the reader's DataFormatError as it is.
     """
-    epoch, first = int(row["epoch"]), int(row["first"])
+    epoch, window, lo, hi = (int(row[k]) for k in ("epoch", "window", "lo", "hi"))
     try:
-        blobs = encode_chunk(dataset, epoch, first, int(row["stop"]), compress)
+        pieces = encode_chunk(dataset, epoch, window, lo, hi, compress)
     except (DataFormatError, FileNotFoundError) as e:
-        return [{"epoch": epoch, "batch": first, "data": b"",
+        return [{"epoch": epoch, "batch": lo // dataset.batch_size, "data": b"",
                  "error": json.dumps([type(e).__name__, str(e)])}]
-    return [{"epoch": epoch, "batch": first + i, "data": blob, "error": ""}
-            for i, blob in enumerate(blobs)]
+    return [{"epoch": epoch, "batch": k, "data": blob, "error": ""} for k, blob in pieces]
 
 
 _ERRORS = {"DataFormatError": DataFormatError, "FileNotFoundError": FileNotFoundError}
@@ -178,7 +180,7 @@ class RayLoader:
 
     def _epoch_rows(self, epoch: int, runs):
         ray = self.ray
-        items = [{"epoch": e, "first": a, "stop": b} for e, a, b in runs]
+        items = [{"epoch": e, "window": w, "lo": a, "hi": b} for e, w, a, b in runs]
         ds = ray.data.from_items(items, override_num_blocks=len(items)).flat_map(
             _encode_run, fn_kwargs={"dataset": self.dataset, "compress": self.compress},
             compute=ray.data.TaskPoolStrategy(size=min(self.num_workers, len(items))),
@@ -188,7 +190,7 @@ class RayLoader:
         ds.context.enable_progress_bars = False
         return ds.iter_rows()
 
-    def _batches(self):
+    def _pieces(self):
         self._start()
         for epoch, runs in groupby(self.dataset.chunks(), key=lambda run: run[0]):
             rows = self._epoch_rows(epoch, list(runs))
@@ -204,7 +206,8 @@ class RayLoader:
                     close()
 
     def __iter__(self) -> BatchIterator:
-        return BatchIterator(self._batches(), self.dataset.start, self.dataset.identity)
+        batches = whole_batches(self._pieces(), self.dataset.batch_size)
+        return BatchIterator(batches, self.dataset.start, self.dataset.identity)
 
     def close(self) -> None:
         """Shut down the Ray this loader started and remove the temporary folders it made."""
