@@ -65,7 +65,8 @@ RESUME_STEP_FLAG = "--resume-step"
 # Options a checkpoint's contents depend on: resuming with others is an error.
 COMPATIBLE = ("model", "embedding_dim", "dense_arch", "over_arch", "dcn_layers", "dcn_low_rank",
               "batch_size", "train_batches", "dense_optimizer", "sparse_optimizer", "seed",
-              "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction")
+              "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction",
+              "shuffle_rows")
 
 
 def resume_checkpoint(directory: str, step: Optional[int] = None) -> Tuple[int, str]:

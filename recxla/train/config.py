@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, List, NoReturn, Optional, Sequence, Tuple
 
+from recxla.data.epoch_plan import SHUFFLE_ROWS
 from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, FORMATS
 from recxla.pipeline.dense_sync import PRECISIONS as DENSE_ALLREDUCE_FORMATS
 from recxla.pipeline.micro_batches import SPLITS
@@ -243,6 +244,11 @@ class TrainConfig:
         1, "--data: reader processes or Ray tasks per rank (0 with --loader local: read in "
         "the rank's own process, in a background thread)", group=_D, parse=at_least(0),
         metavar="N")
+    shuffle_rows: int = option(
+        SHUFFLE_ROWS, "--data: rows are read in a seeded random order within windows of whole "
+        "row groups of at most N rows (memory: about one window per reader); 0 reads them as "
+        "stored (a layout sorted by user then puts few users in a batch)", group=_D,
+        parse=at_least(0), metavar="N")
 
     checkpoint_dir: Optional[str] = option(None, "folder of the run's checkpoints", group=_R,
                                            metavar="PATH")
@@ -402,7 +408,7 @@ def _check(err, given: dict) -> dict:
     if "steps" in given and "epochs" in given:
         err("--steps and --epochs: give one or the other")
     if v["data"] is None:
-        for name in ("loader", "loader_workers", "table_rows", "eval_fraction"):
+        for name in ("loader", "loader_workers", "shuffle_rows", "table_rows", "eval_fraction"):
             if name in given:
                 err(f"--{name.replace('_', '-')} applies to --data (the synthetic logs are "
                     "generated in the rank)")

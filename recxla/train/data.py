@@ -195,7 +195,8 @@ class TrainData:
                     "--eval-fraction", split_row_groups, info, config.eval_fraction,
                     world_size, self.spec.timestamp if self.spec else None)
             self.files = self._open("--data", config.data, tables, num_epochs=None,
-                                    row_groups=self.train_groups)
+                                    row_groups=self.train_groups,
+                                    shuffle_rows=config.shuffle_rows)
             if self.eval_groups is not None:
                 self.eval_files = self._open("--eval-fraction", config.data, tables,
                                              row_groups=self.eval_groups, shuffle=False,
@@ -247,7 +248,8 @@ class TrainData:
         from recxla.data import ParquetDataset
 
         first = ParquetDataset(self.config.data, self.config.batch_size, 0, self.world_size,
-                               self.config.seed, prefetch=0, row_groups=self.train_groups)
+                               self.config.seed, prefetch=0, row_groups=self.train_groups,
+                               shuffle_rows=self.config.shuffle_rows)
         it = iter(first)
         try:
             return to_torchrec(next(it))
@@ -275,7 +277,8 @@ class TrainData:
         self._loader = make_loader(
             self.config.data, self.config.batch_size, self.rank, self.world_size,
             self.config.seed, loader=self.config.loader, num_workers=self.config.loader_workers,
-            position=self.files.position_after(start_step), row_groups=self.train_groups)
+            position=self.files.position_after(start_step), row_groups=self.train_groups,
+            shuffle_rows=self.config.shuffle_rows)
         it = self._iter = iter(self._loader)
         # The loader is endless: next() never raises StopIteration here.
         return (to_torchrec(next(it)) for _ in range(start_step, end_step))
