@@ -32,8 +32,12 @@ Each row gives examples/s, as a ratio to the fastest TorchRec variant of the sam
 communication is in flight, exposed communication (as a share of the step, and of the time in
 flight: 0% is fully hidden), and the bytes on the wire per step: counted by the trainer's
 collective meter (all ranks, and the part between nodes) and measured on the links themselves
-(each node's veth tx counter over the same steps). It prints one table per rate and writes
-everything to JSON (--json); --list prints the variants' options, checked, and runs nothing.
+(each node's veth tx counter over the same steps). It prints one table per rate and appends the
+sitting (every run's summary, with commit, date, machine and command) to the history file of
+its cluster shape, bench/results/training_<nodes>x<ranks per node>.json (history.py; --json
+names another, --json '' records nothing), then regenerates the tables of
+bench/results/training.md from the history files (train_report.py). --list prints the
+variants' options, checked, and runs nothing.
 
 Every variant of a rate runs on the same cluster, one after another; --repeats N runs the
 whole list N times, interleaved, so that load from other jobs hits every variant alike, and the
@@ -42,14 +46,16 @@ table shows medians.
 
 import argparse
 import os
-import statistics
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-from bench.cluster import netns
+from bench.cluster import history, netns, train_report
 from bench.cluster.launch import ClusterBusy, EmulatedCluster, benchmark_lock
-from bench.cluster.run_a2a import _machine, write_json
+from bench.cluster.run_a2a import _machine
+from bench.cluster.train_report import exposed_of_comm as _exposed_of_comm
+from bench.cluster.train_report import fastest_torchrec
+from bench.cluster.train_report import median as _median
 
 # The recxla path runs recxla's pipeline; "sequential" waits for every exchange at once (no
 # overlap, no double buffering) and pools every table at its owner: the sharder alone.
@@ -118,25 +124,6 @@ def run_variant(cluster: EmulatedCluster, label: str, args, timeout: float) -> d
     return summary
 
 
-def _median(runs: List[dict], get) -> float:
-    values = [get(r) for r in runs]
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else float("nan")
-
-
-def _exposed_of_comm(run: dict) -> float:
-    """Time blocked on communication / time it was in flight (0: fully hidden)."""
-    t = run["step_time_s"]
-    return t["exposed_comm"] / t["comm_in_flight"] if t["comm_in_flight"] else 0.0
-
-
-def fastest_torchrec(rows: Dict[str, List[dict]]) -> Optional[str]:
-    """The TorchRec variant with the highest median examples/s among `rows`, None if none ran."""
-    medians = {label: _median(runs, lambda r: r["examples_per_s"])
-               for label, runs in rows.items() if label.startswith("torchrec") and runs}
-    return max(medians, key=medians.get) if medians else None
-
-
 def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
     """One rate's table: medians over repeats; examples/s as ratios against the fastest
     TorchRec variant's median and against TorchRec fp32's."""
@@ -202,7 +189,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per trainer run")
     p.add_argument("--rank-timeout", type=float, default=120.0, help="the trainer's --timeout")
     p.add_argument("--train-args", default="", help="extra recxla-train options")
-    p.add_argument("--json", default=os.path.join("bench", "results", "training.json"))
+    p.add_argument("--json", default=None,
+                   help="the history file to append this sitting to (default: bench/results/"
+                        "training_<nodes>x<ranks-per-node>.json; '' records nothing)")
     p.add_argument("--list", action="store_true",
                    help="print each variant's recxla-train options, checked, and run nothing")
     args = p.parse_args(argv)
@@ -213,6 +202,13 @@ def main(argv=None) -> int:
             p.error(f"--variants: {v!r} is not one of {', '.join(VARIANTS)}")
     if args.list:
         return list_variants(labels, args)
+    if args.json is None:
+        args.json = history.path_for(args.nodes, args.ranks_per_node)
+    if args.json:
+        try:  # refuse a file that is not a history now, not after the sitting
+            history.load(args.json)
+        except ValueError as e:
+            p.error(f"--json: {e}")
     try:
         with benchmark_lock("bench.cluster.run_train"):
             return _run(labels, args, argv)
@@ -236,13 +232,29 @@ def _run(labels: List[str], args, argv) -> int:
             results.append({"rate": rate, "mode": c.mode, "fallback_reason": c.fallback_reason,
                             "fastest_torchrec": fastest_torchrec(rows), "runs": rows})
             print(table(rate, c.mode, rows), flush=True)
-    doc = {"command": " ".join(["python", "-m", "bench.cluster.run_train"]
-                               + (argv if argv is not None else sys.argv[1:])),
-           "machine": dict(_machine(), loadavg_1m_before=load_before),
-           "wall_s": time.time() - t0, "results": results}
     if args.json:
-        write_json(args.json, doc)
+        record(args.json, history.entry(
+            command=" ".join(["python", "-m", "bench.cluster.run_train"]
+                             + (argv if argv is not None else sys.argv[1:])),
+            machine=dict(_machine(), loadavg_1m_before=load_before),
+            wall_s=time.time() - t0, results=results))
     return 0
+
+
+def record(path: str, entry: dict) -> None:
+    """Appends `entry` to the history at `path`; if that is one of bench/results' history files,
+    regenerates the page's tables (a page that cannot be regenerated is reported, not fatal:
+    the sitting is already recorded)."""
+    doc = history.append(path, entry)
+    print(f"appended the sitting to {path} (entry {len(doc['runs'])}, commit {entry['commit']})")
+    if os.path.dirname(os.path.abspath(path)) != os.path.abspath(history.RESULTS_DIR):
+        return
+    try:
+        current = train_report.update()
+    except (KeyError, ValueError, OSError) as e:
+        print(f"{train_report.PAGE} not regenerated: {e}", file=sys.stderr)
+        return
+    print(f"{train_report.PAGE}: {'up to date' if current else 'tables regenerated'}")
 
 
 if __name__ == "__main__":
