@@ -386,6 +386,31 @@ def test_writer_rejects_bad_input_and_leaves_nothing(tmp_path):
     assert len(list(ParquetDataset(str(tmp_path / "b.parquet"), 10))) == 1
 
 
+def test_overwrite_replaces_only_files_recxla_wrote(tmp_path):
+    """A tool never deletes what it did not write: a Parquet file of the user's in the folder
+    (or at the file path) stops an overwrite, named, and nothing is touched."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    good = [random_batch(16) for _ in range(2)]
+    folder = tmp_path / "ds"
+    write(good, folder, rows_per_file=16)
+    mine = folder / "notes.parquet"
+    pq.write_table(pa.table({"x": [1, 2, 3]}), mine)
+    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    with pytest.raises(FileExistsError, match="notes.parquet is not recxla's"):
+        write(good[:1], folder, overwrite=True)
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+    os.remove(mine)
+    write(good[:1], folder, overwrite=True)  # recxla's own files are replaced
+    assert sorted(os.listdir(folder)) == ["part-00000.parquet"]
+    single = tmp_path / "user.parquet"
+    pq.write_table(pa.table({"x": [1]}), single)
+    with pytest.raises(FileExistsError, match="not recxla's"):
+        write(good, single, overwrite=True)
+    assert pq.read_table(single).column_names == ["x"]
+
+
 def test_id_order_is_stable_within_ties(tmp_path):
     batch = random_batch(64, id_range=3)
     order = sort_order(_table(batch), "user")

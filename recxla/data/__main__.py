@@ -122,7 +122,8 @@ def main(argv=None) -> int:
                    help="cap every table at this many rows, to match the trainer's tables "
                    f"(default {TRAINER_MAX_ROWS:,}, the trainer's default; 0: the full tables)")
     w.add_argument("--rows-per-file", type=int, default=None, help="folders: rows per file")
-    w.add_argument("--overwrite", action="store_true", help="replace existing .parquet files")
+    w.add_argument("--overwrite", action="store_true",
+                   help="replace the .parquet files recxla wrote there (never anything else)")
     i = sub.add_parser("info", help="print a dataset's metadata")
     i.add_argument("path")
     c = sub.add_parser("convert", help="convert Parquet, CSV or Criteo TSV into a dataset")

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from recxla.data.parquet_layout import (
+    LAYOUT_KEY,
     STATS_KEY,
     Layout,
     dense_column,
@@ -243,6 +244,14 @@ def _check_int(value, name, lo=1):
         raise ValueError(f"{OP}: {name} must be None or an int >= {lo}, got {value!r}")
 
 
+def _written_by_recxla(path: str) -> bool:
+    """The file is a Parquet file whose footer carries recxla's layout (write_parquet's)."""
+    try:
+        return LAYOUT_KEY in (pq.read_schema(path).metadata or {})
+    except (OSError, pa.ArrowException):
+        return False
+
+
 def write_parquet(
     batches: Iterable,
     path: str,
@@ -274,8 +283,9 @@ def write_parquet(
         measure_unsorted: also write every row group unsorted to a byte counter, so that
             `recxla.data.ParquetDataset(path).metadata["unsorted_bytes"]` reports the size of
             the unsorted layout next to the file's (costs a second compression of the data).
-        overwrite: replace existing .parquet files at `path` (else FileExistsError). Old files
-            are removed only once the new ones are complete.
+        overwrite: replace existing .parquet files at `path` (else FileExistsError), each one
+            written by recxla (its layout footer; anything else at `path` is a FileExistsError
+            naming it). Old files are removed only once the new ones are complete.
     Raises:
         TypeError/ValueError for bad arguments or batches that differ in layout (naming the
         batch); nothing is left at `path` when writing fails.
@@ -300,6 +310,13 @@ def write_parquet(
     if old and not overwrite:
         raise FileExistsError(f"{OP}: {path} already holds {len(old)} .parquet file(s); pass "
                               "overwrite=True to replace them")
+    # A tool never deletes what it did not write: only files with recxla's layout footer go.
+    foreign = [f for f in old if not _written_by_recxla(f)]
+    if foreign:
+        raise FileExistsError(
+            f"{OP}: {path}: {', '.join(sorted(foreign))} {'is' if len(foreign) == 1 else 'are'} "
+            "not recxla's (no recxla.data.layout footer); overwrite replaces only files recxla "
+            "wrote: move them away or write elsewhere")
     if compression == "none":
         compression, compression_level = "NONE", None
 
