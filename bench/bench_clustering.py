@@ -44,7 +44,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import recxla  # noqa: E402
-from recxla.clustering import micro_batch_unique_keys, random_split  # noqa: E402
+from recxla.ops.cluster import micro_batch_unique_keys, random_split  # noqa: E402
 from recxla.data import SyntheticRankingDataset, criteo_kaggle_profile  # noqa: E402
 from recxla.data import embedding_bag_configs  # noqa: E402
 from recxla.reference.cluster import cluster_samples_ref  # noqa: E402

@@ -29,7 +29,6 @@ the memcpy on the same thread count). The `gpu` cases time the CUDA and Triton k
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ if _ROOT not in sys.path:
 
 import recxla  # noqa: E402
 from bench.common import memcpy_fn, run_and_record, tensor_bytes  # noqa: E402
-from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref  # noqa: E402
+from recxla.reference.fp8_rows import quantize_rows_ref  # noqa: E402
 
 ROWS, DIM, FMT = 65536, 128, "e4m3"
 FP8_MAX = 448.0

@@ -2,7 +2,7 @@
 // csrc/cpu/cluster_order.cpp, csrc/cuda/cluster.cu, triton_kernels/cluster.py; the fused GPU
 // variant: csrc/cuda/cluster_fused.cu and csrc/cpu/cluster_fused.cpp; per-value math:
 // csrc/include/recxla/cluster.h and cluster_fused*.h; reference: recxla/reference/cluster.py;
-// Python API and fake kernels: recxla/clustering.py).
+// Python API and fake kernels: recxla/ops/cluster.py).
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(recxla, m) {

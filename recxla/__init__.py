@@ -14,7 +14,7 @@ Public API:
 """
 
 from recxla._extension import built_with_cuda
-from recxla.clustering import cluster_samples, permute_samples
+from recxla.ops.cluster import cluster_samples, permute_samples
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import FORMATS, row_bytes
 from recxla.ops.dedup import bucketize_by_rank, unique_keys

@@ -1,12 +1,13 @@
 """Loads the compiled extension `recxla._C`, which registers the `torch.ops.recxla.*` operators.
 
-Every public op also has a plain-PyTorch reference (`recxla.reference`). When the extension is
-missing (a source checkout that was never built) the ops fall back to it, with one warning, so
-that a wrong install is slow and loud rather than broken.
+recxla's ops run only on its kernels: C++ on CPU, CUDA or Triton on GPU. When the extension is
+missing (a source checkout that was never built) `import recxla` still works, so that the
+pure-Python parts (recxla.data, the planner) stay usable, but calling an op raises a
+RuntimeError that names the op and says how to reinstall (`backend_for`). recxla.reference,
+the tests' oracle, is not a fallback: recxla itself never runs it.
 """
 
 import os
-import warnings
 
 import torch
 
@@ -19,29 +20,13 @@ except ImportError as e:  # pragma: no cover - exercised only on a broken instal
     HAVE_EXTENSION = False
     _LOAD_ERROR = e
 
-_warned = False
-
 BACKENDS = ("auto", "cuda", "triton")
-
-
-def extension_available() -> bool:
-    """True when the compiled kernels are loaded; warns once when they are not."""
-    global _warned
-    if not HAVE_EXTENSION and not _warned:
-        warnings.warn(
-            f"recxla: compiled kernels not available ({_LOAD_ERROR}); using the PyTorch "
-            "reference implementations. Reinstall with `pip install --no-build-isolation .`.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        _warned = True
-    return HAVE_EXTENSION
 
 
 def register_fake(qualname: str):
     """`torch.library.register_fake(qualname)` when the extension is loaded (it defines the op);
     without it the decorated function is returned unregistered, so that `import recxla` still
-    works and the ops run their references."""
+    works (the ops then raise when called, see `backend_for`)."""
     if HAVE_EXTENSION:
         return torch.library.register_fake(qualname)
     return lambda fn: fn
@@ -67,9 +52,18 @@ def gpu_backend() -> str:
     return choice
 
 
-def backend_for(t: torch.Tensor) -> str:
-    """Which implementation runs an op on `t`: "cuda" or "triton" for CUDA tensors (see
-    `gpu_backend`), "cpu" for the C++ kernels, "reference" when the extension is missing."""
+def backend_for(t: torch.Tensor, op: str) -> str:
+    """Which implementation runs the public op `op` (e.g. "recxla.quantize_rows") on `t`:
+    "cuda" or "triton" for CUDA tensors (see `gpu_backend`), "cpu" for the C++ kernels.
+
+    Raises RuntimeError naming `op` when a CPU tensor meets a build without the compiled
+    extension: recxla has no plain-PyTorch fallback."""
     if t.is_cuda:
         return gpu_backend()
-    return "cpu" if extension_available() else "reference"
+    if not HAVE_EXTENSION:
+        raise RuntimeError(
+            f"{op}: the compiled kernels are not available ({_LOAD_ERROR}); reinstall recxla "
+            "with `pip install --no-build-isolation .` (README, \"Using recxla in your own "
+            "environment\")"
+        )
+    return "cpu"

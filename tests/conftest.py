@@ -1,5 +1,5 @@
 """Shared test setup: a fresh seed per test, the `gpu` marker's skip when no GPU is visible, and a
-loud stop when the compiled kernels did not load (unless RECXLA_ALLOW_REFERENCE_ONLY=1)."""
+stop, saying to build it, when the compiled extension did not load."""
 
 import os
 import random
@@ -8,22 +8,17 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-# Set to 1 to run the suite on the PyTorch reference alone, on purpose (a build without a
-# compiler): the kernel-vs-reference tests then compare the reference with itself.
-ALLOW_REFERENCE_ONLY = "RECXLA_ALLOW_REFERENCE_ONLY"
 
 
 def pytest_configure(config):
-    """recxla falls back to its reference ops when `recxla._C` fails to load; the tests would then
-    pass while testing no kernel at all. Stop the run instead, saying why."""
+    """Without `recxla._C` every op raises (recxla has no plain-PyTorch fallback), so a run
+    would only report that error test after test. Stop it at once instead, saying why."""
     from recxla import _extension
 
-    if not _extension.HAVE_EXTENSION and os.environ.get(ALLOW_REFERENCE_ONLY) != "1":
+    if not _extension.HAVE_EXTENSION:
         raise pytest.UsageError(
-            f"recxla._C failed to load ({_extension._LOAD_ERROR}): every op would run its "
-            "PyTorch reference and the kernel tests would compare the reference with itself. "
-            "Build it (`make build`), or set RECXLA_ALLOW_REFERENCE_ONLY=1 if a reference-only "
-            "run is what you want."
+            f"recxla._C failed to load ({_extension._LOAD_ERROR}): the ops have no kernels to "
+            "run. Build it first (`make build`)."
         )
 
 

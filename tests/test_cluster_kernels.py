@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recxla import clustering
-from recxla.clustering import KeyPasses, cluster_permutation_with_passes, gpu_passes
+from recxla.ops import cluster
+from recxla.ops.cluster import KeyPasses, cluster_permutation_with_passes, gpu_passes
 from recxla.data import SyntheticRankingDataset
 from recxla.reference import cluster as reference
 from recxla.triton_kernels import interpreted
@@ -234,12 +234,12 @@ def test_gpu_variant_follows_the_variant_table(monkeypatch):
     assert gpu_variants.variants("cluster")[0] == "passes"
     monkeypatch.setattr(gpu_variants, "capability", lambda device=None: 90)
     device = torch.device("cpu")
-    assert clustering.gpu_variant(device, "cuda") == gpu_variants.chosen("cluster", 90)
+    assert cluster.gpu_variant(device, "cuda") == gpu_variants.chosen("cluster", 90)
     with gpu_variants.use_variant("cluster", "fused"):
-        assert clustering.gpu_variant(device, "cuda") == "fused"
-        assert clustering.gpu_variant(device, "triton") == "passes"
+        assert cluster.gpu_variant(device, "cuda") == "fused"
+        assert cluster.gpu_variant(device, "triton") == "passes"
     with gpu_variants.use_variant("cluster", "passes"):
-        assert clustering.gpu_variant(device, "cuda") == "passes"
+        assert cluster.gpu_variant(device, "cuda") == "passes"
 
 
 @pytest.mark.parametrize("call,exc,match", [

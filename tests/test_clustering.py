@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import recxla
-from recxla import clustering
-from recxla.clustering import micro_batch_unique_keys, random_split
+from recxla.ops.cluster import micro_batch_unique_keys, permute_samples, random_split
 from recxla.data import SyntheticRankingDataset, criteo_kaggle_profile
 from recxla.reference import cluster as reference
 from recxla.reference.cluster import cluster_samples_ref
@@ -310,7 +309,7 @@ def test_permute_samples_matches_per_sample_reference(batch, num_features):
     )  # fmt: skip
     perm = torch.randperm(batch)
     for k in (kjt, weighted):
-        got = clustering.permute_samples(k, perm)
+        got = permute_samples(k, perm)
         lengths, values, weights = permute_samples_ref(k, perm)
         assert got.keys() == k.keys() and got.stride() == batch
         assert got.lengths().tolist() == lengths and got.values().tolist() == values
@@ -319,7 +318,7 @@ def test_permute_samples_matches_per_sample_reference(batch, num_features):
             assert got.weights().tolist() == weights
     if num_features and batch >= 4:  # the clustered order, then its inverse: the batch back
         perm, _ = recxla.cluster_samples(kjt, 4)
-        back = clustering.permute_samples(clustering.permute_samples(kjt, perm), perm.argsort())
+        back = permute_samples(permute_samples(kjt, perm), perm.argsort())
         assert torch.equal(back.values(), kjt.values())
         assert torch.equal(back.lengths(), kjt.lengths())
 
@@ -328,11 +327,11 @@ def test_permute_samples_bad_arguments():
     kjt = random_kjt(10, 2)
     op = "permute_samples"
     with pytest.raises(ValueError, match=rf"{op}: permutation must have shape \(10,\)"):
-        clustering.permute_samples(kjt, torch.arange(9))
+        permute_samples(kjt, torch.arange(9))
     with pytest.raises(TypeError, match=f"{op}: permutation must be an int64 tensor"):
-        clustering.permute_samples(kjt, torch.arange(10).int())
+        permute_samples(kjt, torch.arange(10).int())
     with pytest.raises(ValueError, match=f"{op}: kjt must be a torchrec KeyedJaggedTensor"):
-        clustering.permute_samples(torch.zeros(10), torch.arange(10))
+        permute_samples(torch.zeros(10), torch.arange(10))
 
 
 def test_permute_samples_rejects_what_is_not_a_permutation():
@@ -342,16 +341,16 @@ def test_permute_samples_rejects_what_is_not_a_permutation():
     op = "permute_samples"
     once = rf"{op}: permutation must hold each of range\(10\) once"
     with pytest.raises(ValueError, match=once + r", but 0 appears 10 times and 1 is missing"):
-        clustering.permute_samples(kjt, torch.zeros(10, dtype=torch.int64))
+        permute_samples(kjt, torch.zeros(10, dtype=torch.int64))
     swapped = torch.randperm(10)
     swapped[3] = swapped[7]  # one entry twice, one missing
     with pytest.raises(ValueError, match=once):
-        clustering.permute_samples(kjt, swapped)
+        permute_samples(kjt, swapped)
     for bad in (10, -1, 2**40):
         perm = torch.randperm(10)
         perm[int(torch.randint(0, 10, ()))] = bad
         with pytest.raises(ValueError, match=rf"{op}: permutation entries must lie in \[0, 10\), got {bad}"):
-            clustering.permute_samples(kjt, perm)
+            permute_samples(kjt, perm)
     with pytest.raises(ValueError, match=r"micro_batch_unique_keys: permutation must hold each"):
         micro_batch_unique_keys(kjt, torch.zeros(10, dtype=torch.int64), torch.tensor([0, 10]))
 
@@ -379,7 +378,7 @@ def test_float_ids_raise_type_error(name, call):
 
 
 @pytest.mark.parametrize("name,call", CLUSTER_OPS + [
-    ("permute_samples", lambda kjt: clustering.permute_samples(kjt, torch.arange(5))),
+    ("permute_samples", lambda kjt: permute_samples(kjt, torch.arange(5))),
 ])  # fmt: skip
 def test_bad_lengths_raise_value_error(name, call):
     """Negative lengths and lengths past the values used to give bare torch errors (or, in
@@ -411,7 +410,7 @@ def _whole_batch(kjt):
 
 
 WRAP_OPS = {
-    "permute_samples": lambda kjt: clustering.permute_samples(kjt, torch.arange(kjt.stride())),
+    "permute_samples": lambda kjt: permute_samples(kjt, torch.arange(kjt.stride())),
     "micro_batch_unique_keys": lambda kjt: micro_batch_unique_keys(kjt, *_whole_batch(kjt)),
     "cluster_samples_ref": lambda kjt: cluster_samples_ref(kjt, 2),
     "cluster_samples": lambda kjt: recxla.cluster_samples(kjt, 2),  # the C++ kernel's check

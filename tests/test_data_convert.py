@@ -208,7 +208,7 @@ print(json.dumps({"rss_growth": (after - before) * 1024,
 
 
 def test_conversion_memory_is_bounded_on_an_input_larger_than_the_limit(tmp_path):
-    from recxla.data.convert_source import CSV_BLOCK_BYTES, CSV_BUFFERED_BLOCKS
+    from recxla.data.convert_csv import CSV_BLOCK_BYTES, CSV_BUFFERED_BLOCKS
 
     # Arrow's memory: the blocks of text the reader holds (a fixed count, whatever the input
     # and the core count) and the 16384-row group being converted and written (< 8 MiB).

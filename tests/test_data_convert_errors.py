@@ -159,7 +159,7 @@ def test_command_line_reports_a_bad_csv_value_and_exits_2(tmp_path):
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     assert res.returncode == 2, res.stderr[-2000:]
-    # pyarrow's serial reader (recxla.data.convert_source) counts rows: #150002 is the line.
+    # pyarrow's serial reader (recxla.data.convert_csv) counts rows: #150002 is the line.
     assert ("in.csv: row 150001 (line 150002): column 'item': 'abc' is not a number (the "
             "column holds int64") in res.stderr
     assert not (tmp_path / "out").exists()

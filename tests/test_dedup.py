@@ -177,12 +177,19 @@ def test_opcheck(dtype):
     torch.library.opcheck(torch.ops.recxla.segmented_unique.default, (values, offsets))
 
 
-def test_reference_fallback_checks_and_matches(monkeypatch):
-    # Without the compiled kernels the public function runs the reference, with the same checks.
-    monkeypatch.setattr(_extension, "extension_available", lambda: False)
+def test_triton_path_checks_and_fills_out(interpreted_triton, monkeypatch):
+    """The Triton kernels trust their offsets: the public function checks them first, as the C++
+    kernels do, and copies the result into out= (Triton interpreted, on CPU tensors)."""
+    monkeypatch.setattr(_extension, "backend_for", lambda t, op: "triton")
     offsets = random_offsets(9, 100)
     values = random_keys("zipf", int(offsets[-1]), torch.int64)
-    assert_same(segmented_unique(values, offsets), segmented_unique_ref(values, offsets))
+    want = segmented_unique_ref(values, offsets)
+    assert_same(segmented_unique(values, offsets), want)
+    out = (torch.empty(1000, dtype=torch.int64), torch.empty(5, dtype=torch.int64),
+           torch.empty(1000, dtype=torch.int64))
+    got = segmented_unique(values, offsets, out=out)
+    assert_same(got, want)
+    assert all(g is o for g, o in zip(got, out))
     with pytest.raises(ValueError, match=r"offsets must be non-decreasing, but offsets\[1\]"):
         segmented_unique(torch.arange(4), torch.tensor([0, 3, 2, 4]))
 

@@ -3,10 +3,10 @@ hyperparameters.
 
 The CUDA and Triton kernels trust their arguments; the public entries check the data first on
 the device (`check_lookup_data`, one flag tensor read per call or per step). Here the Triton
-path runs under TRITON_INTERPRET=1 on CPU tensors and the reference path as it is: bad input
-must raise what the CPU kernel raises, before any row or optimizer state changes (before these
-checks existed, a row listed twice was updated twice and an id pointing into another table's
-segment read that table's row, silently).
+path runs under TRITON_INTERPRET=1 on CPU tensors: bad input must raise what the CPU kernel
+raises, before any row or optimizer state changes (before these checks existed, a row listed
+twice was updated twice and an id pointing into another table's segment read that table's row,
+silently).
 """
 
 import math
@@ -54,14 +54,14 @@ def more_bad_inputs(a):
     ]
 
 
-@pytest.fixture(params=["triton", "reference"])
-def unchecked_backend(request, monkeypatch, interpreted_triton):
+@pytest.fixture
+def unchecked_backend(monkeypatch, interpreted_triton):
     """Routes recxla.ops.embedding_bag's CPU tensors to a backend whose kernels trust their
-    arguments: the Triton kernels (interpreted) or the reference."""
-    monkeypatch.setattr(_extension, "backend_for", lambda t: request.param)
+    arguments: the Triton kernels (interpreted)."""
+    monkeypatch.setattr(_extension, "backend_for", lambda t, op: "triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(sys.modules, "recxla.triton_kernels.embedding_bag", interpreted_triton)
-    return request.param
+    return "triton"
 
 
 def _raised(fn, *args):

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torchrec import EmbeddingBagConfig
 
-from recxla import _extension
 from recxla.nn import EmbeddingBagCollection
 from recxla.nn.workspace import Workspace
 from recxla.ops import embedding_bag as ops
@@ -112,17 +111,6 @@ def test_segmented_unique_out_matches_and_keeps_storage(kind, dtype):
         for g, w in zip(got, segmented_unique_ref(values, offsets)):
             assert torch.equal(g, w)
         assert [g.data_ptr() for g in got] == pointers
-
-
-def test_segmented_unique_out_on_the_reference_path(monkeypatch):
-    monkeypatch.setattr(_extension, "backend_for", lambda t: "reference")
-    offsets = random_offsets(4, 200)
-    values = random_keys("zipf", int(offsets[-1]), torch.int64)
-    out = (torch.empty(1000, dtype=torch.int64), torch.empty(5, dtype=torch.int64),
-           torch.empty(1000, dtype=torch.int64))
-    got = segmented_unique(values, offsets, out=out)
-    for g, w in zip(got, segmented_unique_ref(values, offsets)):
-        assert torch.equal(g, w)
 
 
 def test_segmented_unique_out_errors():

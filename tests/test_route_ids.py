@@ -1,13 +1,14 @@
-"""The input dist's id routing: the C++ kernel against the plain-PyTorch reference, on random
-routing tables (several row blocks per slot, several routes per block, row-group routes) and
-batches, and its errors."""
+"""The input dist's id routing: the C++ kernel and the vectorized torch path that ids on a GPU
+take (`route_ids_torch`, run here on CPU tensors) against the reference, a plain loop over the
+ids, on random routing tables (several row blocks per slot, several routes per block, row-group
+routes) and batches, and the op's errors."""
 
 import random
 
 import pytest
 import torch
 
-from recxla.ops.route_ids import route_ids
+from recxla.ops.route_ids import route_ids, route_ids_torch
 from recxla.reference.route_ids import route_ids_ref
 
 
@@ -54,18 +55,24 @@ def assert_same(got, want):
             assert a == b, name
 
 
+# The C++ kernel (through the public function) and the torch ops of ids on a GPU.
+IMPLEMENTATIONS = {"kernel": route_ids, "torch": route_ids_torch}
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("length_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("row_groups", [False, True])
-def test_kernel_equals_reference(seed, id_dtype, length_dtype, weighted, row_groups):
+def test_equals_reference(seed, impl, id_dtype, length_dtype, weighted, row_groups):
+    route = IMPLEMENTATIONS[impl]
     for _ in range(5):
         num_slots, num_send = random.randint(1, 8), random.randint(1, 12)
         tables = random_tables(num_slots, num_send, row_groups)
         batch = random.randint(0, 40)
         values, lengths, weights = random_batch(tables[0], batch, id_dtype, length_dtype,
                                                 weighted)
-        got = route_ids(values, lengths, weights, batch, *tables, num_send)
+        got = route(values, lengths, weights, batch, *tables, num_send)
         want = route_ids_ref(values, lengths, weights, batch, *tables, num_send)
         assert_same(got, want)
         assert got.first_bad == -1
@@ -74,8 +81,23 @@ def test_kernel_equals_reference(seed, id_dtype, length_dtype, weighted, row_gro
         assert int(got.slot_counts.sum()) == got.send_ids.numel() == int(got.slot_lengths.sum())
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_torch_path_on_an_id_outside_its_table(seed, weighted):
+    """`route_ids_torch` returns what the reference returns for a batch with an id outside its
+    table, field for field: first_bad and nothing else (the kernel's other fields are
+    unspecified then)."""
+    for row_groups in (False, True):
+        tables = random_tables(6, 5, row_groups)
+        values, lengths, weights = random_batch(tables[0], 24, torch.int64, torch.int32, weighted)
+        values[values.numel() // 2] = -3
+        got = route_ids_torch(values, lengths, weights, 24, *tables, 5)
+        assert got.first_bad == values.numel() // 2
+        assert_same(got, route_ids_ref(values, lengths, weights, 24, *tables, 5))
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 @pytest.mark.parametrize("bad", [-1, 0])
-def test_first_id_outside_its_table(seed, bad):
+def test_first_id_outside_its_table(seed, impl, bad):
     tables = random_tables(5, 4, True)
     values, lengths, _ = random_batch(tables[0], 16, torch.int64, torch.int64, False)
     i = random.randrange(values.numel())
@@ -85,7 +107,7 @@ def test_first_id_outside_its_table(seed, bad):
     later = min(i + 1 + random.randrange(3), values.numel() - 1)
     if later > i:
         values[later] = -5
-    got = route_ids(values, lengths, None, 16, *tables, 4)
+    got = IMPLEMENTATIONS[impl](values, lengths, None, 16, *tables, 4)
     assert got.first_bad == i == route_ids_ref(values, lengths, None, 16, *tables, 4).first_bad
 
 

@@ -17,7 +17,7 @@ from test_train_cli import SMALL, launch_ranks
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from recxla.train import checkpoint, checkpoint_files
-from recxla.train.config import parse_config
+from recxla.train.parse import parse_config
 
 FP32 = [*SMALL, "--fwd-comm", "fp32", "--bwd-comm", "fp32", "--dense-allreduce", "fp32",
         "--warmup-steps", "1", "--sparse-optimizer", "rowwise_adagrad", "--dense-optimizer",
@@ -43,14 +43,23 @@ def _load(folder, tmp_path, name):
 # The default schedule, and DBP's early lookup with micro-batches: there the next batch is
 # looked up before this step's update and corrected, while a resumed run looks it up after the
 # update; the pipeline makes the lookup after a checkpoint the resumed run's.
+# FP8 dense all-reduce: its error-feedback residuals are saved per rank and resume with it,
+# on recxla's pipeline and as the DDP hook on TorchRec's.
 SCHEDULES = {"default": [], "early lookup, 2 micro-batches": ["--dbp-lookup", "early",
-                                                               "--micro-batches", "2"]}
+                                                               "--micro-batches", "2"],
+             "fp8 dense all-reduce": ["--dense-allreduce", "fp8"],
+             "fp8 dense all-reduce, torchrec": ["--baseline", "torchrec", "--dense-allreduce",
+                                                "fp8"]}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_resume_equals_uninterrupted(tmp_path, schedule):
     a, b = tmp_path / "a", tmp_path / "b"
     args = [*FP32, *SCHEDULES[schedule]]
+    if "--baseline" in args:  # TorchRec's sharder has no recxla wire options
+        for flag in ("--fwd-comm", "--bwd-comm"):
+            at = args.index(flag)
+            del args[at:at + 2]
     # One run of 8 steps, checkpointing after 4 and 8 ...
     launch_ranks([*args, "--steps", "8", "--checkpoint-every", "4", "--checkpoint-dir", str(a)],
                  tmp_path)
@@ -72,11 +81,14 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
                    "embedding_bags" in k]
     dense_state = [k for k in tensors if k.startswith("optimizer.state.") and "dense_arch" in k]
     assert len(tables) == 26 and len(fused_state) >= 26 and dense_state
+    residuals = [k for k in tensors if k.startswith("train.dense_fp8_rank")]
+    assert bool(residuals) == ("fp8" in schedule), residuals
     for k in tensors:
         assert torch.equal(end_a[k], end_b[k]), k
     # Steps 4..8 did change every table and optimizer state (the equality above is not vacuous).
     for k in tables + fused_state + dense_state:
         assert not torch.equal(at4[k], end_a[k]), k
+    assert any(not torch.equal(at4[k], end_a[k]) for k in residuals) or not residuals
     assert int(end_a["train.steps_done"]) == 8 and int(at4["train.steps_done"]) == 4
 
 

@@ -20,7 +20,7 @@ from test_train_checkpoint import FP32
 from test_train_cli import SMALL, _free_port, launch_ranks, start_ranks, wait_ranks
 
 from recxla.train import checkpoint
-from recxla.train.config import parse_config
+from recxla.train.parse import parse_config
 
 RUN = [*SMALL, "--checkpoint-every", "2", "--warmup-steps", "1"]
 

@@ -207,7 +207,7 @@ def test_trainer_on_one_gpu(tmp_path):
 
 
 def _parse_error(capsys, argv) -> str:
-    from recxla.train.config import parse_config
+    from recxla.train.parse import parse_config
 
     with pytest.raises(SystemExit) as e:
         parse_config(argv)
@@ -263,6 +263,8 @@ def test_an_error_before_training_is_one_line_from_each_nodes_first_rank(
      "--data-parallel-tables applies to the recxla path only"),
     (["--baseline", "torchrec", "--no-dense-allreduce-by-node"],
      "--dense-allreduce-by-node applies to the recxla path only"),
+    (["--dense-allreduce", "powersgd"],
+     "--dense-allreduce powersgd applies to the TorchRec baseline"),
     (["--eval-fraction", "0.2"], "--eval-fraction applies to --data"),
     (["--eval-fraction", "1"], "--eval-fraction: must be a number in (0, 1), got 1.0"),
     (["--overlap", "maybe"], "unrecognized arguments: maybe"),
@@ -346,13 +348,15 @@ def test_compare_writes_a_chart_only_when_asked(tmp_path, monkeypatch, capsys):
     assert list(work.iterdir()) == []
 
 
-def test_options_are_declared_once():
+def test_options_are_declared_once(capsys):
     """Every TrainConfig field is an option whose --help states its path and its one default,
-    the parser's namespace holds only what was given, and the older spellings still parse."""
+    the parser's namespace holds only what was given, and a switch is --x/--no-x only (the
+    older `--overlap off` is refused, naming the stray word)."""
     import dataclasses
 
     from recxla.train import options
-    from recxla.train.config import TrainConfig, build_parser, parse_config
+    from recxla.train.config import TrainConfig
+    from recxla.train.parse import build_parser, parse_config
 
     text = build_parser().format_help()
     fields = dataclasses.fields(TrainConfig)
@@ -364,9 +368,11 @@ def test_options_are_declared_once():
     default = parse_config([])
     assert (default.overlap, default.dbp, default.resume, default.device) == (
         True, True, False, "cpu" if not __import__("torch").cuda.is_available() else "cuda")
-    legacy = parse_config(["--overlap", "off", "--dbp=off", "--no-dedup-ids"])
-    assert (legacy.overlap, legacy.dbp, legacy.dedup_ids) == (False, False, False)
-    assert parse_config(["--overlap", "on"]).overlap is True
+    off = parse_config(["--no-overlap", "--no-dbp", "--no-dedup-ids"])
+    assert (off.overlap, off.dbp, off.dedup_ids) == (False, False, False)
+    assert parse_config(["--overlap"]).overlap is True
+    assert "unrecognized arguments: off" in _parse_error(capsys, ["--overlap", "off"])
+    assert "ignored explicit argument 'off'" in _parse_error(capsys, ["--dbp=off"])
     # The baseline ignores the recxla path's defaults; its sharder sends every id, as bags.
     baseline = parse_config(["--baseline", "torchrec"])
     assert (baseline.dedup_ids, baseline.row_exchange, baseline.comms) == (
@@ -376,8 +382,20 @@ def test_options_are_declared_once():
     assert default.bwd_comm == DEFAULT_BWD_COMM
 
 
+def test_declaring_the_options_imports_neither_the_pipeline_nor_torchrec():
+    """recxla.train.config takes its choices from modules that import nothing
+    (recxla.pipeline.choices, recxla.torchrec.choices): declaring the options loads no
+    pipeline and no TorchRec (recxla.torchrec's package loads its codec, which needs neither)."""
+    code = ("import sys, recxla.train.config; print(sorted(m for m in sys.modules if "
+            "m.startswith(('torchrec', 'fbgemm', 'recxla.pipeline.'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=RANK_PYTHONPATH), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['recxla.pipeline.choices']"
+
+
 def test_docs_options_reference_is_the_declaration():
-    from recxla.train.config import options_markdown
+    from recxla.train.parse import options_markdown
 
     with open(os.path.join(REPO, "docs", "training.md")) as f:
         text = f.read()

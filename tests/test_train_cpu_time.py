@@ -68,7 +68,7 @@ def test_run_steps_records_each_steps_cpu_time_only():
 
 
 def test_summary_cpu_figures_over_ranks():
-    from recxla.train.config import parse_config
+    from recxla.train.parse import parse_config
     from recxla.train.metrics import summarize
 
     config = parse_config(["--batch-size", "100"])

@@ -3,7 +3,7 @@ a held-out split disjoint from training, and tables seeded the same whatever the
 
 import torch
 
-from recxla.train.config import parse_config
+from recxla.train.parse import parse_config
 from recxla.train.data import TrainData
 from recxla.train.models import table_init
 

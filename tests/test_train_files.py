@@ -13,7 +13,7 @@ from test_train_cli import SMALL, _parse_error, launch_ranks
 
 from recxla.data import ParquetDataset, write_parquet
 from recxla.train import checkpoint
-from recxla.train.config import parse_config
+from recxla.train.parse import parse_config
 from recxla.train.data import TrainData
 
 WRITE_BATCH = 128  # rows per written batch and row group

@@ -24,7 +24,7 @@ WORLD, PER_NODE = 4, 2
 def _plans(rank, world, variants):
     import torch
 
-    from recxla.train.config import parse_config
+    from recxla.train.parse import parse_config
     from recxla.train.data import TrainData
     from recxla.train.models import build_model
     from recxla.train.sharding import plan_sharding, plan_summary

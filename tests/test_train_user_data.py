@@ -20,7 +20,7 @@ from test_train_cli import RANK_PYTHONPATH, REPO, _parse_error, launch_ranks
 
 import sharded_cases as cases
 from recxla.data import ParquetDataset
-from recxla.train.config import parse_config
+from recxla.train.parse import parse_config
 from recxla.train.data import TrainData
 
 ROWS = 20 * 1024  # 20 row groups: the default batch of 1024 fills a 10% held-out split on 2 ranks

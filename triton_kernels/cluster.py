@@ -1,6 +1,6 @@
 """Key-centric sample clustering: the two passes over every key in Triton (the GPU path when
-RECXLA_BACKEND=triton; contracts of the ops in csrc/cluster.cpp, reference in
-recxla/reference/cluster.py).
+RECXLA_BACKEND=triton; contracts of the ops in csrc/cluster.cpp, constants in
+recxla/ops/cluster_steps.py, reference in recxla/reference/cluster.py).
 
 - `feature_gains`: per feature, one kernel hashes every key and counts the sampled ones in the
   feature's table (atomics), a second turns each slot's count into keys saved; a torch sum per
@@ -9,7 +9,7 @@ recxla/reference/cluster.py).
   block) and keeps the smallest hash and the wrapping sum of the fingerprint mix.
 The per-key math is that of csrc/include/recxla/cluster.h: 64-bit products wrap in uint64,
 arithmetic shifts act on the int64 bit pattern. The sorts and group moves around these passes
-are torch ops (recxla.clustering.cluster_permutation_with_passes): a grid-wide sort has no place
+are torch ops (recxla.ops.cluster.cluster_permutation_with_passes): a grid-wide sort has no place
 inside one Triton kernel. The kernels take plain pointers and run under TRITON_INTERPRET=1 on
 CPU tensors, which is how they are tested without a GPU.
 """
@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from recxla.reference.cluster import HASH_MULTIPLIER, HASH_SALT, MIX_MULTIPLIER, sample_bits
-from recxla.reference.cluster import table_bits
+from recxla.ops.cluster_steps import HASH_MULTIPLIER, HASH_SALT, MIX_MULTIPLIER, sample_bits
+from recxla.ops.cluster_steps import table_bits
 
 BLOCK = 1024
 BAG_BLOCK = 128

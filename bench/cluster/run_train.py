@@ -1,8 +1,8 @@
 """The trainer across emulated nodes: recxla against the TorchRec baseline, link by link.
 
 `python -m bench.cluster.run_train` runs `recxla-train` (TorchRec's DLRM, Criteo-like synthetic
-data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbit/s and at
-200 Mbit/s, once per variant:
+data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbit/s, at
+200 Mbit/s and at 50 Mbit/s (where the link binds, as on GPU clusters), once per variant:
 
     torchrec fp32        the baseline: DMP + TrainPipelineSparseDist, fp32 all-to-alls, TorchRec's
                          own plan (its planner may make small tables data-parallel)
@@ -11,6 +11,9 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     torchrec bf16+AR lite   the same in TrainPipelineSparseDistLite (one batch in flight, the
                          input dist on the step's path), TorchRec's other pipeline that runs on
                          CPU (recxla.train.loop.METERED_PIPELINES)
+    torchrec bf16+PowerSGD   TorchRec's bf16 codec and torch's PowerSGD DDP hook (rank 1) on
+                         the dense all-reduce: the compressed all-reduce a TorchRec user can
+                         register today
     torchrec fp32 same plan   the baseline on the recxla path's plan (no data-parallel tables)
     recxla sequential    recxla's sharder, nothing overlapped: FP8 e4m3 forward, e5m2 backward,
                          dedup'd input dist, every table pooled at its owner (the dense
@@ -21,7 +24,9 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     recxla DBP           the trainer's defaults: the next batch's ids during this batch, overlap
                          on, bf16 dense all-reduce by node in 1 MB buckets; "ring AR":
                          the dense all-reduce as one ring over every rank instead of by node;
-                         "own plan": TorchRec's own plan (--data-parallel-tables)
+                         "own plan": TorchRec's own plan (--data-parallel-tables);
+                         "fp8 AR": the dense all-reduce in FP8 with error feedback
+                         (--dense-allreduce fp8)
     recxla FWP m=4       4 micro-batches, all-to-alls behind the dense compute, no DBP
     recxla FWP+DBP m=M   both, M = 2, 4, 8; "clustered": micro-batches by cluster_samples
     recxla 2D m=4        the all-to-alls inside each node, gradients summed across nodes
@@ -59,7 +64,7 @@ from bench.cluster.train_report import median as _median
 
 # The recxla path runs recxla's pipeline; "sequential" waits for every exchange at once (no
 # overlap, no double buffering) and pools every table at its owner: the sharder alone.
-_SEQ = ["--overlap", "off", "--dbp", "off", "--row-exchange", "off"]
+_SEQ = ["--no-overlap", "--no-dbp", "--row-exchange", "off"]
 VARIANTS = {
     "torchrec fp32": ["--baseline", "torchrec"],
     "torchrec bf16": ["--baseline", "torchrec", "--baseline-comms", "bf16"],
@@ -68,17 +73,20 @@ VARIANTS = {
     "torchrec bf16+AR lite": ["--baseline", "torchrec", "--baseline-comms", "bf16",
                               "--dense-allreduce", "bf16", "--baseline-pipeline",
                               "sparse_dist_lite"],
+    "torchrec bf16+PowerSGD": ["--baseline", "torchrec", "--baseline-comms", "bf16",
+                               "--dense-allreduce", "powersgd"],
     "torchrec fp32 same plan": ["--baseline", "torchrec", "--baseline-plan", "same"],
     "recxla sequential": [*_SEQ],
     "recxla no FP8": [*_SEQ, "--fwd-comm", "fp32", "--bwd-comm", "fp32"],
     "recxla no dedup": [*_SEQ, "--no-dedup-ids"],
     "recxla bf16 bwd": [*_SEQ, "--bwd-comm", "bf16"],
-    "recxla rows": ["--overlap", "off", "--dbp", "off", "--dense-allreduce", "fp32"],
-    "recxla rows+AR": ["--overlap", "off", "--dbp", "off", "--dense-allreduce", "bf16"],
+    "recxla rows": ["--no-overlap", "--no-dbp", "--dense-allreduce", "fp32"],
+    "recxla rows+AR": ["--no-overlap", "--no-dbp", "--dense-allreduce", "bf16"],
     "recxla DBP": ["--dense-allreduce", "bf16"],
     "recxla DBP ring AR": ["--dense-allreduce", "bf16", "--no-dense-allreduce-by-node"],
     "recxla DBP own plan": ["--dense-allreduce", "bf16", "--data-parallel-tables"],
-    "recxla FWP m=4": ["--micro-batches", "4", "--dbp", "off", "--dense-allreduce", "bf16"],
+    "recxla DBP fp8 AR": ["--dense-allreduce", "fp8"],
+    "recxla FWP m=4": ["--micro-batches", "4", "--no-dbp", "--dense-allreduce", "bf16"],
     "recxla FWP+DBP m=2": ["--micro-batches", "2", "--dense-allreduce", "bf16"],
     "recxla FWP+DBP m=4": ["--micro-batches", "4", "--dense-allreduce", "bf16"],
     "recxla FWP+DBP m=8": ["--micro-batches", "8", "--dense-allreduce", "bf16"],
@@ -87,7 +95,7 @@ VARIANTS = {
     "recxla 2D m=4": ["--micro-batches", "4", "--dense-allreduce", "bf16", "--topology", "2d",
                       "--row-exchange", "off"],
 }
-RATES = ("1gbit", "200mbit")
+RATES = ("1gbit", "200mbit", "50mbit")  # 50 Mbit/s: the link binds, as on GPU clusters
 # The issue's setting: batch 1024 per rank, dim 64, tables of at most 100k rows, FBGEMM's (and
 # recxla's) fused SGD, TorchRec's planner.
 TRAIN_ARGS = ["--batch-size", "1024", "--embedding-dim", "64", "--max-rows", "100000",
@@ -99,7 +107,7 @@ def rank_main(argv: List[str]) -> dict:
     """One rank of `recxla-train ARGV` (the launcher set torchrun's variables); returns rank
     0's summary ({} on the others)."""
     from recxla.train.cli import run
-    from recxla.train.config import parse_config
+    from recxla.train.parse import parse_config
     from recxla.train.rendezvous import place_from_env
 
     place = place_from_env()
@@ -162,7 +170,7 @@ def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
 
 def list_variants(labels: List[str], args) -> int:
     """Print each variant's options after recxla-train has checked them (no process group)."""
-    from recxla.train.config import parse_config
+    from recxla.train.parse import parse_config
 
     os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)  # as the launcher sets it
     for label in labels:

@@ -132,9 +132,9 @@ def _one_thread():
 
 
 def _weights(kjt, key_bytes) -> torch.Tensor:
-    from recxla import clustering
+    from recxla.ops.cluster_checks import key_bytes_tensor
 
-    return clustering.key_bytes_tensor(kjt, key_bytes, "campaign")
+    return key_bytes_tensor(kjt, key_bytes, "campaign")
 
 
 def providers(device: str) -> Dict[str, tuple]:
@@ -142,7 +142,7 @@ def providers(device: str) -> Dict[str, tuple]:
     (the dry run) each GPU variant runs its own code on CPU tensors: "fused" the op's host run,
     "passes" the Python path with the CPU key passes, "triton" with interpreted Triton ones."""
     import recxla
-    from recxla import clustering
+    from recxla.ops import cluster
     from recxla.reference.cluster import cluster_samples_ref
 
     def api(kjt, m, key_bytes):
@@ -167,16 +167,16 @@ def providers(device: str) -> Dict[str, tuple]:
 
         def with_passes(passes):
             def fn(kjt, m, key_bytes):
-                return clustering.cluster_permutation_with_passes(
+                return cluster.cluster_permutation_with_passes(
                     kjt.values(), kjt.lengths(), kjt.stride(), m, _weights(kjt, key_bytes), passes)
             return fn
 
-        cpu_passes = clustering.KeyPasses(torch.ops.recxla.cluster_feature_gains,
+        cpu_passes = cluster.KeyPasses(torch.ops.recxla.cluster_feature_gains,
                                           torch.ops.recxla.cluster_bag_signatures)
         triton = interpreted("cluster")
         out["cuda:passes"] = (with_passes(cpu_passes), contextlib.nullcontext, "cpu")
         out["cuda:fused"] = (fused, contextlib.nullcontext, "cpu")
-        out["triton"] = (with_passes(clustering.KeyPasses(triton.feature_gains,
+        out["triton"] = (with_passes(cluster.KeyPasses(triton.feature_gains,
                                                           triton.bag_signatures)),
                          contextlib.nullcontext, "cpu")
     out[CPU_KERNEL] = (api, _one_thread, "cpu")
@@ -209,7 +209,7 @@ def census(kjt, m: int) -> dict:
     dispatched, kernels they would launch on CUDA (estimates per op), device-to-host syncs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from recxla import clustering
+    from recxla.ops import cluster
 
     kernels_of = {"sort": 6, "cumsum": 2, "_unique2": 10, "nonzero": 3, "bincount": 4,
                   "repeat_interleave": 3, "cluster_feature_gains": 3 * len(kjt.keys()) + 1}
@@ -234,14 +234,14 @@ def census(kjt, m: int) -> dict:
             return saved[name](self, *a, **k)
         return call
 
-    passes = clustering.KeyPasses(torch.ops.recxla.cluster_feature_gains,
+    passes = cluster.KeyPasses(torch.ops.recxla.cluster_feature_gains,
                                   torch.ops.recxla.cluster_bag_signatures)
     weights = _weights(kjt, None)
     try:
         for name in saved:
             setattr(torch.Tensor, name, counted(name))
         with Count():
-            clustering.cluster_permutation_with_passes(
+            cluster.cluster_permutation_with_passes(
                 kjt.values(), kjt.lengths(), kjt.stride(), m, weights, passes)
     finally:
         for name, fn in saved.items():

@@ -1,6 +1,6 @@
 // Key-centric sample clustering on CUDA: the two passes over every key (ops in csrc/cluster.cpp,
 // per-key math in csrc/include/recxla/cluster.h, shared with the CPU kernels; the sorts and group
-// moves around them are torch ops in recxla.clustering.cluster_permutation_with_passes).
+// moves around them are torch ops in recxla.ops.cluster.cluster_permutation_with_passes).
 //
 // - cluster_feature_gains: per feature, one kernel hashes every key and counts the sampled ones
 //   in the feature's table (32-bit atomics), a second sums each slot's keys saved into the

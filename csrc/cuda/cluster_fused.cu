@@ -8,7 +8,7 @@
 // pass (a block scan), CUB's sorts and scans, the warp-per-group gains and the single-block
 // move loop.
 //
-// What the "passes" variant (recxla/clustering.py) spent ~6 ms on at batch 8192 was ~400
+// What the "passes" variant (recxla/ops/cluster.py) spent ~6 ms on at batch 8192 was ~400
 // launches and ~60 host syncs (docs/clustering.md); this one queues ~44 device operations
 // behind one sync (the lengths' check, which must raise before any id is read). Predicted, not
 // measured: 0.2-0.3 ms per cluster_samples call on an H100 at batch 8192 (the basis:

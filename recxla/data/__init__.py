@@ -36,15 +36,20 @@ from recxla.data.id_mapping import IdMapper
 from recxla.data.loaders import LocalLoader, make_loader
 from recxla.data.parquet_dataset import ParquetDataset
 from recxla.data.parquet_writer import write_parquet
-from recxla.data.profiles import (
-    CRITEO_KAGGLE_NUM_EMBEDDINGS,
-    Profile,
-    SparseFeature,
-    criteo_kaggle_profile,
-    embedding_bag_configs,
-)
 from recxla.data.schema import DatasetSpec, TableSpec, load_schema, read_dataset_spec
-from recxla.data.synthetic import Batch, SyntheticRankingDataset
+
+# The synthetic logs and the profiles build TorchRec types: they load on first use, so that
+# importing recxla.data (or one of its modules: recxla.train declares its options with
+# recxla.data.epoch_plan's constants) does not import TorchRec.
+_LAZY = {
+    "Batch": "recxla.data.synthetic",
+    "SyntheticRankingDataset": "recxla.data.synthetic",
+    "CRITEO_KAGGLE_NUM_EMBEDDINGS": "recxla.data.profiles",
+    "Profile": "recxla.data.profiles",
+    "SparseFeature": "recxla.data.profiles",
+    "criteo_kaggle_profile": "recxla.data.profiles",
+    "embedding_bag_configs": "recxla.data.profiles",
+}
 
 __all__ = [
     "Batch",
@@ -67,3 +72,11 @@ __all__ = [
     "read_dataset_spec",
     "write_parquet",
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'recxla.data' has no attribute {name!r}")

@@ -14,7 +14,7 @@ What it writes (folder `out`):
 
 How (docs/your-data.md for the user's view):
 - Streaming: every file is read in blocks (Parquet: `rows_per_group` rows; CSV/TSV: 1 MiB of
-  text, up to 35 of them read ahead: recxla.data.convert_source.CSV_BUFFERED_BLOCKS) and
+  text, up to 35 of them read ahead: recxla.data.convert_csv.CSV_BUFFERED_BLOCKS) and
   written a row group at a time, so memory per worker is bounded by a row group and the
   blocks read ahead, whatever the input's size, plus the id counts of vocab tables (distinct
   ids, not rows).
@@ -51,16 +51,8 @@ from recxla.data.convert_output import (
 )
 from recxla.data.convert_plan import Plan, check_same_columns, make_plan
 from recxla.data.convert_rows import convert_rows, id_bags
-from recxla.data.convert_source import (
-    CSV_BLOCK_BYTES,
-    check_csv_columns,
-    check_utf8,
-    list_sources,
-    open_text,
-    read_source,
-    source_sample,
-    source_schema,
-)
+from recxla.data.convert_csv import CSV_BLOCK_BYTES, check_csv_columns, check_utf8, open_text
+from recxla.data.convert_source import list_sources, read_source, source_sample, source_schema
 from recxla.data.errors import DataFormatError
 from recxla.data.id_mapping import Vocabulary, count_ids, keys_of, merge_counts, vocab_files
 from recxla.data.parquet_layout import SPEC_KEY

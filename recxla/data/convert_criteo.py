@@ -25,9 +25,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from recxla.data.convert_csv import read_csv
 from recxla.data.errors import DataFormatError
 from recxla.data.schema import Schema, SparseSchema, TableSchema
 
+OP = "recxla.data.convert"
 INT_FEATURES = tuple(f"int_{j}" for j in range(13))
 CAT_FEATURES = tuple(f"cat_{i}" for i in range(26))
 COLUMNS = ("label",) + INT_FEATURES + CAT_FEATURES
@@ -76,8 +78,6 @@ def parse_hex(strings: pa.Array, where: str, row_base: int) -> np.ndarray:
 
 def read_criteo(path: str) -> Iterator[pa.Table]:
     """The rows of a Criteo TSV file as tables of CRITEO_SCHEMA, a block at a time."""
-    from recxla.data.convert_source import OP, read_csv
-
     row_base = 0
     for t in read_csv(path, column_names=list(COLUMNS), column_types=_TEXT_TYPES,
                       delimiter="\t", header=False, what="tab-separated fields"):

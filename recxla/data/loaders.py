@@ -16,23 +16,12 @@ import torch
 from recxla.data.batch_iterator import BatchIterator
 from recxla.data.compact_batch import CompactBatch
 from recxla.data.epoch_plan import SHUFFLE_ROWS
+from recxla.data.loader_chunks import check_workers, encode_chunk
 from recxla.data.parquet_dataset import ParquetDataset
 from recxla.data.parquet_reader import whole_batches
+from recxla.data.ray_loader import RayLoader
 
 LOADERS = ("local", "ray")
-
-
-def _check_workers(num_workers, op: str, lo: int) -> int:
-    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < lo:
-        raise ValueError(f"{op}: num_workers must be an int >= {lo}, got {num_workers!r}")
-    return num_workers
-
-
-def encode_chunk(dataset: ParquetDataset, epoch: int, window: int, lo: int, hi: int,
-                 compress: bool) -> list:
-    """The pieces of a chunk (`ParquetDataset.read_chunk`) as [(k, CompactBatch bytes)]."""
-    return [(k, CompactBatch.encode(piece, compress=compress))
-            for k, piece in dataset.read_chunk(epoch, window, lo, hi, use_threads=False)]
 
 
 class _ChunkReader(torch.utils.data.Dataset):
@@ -77,9 +66,9 @@ class LocalLoader:
     def __init__(self, dataset: ParquetDataset, num_workers: int = 1, compress: bool = False,
                  prefetch_runs: int = 2):
         self.dataset = dataset
-        self.num_workers = _check_workers(num_workers, "recxla.data.LocalLoader", 1)
+        self.num_workers = check_workers(num_workers, "recxla.data.LocalLoader", 1)
         self.compress = bool(compress)
-        self.prefetch_runs = _check_workers(prefetch_runs, "recxla.data.LocalLoader", 1)
+        self.prefetch_runs = check_workers(prefetch_runs, "recxla.data.LocalLoader", 1)
 
     @property
     def metadata(self) -> Dict:
@@ -168,13 +157,11 @@ def make_loader(
     op = "recxla.data.make_loader"
     if loader not in LOADERS:
         raise ValueError(f"{op}: loader must be one of {LOADERS}, got {loader!r}")
-    _check_workers(num_workers, op, 0 if loader == "local" else 1)
+    check_workers(num_workers, op, 0 if loader == "local" else 1)
     dataset = ParquetDataset(path, batch_size, rank, world_size, seed, shuffle=shuffle,
                              shuffle_rows=shuffle_rows, num_epochs=num_epochs,
                              position=position, row_groups=row_groups)
     if loader == "ray":
-        from recxla.data.ray_loader import RayLoader
-
         return RayLoader(dataset, num_workers, compress=True if compress is None else compress,
                          run_dir=run_dir, address=ray_address)
     if run_dir is not None or ray_address is not None:

@@ -29,7 +29,7 @@ from typing import Dict, Optional, Sequence
 from recxla.data.batch_iterator import BatchIterator
 from recxla.data.compact_batch import CompactBatch
 from recxla.data.errors import DataFormatError
-from recxla.data.loaders import _check_workers, encode_chunk
+from recxla.data.loader_chunks import check_workers, encode_chunk
 from recxla.data.parquet_dataset import ParquetDataset
 from recxla.data.parquet_reader import whole_batches
 
@@ -117,7 +117,7 @@ class RayLoader:
                  run_dir: Optional[str] = None, address: Optional[str] = None):
         self.ray = _import_ray()
         self.dataset = dataset
-        self.num_workers = _check_workers(num_workers, OP, 1)
+        self.num_workers = check_workers(num_workers, OP, 1)
         self.compress = bool(compress)
         self.run_dir, self.address = run_dir, address
         self._owns_ray = False

@@ -4,13 +4,17 @@
   (recxla.formats).
 - `all_reduce_by_node`: a sum over every rank that is summed inside each node first and sends
   each node's share across the nodes once.
+- `FP8AllReduce` / `fp8_compress_hook`: dense gradients averaged in FP8 with error feedback,
+  by node or over one group; the hook is for any DDP model.
 """
 
 from recxla.distributed.all_reduce_by_node import AllReduceByNodeHandle, all_reduce_by_node
+from recxla.distributed.fp8_all_reduce import FP8AllReduce, FP8AllReduceHandle, fp8_compress_hook
 from recxla.distributed.quantized_all_to_all import (
     QuantizedAllToAllHandle,
     quantized_all_to_all,
 )
 
-__all__ = ["AllReduceByNodeHandle", "QuantizedAllToAllHandle", "all_reduce_by_node",
+__all__ = ["AllReduceByNodeHandle", "FP8AllReduce", "FP8AllReduceHandle",
+           "QuantizedAllToAllHandle", "all_reduce_by_node", "fp8_compress_hook",
            "quantized_all_to_all"]

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 
 def all_gather_flat(output: torch.Tensor, local: torch.Tensor,
-                    group: Optional[dist.ProcessGroup] = None) -> None:
-    """output [world * local.numel()] <- every rank's `local`, rank by rank (blocking)."""
+                    group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
+    """output [world * local.numel()] <- every rank's `local`, rank by rank (blocking, or with
+    async_op its Work)."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, local, group=group)
+    return gather(output, local, group=group, async_op=async_op)

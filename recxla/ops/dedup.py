@@ -7,14 +7,14 @@ KeyedJaggedTensor, or a (destination rank, table) bucket from `bucketize_by_rank
 
 Kernels (`torch.ops.recxla.segmented_unique`): C++ on CPU (a hash table or presence array per
 segment, segments spread over threads), CUDA (CUB segmented radix sort, head flags, scan) or
-Triton (head flags and scatter around torch's sort) on GPU. All return the same tensors as the
-plain-PyTorch reference `recxla.reference.dedup.segmented_unique_ref`.
+Triton (head flags and scatter around torch's sort) on GPU; without the compiled extension,
+a RuntimeError saying to reinstall. All return the same tensors as the tests' plain-PyTorch
+oracle, `recxla.reference.dedup.segmented_unique_ref`.
 """
 
 import torch
 
 from recxla import _extension
-from recxla.reference import dedup as reference
 
 _KEY_DTYPES = (torch.int32, torch.int64)
 
@@ -46,7 +46,7 @@ def _check_tensor(op: str, name: str, t, dtypes, what: str) -> None:
 
 def _check_offsets_values(op: str, offsets: torch.Tensor, n: int) -> None:
     """The value checks of the C++ kernels (csrc/include/recxla/dedup.h), for the paths that do
-    not run them: Triton and the reference fallback."""
+    not run them: the Triton kernels and `bucketize_by_rank`'s torch ops."""
     if int(offsets[0]) != 0:
         raise ValueError(f"{op}: offsets[0] must be 0, got {int(offsets[0])}")
     drops = torch.nonzero(offsets[1:] < offsets[:-1])
@@ -94,19 +94,16 @@ def segmented_unique(values: torch.Tensor, offsets: torch.Tensor, *, out=None):
     offsets = offsets.to(torch.int64)
     if out is not None:
         _check_out(op, values, out)
-    backend = _extension.backend_for(values)
+    backend = _extension.backend_for(values, op)
     if backend in ("cpu", "cuda"):
         if out is None:
             return torch.ops.recxla.segmented_unique(values, offsets)
         torch.ops.recxla.segmented_unique_out(values, offsets, *out)  # resizes out[0] to U
         return tuple(out)
     _check_offsets_values(op, offsets, values.numel())
-    if backend == "triton":
-        from recxla.triton_kernels.dedup import segmented_unique_triton
+    from recxla.triton_kernels.dedup import segmented_unique_triton
 
-        result = segmented_unique_triton(values, offsets)
-    else:
-        result = reference.segmented_unique_ref(values, offsets)
+    result = segmented_unique_triton(values, offsets)
     if out is None:
         return result
     return tuple(o.resize_(r.shape).copy_(r) for o, r in zip(out, result))

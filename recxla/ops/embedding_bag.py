@@ -1,11 +1,12 @@
 """Pooled embedding lookup over deduplicated ids with a fused sparse optimizer.
 
-The ops of csrc/embedding_bag.cpp (argument layout documented there and in
-recxla.reference.embedding_bag) get their fake kernels here, a dispatcher per op (C++ on CPU, CUDA
-or Triton on GPU following RECXLA_BACKEND, the reference when the extension is missing), and the
-autograd Function `FusedPooledLookup` that joins them: its forward pools the rows, its backward
-either updates the rows in place (the weights get no .grad, as in FBGEMM's TBE) or, for tables
-without an optimizer, returns an ordinary dense gradient.
+The ops of csrc/embedding_bag.cpp (argument layout documented there, their codes in
+recxla.ops.embedding_bag_enums) get their fake kernels here, a dispatcher per op (C++ on CPU,
+CUDA or Triton on GPU following RECXLA_BACKEND; a RuntimeError saying to reinstall when the
+compiled extension is missing), and the autograd Function `FusedPooledLookup` that joins
+them: its forward pools the rows, its backward either updates the rows in place (the weights get
+no .grad, as in FBGEMM's TBE) or, for tables without an optimizer, returns an ordinary dense
+gradient.
 
 Data checks. The CPU kernels check the data themselves (rows in range and, for the update,
 strictly increasing per table; ids inside their table's segment; offsets monotone) before they
@@ -23,13 +24,9 @@ import torch
 
 from recxla import _extension
 from recxla.ops.embedding_bag_checks import check_lookup, check_optimizer
-from recxla.reference import embedding_bag as reference
-
-SUM, MEAN = reference.SUM, reference.MEAN
-NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD = (
-    reference.NONE, reference.SGD, reference.ADAGRAD, reference.ROWWISE_ADAGRAD,
+from recxla.ops.embedding_bag_enums import (  # noqa: F401  (the op's codes, public here)
+    ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
 )
-NUM_HPARAMS = reference.NUM_HPARAMS
 
 
 @_extension.register_fake("recxla::embedding_bag_forward")
@@ -67,9 +64,6 @@ def _forward(args, out: Optional[torch.Tensor], backend: str) -> torch.Tensor:
         from recxla.triton_kernels.embedding_bag import embedding_bag_forward_triton
 
         return embedding_bag_forward_triton(*args, out=out)
-    if backend == "reference":
-        result = reference.embedding_bag_forward_ref(*args)
-        return result if out is None else out.copy_(result)
     if out is None:
         return torch.ops.recxla.embedding_bag_forward(*args)
     torch.ops.recxla.embedding_bag_forward_out(*args, out)
@@ -81,8 +75,6 @@ def _unique_grad(grad_output, args, backend: str) -> List[torch.Tensor]:
         from recxla.triton_kernels.embedding_bag import embedding_bag_unique_grad_triton
 
         return embedding_bag_unique_grad_triton(grad_output, *args)
-    if backend == "reference":
-        return reference.embedding_bag_unique_grad_ref(grad_output, *args)
     return list(torch.ops.recxla.embedding_bag_unique_grad(grad_output, *args))
 
 
@@ -93,8 +85,6 @@ def _backward_update(grad_output, states, args, optim, hparams, backend: str) ->
         from recxla.triton_kernels.embedding_bag import embedding_bag_backward_update_triton
 
         return embedding_bag_backward_update_triton(*full)
-    if backend == "reference":
-        return reference.embedding_bag_backward_update_ref(*full)
     torch.ops.recxla.embedding_bag_backward_update(*full)
 
 
@@ -127,7 +117,7 @@ def pooled_forward(
     """
     args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
                  feature_table, pooling, batch_size)
-    backend = _extension.backend_for(unique_values)
+    backend = _extension.backend_for(unique_values, "recxla.ops.embedding_bag.pooled_forward")
     if backend != "cpu":
         check_lookup("recxla::embedding_bag_forward", args, increasing=False)
     return _forward(args, out, backend)
@@ -149,7 +139,7 @@ def unique_grad(
     table at its unique rows (a dense gradient is zero elsewhere)."""
     args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
                  feature_table, pooling, batch_size)
-    backend = _extension.backend_for(unique_values)
+    backend = _extension.backend_for(unique_values, "recxla.ops.embedding_bag.unique_grad")
     if backend != "cpu":
         check_lookup("recxla::embedding_bag_unique_grad", args, increasing=False)
     return _unique_grad(grad_output, args, backend)
@@ -178,7 +168,7 @@ def backward_update(
     """
     args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
                  feature_table, pooling, batch_size)
-    backend = _extension.backend_for(unique_values)
+    backend = _extension.backend_for(unique_values, "recxla.ops.embedding_bag.backward_update")
     op = "recxla::embedding_bag_backward_update"
     if backend != "cpu":
         check_lookup(op, args, increasing=True)
@@ -227,7 +217,8 @@ class FusedPooledLookup(torch.autograd.Function):
     def forward(ctx, plan, unique_values, unique_offsets, inverse, offsets, psw, *weights):
         args = _args(weights, unique_values, unique_offsets, inverse, offsets, psw,
                      plan.feature_table, plan.pooling, plan.batch_size)
-        backend = _extension.backend_for(unique_values)
+        backend = _extension.backend_for(unique_values,
+                                         "recxla.ops.embedding_bag.FusedPooledLookup")
         if backend != "cpu":
             check_lookup("recxla.ops.embedding_bag.FusedPooledLookup", args,
                          increasing=plan.optimizer_step is not None,

@@ -1,6 +1,6 @@
 """Data checks of the pooled embedding ops for the kernels that trust their arguments (CUDA,
-Triton, the reference fallback); the CPU kernels check the same in C++
-(csrc/include/recxla/embedding_bag_checks.h, csrc/cpu/embedding_bag_cpu.h).
+Triton); the CPU kernels check the same in C++ (csrc/include/recxla/embedding_bag_checks.h,
+csrc/cpu/embedding_bag_cpu.h).
 
 `check_lookup_data` runs every check that needs the data as torch ops on the inputs' device,
 with no host sync, into one small flag tensor; `raise_for_lookup_flags` reads it (one sync) and
@@ -13,7 +13,7 @@ from typing import List
 
 import torch
 
-from recxla.reference.embedding_bag import (
+from recxla.ops.embedding_bag_enums import (
     ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
 )
 

@@ -3,9 +3,10 @@
 FP8 formats run recxla's kernels (`torch.ops.recxla.quantize_fp8_rows` /
 `dequantize_fp8_rows`, and their `_out` forms that write into a given tensor): C++ on CPU
 (AVX-512 kernels where the CPU has them, portable ones elsewhere or with
-RECXLA_CPU_KERNELS=portable), CUDA or Triton on GPU (RECXLA_BACKEND). Every backend writes the
-same bytes. The plain-cast formats (bf16, fp16, fp32) are a cast into the wire bytes, which torch
-already does at memory speed.
+RECXLA_CPU_KERNELS=portable), CUDA or Triton on GPU (RECXLA_BACKEND); without the compiled
+extension they raise a RuntimeError saying to reinstall. Every backend writes the same bytes (the
+tests compare each with their oracle, recxla/reference/fp8_rows.py). The plain-cast formats
+(bf16, fp16, fp32) are a cast into the wire bytes, which torch already does at memory speed.
 
 Memory: without `out=`, a CPU result comes from recxla's reusable buffers
 (csrc/cpu/fp8_rows_buffers.h): once nothing references a result any more, its memory serves the
@@ -18,7 +19,6 @@ import torch
 
 from recxla import _extension
 from recxla.formats import FLOAT_DTYPES, as_count, get_format
-from recxla.reference import fp8_rows as reference
 
 
 @_extension.register_fake("recxla::quantize_fp8_rows")
@@ -55,7 +55,7 @@ def empty_buffer(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tens
     allocator already reuses memory).
     """
     device = torch.device(device)
-    if device.type == "cpu" and _extension.extension_available():
+    if device.type == "cpu" and _extension.HAVE_EXTENSION:
         return torch.ops.recxla.empty_reusable([int(s) for s in shape], dtype)
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
@@ -128,14 +128,11 @@ def quantize_rows(
         if out.numel():  # a dtype view of a tensor without elements may fail on its strides
             out.view(f.wire_dtype).copy_(x)
         return out
-    backend = _extension.backend_for(x)
+    backend = _extension.backend_for(x, op)
     if backend == "triton":
         from recxla.triton_kernels.fp8_rows import quantize_fp8_rows_triton
 
         return quantize_fp8_rows_triton(x, fmt, out=out)
-    if backend == "reference":
-        result = reference.quantize_rows_ref(x, fmt)
-        return result if out is None else out.copy_(result)
     if out is None:
         return torch.ops.recxla.quantize_fp8_rows(x, fmt)
     torch.ops.recxla.quantize_fp8_rows_out(x, fmt, out)
@@ -190,15 +187,13 @@ def dequantize_rows(
         if out.numel():
             out.copy_(packed.contiguous().view(f.wire_dtype))
         return out
-    backend = _extension.backend_for(packed)
+    backend = _extension.backend_for(packed, op)
     if backend == "triton":
         from recxla.triton_kernels.fp8_rows import dequantize_fp8_rows_triton
 
         return dequantize_fp8_rows_triton(packed, dim, fmt, dtype, out=out)
-    if backend == "reference":
-        result = reference.dequantize_rows_ref(packed, dim, fmt, dtype)
-        return result if out is None else out.copy_(result)
     if out is None:
         return torch.ops.recxla.dequantize_fp8_rows(packed, dim, fmt, dtype)
     torch.ops.recxla.dequantize_fp8_rows_out(packed, dim, fmt, out)
     return out
+

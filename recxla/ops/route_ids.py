@@ -4,17 +4,33 @@ owners of their row blocks, and ordered by the slot they are sent in.
 A sharded module routes every batch's ids through this op (recxla.torchrec.id_encoder), on the
 host: the ids come from the loader there, whatever device holds the tables, so the op has a C++
 CPU kernel (two passes over the ids: csrc/cpu/route_ids.cpp) and no GPU kernel; ids on a GPU
-run the plain-PyTorch reference (recxla.reference.route_ids), whose torch ops run there.
+run `route_ids_torch`, whose torch ops run there. Without the compiled extension, CPU ids raise
+a RuntimeError saying to reinstall. The tests check both paths against their oracle,
+recxla/reference/route_ids.py, a plain loop over the ids.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from recxla import _extension
-from recxla.reference.route_ids import RoutedIds, route_ids_ref
 
 OP = "recxla.route_ids"
+
+
+class RoutedIds(NamedTuple):
+    """One batch's ids, routed (recxla.ops.route_ids)."""
+
+    send_ids: torch.Tensor      # int64 [M]: ids local to their owner, send slot by send slot
+    send_weights: Optional[torch.Tensor]  # float32 [M], or None without weights
+    slot_lengths: torch.Tensor  # int32 [num_send_slots * B]: each send slot's bag lengths
+    slot_counts: torch.Tensor   # int64 [num_send_slots]
+    row_group: torch.Tensor     # int64 [P]: ids to row groups, in input order: the group,
+    row_slot: torch.Tensor      #   the input slot,
+    row_sample: torch.Tensor    #   the sample,
+    row_ids: torch.Tensor       #   the row local to the owner,
+    row_weights: Optional[torch.Tensor]  # and the weight (None without weights)
+    first_bad: int              # index of the first id outside its table, or -1
 
 
 @_extension.register_fake("recxla::route_ids")
@@ -65,10 +81,11 @@ def route_ids(values: torch.Tensor, lengths: torch.Tensor, weights: Optional[tor
     """
     if not isinstance(values, torch.Tensor) or not isinstance(lengths, torch.Tensor):
         raise TypeError(f"{OP}: values and lengths must be torch.Tensors")
-    if values.is_cuda or not _extension.extension_available():
-        return route_ids_ref(values, lengths, weights, batch, slot_rows, slot_first_block,
-                             block_starts, block_first_route, route_send_slot, route_row_group,
-                             route_row_offset, num_send_slots)
+    if values.is_cuda:
+        return route_ids_torch(values, lengths, weights, batch, slot_rows, slot_first_block,
+                               block_starts, block_first_route, route_send_slot, route_row_group,
+                               route_row_offset, num_send_slots)
+    _extension.backend_for(values, OP)  # "cpu", or the error of a build without the extension
     out = torch.ops.recxla.route_ids(values, lengths, weights, batch, slot_rows,
                                      slot_first_block, block_starts, block_first_route,
                                      route_send_slot, route_row_group, route_row_offset,
@@ -76,3 +93,53 @@ def route_ids(values: torch.Tensor, lengths: torch.Tensor, weights: Optional[tor
     has_weights = weights is not None
     return RoutedIds(out[0], out[1] if has_weights else None, out[2], out[3], out[4], out[5],
                      out[6], out[7], out[8] if has_weights else None, int(out[9]))
+
+
+def route_ids_torch(values, lengths, weights, batch, slot_rows, slot_first_block, block_starts,
+                    block_first_route, route_send_slot, route_row_group, route_row_offset,
+                    num_send_slots) -> RoutedIds:
+    """`route_ids` in torch ops, vectorized over all ids (one op per step): the path of ids on a
+    GPU. Arguments and result as `route_ids`."""
+    device = values.device
+    num_slots = slot_rows.numel()
+    n = values.numel()
+    long = dict(dtype=torch.int64, device=device)
+    slot = torch.repeat_interleave(torch.arange(num_slots, device=device),
+                                   lengths.view(num_slots, batch).sum(1), output_size=n)
+    ids = values.to(torch.int64)
+    bad = (ids < 0) | (ids >= slot_rows[slot])
+    if bool(bad.any()):
+        empty = torch.empty(0, **long)
+        return RoutedIds(empty, None, torch.zeros(num_send_slots * batch, dtype=torch.int32,
+                                                  device=device),
+                         torch.zeros(num_send_slots, **long), empty, empty, empty, empty, None,
+                         int(torch.nonzero(bad)[0]))
+    sample = torch.repeat_interleave(torch.arange(num_slots * batch, device=device), lengths,
+                                     output_size=n) - slot * batch
+    # Each slot's blocks in a band of their own, so one searchsorted finds every id's block.
+    band = int(slot_rows.max()) + 1 if num_slots else 1
+    block_slot = torch.repeat_interleave(torch.arange(num_slots, device=device),
+                                         slot_first_block.diff())
+    block = torch.searchsorted(block_slot * band + block_starts, slot * band + ids,
+                               right=True) - 1
+    per_id = block_first_route[block + 1] - block_first_route[block]
+    source = torch.repeat_interleave(torch.arange(n, device=device), per_id)
+    first = torch.cumsum(per_id, 0) - per_id
+    position = torch.arange(source.numel(), device=device) - \
+        torch.repeat_interleave(first, per_id, output_size=source.numel())
+    route = block_first_route[block[source]] + position
+    local = ids[source] - route_row_offset[route]
+    slot, sample = slot[source], sample[source]
+    weights = weights[source] if weights is not None else None
+    group = route_row_group[route]
+    to_rows = group >= 0
+    keep = ~to_rows
+    send_slot = route_send_slot[route[keep]]
+    order = torch.sort(send_slot, stable=True).indices
+    return RoutedIds(
+        local[keep][order], weights[keep][order] if weights is not None else None,
+        torch.bincount(send_slot * batch + sample[keep],
+                       minlength=num_send_slots * batch).to(torch.int32),
+        torch.bincount(send_slot, minlength=num_send_slots),
+        group[to_rows], slot[to_rows], sample[to_rows], local[to_rows],
+        weights[to_rows] if weights is not None else None, -1)

@@ -7,10 +7,26 @@
   loop is TorchRec's: epochs, eval mode, detach/attach, any batch type (docs/pipeline.md).
 - `Timeline` / `write_chrome_trace`: what ran when, as a Chrome trace.
 - `split_batch`: the micro-batches of a batch (contiguous or clustered).
+- `recxla.pipeline.choices`: the values of the pipeline's options (split, dbp_lookup,
+  dense_allreduce), importable without TorchRec.
+
+Importing this package does not import torchrec; the names load it on first use.
 """
 
-from recxla.pipeline.micro_batches import MicroBatches, split_batch
-from recxla.pipeline.timeline import Timeline, write_chrome_trace
-from recxla.pipeline.train_pipeline import TrainPipeline
+_LAZY = {
+    "MicroBatches": "recxla.pipeline.micro_batches",
+    "split_batch": "recxla.pipeline.micro_batches",
+    "Timeline": "recxla.pipeline.timeline",
+    "write_chrome_trace": "recxla.pipeline.timeline",
+    "TrainPipeline": "recxla.pipeline.train_pipeline",
+}
 
 __all__ = ["MicroBatches", "Timeline", "TrainPipeline", "split_batch", "write_chrome_trace"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'recxla.pipeline' has no attribute {name!r}")

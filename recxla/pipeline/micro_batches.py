@@ -17,10 +17,9 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recxla.clustering import cluster_samples, even_sizes, permute_samples
+from recxla.ops.cluster import cluster_samples, even_sizes, permute_samples
 from recxla.pipeline.batch_fields import OWNER, batch_size, map_samples, sparse_fields
-
-SPLITS = ("contiguous", "clustered")
+from recxla.pipeline.choices import SPLITS
 
 
 def slice_samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:

@@ -51,8 +51,9 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from recxla.pipeline.dense_sync import MicroBatchGradientSync, check_nodes, wire_dtype
+from recxla.pipeline.choices import DBP_LOOKUPS, SPLITS
 from recxla.pipeline.copy_stream import CopyStream
+from recxla.pipeline.dense_sync import MicroBatchGradientSync, check_nodes, wire_dtype
 from recxla.pipeline.input_stage import (
     PreparedBatch,
     advance,
@@ -60,7 +61,7 @@ from recxla.pipeline.input_stage import (
     arrive_lookup,
     prepare_batch,
 )
-from recxla.pipeline.micro_batches import OWNER, SPLITS
+from recxla.pipeline.micro_batches import OWNER
 from recxla.pipeline.timeline import Timeline
 from recxla.pipeline.window import EarlyLookup, FrozenWindow
 from recxla.torchrec.sharded_embedding_bag import ShardedEmbeddingBagCollection
@@ -93,8 +94,10 @@ class TrainPipeline:
             update, so it reads the updated tables) or "early" (while this batch's last
             gradients travel, then corrected for the rows the update changed; see
             EarlyLookup). Both give the sequential result.
-        dense_allreduce: "fp32" or "bf16": the wire format of the dense gradients' all-reduce
-            (DDP's buckets, see dense_sync.py).
+        dense_allreduce: "fp32", "bf16" or "fp8": the wire format of the dense gradients'
+            all-reduce (DDP's buckets, see dense_sync.py); "fp8" is e4m3 with error feedback
+            (recxla.distributed.FP8AllReduce), whose residuals are state to checkpoint
+            (`dense_allreduce_state()`).
         dense_allreduce_nodes: the node layout (`recxla.torchrec.make_topology_2d`) to
             all-reduce the dense gradients by node: summed inside each node, 1/ranks_per_node
             of them per rank across the nodes, gathered inside the node
@@ -113,7 +116,7 @@ class TrainPipeline:
             ("input", "forward", "backward", "optimizer"; e.g. recxla-train's CommMeter.phase).
     """
 
-    DBP_LOOKUPS = ("after_update", "early")
+    DBP_LOOKUPS = DBP_LOOKUPS  # recxla.pipeline.choices
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device, num_micro_batches: int = 1, overlap: bool = True,

@@ -12,9 +12,9 @@ from typing import List, Optional, Sequence
 
 import torch
 
-SUM, MEAN = 0, 1
-NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD = 0, 1, 2, 3
-NUM_HPARAMS = 4  # lr, eps, weight_decay, grad_sign
+from recxla.ops.embedding_bag_enums import (  # noqa: F401  (the op's codes, public here too)
+    ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
+)
 
 
 def _bag_layout(offsets: torch.Tensor, num_features: int, batch_size: int):

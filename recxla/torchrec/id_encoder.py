@@ -68,7 +68,7 @@ class IdEncoder:
         # Features every batch must hold: the layout's, and those of tables looked up
         # elsewhere (data-parallel ones) that the sharded module adds.
         self.required_features: List[str] = layout.feature_names
-        world, me = layout.world_size, layout.rank
+        world = layout.world_size
         self.num_slots = [len(s) for s in layout.slots]
         self.slot_base = [sum(self.num_slots[:d]) for d in range(world + 1)]
         self.id_bytes = [wire.owner_id_bytes(lt.rows for lt in layout.local_tables[d])

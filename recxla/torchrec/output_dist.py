@@ -283,7 +283,6 @@ class OutputDist:
         group, its gathered rows [R_g, cols] (rows.ids order). -> (in-flight handle, values
         sent to each rank, values expected from each rank)."""
         k = message.micro_batch
-        me = self.layout.rank
         pieces, start = [], 0
         for s, b in enumerate(source_batches):
             pieces.append(pooled[start: start + b].reshape(-1))

@@ -37,11 +37,10 @@ from torchrec.distributed.types import ShardingEnv
 
 from recxla.distributed.gather import all_gather_flat
 from recxla.ops.embedding_bag import NONE, backward_update, pooled_forward, unique_grad
+from recxla.torchrec.choices import REPLICA_PRECISIONS as PRECISIONS
+from recxla.torchrec.choices import REPLICA_SYNCS as SYNCS
 from recxla.torchrec.row_exchange import apply_row_gradients
 from recxla.torchrec.shard_layout import OWNER
-
-SYNCS = ("gradients", "weights")
-PRECISIONS = ("fp32", "bf16")
 
 
 def group_layout(world_size: int, ranks_per_node: int) -> Tuple[List[List[int]], List[List[int]]]:
@@ -196,7 +195,7 @@ def sum_over_replicas(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     gathered = torch.empty(size * longest, dtype=torch.int64, device=device)
     all_gather_flat(gathered, mine, group=group)
     gathered = gathered.view(size, longest)
-    unions, positions, offset = [], [], 0
+    unions, positions = [], []
     starts = torch.cumsum(all_counts, 1) - all_counts
     for t, own in enumerate(rows):
         pieces = [gathered[r, starts[r, t]: starts[r, t] + all_counts[r, t]] for r in range(size)]

@@ -22,9 +22,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from recxla.clustering import even_sizes
+from recxla.ops.cluster import even_sizes
 from recxla.ops.dedup import segmented_unique
-from recxla.ops.embedding_bag import SUM, backward_update, pooled_forward, unique_grad
+from recxla.ops.embedding_bag import SUM, backward_update
 from recxla.torchrec.shard_layout import ShardLayout
 
 

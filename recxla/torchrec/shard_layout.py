@@ -29,7 +29,7 @@ from typing import Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from recxla.ops.embedding_bag import MEAN, SUM
+from recxla.ops.embedding_bag import SUM
 
 OWNER = "recxla.torchrec.ShardedEmbeddingBagCollection"
 

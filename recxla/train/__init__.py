@@ -4,9 +4,11 @@ It trains TorchRec's DLRM or DLRM_DCN across ranks with recxla's sharded path, o
 TorchRec (`--baseline torchrec`) on the same model, data and plan, and measures both the same
 way. One idea per module:
 
-- cli: the entry point and the order of a run; config: the options (TrainConfig), each
-  declared once (options: how a declaration becomes the parser, the checks and the values),
-  checked before anything runs; preflight: the files and folders the options name;
+- cli: the entry point and the order of a run; stages: each stage of it (plan and shard,
+  resume, pipeline, the loop with its checkpoints, the summary);
+- config: the options (TrainConfig), each declared once (options: how a declaration becomes
+  the parser, the checks and the values); parse: a command line to a checked TrainConfig,
+  before anything runs (the options, then the files and folders they name);
 - rendezvous: this rank's place, the store and the process group; watchdog: every rank exits
   when one dies or hangs, naming it;
 - data: this rank's batches (synthetic, or a Parquet dataset with its own tables and held-out

@@ -7,9 +7,10 @@ A checkpoint `step_<N>` holds, every rank writing its own shards through DCP:
   state, e.g. row-wise Adagrad's accumulators, and the dense optimizer's, its step counts
   included);
 - "train": the steps done, which is also the data position (see recxla.train.data: batch k
-  is a function of k alone, with --data as with the synthetic logs), and each rank's random
+  is a function of k alone, with --data as with the synthetic logs), each rank's random
   number generator state (`rng_cpu_rank<r>`; nothing in the trainer's step draws from it
-  today, a model with dropout would);
+  today, a model with dropout would), and with --dense-allreduce fp8 each rank's
+  error-feedback residuals (`dense_fp8_rank<r>`, recxla.distributed.FP8AllReduce);
 and `train_state.json`, the completion marker: the training state again, the options it
 depends on (checked by --resume before any process group exists), the --data files'
 fingerprint, `state_sha256` (a hash of every rank's saved tensors: two runs that end with the
@@ -184,25 +185,32 @@ def _rng_key(rank: int) -> str:
     return f"rng_cpu_rank{rank}"
 
 
-def _contents(model, optimizer, steps_done: int, rank: int) -> dict:
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "train": {"steps_done": torch.tensor(steps_done, dtype=torch.int64),
-                      _rng_key(rank): torch.get_rng_state()}}
+def _fp8_key(rank: int) -> str:
+    return f"dense_fp8_rank{rank}"
+
+
+def _contents(model, optimizer, steps_done: int, rank: int, dense_fp8=None) -> dict:
+    train = {"steps_done": torch.tensor(steps_done, dtype=torch.int64),
+             _rng_key(rank): torch.get_rng_state()}
+    if dense_fp8 is not None:  # its live residuals: DCP loads into them in place
+        train[_fp8_key(rank)] = dense_fp8.state_dict()
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "train": train}
 
 
 def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
          world_size: int, data_fingerprint: Optional[str] = None,
-         keep: Optional[int] = None) -> str:
+         keep: Optional[int] = None, dense_fp8=None) -> str:
     """Write checkpoint `step_<steps_done>` (a collective: every rank calls it) and commit it;
     then delete the older ones beyond the `keep` newest (None: keep all). Returns the folder.
-    `data_fingerprint`: TrainData.fingerprint (None: synthetic logs)."""
+    `data_fingerprint`: TrainData.fingerprint (None: synthetic logs). `dense_fp8`: the
+    FP8AllReduce of --dense-allreduce fp8, whose residuals are saved too."""
     rank = dist.get_rank()
     partial = files.partial_path(directory, steps_done)
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         files.remove_incomplete(directory)  # a killed run's leftovers, this step's included
     dist.barrier()
-    state = _contents(model, optimizer, steps_done, rank)
+    state = _contents(model, optimizer, steps_done, rank, dense_fp8)
     writer = _Writer(partial, steps_done)
     dcp.save(state, storage_writer=writer)
     kill_point(f"checkpoint {steps_done} written")
@@ -227,9 +235,9 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
     return checkpoint_path(directory, steps_done)
 
 
-def load(path: str, model, optimizer) -> int:
+def load(path: str, model, optimizer, dense_fp8=None) -> int:
     """Load checkpoint folder `path` into `model` and `optimizer` in place and restore this
-    rank's random number generator (a collective). Every file is checked against the marker
+    rank's random number generator and `dense_fp8`'s residuals (a collective). Every file is checked against the marker
     before DCP opens it, `.metadata` and byte items through restricted unpicklers
     (recxla.train.checkpoint_reader): DamagedCheckpoint (a ValueError) naming the folder and
     the file otherwise. Rank 0 first deletes the incomplete folders beside it (never a
@@ -245,9 +253,14 @@ def load(path: str, model, optimizer) -> int:
     if rank == 0:
         files.remove_incomplete(os.path.dirname(os.path.normpath(path)))
         _report_newer(path, marker["steps_done"])
-    state = _contents(model, optimizer, -1, rank)
+    state = _contents(model, optimizer, -1, rank, dense_fp8)
     if f"train.{_rng_key(rank)}" not in saved_keys:  # written before generators were saved
         del state["train"][_rng_key(rank)]
+    if dense_fp8 is not None and not any(k.startswith(f"train.{_fp8_key(rank)}.")
+                                         for k in saved_keys):
+        # Saved by a run with another --dense-allreduce (a resume may change the wire): the
+        # residuals start at zero.
+        del state["train"][_fp8_key(rank)]
     try:
         dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(path))
     except CheckpointException as e:  # DCP gathers every rank's failure of the read
@@ -259,6 +272,8 @@ def load(path: str, model, optimizer) -> int:
     optimizer.load_state_dict(state["optimizer"])
     if _rng_key(rank) in state["train"]:
         torch.set_rng_state(state["train"][_rng_key(rank)])
+    if _fp8_key(rank) in state["train"]:
+        dense_fp8.load_state_dict(state["train"][_fp8_key(rank)])
     return int(state["train"]["steps_done"])
 
 

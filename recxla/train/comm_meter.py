@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from recxla.distributed import traffic
+
 METERED = (
     "all_to_all_single", "all_to_all", "all_reduce", "all_gather", "all_gather_single",
     "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor",
@@ -99,7 +101,11 @@ def kind_of(op: str, phase: str, tensor: Optional[torch.Tensor]) -> str:
     lengths, splits; recxla packs its ids as uint8), "embeddings" (float or packed uint8 rows
     through an all-to-all: with the phase, the pooled embeddings forward or their gradients
     backward), "dense" (all-reduce of float tensors, and the reduce-scatters and all-gathers
-    of all_reduce_by_node: the data-parallel gradients), else the op's name."""
+    of all_reduce_by_node: the data-parallel gradients; and whatever recxla.distributed.traffic
+    tags: the all_to_alls of FP8AllReduce), else the op's name."""
+    tagged = traffic.carried()
+    if tagged is not None:
+        return tagged
     if phase == "input":
         return "ids"
     if tensor is not None and not tensor.is_floating_point() and tensor.dtype != torch.uint8:

@@ -1,36 +1,26 @@
-"""The trainer's options: each declared once, as a TrainConfig field (recxla.train.options says
-how), and checked before any process group exists (a bad option costs no rendezvous and no
-peer's time).
+"""The trainer's options, each declared once: a TrainConfig field carries its flag, help, choices,
+value parser and the path it applies to (recxla.train.options says how), and the constants
+they are declared with. The parser, --help, the options' table in docs/training.md and the
+config's values all derive from these fields; recxla.train.parse turns a command line into a
+checked TrainConfig.
 
-`parse_config(argv)` returns a TrainConfig or exits with status 2 and a message naming the
-option and its limit, or the file. Every rank of a job finds the same error, so it is printed
-once per node (by its first rank: `prints_errors`), on one line, without argparse's usage text;
-every rank exits 2. Flag names are fixed (scripts rely on them). The
-parser, the check that an option applies to the chosen path (recxla, or --baseline torchrec),
-the defaults in --help and the config's values all come from the fields below; the checks that
-involve several options are in `_check`, the ones that open files in recxla.train.preflight.
+Declaring the options imports neither the pipeline nor TorchRec: the choices come from the
+modules that hold the library's own values (recxla.formats, recxla.pipeline.choices,
+recxla.torchrec.choices, recxla.data.epoch_plan).
 """
 
 import dataclasses
-import os
-import sys
 from dataclasses import dataclass
-from typing import Callable, List, NoReturn, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 from recxla.data.epoch_plan import SHUFFLE_ROWS
 from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, FORMATS
-from recxla.pipeline.dense_sync import PRECISIONS as DENSE_ALLREDUCE_FORMATS
-from recxla.pipeline.micro_batches import SPLITS
-from recxla.pipeline.train_pipeline import TrainPipeline
-from recxla.torchrec.replicas import PRECISIONS as REPLICA_PRECISIONS
-from recxla.torchrec.replicas import SYNCS as REPLICA_SYNCS
+from recxla.pipeline.choices import DBP_LOOKUPS, DENSE_ALLREDUCE_FORMATS, SPLITS
+from recxla.torchrec.choices import REPLICA_PRECISIONS, REPLICA_SYNCS
 from recxla.train import options
-from recxla.train.options import BOTH, RECXLA, TORCHREC, option
+from recxla.train.options import RECXLA, TORCHREC, option
 from recxla.train.options import int_at_least as at_least
 
-PROG = "recxla-train"
-# The exit status of a bad option or input (argparse's convention), found before training.
-EXIT_BAD_INPUT = 2
 WIRE_FORMATS = tuple(FORMATS)
 # TorchRec's own codecs (FBGEMM's) that the baseline offers on CPU and GPU.
 BASELINE_COMMS = ("fp32", "fp16", "bf16")
@@ -48,6 +38,9 @@ RECXLA_DDP_BUCKET_MB = 1.0
 # 4 ranks the held-out AUC is the fp32 all-reduce's (0.7704 / 0.7702 and 0.7775 / 0.7777 for
 # seeds 0 / 1, bench/results/training.md).
 RECXLA_DENSE_ALLREDUCE = "bf16"
+# Dense all-reduces of the TorchRec baseline alone: torch's PowerSGD DDP hook, the compressed
+# all-reduce a TorchRec user can register today (recxla.train.sharding.POWERSGD).
+BASELINE_DENSE_ALLREDUCE = ("powersgd",)
 SHARDINGS = ("auto", "table_wise", "column_wise", "table_column_wise", "row_wise")
 # TorchRec's own sharders offer these on CPU (gloo lacks the reduce-scatter row-wise needs).
 TORCHREC_CPU_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")
@@ -79,7 +72,7 @@ _O, _G, _D, _R = "overlap pipeline", "topology", "data", "run"
 class TrainConfig:
     """Everything a training run depends on; `asdict()` goes into the metrics JSON. Fields whose
     default depends on other options (steps, max_rows, threads, ...) hold the resolved value
-    after `parse_config`."""
+    after `recxla.train.parse.parse_config`."""
 
     model: str = option("dlrm", "dlrm: torchrec.models.dlrm.DLRM; dcn: DLRM_DCN", group=_M,
                         choices=MODELS)
@@ -134,8 +127,13 @@ class TrainConfig:
         "rows are fewer, judged on a sample batch), off, all, or comma-separated table names",
         group=_C, applies=RECXLA, default_text="auto; off with --topology 2d")
     dense_allreduce: Optional[str] = option(
-        None, "wire format of the dense gradients' all-reduce", group=_C,
-        choices=DENSE_ALLREDUCE_FORMATS,
+        None, "wire format of the dense gradients' all-reduce: fp32, bf16, or fp8 (e4m3 with a "
+        "scale per 128 values and error feedback, recxla.distributed.FP8AllReduce; its "
+        "residuals go into the checkpoints; on the baseline, as a hook on TorchRec's DDP); "
+        "powersgd (baseline only): torch's PowerSGD hook, rank 1, after 10 fp32 steps (a "
+        "resume restarts its state)",
+        group=_C,
+        choices=(*DENSE_ALLREDUCE_FORMATS, *BASELINE_DENSE_ALLREDUCE),
         default_text=f"{RECXLA_DENSE_ALLREDUCE} on the recxla path, fp32 (TorchRec's) on the "
         "baseline")
     dense_allreduce_by_node: bool = option(
@@ -181,7 +179,7 @@ class TrainConfig:
                         group=_O, applies=RECXLA, choices=SPLITS)
     dbp_lookup: str = option("after_update", "the next batch's lookup after this update, or "
                              "before it, corrected", group=_O, applies=RECXLA,
-                             choices=TrainPipeline.DBP_LOOKUPS)
+                             choices=DBP_LOOKUPS)
     defer_dense_update: bool = option(
         True, "apply each batch's dense update at the next batch's first dense forward, so "
         "its all-reduce travels during the next batch's lookup and all-to-alls (no stale "
@@ -306,155 +304,3 @@ class TrainConfig:
 
     def asdict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def prints_errors(env=None) -> bool:
-    """Whether this process prints the errors found before training: the first rank of each
-    node (LOCAL_RANK 0, or a process outside torchrun). The others find the same error (the
-    checks read the options and this node's files alike on every rank) and exit quietly, so
-    that torchrun's output holds it once, not once per rank."""
-    env = os.environ if env is None else env
-    return (env.get("LOCAL_RANK") or "0") == "0"
-
-
-def exit_bad_input(message: str) -> NoReturn:
-    """Exit with EXIT_BAD_INPUT, printing `message` where `prints_errors`."""
-    if prints_errors():
-        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_BAD_INPUT)
-
-
-def _option_error(message: str) -> NoReturn:
-    exit_bad_input(f"{message} (`{PROG} --help` lists the options)")
-
-
-def build_parser(on_error: Optional[Callable[[str], None]] = _option_error):
-    """The trainer's parser; its errors (and _check's) go to `on_error` (default: printed once
-    per node, with a pointer to --help, exit 2)."""
-    return options.build_parser(
-        TrainConfig, on_error, prog=PROG,
-        description="Train TorchRec's DLRM (or DLRM_DCN) across ranks with recxla's "
-        "communication, or with plain TorchRec (--baseline torchrec), on synthetic ranking logs "
-        "or on your own converted data (--data). Launch with torchrun (gloo on CPU, NCCL on "
-        "GPU). `recxla-train --compare A.json B.json ...` compares metrics files instead.")
-
-
-def options_markdown() -> str:
-    """The options reference of docs/training.md (Markdown tables, one per group)."""
-    return options.markdown_reference(TrainConfig)
-
-
-def resolve_device(requested: str) -> str:
-    import torch
-
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is visible on this machine")
-    return requested
-
-
-def local_world_size() -> int:
-    """Ranks on this node as torchrun announces them (1 outside torchrun)."""
-    return max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-
-
-def _check(err, given: dict) -> dict:
-    """Checks that involve several options; returns the TrainConfig fields, resolved. `given`:
-    the options on the command line; `err(message)` exits."""
-    v = options.values(TrainConfig, given)
-    path = TORCHREC if v["baseline"] else RECXLA
-    for message in options.path_errors(TrainConfig, given, path):
-        err(message)
-    if v["topology"] == "2d":
-        if "ranks_per_node" not in given and "LOCAL_WORLD_SIZE" not in os.environ:
-            err("--topology 2d needs --ranks-per-node, or torchrun's LOCAL_WORLD_SIZE")
-        if v["checkpoint_dir"]:
-            err("--checkpoint-dir with --topology 2d: sharded checkpoints of replicated shards "
-                "are not supported yet")
-        if given.get("row_exchange", "off") != "off":
-            err("--row-exchange with --topology 2d is not supported yet (use off)")
-        v["ranks_per_node"] = v["ranks_per_node"] or local_world_size()
-        v["row_exchange"] = "off"
-    if v["ddp_bucket_mb"] is None and not v["baseline"]:
-        v["ddp_bucket_mb"] = RECXLA_DDP_BUCKET_MB
-    if v["dense_allreduce"] is None:
-        v["dense_allreduce"] = "fp32" if v["baseline"] else RECXLA_DENSE_ALLREDUCE
-    if v["data_parallel_tables"] and v["sharding"] != "auto":
-        err(f"--data-parallel-tables applies to --sharding auto (--sharding {v['sharding']} is "
-            "one plan for every table)")
-    if v["data_parallel_tables"] and v["topology"] == "2d":
-        err("--data-parallel-tables with --topology 2d is not supported yet (tables are "
-            "replicated across nodes already)")
-    if "sync_every" in given and v["replica_sync"] != "weights":
-        err("--sync-every applies to --replica-sync weights")
-    if v["replica_sync"] == "weights" and v["replica_precision"] != "fp32":
-        err("--replica-precision bf16 applies to --replica-sync gradients (weights are averaged "
-            "in fp32)")
-    try:
-        v["device"] = resolve_device(v["device"])
-    except ValueError as e:
-        err(str(e))
-    if v["baseline"]:
-        if v["device"] == "cpu" and v["sharding"] == "row_wise":
-            err("--sharding row_wise with --baseline torchrec: TorchRec's sharders offer no "
-                "row-wise sharding on CPU (gloo lacks the reduce-scatter it needs); use one of "
-                f"{', '.join(TORCHREC_CPU_SHARDINGS)} or auto, or the recxla path")
-        if "baseline_plan" in given and v["sharding"] != "auto":
-            err(f"--baseline-plan applies to --sharding auto (--sharding {v['sharding']} is one "
-                "plan for both paths)")
-        # What the baseline's sharder does, for the summary and the metrics file.
-        v["dedup_ids"], v["row_exchange"] = False, "off"
-    if "steps" in given and "epochs" in given:
-        err("--steps and --epochs: give one or the other")
-    if v["data"] is None:
-        for name in ("loader", "loader_workers", "shuffle_rows", "table_rows", "eval_fraction"):
-            if name in given:
-                err(f"--{name.replace('_', '-')} applies to --data (the synthetic logs are "
-                    "generated in the rank)")
-    if v["loader"] == "ray" and v["loader_workers"] == 0:
-        err("--loader-workers 0 applies to --loader local (Ray reads in at least 1 task)")
-    if v["data"] is not None and ("profile" in given or "max_rows" in given):
-        if "table_rows" in given:
-            err("--table-rows sets the dataset's tables; --profile and --max-rows train the "
-                "profile's tables instead: give one or the other")
-    # The model: the dataset's tables (--data alone), or the profile's (max_rows resolved).
-    if v["data"] is None or "profile" in given or "max_rows" in given:
-        if v["max_rows"] is None:
-            v["max_rows"] = SMALL_PROFILE_MAX_ROWS if v["profile"] == "small" else \
-                CRITEO_PROFILE_MAX_ROWS
-        if v["embedding_dim"] is None:
-            v["embedding_dim"] = FALLBACK_EMBEDDING_DIM
-    if "eval_data" in given and "eval_fraction" in given:
-        err("--eval-data and --eval-fraction: give one or the other (the held-out rows come "
-            "from other files, or from --data)")
-    if v["data"] is not None and v["max_rows"] is None and v["eval_data"] is None and \
-            v["eval_fraction"] is None:
-        v["eval_fraction"] = DEFAULT_EVAL_FRACTION  # the dataset's model: its own held-out rows
-    if v["epochs"] is not None and v["data"] is None:
-        v["steps"] = v["epochs"] * v["train_batches"]
-    if (v["resume"] or v["checkpoint_every"]) and not v["checkpoint_dir"]:
-        err("--resume and --checkpoint-every need --checkpoint-dir")
-    if v["resume_step"] is not None and not v["resume"]:
-        err("--resume-step applies with --resume")
-    v["threads"] = v["threads"] or max(1, (os.cpu_count() or 1) // local_world_size())
-    return v
-
-
-def parse_config(argv: Optional[Sequence[str]] = None) -> TrainConfig:
-    """TrainConfig from command-line arguments; exits with status 2 on a bad option or input
-    (a file the options name), printed once per node (`exit_bad_input`)."""
-    from recxla.train import preflight
-
-    parser = build_parser()
-    given = vars(parser.parse_args(options.normalize_argv(
-        sys.argv[1:] if argv is None else argv)))
-    # The files' errors name the option and the file: no pointer to --help.
-    fields = preflight.check(exit_bad_input, _check(parser.error, given))
-    return TrainConfig(**fields)
-
-
-def split_compare(argv: Sequence[str]) -> Optional[List[str]]:
-    """The arguments after --compare when this is a comparison run, else None."""
-    argv = list(argv)
-    return argv[argv.index("--compare") + 1:] if "--compare" in argv else None

@@ -22,8 +22,6 @@ PATHS = (BOTH, RECXLA, TORCHREC)
 # The command-line groups, in --help order.
 GROUPS = ("model", "training", "communication and sharding", "overlap pipeline",
           "topology", "data", "run")
-# Switches older scripts spell `--overlap off`: rewritten to `--no-overlap` before parsing.
-ON_OFF_SWITCHES = ("--overlap", "--dbp")
 
 
 def option(default: Any, help: str, *, group: str, applies: str = BOTH,
@@ -118,25 +116,6 @@ def build_parser(cls, on_error: Optional[Callable[[str], None]] = None,
                 kwargs["metavar"] = _metavar(field)
         groups[meta["group"]].add_argument(flag_of(field), *meta["aliases"], **kwargs)
     return parser
-
-
-def normalize_argv(argv: Sequence[str]) -> List[str]:
-    """`--overlap off` -> `--no-overlap`, `--overlap on` -> `--overlap` (older scripts)."""
-    out: List[str] = []
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        arg = argv[i]
-        if arg in ON_OFF_SWITCHES and i + 1 < len(argv) and argv[i + 1] in ("on", "off"):
-            out.append(arg if argv[i + 1] == "on" else "--no-" + arg[2:])
-            i += 2
-            continue
-        for switch in ON_OFF_SWITCHES:
-            if arg in (f"{switch}=on", f"{switch}=off"):
-                arg = switch if arg.endswith("=on") else "--no-" + switch[2:]
-        out.append(arg)
-        i += 1
-    return out
 
 
 def path_errors(cls, given: Dict[str, Any], path: str) -> List[str]:

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torchrec.distributed.comm_ops import set_gradient_division
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
@@ -33,6 +33,8 @@ from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from recxla.distributed.fp8_all_reduce import FP8AllReduce, fp8_compress_hook
+from recxla.pipeline.dense_sync import MicroBatchGradientSync
 from recxla.torchrec.data_parallel import DATA_PARALLEL, is_data_parallel
 from recxla.train.config import TORCHREC_CPU_SHARDINGS, TrainConfig
 
@@ -213,10 +215,37 @@ def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan, device: tor
     ddp = dmp._dmp_wrapped_module
     if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \
             (config is None or config.baseline):
-        bf16 = config is not None and config.dense_allreduce == "bf16"
-        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if bf16
-                               else default_hooks.allreduce_hook)
+        wire = "fp32" if config is None else config.dense_allreduce
+        if wire == "powersgd":
+            ddp.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, **POWERSGD),
+                                   powerSGD_hook.powerSGD_hook)
+        elif wire != "fp8":  # fp8: dense_fp8_state
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if wire == "bf16"
+                                   else default_hooks.allreduce_hook)
     return dmp
+
+
+# torch's PowerSGD hook as the baseline's --dense-allreduce powersgd: rank 1 (torch's default,
+# the most compression); compressed from step 10 (torch's default of 1,000 is for long runs, its
+# docs suggest 10% of the steps: the benchmarks' runs are 36 to 300 steps); error feedback and
+# warm start (torch's defaults); the seed fixed so that every run compresses alike.
+POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10,
+            "use_error_feedback": True, "warm_start": True, "random_seed": 0}
+
+
+def dense_fp8_state(dmp, config, dense_nodes) -> Optional[FP8AllReduce]:
+    """With --dense-allreduce fp8, the FP8AllReduce whose residuals the checkpoints carry: on
+    the recxla path the pipeline's (recxla.pipeline.dense_sync), made now so that a resume can
+    load into it; with --baseline, recxla's DDP hook registered on TorchRec's DDP as any
+    TorchRec user can (recxla.distributed.fp8_compress_hook). None for the other wires."""
+    if config.dense_allreduce != "fp8":
+        return None
+    ddp = dmp._dmp_wrapped_module
+    if config.baseline:
+        state = FP8AllReduce.for_ddp(ddp)
+        ddp.register_comm_hook(state, fp8_compress_hook)
+        return state
+    return MicroBatchGradientSync.for_ddp(ddp).fp8_state(dense_nodes)
 
 
 def dense_optimizer_kwargs(optimizer: str, device_type: str) -> dict:

@@ -1,0 +1,14 @@
+"""The values the pipeline's options take, in a module that imports nothing: the pipeline checks
+its arguments against them, and recxla.train declares its options (--split, --dbp-lookup,
+--dense-allreduce) with them, without importing the pipeline or TorchRec.
+"""
+
+# TrainPipeline(split=...): micro-batches as loaded, or ordered by recxla.cluster_samples
+# (recxla.pipeline.micro_batches).
+SPLITS = ("contiguous", "clustered")
+# TrainPipeline(dbp_lookup=...): the next batch's lookup after this batch's update, or before
+# it, corrected after (recxla.pipeline.window.EarlyLookup).
+DBP_LOOKUPS = ("after_update", "early")
+# TrainPipeline(dense_allreduce=...): the dense gradients' wire format
+# (recxla.pipeline.dense_sync).
+DENSE_ALLREDUCE_FORMATS = ("fp32", "bf16", "fp8")
