@@ -139,6 +139,18 @@ def crossing_rows(m: dict) -> int:
     return sum(m["config"]["batch_size"] for table in m["plan"].values() for _ in table["ranks"])
 
 
+def test_dense_floor_sends_only_the_dense_gradients(tmp_path):
+    """--dense-floor: the model without its embedding work, trained to the end (checkpoint
+    and evaluation included), with nothing on the wire but the dense all-reduce."""
+    steps, warmup = 4, 1
+    launch_ranks([*SMALL, "--steps", str(steps), "--warmup-steps", str(warmup), "--baseline",
+                  "torchrec", "--dense-floor", "--dense-allreduce", "bf16", "--checkpoint-dir",
+                  str(tmp_path / "ck"), "--metrics", str(tmp_path / "floor.json")], tmp_path)
+    floor = check_metrics(tmp_path / "floor.json", 2, steps, warmup)
+    assert set(floor["wire_bytes_per_step_by_kind"]) == {"dense_allreduce"}, floor
+    assert floor["config"]["dense_floor"] is True
+
+
 def test_recxla_and_baseline_end_to_end(tmp_path):
     steps, warmup = 6, 2
     common = [*SMALL, "--steps", str(steps), "--warmup-steps", str(warmup),
@@ -263,6 +275,7 @@ def test_an_error_before_training_is_one_line_from_each_nodes_first_rank(
      "--data-parallel-tables applies to the recxla path only"),
     (["--baseline", "torchrec", "--no-dense-allreduce-by-node"],
      "--dense-allreduce-by-node applies to the recxla path only"),
+    (["--dense-floor"], "--dense-floor applies to --baseline torchrec only"),
     (["--dense-allreduce", "powersgd"],
      "--dense-allreduce powersgd applies to the TorchRec baseline"),
     (["--eval-fraction", "0.2"], "--eval-fraction applies to --data"),

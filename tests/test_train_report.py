@@ -86,6 +86,22 @@ def test_table_gives_medians_and_ratios_to_the_fastest_torchrec():
     assert "| recxla DBP | 3,000 | 4.07 / 4.10 | 1.30 / 1.30 | 0.47 |" in picked
 
 
+def test_over_the_dense_floor_is_the_cpu_above_the_floor_run():
+    entry = _sitting("abc1234", [1000], [2000], [3000])
+    rows = entry["results"][0]["runs"]
+    floor_cpu, dbp_cpu = random.uniform(30, 50), random.uniform(60, 120)
+    rows["recxla DBP"] = [_summary(3000, dbp_cpu)]
+    columns = ("cpu", "floor")
+    without = train_report.table("training_2x2", entry, "1gbit", columns)
+    assert "| recxla DBP | " + f"{dbp_cpu:.1f} | - |" in without  # no floor run: no figure
+    rows[train_report.DENSE_FLOOR] = [_summary(40000, floor_cpu)]
+    text = train_report.table("training_2x2", entry, "1gbit", columns)
+    assert f"| recxla DBP | {dbp_cpu:.1f} | {dbp_cpu - floor_cpu:.1f} |" in text
+    assert f"| dense floor | {floor_cpu:.1f} | 0.0 |" in text
+    # The floor is neither the fastest TorchRec nor the fastest recxla variant.
+    assert train_report.fastest_torchrec(rows) == "torchrec bf16+AR"
+
+
 def test_table_errors_name_what_is_missing():
     entry = _sitting("abc1234", [1000], [2000], [3000])
     with pytest.raises(KeyError, match=r"unknown column 'speed': one of eps, runs"):

@@ -15,6 +15,10 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
                          the dense all-reduce: the compressed all-reduce a TorchRec user can
                          register today
     torchrec fp32 same plan   the baseline on the recxla path's plan (no data-parallel tables)
+    dense floor          the same DLRM with the embedding work taken out (--dense-floor: fixed
+                         pooled embeddings, no tables, no all-to-all; the dense all-reduce in
+                         bf16): the machine's CPU per example for the dense part alone; every
+                         row's "over floor" is its CPU per example above it
     recxla sequential    recxla's sharder, nothing overlapped: FP8 e4m3 forward, e5m2 backward,
                          dedup'd input dist, every table pooled at its owner (the dense
                          all-reduce as the trainer's defaults: bf16, by node)
@@ -76,6 +80,8 @@ VARIANTS = {
     "torchrec bf16+PowerSGD": ["--baseline", "torchrec", "--baseline-comms", "bf16",
                                "--dense-allreduce", "powersgd"],
     "torchrec fp32 same plan": ["--baseline", "torchrec", "--baseline-plan", "same"],
+    train_report.DENSE_FLOOR: ["--baseline", "torchrec", "--dense-floor", "--dense-allreduce",
+                               "bf16"],
     "recxla sequential": [*_SEQ],
     "recxla no FP8": [*_SEQ, "--fwd-comm", "fp32", "--bwd-comm", "fp32"],
     "recxla no dedup": [*_SEQ, "--no-dedup-ids"],
@@ -132,6 +138,10 @@ def run_variant(cluster: EmulatedCluster, label: str, args, timeout: float) -> d
     return summary
 
 
+def _or_nan(value):
+    return float("nan") if value is None else value
+
+
 def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
     """One rate's table: medians over repeats; examples/s as ratios against the fastest
     TorchRec variant's median and against TorchRec fp32's."""
@@ -144,7 +154,7 @@ def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
     head = (f"{'variant':<24}{'ex/s':>9}{'vs best TR':>11}{'vs TR fp32':>11}{'step ms':>9}"
             f"{'compute':>9}{'CPU us/ex':>10}{'in flight':>10}{'exposed':>9}{'exp/comm':>9}"
             f"{'wire MB':>9}{'x-node MB':>10}{'link MB':>9}{'emb fwd':>8}{'emb bwd':>8}"
-            f"{'ids':>7}{'AUC':>7}")
+            f"{'ids':>7}{'AUC':>7}{'over floor':>11}")
     lines = [f"{rate} ({mode}; medians of {max(len(v) for v in rows.values())} runs; MB per "
              f"step, all ranks; best TR: {best or 'no TorchRec variant run'})", head,
              "-" * len(head)]
@@ -164,7 +174,8 @@ def table(rate: str, mode: str, rows: Dict[str, List[dict]]) -> str:
             f"{mb(_median(runs, lambda r: r['cross_node_bytes_per_step']))} "
             f"{mb(link) if link == link else '      -'}"
             f"{mb(kind('embeddings_fwd'))}{mb(kind('embeddings_bwd'))}"
-            f"{kind('ids') / 1e6:>7.2f}{_median(runs, lambda r: r['auc']):>7.3f}")
+            f"{kind('ids') / 1e6:>7.2f}{_median(runs, lambda r: r['auc']):>7.3f}"
+            f"{_or_nan(train_report.over_dense_floor(runs, rows)):>11.1f}")
     return "\n".join(lines)
 
 

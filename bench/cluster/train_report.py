@@ -102,6 +102,28 @@ def _run_by_run(runs: List[dict], rows) -> str:
     return " / ".join(f"{r['examples_per_s']:,.0f}" for r in runs)
 
 
+# The variant that runs the model's dense part alone (run_train's "dense floor").
+DENSE_FLOOR = "dense floor"
+
+
+def cpu_per_example(r: dict) -> Optional[float]:
+    return r.get("cpu_us_per_example", {}).get("mean")
+
+
+def over_dense_floor(runs: List[dict], rows) -> Optional[float]:
+    """The variant's CPU per example above the dense floor's (medians; None without a floor
+    run): what its embedding work costs."""
+    if not rows.get(DENSE_FLOOR):
+        return None
+    mine, floor = median(runs, cpu_per_example), median(rows[DENSE_FLOOR], cpu_per_example)
+    return None if mine is None or floor is None else mine - floor
+
+
+def _over_floor(runs: List[dict], rows) -> str:
+    over = over_dense_floor(runs, rows)
+    return "-" if over is None or over != over else f"{over:.1f}"
+
+
 # key: (header, cell(runs of the variant, every variant's runs) -> str, is a ratio)
 COLUMNS = {
     "eps": ("ex/s", _of(lambda r: r["examples_per_s"], ",.0f"), False),
@@ -111,8 +133,8 @@ COLUMNS = {
     "bf16": ("vs TR bf16", _ratio_to("torchrec bf16"), True),
     "step": ("step ms", _of(lambda r: r["step_time_s"]["mean"], ".0f", 1e3), False),
     "compute": ("compute ms", _of(lambda r: r["step_time_s"]["compute"], ".0f", 1e3), False),
-    "cpu": ("CPU us/example",
-            _of(lambda r: r.get("cpu_us_per_example", {}).get("mean"), ".1f"), False),
+    "cpu": ("CPU us/example", _of(cpu_per_example, ".1f"), False),
+    "floor": ("CPU us/example over the dense floor", _over_floor, False),
     "inflight": ("comm in flight ms",
                  _of(lambda r: r["step_time_s"]["comm_in_flight"], ".0f", 1e3), False),
     "exposed": ("exposed", _of(lambda r: r["exposed_comm_fraction"], ".0%"), False),

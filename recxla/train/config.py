@@ -161,6 +161,12 @@ class TrainConfig:
         "next batch's input dist during this batch) or sparse_dist_lite "
         "(TrainPipelineSparseDistLite: one batch in flight, its input dist on the step's path)",
         group=_C, applies=TORCHREC, choices=BASELINE_PIPELINES)
+    dense_floor: bool = option(
+        False, "the same model with the embedding work taken out: the pooled embeddings are "
+        "one fixed random tensor (recxla.train.models.FixedPooledEmbeddings), no tables, no "
+        "all-to-all, only the dense layers and their all-reduce; a run's CPU per example "
+        "above this floor is its embedding work (the cluster benchmark's 'dense floor')",
+        group=_C, applies=TORCHREC)
 
     data_parallel_tables: bool = option(
         False, "with --sharding auto: plan as a TorchRec user's run does, TorchRec's planner "

@@ -13,6 +13,7 @@ import torch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.data import hashing
 from recxla.train.config import TrainConfig
@@ -31,8 +32,11 @@ def build_model(config: TrainConfig, tables: List[EmbeddingBagConfig],
         raise ValueError(f"recxla-train: build_model: DLRM needs one embedding dim for all "
                          f"tables, got {dims}")
     torch.manual_seed(config.seed)
-    ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted,
-                                 device=torch.device("meta"))
+    if config.dense_floor:
+        ebc = FixedPooledEmbeddings(tables, config.batch_size, config.seed, device)
+    else:
+        ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted,
+                                     device=torch.device("meta"))
     dense_arch = list(config.dense_arch) + [dims[0]]
     over_arch = list(config.over_arch) + [1]
     if config.model == "dcn":
@@ -41,6 +45,34 @@ def build_model(config: TrainConfig, tables: List[EmbeddingBagConfig],
     else:
         model = DLRM(ebc, num_dense, dense_arch, over_arch, dense_device=device)
     return DLRMTrain(model)
+
+
+class FixedPooledEmbeddings(torch.nn.Module):
+    """What an EmbeddingBagCollection gives DLRM, without tables: every batch's pooled
+    embeddings are the same fixed random tensor (precomputed once, the first B rows for a
+    batch of B), so that a model built on it does only the dense work: the dense floor of the
+    trainer's `--dense-floor`. No parameters and no buffers: DMP finds nothing to shard and
+    DDP nothing to broadcast; DLRM reads only `embedding_bag_configs()` and the output."""
+
+    def __init__(self, tables: List[EmbeddingBagConfig], max_batch: int, seed: int,
+                 device: torch.device):
+        super().__init__()
+        self._tables = list(tables)
+        self._keys = [f for t in self._tables for f in t.feature_names]
+        self._dims = [t.embedding_dim for t in self._tables for _ in t.feature_names]
+        gen = torch.Generator().manual_seed(hashing.mix_scalar(seed, _TAG_INIT))
+        self._pooled = (torch.rand(max_batch, sum(self._dims), generator=gen) * 0.02 - 0.01
+                        ).to(device)
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._tables
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        # No check of the batch against max_batch (the trainer's batch size, which no batch
+        # exceeds): TorchRec's pipelines trace this forward with torch.fx, where a size cannot
+        # decide control flow.
+        return KeyedTensor(keys=self._keys, length_per_key=self._dims,
+                           values=torch.narrow(self._pooled, 0, 0, features.stride()))
 
 
 def table_init(config: EmbeddingBagConfig, index: int, seed: int) -> torch.Tensor:
