@@ -48,6 +48,16 @@ DEFAULT_CHUNK = 128
 FORMATS = ("e4m3", "e5m2")
 
 
+def _sum_in_rank_order(copies: torch.Tensor, ranks: int) -> torch.Tensor:
+    """The sum of `copies` [ranks * n, chunk], block by block in rank order: the same float
+    sum, bit for bit, on every rank that sums the same blocks."""
+    count = copies.shape[0] // ranks
+    total = copies[:count].clone()
+    for s in range(1, ranks):
+        total += copies[s * count:(s + 1) * count]
+    return total
+
+
 class _Layout:
     """Where the chunks of one set of parameters go. Rows are numbered two ways: in the set
     (the parameters' rows one after the other, `starts`) and globally (`global_rows`: the
@@ -104,16 +114,8 @@ class FP8AllReduceHandle:
             self._work.wait()
         count = layout.cross_counts[owner.cross_rank]
         copies = dequantize_rows(self._received, owner.chunk, owner.fmt, torch.float32)
-        total = copies[:count].clone()
-        for s in range(1, owner.cross_size):  # in rank order: the same sum on every rank
-            total += copies[s * count:(s + 1) * count]
-        if owner.error_feedback:
-            residuals = owner.residuals("sum")
-            total += residuals.index_select(0, layout.owned_rows)
-        codes = quantize_rows(total, owner.fmt)
-        if owner.error_feedback:
-            residuals.index_copy_(0, layout.owned_rows, total.sub_(
-                dequantize_rows(codes, owner.chunk, owner.fmt, torch.float32)))
+        codes = owner.quantize_with_feedback(_sum_in_rank_order(copies, owner.cross_size),
+                                             "sum", layout.owned_rows)
         longest = max(layout.cross_counts)
         padded = codes
         if count < longest:
@@ -241,6 +243,19 @@ class FP8AllReduce:
                                                  dtype=torch.float32, device=self.device)
         return self._residuals[which]
 
+    def quantize_with_feedback(self, values: torch.Tensor, which: str,
+                               rows: torch.Tensor) -> torch.Tensor:
+        """The codes of `values` (a fresh tensor, consumed) plus the `which` residuals of the
+        global `rows`; what quantizing loses becomes those rows' residuals."""
+        if not self.error_feedback:
+            return quantize_rows(values, self.fmt)
+        residuals = self.residuals(which)
+        values += residuals.index_select(0, rows)
+        codes = quantize_rows(values, self.fmt)
+        residuals.index_copy_(0, rows, values.sub_(
+            dequantize_rows(codes, self.chunk, self.fmt, torch.float32)))
+        return codes
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """{"<parameter>.sent_residual" / ".sum_residual": rows [ceil(numel / chunk), chunk]
         float32} of this rank (each rank's differ), every parameter's (zeros before its
@@ -308,17 +323,9 @@ class FP8AllReduce:
                 dist.all_to_all_single(copies, rows.index_select(0, layout.local_order),
                                        [count] * self.local_size, layout.local_counts,
                                        group=self.node_group)
-            rows = copies[:count].clone()
-            for s in range(1, self.local_size):  # in rank order, as on every rank
-                rows += copies[s * count:(s + 1) * count]
-        ordered = rows.index_select(0, layout.cross_order)
-        if self.error_feedback:
-            residuals = self.residuals("sent")
-            ordered += residuals.index_select(0, layout.sent_rows)
-        codes = quantize_rows(ordered, self.fmt)
-        if self.error_feedback:
-            residuals.index_copy_(0, layout.sent_rows, ordered.sub_(
-                dequantize_rows(codes, self.chunk, self.fmt, torch.float32)))
+            rows = _sum_in_rank_order(copies, self.local_size)
+        codes = self.quantize_with_feedback(rows.index_select(0, layout.cross_order), "sent",
+                                            layout.sent_rows)
         count = layout.cross_counts[self.cross_rank]
         work = None
         received = codes
@@ -343,6 +350,19 @@ class FP8AllReduce:
         for handle in handles:
             handle.wait()
 
+    def hook(self, bucket) -> torch.futures.Future[torch.Tensor]:
+        """fp8_compress_hook's work for one DDP bucket: starts it; the last bucket of the
+        backward completes every bucket started since the last one."""
+        handle = self.start(bucket.parameters(), bucket.gradients())
+        future: torch.futures.Future = torch.futures.Future()
+        self._hooked.append((handle, future, bucket.buffer()))
+        if bucket.is_last():
+            hooked, self._hooked = self._hooked, []
+            self.finish([h for h, _, _ in hooked])
+            for _, done, buffer in hooked:
+                done.set_result(buffer)
+        return future
+
 
 def fp8_compress_hook(state: FP8AllReduce, bucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook that averages the gradients in FP8 with error feedback:
@@ -353,12 +373,4 @@ def fp8_compress_hook(state: FP8AllReduce, bucket) -> torch.futures.Future[torch
     as DDP hands it over, while the rest of the backward runs; the last bucket's call completes
     them all, from the backward's thread. Save `state.state_dict()` with the model's to resume
     bit for bit."""
-    handle = state.start(bucket.parameters(), bucket.gradients())
-    future: torch.futures.Future = torch.futures.Future()
-    state._hooked.append((handle, future, bucket.buffer()))
-    if bucket.is_last():
-        hooked, state._hooked = state._hooked, []
-        state.finish([h for h, _, _ in hooked])
-        for _, done, buffer in hooked:
-            done.set_result(buffer)
-    return future
+    return state.hook(bucket)
