@@ -297,6 +297,8 @@ class TrainConfig:
     def display_name(self) -> str:
         if self.label:
             return self.label
+        if self.dense_floor:  # no embeddings, no all-to-all: only the dense part
+            return f"dense floor (dense all-reduce {self.dense_allreduce})"
         fwd, bwd = self.comms
         dedup = "" if self.baseline or self.dedup_ids else ", no dedup"
         pipeline = f", {self.baseline_pipeline}" if self.baseline and \
