@@ -58,6 +58,14 @@ def _sum_in_rank_order(copies: torch.Tensor, ranks: int) -> torch.Tensor:
     return total
 
 
+def _run_starts(runs):
+    """Where each of `runs` [(first, rows)] starts when they are laid one after the other."""
+    at = 0
+    for _, n in runs:
+        yield at
+        at += n
+
+
 class _Layout:
     """Where the chunks of one set of parameters go. Rows are numbered two ways: in the set
     (the parameters' rows one after the other, `starts`) and globally (`global_rows`: the
@@ -91,6 +99,10 @@ class _Layout:
         sent = global_rows[mine[cross_order]]
         first = sum(self.cross_counts[:cross_rank])
         self.sent_rows = sent.to(device)
+        # One rank per node: the set's rows are this rank's, in parameter order, so their send
+        # residuals are runs of the global rows: (first global row, rows) per parameter.
+        self.param_runs = [(row_offsets[i], n) for i, n in zip(indices, rows)] \
+            if local_size == 1 else None
         self.owned_rows = sent[first:first + self.cross_counts[cross_rank]].to(device)
 
 
@@ -142,8 +154,9 @@ class FP8AllReduceHandle:
         if min(layout.cross_counts) < longest:
             gathered = torch.cat([gathered[s * longest:s * longest + n]
                                   for s, n in enumerate(layout.cross_counts)])
-        summed = dequantize_rows(gathered, owner.chunk, owner.fmt, torch.float32)
-        local_rows = torch.empty_like(summed).index_copy_(0, layout.cross_order, summed)
+        # Back to this local rank's row order while they are codes (a quarter of fp32's bytes).
+        local_codes = torch.empty_like(gathered).index_copy_(0, layout.cross_order, gathered)
+        local_rows = dequantize_rows(local_codes, owner.chunk, owner.fmt, torch.float32)
         rows = local_rows
         if owner.local_size > 1:
             longest = max(layout.local_counts)
@@ -243,17 +256,25 @@ class FP8AllReduce:
                                                  dtype=torch.float32, device=self.device)
         return self._residuals[which]
 
-    def quantize_with_feedback(self, values: torch.Tensor, which: str,
-                               rows: torch.Tensor) -> torch.Tensor:
+    def quantize_with_feedback(self, values: torch.Tensor, which: str, rows) -> torch.Tensor:
         """The codes of `values` (a fresh tensor, consumed) plus the `which` residuals of the
-        global `rows`; what quantizing loses becomes those rows' residuals."""
+        global `rows` (an index tensor, or runs [(first row, rows)] in values' order: slices,
+        no gather); what quantizing loses becomes those rows' residuals."""
         if not self.error_feedback:
             return quantize_rows(values, self.fmt)
         residuals = self.residuals(which)
-        values += residuals.index_select(0, rows)
+        if isinstance(rows, torch.Tensor):
+            values += residuals.index_select(0, rows)
+        else:
+            for at, (first, n) in zip(_run_starts(rows), rows):
+                values[at:at + n] += residuals[first:first + n]
         codes = quantize_rows(values, self.fmt)
-        residuals.index_copy_(0, rows, values.sub_(
-            dequantize_rows(codes, self.chunk, self.fmt, torch.float32)))
+        values.sub_(dequantize_rows(codes, self.chunk, self.fmt, torch.float32))
+        if isinstance(rows, torch.Tensor):
+            residuals.index_copy_(0, rows, values)
+        else:
+            for at, (first, n) in zip(_run_starts(rows), rows):
+                residuals[first:first + n].copy_(values[at:at + n])
         return codes
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
@@ -324,8 +345,11 @@ class FP8AllReduce:
                                        [count] * self.local_size, layout.local_counts,
                                        group=self.node_group)
             rows = _sum_in_rank_order(copies, self.local_size)
-        codes = self.quantize_with_feedback(rows.index_select(0, layout.cross_order), "sent",
-                                            layout.sent_rows)
+            codes = self.quantize_with_feedback(rows.index_select(0, layout.cross_order), "sent",
+                                                layout.sent_rows)
+        else:  # quantized in parameter order, the codes (not the floats) put in owner order
+            codes = self.quantize_with_feedback(rows, "sent", layout.param_runs)
+            codes = codes.index_select(0, layout.cross_order)
         count = layout.cross_counts[self.cross_rank]
         work = None
         received = codes
