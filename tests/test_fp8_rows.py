@@ -178,6 +178,21 @@ def test_pass_through_formats_round_trip(fmt, dtype):
     assert_same_values(recxla.dequantize_rows(packed, 13, fmt, dtype), x.to(wire).to(dtype))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32", "e4m3"])
+def test_one_column_with_a_stride_round_trips(fmt):
+    """A transposed row ([1, N].t(): [N, 1], stride N in its last dim) counts as contiguous, but
+    its bytes cannot be viewed in place: it is copied (a cast format once tried the view and
+    raised)."""
+    n = int(torch.randint(2, 40, (1,)))
+    for x in (random_rows(1, n, torch.float32).t(),
+              torch.randn(2 * n).as_strided((n, 1), (1, 2))):
+        assert x.is_contiguous() and x.stride(-1) != 1
+        packed = recxla.quantize_rows(x, fmt)
+        assert packed.shape == (n, recxla.row_bytes(1, fmt))
+        assert torch.equal(packed, recxla.quantize_rows(x.clone(memory_format=torch.
+                                                                contiguous_format), fmt))
+
+
 def fbgemm_fp8_row_bytes(dim):
     """FBGEMM's FloatToFP8RowwiseQuantized row: the codes padded to a multiple of 4 bytes, then
     two floats (fbgemm_gpu quantize_fp8_rowwise.cu: ncols_aligned + 2 * sizeof(float))."""

@@ -122,7 +122,10 @@ def quantize_rows(
         _check_out(op, out, shape, torch.uint8, x, "x")
     if not f.is_fp8:
         if out is None:
-            if x.dtype == f.wire_dtype and x.is_contiguous() and x.numel():
+            # A view needs unit stride in the last dim, which is_contiguous() does not promise
+            # for a last dim of size 1 (a transposed row [1, N].t() is [N, 1] with stride N).
+            if x.dtype == f.wire_dtype and x.is_contiguous() and x.numel() and \
+                    x.stride(-1) == 1:
                 return x.view(torch.uint8)
             out = empty_buffer(shape, torch.uint8, x.device)
         if out.numel():  # a dtype view of a tensor without elements may fail on its strides
