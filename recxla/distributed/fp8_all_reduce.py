@@ -66,6 +66,33 @@ def _run_starts(runs):
         at += n
 
 
+# An all-gather of uneven blocks (rank r holds counts[r] rows): every block padded to the
+# longest, then the padding dropped.
+def _padded(rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    longest = max(counts)
+    if rows.shape[0] == longest:
+        return rows
+    padded = rows.new_zeros((longest, rows.shape[1]))
+    padded[:rows.shape[0]] = rows
+    return padded
+
+
+def _unpadded(everyone: torch.Tensor, counts: List[int]) -> torch.Tensor:
+    longest = max(counts)
+    if min(counts) == longest:
+        return everyone
+    return torch.cat([everyone[s * longest:s * longest + n] for s, n in enumerate(counts)])
+
+
+def _all_gather_uneven(rows: torch.Tensor, counts: List[int], group) -> torch.Tensor:
+    """Every rank's `rows`, one after the other in rank order (blocking)."""
+    padded = _padded(rows, counts)
+    everyone = rows.new_empty((len(counts) * padded.shape[0], rows.shape[1]))
+    with carrying("dense"):
+        all_gather_flat(everyone.view(-1), padded.view(-1), group=group)
+    return _unpadded(everyone, counts)
+
+
 class _Layout:
     """Where the chunks of one set of parameters go. Rows are numbered two ways: in the set
     (the parameters' rows one after the other, `starts`) and globally (`global_rows`: the
@@ -74,7 +101,6 @@ class _Layout:
 
     def __init__(self, indices: Sequence[int], rows: Sequence[int], row_offsets: Sequence[int],
                  local_size: int, cross_size: int, local_rank: int, cross_rank: int, device):
-        self.rows = list(rows)
         self.starts = [0]
         for n in rows:
             self.starts.append(self.starts[-1] + n)
@@ -85,7 +111,7 @@ class _Layout:
         local = position % local_size
         cross = (position // local_size) % cross_size
         # Node level: the rows grouped by their local owner; this rank sums those it owns
-        # (`mine`, indices into the set's rows; None: every row, with one rank per node).
+        # (`mine`, indices into the set's rows).
         self.local_order = torch.argsort(local, stable=True).to(device)
         self.local_counts = torch.bincount(local, minlength=local_size).tolist()
         mine = torch.nonzero(local == local_rank).flatten()
@@ -93,7 +119,6 @@ class _Layout:
         cross_order = torch.argsort(cross[mine], stable=True)
         self.cross_counts = torch.bincount(cross[mine], minlength=cross_size).tolist()
         self.cross_order = cross_order.to(device)
-        self.mine = None if local_size == 1 else mine.to(device)
         # The global rows of this local rank's rows in cross order (their send residuals), and
         # of those this rank owns across the nodes (their sum residuals).
         sent = global_rows[mine[cross_order]]
@@ -124,23 +149,19 @@ class FP8AllReduceHandle:
         owner, layout = self._owner, self._layout
         if self._work is not None:
             self._work.wait()
-        count = layout.cross_counts[owner.cross_rank]
         copies = dequantize_rows(self._received, owner.chunk, owner.fmt, torch.float32)
         codes = owner.quantize_with_feedback(_sum_in_rank_order(copies, owner.cross_size),
                                              "sum", layout.owned_rows)
-        longest = max(layout.cross_counts)
-        padded = codes
-        if count < longest:
-            padded = codes.new_zeros((longest, codes.shape[1]))
-            padded[:count] = codes
         self._work = None
-        if owner.cross_size > 1:
-            self._gathered = codes.new_empty((owner.cross_size * longest, codes.shape[1]))
-            with carrying("dense"):
-                self._work = all_gather_flat(self._gathered.view(-1), padded.view(-1),
-                                             group=owner.cross_group, async_op=True)
-        else:
-            self._gathered = padded
+        if owner.cross_size == 1:
+            self._gathered = codes
+            return
+        # Asynchronous, unlike _all_gather_uneven: every handle's all-gather travels together.
+        padded = _padded(codes, layout.cross_counts)
+        self._gathered = codes.new_empty((owner.cross_size * padded.shape[0], codes.shape[1]))
+        with carrying("dense"):
+            self._work = all_gather_flat(self._gathered.view(-1), padded.view(-1),
+                                         group=owner.cross_group, async_op=True)
 
     def wait(self) -> None:
         if self._done:
@@ -149,24 +170,14 @@ class FP8AllReduceHandle:
         owner, layout = self._owner, self._layout
         if self._work is not None:
             self._work.wait()
-        longest = max(layout.cross_counts)
-        gathered = self._gathered
-        if min(layout.cross_counts) < longest:
-            gathered = torch.cat([gathered[s * longest:s * longest + n]
-                                  for s, n in enumerate(layout.cross_counts)])
+        gathered = self._gathered if owner.cross_size == 1 else \
+            _unpadded(self._gathered, layout.cross_counts)
         # Back to this local rank's row order while they are codes (a quarter of fp32's bytes).
         local_codes = torch.empty_like(gathered).index_copy_(0, layout.cross_order, gathered)
         local_rows = dequantize_rows(local_codes, owner.chunk, owner.fmt, torch.float32)
         rows = local_rows
         if owner.local_size > 1:
-            longest = max(layout.local_counts)
-            padded = local_rows.new_zeros((longest, owner.chunk))
-            padded[:local_rows.shape[0]] = local_rows
-            everyone = local_rows.new_empty((owner.local_size * longest, owner.chunk))
-            with carrying("dense"):
-                all_gather_flat(everyone.view(-1), padded.view(-1), group=owner.node_group)
-            grouped = torch.cat([everyone[s * longest:s * longest + n]
-                                 for s, n in enumerate(layout.local_counts)])
+            grouped = _all_gather_uneven(local_rows, layout.local_counts, owner.node_group)
             rows = torch.empty_like(grouped).index_copy_(0, layout.local_order, grouped)
         for g, start, end in zip(self._grads, layout.starts, layout.starts[1:]):
             flat = g.view(-1)
