@@ -28,8 +28,10 @@ $(STAMPS)/venv:
 	$(PYTHON_SYSTEM) -m venv $(VENV)
 	touch $@
 
-$(STAMPS)/deps: $(STAMPS)/venv requirements/base.txt requirements/test.txt requirements/ray.txt
-	$(PIP) install -q -r requirements/base.txt -r requirements/test.txt -r requirements/ray.txt
+$(STAMPS)/deps: $(STAMPS)/venv requirements/base.txt requirements/test.txt requirements/ray.txt \
+		requirements/iceberg.txt
+	$(PIP) install -q -r requirements/base.txt -r requirements/test.txt -r requirements/ray.txt \
+		-r requirements/iceberg.txt
 	# torchrec names fbgemm-gpu as a dependency: install it alone, next to the FBGEMM variant
 	# this machine can load.
 	$(PIP) install -q --no-deps $(FBGEMM) torchrec==1.9.2

@@ -180,7 +180,8 @@ def main():
         options={"bdist_wheel": {"py_limited_api": "cp39"}},
         python_requires=">=3.10",
         install_requires=["torch>=2.14", "pyarrow>=20", "zstandard>=0.22"],
-        extras_require={"ray": ["ray[data]>=2.50"], "plot": ["matplotlib>=3.8"]},
+        extras_require={"ray": ["ray[data]>=2.50"], "plot": ["matplotlib>=3.8"],
+                        "iceberg": ["pyiceberg[sql-sqlite,pyarrow]>=0.10", "pyiceberg-core>=0.5"]},
         entry_points={"console_scripts": ["recxla-train = recxla.train.cli:main"]},
     )
 
