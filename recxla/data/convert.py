@@ -50,14 +50,14 @@ from recxla.data.convert_output import (
     writing,
 )
 from recxla.data.convert_plan import Plan, check_same_columns, make_plan
-from recxla.data.convert_rows import convert_rows, id_bags
+from recxla.data.convert_rows import convert_rows
 from recxla.data.convert_csv import CSV_BLOCK_BYTES, check_csv_columns, check_utf8, open_text
 from recxla.data.convert_source import list_sources, read_source, source_sample, source_schema
 from recxla.data.errors import DataFormatError
-from recxla.data.id_mapping import Vocabulary, count_ids, keys_of, merge_counts, vocab_files
+from recxla.data.id_counts import IdCounter, dataset_spec, merge_results, table_specs
 from recxla.data.parquet_layout import SPEC_KEY
 from recxla.data.parquet_writer import _FileSink, choose_sort
-from recxla.data.schema import DatasetSpec, Schema, TableSpec, load_schema
+from recxla.data.schema import DatasetSpec, Schema, load_schema
 
 OP = "recxla.data.convert"
 TARGET_ROW_GROUPS = 64
@@ -65,7 +65,6 @@ MIN_ROW_GROUPS = 16
 MIN_GROUP_ROWS = 1024  # the trainer's default --batch-size: a held-out group fills a batch
 MAX_GROUP_ROWS = 65536
 _TRIAL_ROWS = 8192
-_COMPACT_ROWS = 1 << 20  # merge a table's partial counts once they hold this many entries
 
 _JOB: dict = {}  # the running conversion, inherited by forked workers
 
@@ -99,31 +98,12 @@ def _blocks(i: int):
 def _count_file(i: int) -> Tuple[int, Dict[str, Optional[pa.Table]]]:
     """The rows of file i, and the (key, id, count) of every counted table's ids in it; None
     for a table that passed its vocab_limit (it will be hashed)."""
-    plan: Plan = _JOB["plan"]
-    counted = _JOB["counted"]
-    limit = _JOB["vocab_limit"]
-    parts: Dict[str, List[pa.Table]] = {name: [] for name in counted}
+    counter = IdCounter(_JOB["plan"])
     rows = 0
     for _, t in _blocks(i):
         rows += t.num_rows
-        for f in plan.features:
-            if parts.get(f.table) is None:
-                continue
-            tp = plan.tables[f.table]
-            _, ids, _ = id_bags(t.column(f.column).combine_chunks(), f.is_list, f.separator)
-            # uint64 ids above 2**63 keep their bits (their key) as int64.
-            raw = ids.cast(pa.large_string()) if tp.id_type == "string" else ids.cast(
-                pa.int64(), safe=False)
-            parts[f.table].append(count_ids(keys_of(ids, tp.id_type), raw))
-        for name, p in parts.items():
-            # A table with no mapping given is counted only up to the limit.
-            bound = _COMPACT_ROWS if counted[name] == "vocab" else min(_COMPACT_ROWS, 2 * limit)
-            if p is not None and sum(x.num_rows for x in p) > bound:
-                merged = merge_counts(p)
-                over = counted[name] is None and merged.num_rows > limit
-                parts[name] = None if over else [merged]
-    return rows, {name: None if p is None else merge_counts(p) if p else None for name, p in
-                  parts.items()}
+        counter.add(t)
+    return rows, counter.result()
 
 
 def _write_file(i: int) -> int:
@@ -211,30 +191,6 @@ def _run(fn, n: int, workers: int, total: Optional[int], desc: str, progress: bo
             bar.close()
 
 
-def _table_specs(plan: Plan, counts: Dict[str, Optional[pa.Table]], default_rows: int):
-    """Final TableSpecs (mapping, rows) and the vocabularies, from the schema and counts."""
-    specs, vocabs = {}, {}
-    files = vocab_files(plan.tables)
-    for name, tp in plan.tables.items():
-        ts = tp.schema
-        mapping = ts.mapping
-        if mapping is None:
-            mapping = "hash" if counts.get(name) is None else "vocab"
-        rows = ts.rows or default_rows
-        vocab_file = None
-        if mapping == "vocab":
-            vocab = Vocabulary.build(counts[name], ts.min_count,
-                                     None if ts.rows is None else ts.rows - 1)
-            vocabs[name] = vocab
-            rows = len(vocab) + 1
-            vocab_file = files[name]
-        specs[name] = TableSpec(name=name, features=tp.features, num_rows=rows,
-                                embedding_dim=ts.dim, pooling=ts.pooling, weighted=tp.weighted,
-                                mapping=mapping, min_count=ts.min_count,
-                                vocabulary=vocab_file, id_type=tp.id_type)
-    return specs, vocabs
-
-
 def default_rows_per_group(rows: int) -> int:
     """Rows per row group for a dataset of `rows` rows: TARGET_ROW_GROUPS groups of at least
     MIN_GROUP_ROWS rows and at most MAX_GROUP_ROWS; when that leaves fewer than MIN_ROW_GROUPS
@@ -313,31 +269,16 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
     _JOB.update(files=files, fmt=fmt, plan=plan, rows_per_group=rows_per_group or MAX_GROUP_ROWS,
                 sort_by=sort_by, vocab_limit=plan.vocab_limit, tmp=tmp, out=out)
     try:
-        counted = {n: t.schema.mapping for n, t in plan.tables.items()
-                   if t.schema.mapping in (None, "vocab")}
         counts: Dict[str, Optional[pa.Table]] = {}
-        if counted:
-            _JOB["counted"] = counted
+        if IdCounter(plan).counted:
             per_file = _run(_count_file, len(files), workers, total, "counting ids", progress)
             total = sum(rows for rows, _ in per_file)
-            for name in counted:
-                parts = [c[name] for _, c in per_file]
-                if any(p is None for p in parts):
-                    counts[name] = None
-                    continue
-                merged = merge_counts(parts)
-                over = counted[name] is None and merged.num_rows > plan.vocab_limit
-                counts[name] = None if over else merged
+            counts = merge_results(plan, (c for _, c in per_file))
         if rows_per_group is None:
             _JOB["rows_per_group"] = default_rows_per_group(
                 total if total is not None else _estimated_rows(files))
-        specs, vocabs = _table_specs(plan, counts, plan.default_rows)
-        spec = DatasetSpec(
-            sparse_features=tuple(f.name for f in plan.features),
-            dense_features=tuple(plan.dense), label=plan.label,
-            tables=tuple(specs[n] for n in plan.tables if specs[n].features),
-            timestamp=plan.timestamp, label_kind=plan.label_kind)
-        spec.check(f"{OP}: {src}")
+        specs, vocabs = table_specs(plan, counts)
+        spec = dataset_spec(plan, specs, f"{OP}: {src}")
         _JOB.update(specs=specs, vocabs=vocabs, spec=spec)
         with writing(out):
             os.makedirs(tmp)
