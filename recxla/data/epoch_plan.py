@@ -16,6 +16,12 @@ held 20 users where a random sample holds 620, and held-out AUC after 300 steps 
 compression; the window undoes it at read time, and holds a bounded number of rows, so memory
 is bounded whatever the dataset's size.
 
+Tables read at train time with bucket joins (recxla.data.read_time) keep the row groups of one
+bucket together in the epoch's order (buckets in a random order, row groups within each in a
+random order): the rank's reader then loads each bucket of a feature table once per run of its
+groups instead of once per group. Each bucket holds a hash-drawn share of the keys, and the
+windows still shuffle rows across the groups they hold.
+
 Every rank yields the same number of batches (the smallest any rank can fill), so no rank waits
 in a collective for a batch that never comes. The rest of a rank's rows (with row groups of one
 size: less than a group plus a batch) is left out of that epoch, the last rows of its stream;
@@ -60,6 +66,9 @@ class EpochPlan:
         if shuffle:
             g = torch.Generator().manual_seed(hashing.mix_scalar(seed, epoch, _TAG_EPOCH_ORDER))
             order = torch.randperm(n, generator=g).tolist()
+            buckets = getattr(info, "bucket_of_group", None)
+            if buckets is not None:
+                order = _bucket_major(order, [buckets(i) for i in range(n)], g)
         else:
             order = list(range(n))
         rows = [[info.row_groups[i][2] for i in order[r::world_size]] for r in range(world_size)]
@@ -128,3 +137,13 @@ def _windows(groups: List[int], rows: List[int], limit: int) -> List[List[int]]:
             out.append([g])
             held = r
     return out
+
+
+def _bucket_major(order: List[int], buckets: List[tuple], g: torch.Generator) -> List[int]:
+    """`order` regrouped so that the groups of one bucket come one after another: buckets in a
+    random order drawn from `g`, groups within a bucket in their order in `order`."""
+    distinct = sorted(set(buckets))
+    if len(distinct) < 2:
+        return order
+    rank = dict(zip(distinct, torch.randperm(len(distinct), generator=g).tolist()))
+    return sorted(order, key=lambda i: rank[buckets[i]])

@@ -20,7 +20,9 @@ class ParquetDataset:
     """Batches from a Parquet dataset written by `recxla.data.write_parquet`.
 
     Args:
-        path: one .parquet file or a folder of them (read in name order).
+        path: one .parquet file or a folder of them (read in name order), or a
+            recxla.data.read_time.ReadTimeTable (a raw table, read with its joins and
+            transforms).
         batch_size: samples per batch, B (need not match the written batches).
         rank, world_size: this rank reads row groups rank, rank + world_size, ... of each
             epoch's order; every rank yields the same number of batches per epoch.
@@ -80,11 +82,14 @@ class ParquetDataset:
         self.shuffle_rows = _check_int(shuffle_rows, "shuffle_rows", 0)
         self.num_epochs = None if num_epochs is None else _check_int(num_epochs, "num_epochs", 1)
         self.prefetch = _check_int(prefetch, "prefetch", 0)
-        self.info = DatasetInfo(path, OP)
+        # A table read at train time (recxla.data.read_time.ReadTimeTable) brings its own
+        # reader: joins, transforms and id mapping happen as its row groups are read.
+        self._table = path if hasattr(path, "reader") else None
+        self.info = self._table.info if self._table is not None else DatasetInfo(path, OP)
         if row_groups is not None:
             self.info = _only_row_groups(self.info, row_groups)
         self.layout = self.info.layout
-        self._reader = _GroupReader(self.info)
+        self._reader = self._new_reader()
         self._plan: Optional[EpochPlan] = None
         self.identity = {
             "seed": seed, "batch_size": batch_size, "world_size": world_size,
@@ -170,7 +175,7 @@ class ParquetDataset:
     def _pieces(self) -> Iterator[Tuple[int, int, object]]:
         # An iterator of its own: files and plans are not shared with other iterators'
         # threads (a ParquetFile is not safe to read from two threads at once).
-        reader = _GroupReader(self.info)
+        reader = self._new_reader()
         for epoch in self._epochs():
             plan = self._make_plan(epoch)
             first = self.start[1] if epoch == self.start[0] else 0
@@ -196,7 +201,14 @@ class ParquetDataset:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._reader = _GroupReader(self.info)
+        self._reader = self._new_reader()
+
+    def _new_reader(self):
+        if self._table is not None:
+            reader = self._table.reader()
+            reader.info = self.info  # a split's row groups index the split's info
+            return reader
+        return _GroupReader(self.info)
 
 
 def _only_row_groups(info: DatasetInfo, indices: Sequence[int]) -> DatasetInfo:

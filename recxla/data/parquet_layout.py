@@ -212,6 +212,21 @@ def list_files(path: str, op: str) -> List[str]:
     return files
 
 
+def is_recxla_layout(path: str) -> bool:
+    """Whether `path` (a file or folder) holds Parquet files in recxla's layout (converted or
+    written by recxla): its first .parquet file's footer names the layout. False for a folder
+    without .parquet files directly in it (a bucketed raw table); FileNotFoundError if the path
+    does not exist."""
+    if os.path.isdir(path) and not any(n.endswith(".parquet") for n in os.listdir(path)):
+        return False
+    first = list_files(path, "recxla.data")[0]
+    try:
+        kv = pq.read_metadata(first).metadata or {}
+    except (OSError, pa.ArrowException):
+        return True  # unreadable: reported by the reader of the layout, naming the file
+    return LAYOUT_KEY in kv
+
+
 def open_file(path: str, where: str) -> pq.ParquetFile:
     """A ParquetFile that verifies page checksums; DataFormatError if the footer is unreadable."""
     try:

@@ -56,7 +56,8 @@ from recxla.train.config import TrainConfig
 from recxla.train.faults import kill_point
 
 __all__ = ["STATE_FILE", "DamagedCheckpoint", "checkpoint_path", "latest_checkpoint",
-           "resume_checkpoint", "read_train_state", "check_compatible", "save", "load",
+           "resume_checkpoint", "read_train_state", "check_compatible", "resumed_snapshots", "save",
+           "load",
            "state_fingerprint"]
 
 # The trainer's option that resumes from a checkpoint older than the newest (see
@@ -139,7 +140,7 @@ def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
         diff.append(f"world size {state['world_size']} (now {world_size})")
     if state["path"] != config.path:
         diff.append(f"path {state['path']} (now {config.path})")
-    if state.get("data_fingerprint") != _data_fingerprint(config):
+    if state.get("data_fingerprint") != _data_fingerprint(config, state):
         saved_data = saved.get("data")
         diff.append(f"--data {saved_data!r} (now {config.data!r}, "
                     + ("other files)" if saved_data and config.data else "other data)"))
@@ -151,13 +152,25 @@ def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
                          f"fewer than --steps {config.steps}: nothing left to train")
 
 
-def _data_fingerprint(config: TrainConfig) -> Optional[str]:
-    """The --data files' fingerprint (names and row groups; footers only), None without."""
-    if config.data is None:
-        return None
-    from recxla.data.parquet_layout import DatasetInfo
+def _data_fingerprint(config: TrainConfig, state: dict) -> Optional[str]:
+    """The fingerprint of --data as the checkpoint's run read it (a raw table at the
+    checkpoint's Iceberg snapshots), None without --data."""
+    from recxla.train.data import data_fingerprint
 
-    return DatasetInfo(config.data, "--data").fingerprint
+    return data_fingerprint(config, state.get("data_snapshots"))
+
+
+def resumed_snapshots(config: TrainConfig) -> Optional[list]:
+    """The Iceberg snapshots the --resume checkpoint's run read (its raw --data table's, then
+    its joins'), None without --resume or without Iceberg: a resumed job reads those, not
+    what the tables hold now."""
+    if not config.resume:
+        return None
+    try:
+        _, path = resume_checkpoint(config.checkpoint_dir, config.resume_step)
+        return files.read_marker(path).get("data_snapshots")
+    except (OSError, ValueError):
+        return None  # a missing or damaged checkpoint: reported, with advice, when it is read
 
 
 def _plain(value):
@@ -199,10 +212,11 @@ def _contents(model, optimizer, steps_done: int, rank: int, dense_fp8=None) -> d
 
 def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
          world_size: int, data_fingerprint: Optional[str] = None,
-         keep: Optional[int] = None, dense_fp8=None) -> str:
+         keep: Optional[int] = None, dense_fp8=None, data_snapshots=None) -> str:
     """Write checkpoint `step_<steps_done>` (a collective: every rank calls it) and commit it;
     then delete the older ones beyond the `keep` newest (None: keep all). Returns the folder.
-    `data_fingerprint`: TrainData.fingerprint (None: synthetic logs). `dense_fp8`: the
+    `data_fingerprint`: TrainData.fingerprint (None: synthetic logs); `data_snapshots`:
+    TrainData.snapshots (the Iceberg snapshots a resume reads again). `dense_fp8`: the
     FP8AllReduce of --dense-allreduce fp8, whose residuals are saved too."""
     rank = dist.get_rank()
     partial = files.partial_path(directory, steps_done)
@@ -223,7 +237,8 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
     if rank == 0:
         files.write_marker(partial, {
             "steps_done": steps_done, "data_position": steps_done,
-            "data_fingerprint": data_fingerprint, "world_size": world_size,
+            "data_fingerprint": data_fingerprint, "data_snapshots": data_snapshots,
+            "world_size": world_size,
             "path": config.path, "state_sha256": fingerprint, "config": config.asdict()},
             {name: value for mine in checksums for name, value in mine.items()})
         kill_point(f"checkpoint {steps_done} marked")

@@ -38,7 +38,6 @@ import torch
 from recxla.train import checkpoint, stages
 from recxla.train.comm_meter import CommMeter
 from recxla.train.compare import main as compare_main
-from recxla.train.data import TrainData
 from recxla.train.loop import NonFiniteLoss
 from recxla.train.memory import keep_freed_memory
 from recxla.train.metrics import evaluate, write_trace
@@ -134,7 +133,7 @@ def _exit_failed(e: BaseException, watchdog, rank: int) -> None:
 def _train(config, conn, watchdog, meter) -> dict:
     """The run on this rank, in the order of the module docstring's data flow."""
     place, device = conn.place, conn.device
-    data = TrainData(config, place.rank, place.world_size)
+    data = stages.open_data(config, place)
     tables = data.tables()
     model = build_model(config, tables, data.num_dense, device, data.weighted)
     with meter.phase("setup"):

@@ -226,8 +226,25 @@ class TrainConfig:
         "recxla.data convert` or written by recxla.data.write_parquet): one table per sparse "
         "feature or shared group, with the dataset's rows, pooling, weights and dims, and its "
         "dense width; --embedding-dim and --table-rows override them, --profile/--max-rows "
-        "train the profile's tables instead. An epoch (--epochs) is one pass over the files",
+        "train the profile's tables instead. An epoch (--epochs) is one pass over the files. "
+        "Or a raw table, read as it is with --schema, --transform and --join: Parquet (a file "
+        "or folder not converted, bucketed or not) or an Iceberg table "
+        "(iceberg:CATALOG#NAMESPACE.TABLE), its ids mapped to rows as a conversion would",
         group=_D, metavar="PATH")
+    schema: Optional[str] = option(
+        None, "--data read as a raw table: the schema file (TOML) that names column roles and "
+        "tables, as for `python -m recxla.data convert`", group=_D, metavar="FILE",
+        default_text="roles inferred as a conversion infers them")
+    transform: Tuple[str, ...] = option(
+        (), "--data read as a raw table: a Python function over Arrow record batches "
+        "(module:function or file.py:function) run by the loader after the joins, before ids "
+        "become rows; repeat it to apply several, in order", group=_D, metavar="MODULE:FN",
+        repeat=True, default_text="none")
+    join: Tuple[str, ...] = option(
+        (), "--data read as a raw table: join a feature table on a key column, "
+        "KEY=TABLE (a Parquet file or folder, bucketed by KEY like --data, or iceberg:...); "
+        "repeat it for several", group=_D, metavar="KEY=TABLE", repeat=True,
+        default_text="none")
     table_rows: Tuple[Tuple[str, int], ...] = option(
         (), "--data: rows of the named tables, TABLE=ROWS,... (at least the ids' range)",
         group=_D, parse=options.table_sizes, metavar="TABLE=ROWS,...",

@@ -138,6 +138,9 @@ def _fewer_rows_per_group(info, fraction: float, world_size: int) -> str:
 def _largest_timestamp(info, group: int) -> int:
     import pyarrow.parquet as pq
 
+    if hasattr(info, "largest_timestamp"):  # a table read at train time: from its planning
+        return info.largest_timestamp(group)
+
     fi, gi, _ = info.row_groups[group]
     md = pq.ParquetFile(info.files[fi].path).metadata
     names = md.schema.names
@@ -147,20 +150,79 @@ def _largest_timestamp(info, group: int) -> int:
     return stats.max if stats is not None and stats.has_min_max else 0
 
 
+def is_raw_table(config: TrainConfig) -> bool:
+    """--data is read as a raw table (recxla.data.read_time): an Iceberg reference, --schema,
+    --transform or --join given, or Parquet files not in recxla's layout."""
+    from recxla.data.parquet_layout import is_recxla_layout
+    from recxla.data.table_source import is_table_ref
+
+    if config.data is None:
+        return False
+    if config.schema is not None or config.transform or config.join or \
+            is_table_ref(config.data):
+        return True
+    return not is_recxla_layout(config.data)
+
+
+def open_raw_table(config: TrainConfig, snapshots: Optional[Sequence[Optional[int]]] = None):
+    """The --data raw table with its --schema, --join and --transform, planned
+    (recxla.data.read_time.ReadTimeTable); `snapshots` pins its Iceberg tables."""
+    from recxla.data.read_time import ReadTimeTable
+
+    if config.max_rows is not None:
+        raise ValueError(f"{config.data}: a raw table gives its own model (tables from its "
+                         "columns); --profile/--max-rows apply to converted datasets")
+    return ReadTimeTable(config.data, config.schema, config.transform, config.join, snapshots)
+
+
+def current_snapshots(config: TrainConfig) -> Optional[List[Optional[int]]]:
+    """The snapshots a raw --data table and its joins read now (None for other data): what
+    rank 0 pins for the whole job."""
+    from recxla.data.joins import parse_join
+    from recxla.data.table_source import open_table
+
+    if not is_raw_table(config):
+        return None
+    refs = [config.data] + [parse_join(j)[1] for j in config.join]
+    return [open_table(r).snapshot for r in refs]
+
+
+def data_fingerprint(config: TrainConfig,
+                     snapshots: Optional[Sequence[Optional[int]]] = None) -> Optional[str]:
+    """The training data's fingerprint (a converted dataset's files and row groups, from the
+    footers; a raw table's source, snapshots, joins, transforms and plan), None without
+    --data: a checkpoint records it, so that --resume on other data fails."""
+    if config.data is None:
+        return None
+    if is_raw_table(config):
+        return _flagged("--data", open_raw_table, config, snapshots).info.fingerprint
+    from recxla.data.parquet_layout import DatasetInfo
+
+    return DatasetInfo(config.data, "--data").fingerprint
+
+
 class TrainData:
     """This rank's training and held-out batches, and the model's tables.
 
     Args:
         config: batch size, seed, profile or dataset, train/eval batch counts, the loader.
         rank, world_size: this rank's shard.
+        snapshots: the Iceberg snapshots a raw --data table and its joins read (the job's
+            pinned ones: rank 0's at start, or the checkpoint's on resume); None: current.
     Raises (with --data or --eval-data) FileNotFoundError or ValueError (DataFormatError)
     starting with the option's flag and naming the files.
     """
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int):
+    def __init__(self, config: TrainConfig, rank: int, world_size: int,
+                 snapshots: Optional[Sequence[Optional[int]]] = None):
         self.config = config
         self.rank, self.world_size = rank, world_size
-        self.spec = self.profile = self.dataset = None
+        self.spec = self.profile = self.dataset = self.raw = None
+        # What the loaders read: the --data path, or the raw table (joins, transforms).
+        self.source = config.data
+        if config.data is not None and _flagged("--data", is_raw_table, config):
+            self.raw = _flagged("--data", open_raw_table, config, snapshots)
+            self.source = self.raw
         self._loader = self._iter = None
         self.files = self.eval_files = None
         self.train_groups: Optional[List[int]] = None
@@ -168,7 +230,8 @@ class TrainData:
         if config.model_from_data:
             from recxla.data import read_dataset_spec
 
-            self.spec = _flagged("--data", read_dataset_spec, config.data)
+            self.spec = self.raw.spec if self.raw is not None else _flagged(
+                "--data", read_dataset_spec, config.data)
             if self.spec.label_kind != "binary":
                 raise ValueError(f"--data: {config.data}: the label {self.spec.label!r} is a "
                                  "float target; the trainer trains a click task (0/1 labels, "
@@ -190,24 +253,25 @@ class TrainData:
             if config.eval_fraction is not None:
                 from recxla.data.parquet_layout import DatasetInfo
 
-                info = _flagged("--data", DatasetInfo, config.data)
+                info = self.raw.info if self.raw is not None else _flagged(
+                    "--data", DatasetInfo, config.data)
                 self.train_groups, self.eval_groups = _flagged(
                     "--eval-fraction", split_row_groups, info, config.eval_fraction,
                     world_size, self.spec.timestamp if self.spec else None)
-            self.files = self._open("--data", config.data, tables, num_epochs=None,
+            self.files = self._open("--data", self.source, tables, num_epochs=None,
                                     row_groups=self.train_groups,
                                     shuffle_rows=config.shuffle_rows)
             if self.eval_groups is not None:
-                self.eval_files = self._open("--eval-fraction", config.data, tables,
+                self.eval_files = self._open("--eval-fraction", self.source, tables,
                                              row_groups=self.eval_groups, shuffle=False,
                                              num_epochs=1, prefetch=0)
         if config.eval_data is not None:
             self.eval_files = self._open("--eval-data", config.eval_data, tables, shuffle=False,
                                          num_epochs=1, prefetch=0)
 
-    def _open(self, flag: str, path: str, tables, **kwargs):
-        """`recxla.data.ParquetDataset` of `path` for this rank (footers only), checked against
-        the model's tables and dense width."""
+    def _open(self, flag: str, path, tables, **kwargs):
+        """`recxla.data.ParquetDataset` of `path` (or the raw table) for this rank (footers
+        only), checked against the model's tables and dense width."""
         from recxla.data import ParquetDataset
 
         files = _flagged(flag, ParquetDataset, path, self.config.batch_size, self.rank,
@@ -233,10 +297,17 @@ class TrainData:
 
     @property
     def fingerprint(self) -> Optional[str]:
-        """The training files' fingerprint (names and row groups), None for synthetic logs: a
-        checkpoint records it so that --resume on other files fails instead of reading another
+        """The training data's fingerprint (`data_fingerprint`), None for synthetic logs: a
+        checkpoint records it so that --resume on other data fails instead of reading another
         sequence."""
+        if self.raw is not None:
+            return self.raw.info.fingerprint
         return None if self.files is None else self.files.identity["dataset"]
+
+    @property
+    def snapshots(self) -> Optional[List[Optional[int]]]:
+        """The Iceberg snapshots read (a raw table's, then its joins'), for the checkpoint."""
+        return None if self.raw is None else self.raw.snapshots
 
     def sample(self) -> TorchRecBatch:
         """Rank 0's first training batch, the same on every rank (row exchange is judged on
@@ -247,7 +318,7 @@ class TrainData:
                 world_size=self.world_size).batch(0))
         from recxla.data import ParquetDataset
 
-        first = ParquetDataset(self.config.data, self.config.batch_size, 0, self.world_size,
+        first = ParquetDataset(self.source, self.config.batch_size, 0, self.world_size,
                                self.config.seed, prefetch=0, row_groups=self.train_groups,
                                shuffle_rows=self.config.shuffle_rows)
         it = iter(first)
@@ -275,7 +346,7 @@ class TrainData:
 
         self.close()
         self._loader = make_loader(
-            self.config.data, self.config.batch_size, self.rank, self.world_size,
+            self.source, self.config.batch_size, self.rank, self.world_size,
             self.config.seed, loader=self.config.loader, num_workers=self.config.loader_workers,
             position=self.files.position_after(start_step), row_groups=self.train_groups,
             shuffle_rows=self.config.shuffle_rows)

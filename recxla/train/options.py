@@ -27,17 +27,19 @@ GROUPS = ("model", "training", "communication and sharding", "overlap pipeline",
 def option(default: Any, help: str, *, group: str, applies: str = BOTH,
            choices: Optional[Sequence[str]] = None, parse: Optional[Callable] = None,
            flag: Optional[str] = None, aliases: Sequence[str] = (), metavar: Optional[str] = None,
-           default_text: Optional[str] = None):
+           default_text: Optional[str] = None, repeat: bool = False):
     """A TrainConfig field declared as a command-line option.
 
     default: the option's one default; default_text: how --help states it when the config
-    resolves it from other options (e.g. "the dataset's, else 64")."""
+    resolves it from other options (e.g. "the dataset's, else 64"). repeat: the flag may be
+    given several times; the value is the tuple of what was given, in order."""
     if group not in GROUPS:
         raise ValueError(f"option: group must be one of {GROUPS}, got {group!r}")
     if applies not in PATHS:
         raise ValueError(f"option: applies must be one of {PATHS}, got {applies!r}")
     meta = dict(help=help, group=group, applies=applies, choices=choices, parse=parse,
-                flag=flag, aliases=tuple(aliases), metavar=metavar, default_text=default_text)
+                flag=flag, aliases=tuple(aliases), metavar=metavar, default_text=default_text,
+                repeat=repeat)
     return dataclasses.field(default=default, metadata={"option": meta})
 
 
@@ -114,6 +116,8 @@ def build_parser(cls, on_error: Optional[Callable[[str], None]] = None,
                 kwargs["type"] = meta["parse"]
             if _metavar(field) is not None:
                 kwargs["metavar"] = _metavar(field)
+            if meta["repeat"]:
+                kwargs["action"] = "append"
         groups[meta["group"]].add_argument(flag_of(field), *meta["aliases"], **kwargs)
     return parser
 
@@ -135,7 +139,8 @@ def path_errors(cls, given: Dict[str, Any], path: str) -> List[str]:
 
 def values(cls, given: Dict[str, Any]) -> Dict[str, Any]:
     """Every option field's value: the given one, else the field's default."""
-    return {field.name: given.get(field.name, field.default) for field, _ in options_of(cls)}
+    return {field.name: tuple(given[field.name]) if meta["repeat"] and field.name in given
+            else given.get(field.name, field.default) for field, meta in options_of(cls)}
 
 
 # Parsers of option values: argparse turns their ArgumentTypeError into "--flag: message".

@@ -26,7 +26,7 @@ from typing import Callable, NoReturn, Optional, Sequence
 import torch
 
 from recxla.train import options
-from recxla.train.checkpoint import resume_checkpoint
+from recxla.train.checkpoint import resume_checkpoint, resumed_snapshots
 from recxla.train.config import (
     BASELINE_DENSE_ALLREDUCE,
     CRITEO_PROFILE_MAX_ROWS,
@@ -241,7 +241,7 @@ def _check_data(err, fields: dict) -> dict:
     config = TrainConfig(**fields)
     world = world_size()
     try:
-        data = TrainData(config, 0, world)
+        data = TrainData(config, 0, world, resumed_snapshots(config))
     except (FileNotFoundError, ValueError) as e:  # DataFormatError is a ValueError
         err(str(e))
     fields = dict(fields, embedding_dim=data.embedding_dim)

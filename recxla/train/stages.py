@@ -2,6 +2,8 @@
 docstring draws the data flow): each takes what the stages before it made and returns what the
 next ones need.
 
+- `open_data`: this rank's data (recxla.train.data), a raw table read at the same snapshots on
+  every rank;
 - `plan_and_shard`: the plan (inside each node with --topology 2d), the dense all-reduce's
   nodes, the tables exchanged as rows, then DMP with this path's sharder, seeded tables and the
   optimizer (recxla.train.sharding does each): a `Sharded`;
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from recxla.pipeline import Timeline, TrainPipeline
 from recxla.torchrec.replicas import ReplicaSync, make_topology_2d
 from recxla.train import checkpoint
+from recxla.train.data import TrainData, current_snapshots, is_raw_table
 from recxla.train.kernel_trace import KernelTrace
 from recxla.train.loop import METERED_PIPELINES, Progress, StepLog, run_steps
 from recxla.train.metrics import (
@@ -57,6 +60,27 @@ class Measured:
     log: StepLog
     sharder_stats: dict  # the sharded modules' counters over the measured steps
     iface: Optional[dict]  # --net-iface's bytes over the measured steps (local rank 0)
+
+
+def open_data(config, place) -> TrainData:
+    """This rank's data. A raw --data table is read at one set of Iceberg snapshots on every
+    rank: the --resume checkpoint's, else those rank 0 finds current, shared with the others
+    (a table appended to while the ranks start would otherwise give ranks different data);
+    the ranks' fingerprints are then compared, so that Parquet files changed while they
+    started are an error too, not ranks reading different rows."""
+    snapshots = checkpoint.resumed_snapshots(config)
+    if snapshots is None and is_raw_table(config):
+        shared = [current_snapshots(config) if place.rank == 0 else None]
+        dist.broadcast_object_list(shared, src=0)
+        snapshots = shared[0]
+    data = TrainData(config, place.rank, place.world_size, snapshots)
+    if data.raw is not None:
+        seen = [None] * place.world_size
+        dist.all_gather_object(seen, data.fingerprint)
+        if len(set(seen)) > 1:
+            raise ValueError(f"--data {config.data}: the ranks planned different data "
+                             f"(fingerprints {seen}): a file changed while the job started")
+    return data
 
 
 def plan_and_shard(config, place, device, watchdog, data, tables, model) -> Sharded:
@@ -238,7 +262,8 @@ class _Checkpoints:
         with self.meter.phase("checkpoint"):
             checkpoint.save(config.checkpoint_dir, done, self.sharded.dmp,
                             self.sharded.optimizer, config, self.world, self.data.fingerprint,
-                            dense_fp8=self.sharded.dense_fp8)
+                            dense_fp8=self.sharded.dense_fp8,
+                            data_snapshots=self.data.snapshots)
         if not config.baseline:
             self.pipeline.drop_early_lookups()  # the next batch read as a resumed run reads it
         self.log.checkpoint_s += time.perf_counter() - began
@@ -309,3 +334,4 @@ def _sum_stats(per_rank: List[dict], steps: int) -> Optional[dict]:
         for k, v in stats.items():
             total[k] = total.get(k, 0) + v
     return {k: v / steps for k, v in total.items()} if total else None
+

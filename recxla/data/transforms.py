@@ -1,0 +1,155 @@
+"""Last-mile feature engineering at read time: user functions over Arrow record batches of a
+table's raw columns, run by the reader (in its worker processes or Ray tasks) after the
+feature tables are joined and before ids are mapped to rows.
+
+A transform is named "module:function" (an importable module, e.g. one next to the job's
+working folder) or "path/to/file.py:function". It is called as `function(batch)` with a
+`pyarrow.RecordBatch` of every column (the table's and the joined ones) and returns a
+`pyarrow.RecordBatch` or `pyarrow.Table`: the same columns with some derived (bucketize a float
+into an id, hash-cross two ids, truncate a sequence), columns dropped, rows filtered out. Several
+are applied in the order given. The columns it returns take their roles (label, dense, sparse
+feature with a table of its own) by the rules of a conversion (docs/your-data.md), or from the
+schema file.
+
+A transform must be a function of its batch alone (no state kept between calls, randomness
+drawn from the rows, e.g. a hash of an id): the reader runs it once to plan the epoch (rows
+per unit, vocabularies) and again on every read, in whichever process reads, and a different
+result the second time is an error, not another batch. Its identity (name and a digest of its
+module's source) is part of the data's fingerprint, so a job resumed with an edited transform
+fails instead of reading other rows.
+"""
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from typing import List, Optional, Sequence
+
+import pyarrow as pa
+
+OP = "recxla.data.transforms"
+
+
+class TransformError(ValueError):
+    """A transform raised, or returned something other than a RecordBatch or Table."""
+
+
+class Transform:
+    """A loaded transform: `name` ("module:function"), `fn`, and `digest` (of its module's
+    source, or of its code when there is none). Picklable: a worker process loads the
+    function again by its name (or file), so it need not be importable by pickle."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.fn, self.file = _load(name)
+        self.digest = _digest(self.fn)
+
+    def __call__(self, batch: pa.RecordBatch, where: str) -> pa.Table:
+        try:
+            out = self.fn(batch)
+        except Exception as e:  # noqa: BLE001 - any error of user code, named and re-raised
+            raise TransformError(f"{OP}: transform {self.name} raised on {where}: "
+                                 f"{type(e).__name__}: {e}") from e
+        if isinstance(out, pa.RecordBatch):
+            return pa.Table.from_batches([out])
+        if isinstance(out, pa.Table):
+            return out
+        raise TransformError(f"{OP}: transform {self.name} returned {type(out).__name__} on "
+                             f"{where}; a transform returns a pyarrow.RecordBatch or "
+                             "pyarrow.Table")
+
+    def __getstate__(self):
+        return {"name": self.name, "file": self.file, "digest": self.digest}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.fn, _ = _load(self.name, state["file"])
+
+
+def _load(name: str, file: Optional[str] = None):
+    """(the function, the file it came from) of "module:function" or "file.py:function".
+    `file`: where the module was found before (a worker process that cannot import it by
+    name, e.g. one started in another folder, loads it from there)."""
+    if not isinstance(name, str) or ":" not in name:
+        raise ValueError(f"{OP}: a transform is named module:function or file.py:function, got "
+                         f"{name!r}")
+    module_name, _, attr = name.rpartition(":")
+    if not module_name or not attr.isidentifier():
+        raise ValueError(f"{OP}: transform {name!r}: name it module:function or "
+                         "file.py:function")
+    if module_name.endswith(".py"):
+        module = _from_file(name, os.path.abspath(module_name))
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # a module next to the job, as `python -m` finds
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if file is None or not os.path.isfile(file):
+                raise ValueError(f"{OP}: transform {name!r}: no module {module_name!r} ({e}); "
+                                 "run from the folder that holds it, or name its file "
+                                 "(path/to/file.py:function)") from e
+            module = _from_file(name, file)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{OP}: transform {name!r}: {module_name} has no function {attr!r}")
+    return fn, getattr(module, "__file__", None)
+
+
+def _from_file(name: str, path: str):
+    """The module of a transform's file, loaded once per process."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{OP}: transform {name!r}: {path}: no such file")
+    key = "recxla_transform_" + hashlib.sha1(path.encode()).hexdigest()[:12]
+    module = sys.modules.get(key)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(key, path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - the user's module failed to load
+            raise TransformError(f"{OP}: transform {name!r}: loading {path} raised "
+                                 f"{type(e).__name__}: {e}") from e
+        sys.modules[key] = module
+    return module
+
+
+def _digest(fn) -> str:
+    try:
+        text = inspect.getsource(inspect.getmodule(fn)).encode()
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        text = code.co_code + repr(code.co_consts).encode() if code is not None else \
+            repr(fn).encode()
+    return hashlib.sha1(text).hexdigest()[:16]
+
+
+def load_transforms(names: Sequence[str]) -> List[Transform]:
+    """The transforms named, in order (ValueError / FileNotFoundError naming the one that
+    cannot be loaded)."""
+    return [Transform(n) for n in names]
+
+
+def as_batch(table: pa.Table) -> pa.RecordBatch:
+    """A table's rows as one RecordBatch (what a transform is given)."""
+    table = table.combine_chunks()
+    batches = table.to_batches()
+    if not batches:
+        return pa.RecordBatch.from_arrays([pa.array([], f.type) for f in table.schema],
+                                          schema=table.schema)
+    return batches[0]
+
+
+def apply_transforms(transforms: Sequence[Transform], table: pa.Table, where: str) -> pa.Table:
+    """`table` through every transform in order; TransformError naming the transform and
+    `where` (the file and row group)."""
+    for t in transforms:
+        table = t(as_batch(table), where)
+    return table
+
+
+def identity(transforms: Sequence[Transform]) -> List[str]:
+    """What the data's fingerprint holds of the transforms: name and digest, in order."""
+    return [f"{t.name}#{t.digest}" for t in transforms]
