@@ -37,7 +37,7 @@ import os
 import shutil
 import struct
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -58,6 +58,7 @@ from recxla.data.id_counts import IdCounter, dataset_spec, merge_results, table_
 from recxla.data.parquet_layout import SPEC_KEY
 from recxla.data.parquet_writer import _FileSink, choose_sort
 from recxla.data.schema import DatasetSpec, Schema, load_schema
+from recxla.data.table_source import is_table_ref
 
 OP = "recxla.data.convert"
 TARGET_ROW_GROUPS = 64
@@ -110,12 +111,19 @@ def _write_file(i: int) -> int:
     """Convert source file i to part-<i>.parquet in the temporary folder; rows written."""
     job = _JOB
     plan: Plan = job["plan"]
-    path = job["files"][i]
-    layout = plan.layout()
-    rpg = job["rows_per_group"]
-    final = os.path.join(job["tmp"], f"part-{i:05d}.parquet")
+    where = f"{OP}: {job['files'][i]}"
+    blocks = (convert_rows(t, plan, job["specs"], job["vocabs"], where, row_base)
+              for row_base, t in _blocks(i))
+    return _write_part(os.path.join(job["tmp"], f"part-{i:05d}.parquet"), plan.layout(), blocks,
+                       job["rows_per_group"], job["sort_by"], job["spec"], job["out"])
+
+
+def _write_part(final: str, layout, blocks, rows_per_group: int, sort_by, spec: DatasetSpec,
+                out: str) -> int:
+    """Blocks of rows in the layout -> the part file `final`, `rows_per_group` rows a row
+    group, sorted within groups by `sort_by` ("auto": the key that compresses best), the spec
+    in its footer; rows written. A failed write is an OutputError naming `out`."""
     sink, pending, pending_rows, total = None, [], 0, 0
-    where = f"{OP}: {path}"
 
     def write(group: pa.Table):
         nonlocal sink
@@ -124,26 +132,26 @@ def _write_file(i: int) -> int:
                 # The sort key and encodings are chosen on a sample: the trial writes it twice
                 # per candidate key (27 for Criteo), a cost paid once per file.
                 trial = group.slice(0, _TRIAL_ROWS)
-                choice = choose_sort(trial, layout, job["sort_by"], "zstd", None)
+                choice = choose_sort(trial, layout, sort_by, "zstd", None)
                 sink = _FileSink(final, layout, choice, "zstd", None, False)
             sink.write(group)
         except OSError as e:  # a full disk, a quota: named as the output's, not the input's
-            raise output_error(job["out"], e) from e
+            raise output_error(out, e) from e
 
     try:
-        for row_base, t in _blocks(i):
-            out = convert_rows(t, plan, job["specs"], job["vocabs"], where, row_base)
-            pending.append(out)
-            pending_rows += out.num_rows
-            total += out.num_rows
-            while pending_rows >= rpg:
+        for block in blocks:
+            pending.append(block)
+            pending_rows += block.num_rows
+            total += block.num_rows
+            while pending_rows >= rows_per_group:
                 whole = pa.concat_tables(pending)
-                write(whole.slice(0, rpg))
-                pending, pending_rows = [whole.slice(rpg)], pending_rows - rpg
+                write(whole.slice(0, rows_per_group))
+                rest = pending_rows - rows_per_group
+                pending, pending_rows = [whole.slice(rows_per_group)], rest
         if pending_rows:
             write(pa.concat_tables(pending))
-        with writing(job["out"]):
-            sink.writer.add_key_value_metadata({SPEC_KEY: job["spec"].to_json()})
+        with writing(out):
+            sink.writer.add_key_value_metadata({SPEC_KEY: spec.to_json()})
             sink.close()
             os.replace(sink.tmp_path, sink.final_path)
     except BaseException:
@@ -151,6 +159,16 @@ def _write_file(i: int) -> int:
             sink.abort()
         raise
     return total
+
+
+def _write_vocabularies(tmp: str, out: str, specs, vocabs) -> None:
+    """Create the temporary folder with the vocabulary files of the vocab tables."""
+    with writing(out):
+        os.makedirs(tmp)
+        if vocabs:
+            os.makedirs(os.path.join(tmp, "vocab"))
+            for name, v in vocabs.items():
+                v.save(os.path.join(tmp, specs[name].vocabulary))
 
 
 def _run(fn, n: int, workers: int, total: Optional[int], desc: str, progress: bool) -> list:
@@ -229,11 +247,16 @@ def _estimated_rows(files: List[str]) -> int:
 
 def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Optional[int] = None,
             rows_per_group: Optional[int] = None, sort_by: Optional[str] = "auto",
-            overwrite: bool = False, progress: bool = True) -> DatasetSpec:
+            overwrite: bool = False, progress: bool = True, transforms: Sequence[str] = (),
+            joins: Sequence[str] = ()) -> DatasetSpec:
     """Convert SRC (a file, or a folder of files of one format) into the dataset folder `out`.
 
     Args:
-        src: path of a .parquet / .csv / Criteo TSV file, or a folder of them.
+        src: path of a .parquet / .csv / Criteo TSV file, or a folder of them; or a table
+            (an Iceberg reference "iceberg:<catalog>#<namespace>.<table>", or with
+            `transforms` or `joins` a Parquet file or folder, bucketed or not), read as the
+            trainer reads a raw table (recxla.data.read_time): joined, transformed, then
+            converted; one part file per data file, in one process.
         out: the dataset folder to create: absent or an empty folder, or with `overwrite` a
             dataset that convert wrote (nothing else in it); never one that holds the input.
         schema: a schema file path, a parsed `recxla.data.schema.Schema`, or None (infer).
@@ -245,6 +268,8 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
         sort_by: "auto", a sparse feature's name, or None (source order) within row groups.
         overwrite: replace an existing dataset at `out` (only once the new one is complete).
         progress: show a progress bar (tqdm) on stderr.
+        transforms: "module:function" names applied to the rows (recxla.data.transforms).
+        joins: "KEY=TABLE" feature tables joined into the rows (recxla.data.joins).
     Returns the DatasetSpec stored with the data.
     Raises FileNotFoundError, FileExistsError, ValueError / DataFormatError naming the file,
     the column and, where it applies, the row; ValueError naming `out` for an output it may
@@ -256,6 +281,12 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
             rows_per_group, bool) or rows_per_group < 1):
         raise ValueError(f"{OP}: rows_per_group must be None or an int >= 1, got "
                          f"{rows_per_group!r}")
+    if is_table_ref(src) or transforms or joins:
+        if fmt not in (None, "parquet", "iceberg"):
+            raise ValueError(f"{OP}: transforms, joins and Iceberg tables read Parquet data, "
+                             f"not fmt={fmt!r}")
+        return _convert_table(os.fspath(src), out, schema, transforms, joins, rows_per_group,
+                              sort_by, overwrite, progress)
     files, fmt = list_sources(src, fmt)
     check_output(out, files, overwrite)
     plan = _plan(files, fmt, schema)
@@ -280,12 +311,7 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
         specs, vocabs = table_specs(plan, counts)
         spec = dataset_spec(plan, specs, f"{OP}: {src}")
         _JOB.update(specs=specs, vocabs=vocabs, spec=spec)
-        with writing(out):
-            os.makedirs(tmp)
-            if vocabs:
-                os.makedirs(os.path.join(tmp, "vocab"))
-                for name, v in vocabs.items():
-                    v.save(os.path.join(tmp, specs[name].vocabulary))
+        _write_vocabularies(tmp, out, specs, vocabs)
         _run(_write_file, len(files), workers, total, "converting", progress)
         with writing(out):
             install(tmp, out)
@@ -295,6 +321,60 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
     finally:
         _JOB.clear()
     return spec
+
+
+def _convert_table(src: str, out: str, schema, transforms, joins, rows_per_group, sort_by,
+                   overwrite: bool, progress: bool) -> DatasetSpec:
+    """`convert` of a table read as the trainer reads a raw one: its planning pass counts the
+    ids, then each data file's row groups, read again, become one part file."""
+    from recxla.data.read_time import ReadTimeTable
+
+    check_output(out, [] if is_table_ref(src) else [src], overwrite)
+    table = ReadTimeTable(src, schema, transforms, joins)
+    sources = [f for f in table.source.files if "://" not in f]
+    for j in table.joiner.joins:
+        sources += [f for f in j.source.files if "://" not in f]
+    check_output(out, sources, overwrite)
+    if sort_by not in (None, "auto") and sort_by not in table.spec.sparse_features:
+        raise ValueError(f"{OP}: sort_by must be None, 'auto' or a sparse feature "
+                         f"({list(table.spec.sparse_features)}), got {sort_by!r}")
+    info = table.info
+    if info.num_rows == 0:
+        raise DataFormatError(f"{OP}: {src}: no rows are left after the transforms")
+    rpg = rows_per_group or default_rows_per_group(info.num_rows)
+    by_file: Dict[int, List[Tuple[int, int, int]]] = {}
+    for fi, gi, rows in info.row_groups:
+        if rows:
+            by_file.setdefault(fi, []).append((fi, gi, rows))
+    tmp = temp_folder(out)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=info.num_rows, unit="rows", unit_scale=True, desc="converting",
+                   dynamic_ncols=True)
+
+    def blocks(groups):
+        for group in groups:
+            t = table.read(*group)
+            if bar is not None:
+                bar.update(t.num_rows)
+            yield t
+
+    try:
+        _write_vocabularies(tmp, out, table.specs, table.vocabs)
+        for part, groups in enumerate(by_file.values()):
+            _write_part(os.path.join(tmp, f"part-{part:05d}.parquet"), info.layout,
+                        blocks(groups), rpg, sort_by, table.spec, out)
+        with writing(out):
+            install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return table.spec
 
 
 def _plan(files: List[str], fmt: str, schema) -> Plan:
