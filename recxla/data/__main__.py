@@ -23,6 +23,14 @@
         every column's role and why before converting. --overwrite replaces only a dataset
         that convert wrote, never a folder holding the input.
 
+    python -m recxla.data bucket SRC --key COLUMN --buckets N --out DIR [--rows-per-group R]
+                                 [--no-progress]
+        Splits a Parquet file, or a folder of them, into N buckets by Iceberg's bucket
+        transform of COLUMN (recxla.data.buckets): DIR/COLUMN_bucket=<i>/part-00000.parquet for
+        i in 0..N-1, the layout of an Iceberg table partitioned by bucket(COLUMN, N), so that
+        feature tables bucketed by the same key and N join bucket for bucket. Prints each
+        bucket's rows and the total. DIR must be absent or an empty folder.
+
 Exit status: 0 done; 2 a usage or data error (bad arguments, input or schema; an output it may
 not replace), the message naming the file, column, row or limit; 1 writing failed (a full
 disk, permissions), the message naming the output; nothing is left at the output on 1 or 2.
@@ -33,6 +41,7 @@ import json
 import sys
 import time
 
+from recxla.data.buckets import ROWS_PER_GROUP as BUCKET_ROWS_PER_GROUP
 from recxla.data.errors import DataFormatError
 
 # recxla.train's default --max-rows (not imported: recxla.data does not depend on the trainer).
@@ -107,6 +116,20 @@ def _convert(args) -> int:
     return 0
 
 
+def _bucket(args) -> int:
+    from recxla.data.buckets import bucket_folder_name, write_buckets
+
+    start = time.perf_counter()
+    result = write_buckets(args.src, args.key, args.buckets, args.out,
+                           rows_per_group=args.rows_per_group, progress=not args.no_progress)
+    seconds = time.perf_counter() - start
+    for i, rows in enumerate(result["rows_per_bucket"]):
+        print(f"{bucket_folder_name(args.key, i)}: {rows:,} rows")
+    print(f"wrote {result['rows']:,} rows in {result['buckets']} buckets (bucket({args.key}, "
+          f"{result['buckets']}), Iceberg's bucket transform) to {args.out} in {seconds:.1f} s")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recxla.data", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,6 +164,15 @@ def main(argv=None) -> int:
                    help="auto (default), none, or a sparse feature's name")
     c.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b = sub.add_parser("bucket", help="split Parquet into buckets by Iceberg's bucket(key, N)")
+    b.add_argument("src", help="a Parquet file, or a folder of them (same columns)")
+    b.add_argument("--key", required=True, help="the column to bucket by (integers or strings)")
+    b.add_argument("--buckets", type=int, required=True, help="N, in [1, 2**31 - 1]")
+    b.add_argument("--out", required=True, help="the folder to create (absent or empty)")
+    b.add_argument("--rows-per-group", type=int, default=BUCKET_ROWS_PER_GROUP,
+                   help="rows read per block and per output row group (default "
+                   f"{BUCKET_ROWS_PER_GROUP:,})")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "write" and args.batches < 1:
         parser.error("--batches must be >= 1")
@@ -148,10 +180,12 @@ def main(argv=None) -> int:
         parser.error("--max-rows must be >= 0 (0: the full tables)")
     if args.command == "convert" and args.workers is not None and args.workers < 1:
         parser.error("--workers must be >= 1")
-    if args.command == "convert" and args.rows_per_group is not None and args.rows_per_group < 1:
+    if args.command in ("convert", "bucket") and args.rows_per_group is not None and \
+            args.rows_per_group < 1:
         parser.error("--rows-per-group must be >= 1")
     try:
-        return {"write": _write, "info": _info, "convert": _convert}[args.command](args)
+        return {"write": _write, "info": _info, "convert": _convert,
+                "bucket": _bucket}[args.command](args)
     except (FileNotFoundError, FileExistsError, DataFormatError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -10,7 +10,8 @@ A table is named by a string (`open_table(ref)`):
                                               `python -m recxla.data bucket` writes and
                                               Iceberg's own data folders have
     iceberg:sqlite:////abs/catalog.db#db.ratings    an Iceberg table in pyiceberg's SQL catalog
-                                              on SQLite (no server)
+                                              on SQLite (no server); ...catalog.db?catalog=
+                                              NAME#... when the database holds several
     iceberg:https://host:8181#db.ratings      ... in a REST catalog
     iceberg:prod#db.ratings                   ... in the catalog named "prod" in pyiceberg's
                                               configuration (~/.pyiceberg.yaml)
@@ -31,6 +32,7 @@ Merge-on-read deletes are not applied by this reader: a snapshot with delete fil
 (compact the table first), never read as if the deleted rows were there.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -302,15 +304,24 @@ def _import_pyiceberg():
 
 
 def load_catalog(uri: str):
-    """A pyiceberg catalog: "sqlite:///..." (SQL catalog, warehouse folder next to the
-    database), "http(s)://..." (REST), else a catalog named in pyiceberg's configuration."""
+    """A pyiceberg catalog: "sqlite:///PATH[?catalog=NAME]" (SQL catalog; warehouse folder
+    PATH's folder/warehouse), "http(s)://..." (REST), else a catalog named in pyiceberg's
+    configuration.
+
+    pyiceberg's SQL catalog keeps the tables of every catalog name in one database and shows
+    a catalog only its own: the name is the one the database holds (its only one; "default"
+    for a new database), or `?catalog=NAME` when it holds several."""
     _import_pyiceberg()
     if uri.startswith("sqlite:"):
         from pyiceberg.catalog.sql import SqlCatalog
 
+        uri, _, query = uri.partition("?catalog=")
         db = uri[len("sqlite:///"):] if uri.startswith("sqlite:///") else ""
+        if not db or not os.path.isfile(db):
+            raise FileNotFoundError(f"{OP}: Iceberg catalog {uri}: no such SQLite database")
+        name = query or _sqlite_catalog_name(db, uri)
         warehouse = "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "warehouse")
-        return SqlCatalog("recxla", uri=uri, warehouse=warehouse)
+        return SqlCatalog(name, uri=uri, warehouse=warehouse)
     if uri.startswith(("http://", "https://")):
         from pyiceberg.catalog.rest import RestCatalog
 
@@ -318,6 +329,24 @@ def load_catalog(uri: str):
     from pyiceberg.catalog import load_catalog as by_name
 
     return by_name(uri)
+
+
+def _sqlite_catalog_name(db: str, uri: str) -> str:
+    """The one catalog name a pyiceberg SQL catalog database holds ("default" if none)."""
+    import sqlite3
+
+    names = set()
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+        for table in ("iceberg_tables", "iceberg_namespace_properties"):
+            try:
+                names.update(r[0] for r in conn.execute(
+                    f"SELECT DISTINCT catalog_name FROM {table}"))
+            except sqlite3.OperationalError:  # not created yet: no table of that kind
+                pass
+    if len(names) > 1:
+        raise ValueError(f"{OP}: Iceberg catalog {uri}: the database holds the catalogs "
+                         f"{sorted(names)}: name one, {uri}?catalog=NAME")
+    return names.pop() if names else "default"
 
 
 def split_iceberg_ref(ref: str, what: str = "table") -> Tuple[str, str, Optional[int]]:
