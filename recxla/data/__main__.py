@@ -16,12 +16,15 @@
 
     python -m recxla.data convert SRC --out DIR [--schema FILE] [--format parquet|csv|criteo-tsv]
                                   [--workers N] [--rows-per-group N] [--sort-by auto]
+                                  [--transform MODULE:FN ...] [--join KEY=TABLE ...]
                                   [--overwrite] [--no-progress]
         Converts a click log (a file, or a folder of files of one format) into a dataset folder
         that `python -m recxla.train --data DIR` trains with no other flags (recxla.data.convert;
         docs/your-data.md describes the formats, the schema file and the id mapping). Prints
         every column's role and why before converting. --overwrite replaces only a dataset
-        that convert wrote, never a folder holding the input.
+        that convert wrote, never a folder holding the input. SRC may be an Iceberg table
+        (iceberg:CATALOG#NAMESPACE.TABLE); with --transform or --join the rows are joined and
+        transformed as the trainer reads a raw table (recxla.data.read_time), then converted.
 
     python -m recxla.data bucket SRC --key COLUMN --buckets N --out DIR [--rows-per-group R]
                                  [--no-progress]
@@ -88,15 +91,18 @@ def _info(args) -> int:
 
 
 def _convert(args) -> int:
-    from recxla.data.convert import column_roles, convert
+    from recxla.data.convert import convert
+
+    def print_roles(lines):
+        for line in lines:
+            print(line, flush=True)
 
     sort_by = None if args.sort_by == "none" else args.sort_by
-    for line in column_roles(args.src, args.schema, args.format):
-        print(line, flush=True)
     start = time.perf_counter()
     spec = convert(args.src, args.out, args.schema, args.format, workers=args.workers,
                    rows_per_group=args.rows_per_group, sort_by=sort_by,
-                   overwrite=args.overwrite, progress=not args.no_progress)
+                   overwrite=args.overwrite, progress=not args.no_progress,
+                   transforms=args.transform, joins=args.join, on_roles=print_roles)
     seconds = time.perf_counter() - start
     from recxla.data.parquet_layout import DatasetInfo
 
@@ -150,7 +156,8 @@ def main(argv=None) -> int:
     i = sub.add_parser("info", help="print a dataset's metadata")
     i.add_argument("path")
     c = sub.add_parser("convert", help="convert Parquet, CSV or Criteo TSV into a dataset")
-    c.add_argument("src", help="a file, or a folder of files of one format")
+    c.add_argument("src", help="a file, or a folder of files of one format, or an Iceberg "
+                   "table (iceberg:CATALOG#NAMESPACE.TABLE)")
     c.add_argument("--out", required=True, help="the dataset folder to create")
     c.add_argument("--schema", default=None, help="a schema file (TOML); default: infer")
     c.add_argument("--format", default=None, choices=("parquet", "csv", "criteo-tsv"),
@@ -162,6 +169,12 @@ def main(argv=None) -> int:
                    "the row count, 64 groups of 1,024 to 65,536 rows, at least 16 groups)")
     c.add_argument("--sort-by", default="auto",
                    help="auto (default), none, or a sparse feature's name")
+    c.add_argument("--transform", action="append", default=[], metavar="MODULE:FN",
+                   help="a Python function over Arrow record batches applied to the rows after "
+                   "the joins (module:function or file.py:function); repeat for several")
+    c.add_argument("--join", action="append", default=[], metavar="KEY=TABLE",
+                   help="join a feature table on a key column (a Parquet file or folder, "
+                   "bucketed like SRC, or iceberg:...); repeat for several")
     c.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     b = sub.add_parser("bucket", help="split Parquet into buckets by Iceberg's bucket(key, N)")

@@ -37,7 +37,7 @@ import os
 import shutil
 import struct
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -248,7 +248,8 @@ def _estimated_rows(files: List[str]) -> int:
 def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Optional[int] = None,
             rows_per_group: Optional[int] = None, sort_by: Optional[str] = "auto",
             overwrite: bool = False, progress: bool = True, transforms: Sequence[str] = (),
-            joins: Sequence[str] = ()) -> DatasetSpec:
+            joins: Sequence[str] = (),
+            on_roles: Optional[Callable[[List[str]], None]] = None) -> DatasetSpec:
     """Convert SRC (a file, or a folder of files of one format) into the dataset folder `out`.
 
     Args:
@@ -270,6 +271,8 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
         progress: show a progress bar (tqdm) on stderr.
         transforms: "module:function" names applied to the rows (recxla.data.transforms).
         joins: "KEY=TABLE" feature tables joined into the rows (recxla.data.joins).
+        on_roles: called with one line per column (its role and why, `column_roles`) once
+            the plan is made, before anything is written.
     Returns the DatasetSpec stored with the data.
     Raises FileNotFoundError, FileExistsError, ValueError / DataFormatError naming the file,
     the column and, where it applies, the row; ValueError naming `out` for an output it may
@@ -286,10 +289,12 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
             raise ValueError(f"{OP}: transforms, joins and Iceberg tables read Parquet data, "
                              f"not fmt={fmt!r}")
         return _convert_table(os.fspath(src), out, schema, transforms, joins, rows_per_group,
-                              sort_by, overwrite, progress)
+                              sort_by, overwrite, progress, on_roles)
     files, fmt = list_sources(src, fmt)
     check_output(out, files, overwrite)
     plan = _plan(files, fmt, schema)
+    if on_roles is not None:
+        on_roles(plan.roles if fmt != "criteo-tsv" else _CRITEO_ROLES)
     if sort_by not in (None, "auto") and sort_by not in [f.name for f in plan.features]:
         raise ValueError(f"{OP}: sort_by must be None, 'auto' or a sparse feature "
                          f"({[f.name for f in plan.features]}), got {sort_by!r}")
@@ -324,7 +329,7 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
 
 
 def _convert_table(src: str, out: str, schema, transforms, joins, rows_per_group, sort_by,
-                   overwrite: bool, progress: bool) -> DatasetSpec:
+                   overwrite: bool, progress: bool, on_roles) -> DatasetSpec:
     """`convert` of a table read as the trainer reads a raw one: its planning pass counts the
     ids, then each data file's row groups, read again, become one part file."""
     from recxla.data.read_time import ReadTimeTable
@@ -335,6 +340,8 @@ def _convert_table(src: str, out: str, schema, transforms, joins, rows_per_group
     for j in table.joiner.joins:
         sources += [f for f in j.source.files if "://" not in f]
     check_output(out, sources, overwrite)
+    if on_roles is not None:
+        on_roles(table.plan.roles)
     if sort_by not in (None, "auto") and sort_by not in table.spec.sparse_features:
         raise ValueError(f"{OP}: sort_by must be None, 'auto' or a sparse feature "
                          f"({list(table.spec.sparse_features)}), got {sort_by!r}")
@@ -395,13 +402,16 @@ def _plan(files: List[str], fmt: str, schema) -> Plan:
     return make_plan(schema, columns, files[0], sample)
 
 
+_CRITEO_ROLES = ["columns: the Criteo layout (label, int_0..int_12 dense, log(max(x, 0) + 1); "
+                 "cat_0..cat_25 sparse, hex ids)"]
+
+
 def column_roles(src, schema=None, fmt: Optional[str] = None) -> List[str]:
     """One line per source column: the role a conversion gives it and why ("column 'ts':
     timestamp: named 'timestamp' (int64)"). Raises what `convert` raises for the columns."""
     files, fmt = list_sources(src, fmt)
     if fmt == "criteo-tsv":
-        return ["columns: the Criteo layout (label, int_0..int_12 dense, log(max(x, 0) + 1); "
-                "cat_0..cat_25 sparse, hex ids)"]
+        return _CRITEO_ROLES
     return _plan(files, fmt, schema).roles
 
 
