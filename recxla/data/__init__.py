@@ -25,10 +25,19 @@ Datasets of your own (recxla.data.schema, recxla.data.convert; docs/your-data.md
 - `load_schema(toml_path)`: the schema file that `python -m recxla.data convert` reads.
 - `convert(src, out, schema=None, fmt=None)`: Parquet, CSV or Criteo TSV -> a dataset folder.
 - `IdMapper.from_dataset(path).map(feature, raw_ids)`: raw ids -> rows as the conversion did.
+Tables read at train time, no conversion (recxla.data.read_time; docs/your-data.md):
+- `ReadTimeTable(ref, schema=None, transforms=(), joins=(), snapshots=None)`: a raw Parquet
+  table or an Iceberg table ("iceberg:<catalog>#<namespace>.<table>"), feature tables joined
+  ("KEY=TABLE", bucket by bucket), Python transforms ("module:function") applied, ids mapped
+  as a conversion maps them; pass it where a path goes (`ParquetDataset`, `make_loader`).
+- `open_table(ref)`: a table's files, row groups, schema, buckets and pinned snapshot.
+- `bucket_of(ids, n)`: Iceberg's bucket transform; `write_buckets(src, key, n, out)`.
 The command line: `python -m recxla.data write --out PATH --batches N [--sort-by KEY]`,
-`python -m recxla.data convert SRC --out DIR [--schema FILE] [--format ...]`, `... info PATH`.
+`python -m recxla.data convert SRC --out DIR [--schema FILE] [--format ...] [--transform ...]
+[--join ...]`, `... info PATH`, `... bucket SRC --key COLUMN --buckets N --out DIR`.
 """
 
+from recxla.data.buckets import bucket_of, write_buckets
 from recxla.data.compact_batch import CompactBatch
 from recxla.data.convert import convert
 from recxla.data.errors import DataFormatError
@@ -36,7 +45,9 @@ from recxla.data.id_mapping import IdMapper
 from recxla.data.loaders import LocalLoader, make_loader
 from recxla.data.parquet_dataset import ParquetDataset
 from recxla.data.parquet_writer import write_parquet
+from recxla.data.read_time import ReadTimeTable
 from recxla.data.schema import DatasetSpec, TableSpec, load_schema, read_dataset_spec
+from recxla.data.table_source import open_table
 
 # The synthetic logs and the profiles build TorchRec types: they load on first use, so that
 # importing recxla.data (or one of its modules: recxla.train declares its options with
@@ -61,15 +72,19 @@ __all__ = [
     "LocalLoader",
     "ParquetDataset",
     "Profile",
+    "ReadTimeTable",
     "SparseFeature",
     "SyntheticRankingDataset",
     "TableSpec",
+    "bucket_of",
     "convert",
     "criteo_kaggle_profile",
     "embedding_bag_configs",
     "load_schema",
     "make_loader",
+    "open_table",
     "read_dataset_spec",
+    "write_buckets",
     "write_parquet",
 ]
 

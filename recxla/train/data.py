@@ -164,15 +164,28 @@ def is_raw_table(config: TrainConfig) -> bool:
     return not is_recxla_layout(config.data)
 
 
+# The last raw table planned in this process: the preflight, the resume check and the run
+# open the same table at the same snapshots, and its planning pass reads the whole table.
+_PLANNED: dict = {}
+
+
 def open_raw_table(config: TrainConfig, snapshots: Optional[Sequence[Optional[int]]] = None):
     """The --data raw table with its --schema, --join and --transform, planned
-    (recxla.data.read_time.ReadTimeTable); `snapshots` pins its Iceberg tables."""
+    (recxla.data.read_time.ReadTimeTable); `snapshots` pins its Iceberg tables (None: the
+    current ones)."""
     from recxla.data.read_time import ReadTimeTable
 
     if config.max_rows is not None:
         raise ValueError(f"{config.data}: a raw table gives its own model (tables from its "
                          "columns); --profile/--max-rows apply to converted datasets")
-    return ReadTimeTable(config.data, config.schema, config.transform, config.join, snapshots)
+    if snapshots is None:
+        snapshots = current_snapshots(config)
+    key = (config.data, config.schema, config.transform, config.join, tuple(snapshots))
+    if key not in _PLANNED:
+        _PLANNED.clear()
+        _PLANNED[key] = ReadTimeTable(config.data, config.schema, config.transform,
+                                      config.join, snapshots)
+    return _PLANNED[key]
 
 
 def current_snapshots(config: TrainConfig) -> Optional[List[Optional[int]]]:
