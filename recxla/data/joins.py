@@ -20,6 +20,7 @@ join) already has, a key that appears twice in a feature table, and (checked whe
 planned) a row stored in another bucket than its key's.
 """
 
+import copy
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -180,6 +181,15 @@ class BucketJoiner:
             for c in j.columns:
                 table = table.append_column(features.schema.field(c), taken.column(c))
         return table
+
+    def clone(self) -> "BucketJoiner":
+        """The same joins with files and held buckets of its own (one per reader thread)."""
+        other = copy.copy(self)
+        other.joins = [copy.copy(j) for j in self.joins]
+        for j in other.joins:
+            j.source = j.source.clone()
+        other._held = {}
+        return other
 
     def __getstate__(self):
         state = dict(self.__dict__)

@@ -140,11 +140,13 @@ class ReadTimeTable:
         """The snapshots read: the training table's, then each join's (None: not Iceberg)."""
         return [self.source.snapshot] + self.joiner.snapshots
 
-    def _rows(self, unit: int, check: bool) -> pa.Table:
-        """Unit `unit` read, joined and transformed."""
-        where = f"{self.source.ref}: {self.source.where(unit)}"
-        t = self.source.read(unit)
-        t = self.joiner.join(t, self.source.units[unit], where, check)
+    def _rows(self, unit: int, check: bool, source=None, joiner=None) -> pa.Table:
+        """Unit `unit` read, joined and transformed (with a reader's own `source` and
+        `joiner`, or the table's)."""
+        source, joiner = source or self.source, joiner or self.joiner
+        where = f"{source.ref}: {source.where(unit)}"
+        t = source.read(unit)
+        t = joiner.join(t, source.units[unit], where, check)
         return apply_transforms(self.transforms, t, where)
 
     def _plan_pass(self, schema: Schema) -> None:
@@ -175,12 +177,14 @@ class ReadTimeTable:
         self.spec = dataset_spec(self.plan, self.specs, f"{OP}: {self.source.ref}")
         self.info = ReadTimeInfo(self, rows, stamps)
 
-    def read(self, file: int, row_group: int, want: int) -> pa.Table:
+    def read(self, file: int, row_group: int, want: int, source=None,
+             joiner=None) -> pa.Table:
         """Row group `row_group` of file `file` in recxla's layout (what a converted dataset's
         row group holds). DataFormatError if the transforms give another row count than the
-        `want` of the planning pass (a transform that is not a function of its batch)."""
+        `want` of the planning pass (a transform that is not a function of its batch).
+        source, joiner: a reader's own (ReadTimeReader); None: the table's."""
         unit = self.info.unit_of[(file, row_group)]
-        t = self._rows(unit, check=False)
+        t = self._rows(unit, False, source, joiner)
         where = f"{self.source.ref}: {self.source.where(unit)}"
         if t.num_rows != want:
             raise DataFormatError(f"{OP}: {where}: the transforms gave {t.num_rows} rows, "
@@ -194,14 +198,17 @@ class ReadTimeTable:
 
 
 class ReadTimeReader:
-    """The reader ParquetDataset uses for a ReadTimeTable (the role of its _GroupReader)."""
+    """The reader ParquetDataset uses for a ReadTimeTable (the role of its _GroupReader): its
+    own files and held feature buckets, so that readers in several threads do not share
+    them."""
 
     def __init__(self, table: ReadTimeTable):
         self.table, self.info = table, table.info
+        self.source, self.joiner = table.source.clone(), table.joiner.clone()
 
     def read(self, group: int, use_threads: bool = True) -> pa.Table:
         """Row group `group` of `info.row_groups` (`info`: the table's, or a split's)."""
-        return self.table.read(*self.info.row_groups[group])
+        return self.table.read(*self.info.row_groups[group], self.source, self.joiner)
 
 
 def _describe(schema: pa.Schema) -> str:

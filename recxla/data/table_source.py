@@ -33,6 +33,7 @@ Merge-on-read deletes are not applied by this reader: a snapshot with delete fil
 """
 
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import importlib
@@ -168,6 +169,13 @@ class TableSource:
         if not units:
             return want.empty_table()
         return pa.concat_tables([self.read(i, columns) for i in units])
+
+    def clone(self) -> "TableSource":
+        """The same table with files of its own: a ParquetFile is not safe to read from two
+        threads at once, so every reader (a prefetch thread, an evaluation) gets a clone."""
+        other = copy.copy(self)
+        other._open, other._pid = {}, os.getpid()
+        return other
 
     def __getstate__(self):
         state = dict(self.__dict__)
