@@ -93,3 +93,34 @@ def test_close_mid_epoch_stops_ray_data_threads_before_shutdown(tmp_path, run_di
     assert not ray.is_initialized()
     left = [t.name for t in threading.enumerate() if t.name in ("Prefetcher", "iter_threaded")]
     assert not left
+
+
+def test_ray_loader_reads_a_read_time_table_as_the_local_loader(tmp_path, run_dir, seed):
+    # A raw table with a join and a transform (recxla.data.read_time): each Ray task loads the
+    # transform from its file and reads the feature table itself. After the test above shut
+    # Ray down, this loader starts one of its own and closes it.
+    import numpy as np
+    import pyarrow.parquet as pq
+    from test_data_read_time import click_log, user_features, write_transforms
+
+    from recxla.data.read_time import ReadTimeTable
+
+    rng = np.random.default_rng(seed)
+    log = click_log(rng, 200)
+    pq.write_table(log, tmp_path / "log.parquet", row_group_size=int(rng.integers(15, 30)))
+    pq.write_table(user_features(rng, log), tmp_path / "users.parquet")
+    table = ReadTimeTable(str(tmp_path / "log.parquet"),
+                          joins=[f"user_id={tmp_path / 'users.parquet'}"],
+                          transforms=[f"{write_transforms(tmp_path)}:engineer"])
+    b = int(rng.integers(5, 20))
+    kwargs = dict(seed=int(rng.integers(0, 99)), shuffle_rows=int(rng.integers(20, 60)),
+                  num_epochs=2)
+    loader = make_loader(table, b, loader="ray", num_workers=1, run_dir=run_dir, **kwargs)
+    try:
+        got = list(loader)
+    finally:
+        loader.close()
+    want = list(make_loader(table, b, num_workers=1, **kwargs))
+    assert len(got) == len(want) == loader.num_batches(0) + loader.num_batches(1)
+    for g, w in zip(got, want):
+        assert_batches_equal(g, w)

@@ -60,7 +60,8 @@ def _key_array(col, kind: str) -> pa.Array:
         col = col.combine_chunks()
     if pa.types.is_dictionary(col.type):
         col = col.dictionary_decode()
-    return col.cast(pa.int64() if kind == "int" else pa.large_string())
+    # uint64 keys above 2**63 keep their bits, as bucket_of and the id mapping take them.
+    return col.cast(pa.int64(), safe=False) if kind == "int" else col.cast(pa.large_string())
 
 
 class Join:
@@ -73,8 +74,8 @@ class Join:
         right = f"the feature table {self.source.ref}"
         for side, src in ((left, training), (right, self.source)):
             if src.schema.get_field_index(key) < 0:
-                raise ValueError(f"{OP}: join on {key!r}: {side} has no column {key!r} (its "
-                                 f"columns: {src.schema.names})")
+                raise ValueError(f"{OP}: join of {left} with {right} on {key!r}: {side} has no "
+                                 f"column {key!r} (its columns: {src.schema.names})")
         lk, rk = (_key_kind(s.schema.field(key).type) for s in (training, self.source))
         if lk is None or rk is None or lk != rk:
             raise ValueError(f"{OP}: join on {key!r}: the key is "
@@ -92,6 +93,7 @@ class Join:
         self.columns = [c for c in self.source.schema.names if c != key]
 
     def bucket_of_unit(self, unit: Unit) -> int:
+        """The unit's bucket of the key (NULL_BUCKET: an Iceberg file of null keys)."""
         return unit.bucket_of(self.key) if self.num_buckets > 1 else 0
 
 
@@ -176,7 +178,8 @@ class BucketJoiner:
                                           f"{bucket} but holds key {k!r}, whose bucket is "
                                           f"{int(got[int(np.argmax(got != bucket))])}: the "
                                           "training table was bucketed by another function")
-            index = pc.index_in(left, value_set=keys)
+            # skip_nulls: a row without a key matches nothing (not a feature row without one).
+            index = pc.index_in(left, value_set=keys, skip_nulls=True)
             taken = features.take(index)
             for c in j.columns:
                 table = table.append_column(features.schema.field(c), taken.column(c))

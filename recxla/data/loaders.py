@@ -85,6 +85,11 @@ class LocalLoader:
             _ChunkReader(self.dataset, self.compress), batch_size=None,
             sampler=_Chunks(self.dataset),
             num_workers=self.num_workers, prefetch_factor=self.prefetch_runs, collate_fn=_as_is,
+            # Without a generator of its own, DataLoader draws its workers' seed from torch's
+            # global generator: a trainer that starts its loader after restoring a checkpoint's
+            # generator state then trains on with another state than an uninterrupted run.
+            # The chunks decide every batch, so the workers need no seed of the run's.
+            generator=torch.Generator().manual_seed(0),
         )  # fmt: skip
         runs = iter(loader)
         try:

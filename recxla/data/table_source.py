@@ -20,14 +20,18 @@ A table is named by a string (`open_table(ref)`):
 Buckets (`TableSource.buckets`: column -> number of buckets): a column is bucketed when every
 unit lies in a bucket of it, all with the same count: in a folder, every file sits under
 <column>_bucket=<i> folders, i = 0 .. N-1 all present; in Iceberg, every data file's partition
-spec has bucket[N](column). The bucket of a key is Iceberg's bucket transform
+spec has bucket[N](column) (an Iceberg file of null keys: NULL_BUCKET). The bucket of a key is
+Iceberg's bucket transform
 (recxla.data.buckets.bucket_of) either way, so folders and Iceberg tables join alike.
 
 Iceberg: the snapshot is pinned when the table is opened (the current one, or the one asked
 for, e.g. from a checkpoint: a snapshot that no longer exists is an error naming it), so
 appends made while a job runs or before it resumes are not read. Data files are read with
 pyarrow straight from the table's FileIO, their columns matched to the snapshot's schema by
-Iceberg field id (a renamed column keeps its data; a column added later reads as nulls).
+Iceberg field id (a renamed column keeps its data; a column added later reads as nulls). The
+snapshot's schema, as pyiceberg's scan of a given snapshot, not the table's current one: what
+a snapshot reads never changes, so a resumed job reads the columns its first start read; a
+rename is seen from the next snapshot (the next write) on.
 Merge-on-read deletes are not applied by this reader: a snapshot with delete files is refused
 (compact the table first), never read as if the deleted rows were there.
 """
@@ -49,6 +53,9 @@ from recxla.data.errors import DataFormatError
 
 OP = "recxla.data.open_table"
 ICEBERG_PREFIX = "iceberg:"
+# The bucket of an Iceberg data file whose bucket partition value is null (rows whose key is
+# null): it joins no feature row, and sorts before every bucket.
+NULL_BUCKET = -1
 _SNAPSHOT = re.compile(r"^(?P<table>.+)@(?P<snapshot>\d+)$")
 
 
@@ -415,7 +422,9 @@ def _open_iceberg(ref: str, snapshot: Optional[int], what: str) -> TableSource:
         for pos, field in enumerate(spec.fields):
             if isinstance(field.transform, BucketTransform):
                 column = schema.find_column_name(field.source_id)
-                b.append((column, field.transform.num_buckets, task.file.partition[pos]))
+                value = task.file.partition[pos]
+                b.append((column, field.transform.num_buckets,
+                          NULL_BUCKET if value is None else int(value)))
         per_file.append(b)
         files.append(task.file.file_path)
     buckets = _iceberg_buckets(per_file, base_ref, what)

@@ -80,7 +80,8 @@ def _load(name: str, file: Optional[str] = None):
         raise ValueError(f"{OP}: transform {name!r}: name it module:function or "
                          "file.py:function")
     if module_name.endswith(".py"):
-        module = _from_file(name, os.path.abspath(module_name))
+        # `file`: the absolute path found when first loaded (a worker may run elsewhere).
+        module = _from_file(name, file or os.path.abspath(module_name))
     else:
         if "" not in sys.path and os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # a module next to the job, as `python -m` finds

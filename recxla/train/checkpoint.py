@@ -68,7 +68,7 @@ RESUME_STEP_FLAG = "--resume-step"
 COMPATIBLE = ("model", "embedding_dim", "dense_arch", "over_arch", "dcn_layers", "dcn_low_rank",
               "batch_size", "train_batches", "dense_optimizer", "sparse_optimizer", "seed",
               "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction",
-              "shuffle_rows")
+              "shuffle_rows", "schema", "transform", "join")
 
 
 def resume_checkpoint(directory: str, step: Optional[int] = None) -> Tuple[int, str]:
@@ -140,10 +140,17 @@ def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
         diff.append(f"world size {state['world_size']} (now {world_size})")
     if state["path"] != config.path:
         diff.append(f"path {state['path']} (now {config.path})")
-    if state.get("data_fingerprint") != _data_fingerprint(config, state):
+    # The data is compared only when the options are the same: with other --join or
+    # --transform options the table is another one anyway, and the checkpoint's snapshots
+    # need not fit the options' tables.
+    if not diff and state.get("data_fingerprint") != _data_fingerprint(config, state):
         saved_data = saved.get("data")
-        diff.append(f"--data {saved_data!r} (now {config.data!r}, "
-                    + ("other files)" if saved_data and config.data else "other data)"))
+        what = "other data)"
+        if saved_data and config.data:
+            what = ("other files)" if saved_data == config.data and not config.transform and
+                    not config.join and config.schema is None else "other data: the table, "
+                    "its snapshots, the joined tables or a transform's source changed)")
+        diff.append(f"--data {saved_data!r} (now {config.data!r}, {what}")
     if diff:
         raise ValueError("--resume: the checkpoint was written with other options: "
                          + ", ".join(diff))
@@ -168,9 +175,12 @@ def resumed_snapshots(config: TrainConfig) -> Optional[list]:
         return None
     try:
         _, path = resume_checkpoint(config.checkpoint_dir, config.resume_step)
-        return files.read_marker(path).get("data_snapshots")
+        snapshots = files.read_marker(path).get("data_snapshots")
     except (OSError, ValueError):
         return None  # a missing or damaged checkpoint: reported, with advice, when it is read
+    if not isinstance(snapshots, list) or len(snapshots) != 1 + len(config.join):
+        return None  # other data or joins than the checkpoint's: check_compatible names them
+    return snapshots
 
 
 def _plain(value):

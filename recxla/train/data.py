@@ -180,12 +180,25 @@ def open_raw_table(config: TrainConfig, snapshots: Optional[Sequence[Optional[in
                          "columns); --profile/--max-rows apply to converted datasets")
     if snapshots is None:
         snapshots = current_snapshots(config)
-    key = (config.data, config.schema, config.transform, config.join, tuple(snapshots))
+    key = _raw_table_key(config, snapshots)
     if key not in _PLANNED:
         _PLANNED.clear()
         _PLANNED[key] = ReadTimeTable(config.data, config.schema, config.transform,
                                       config.join, snapshots)
     return _PLANNED[key]
+
+
+def _raw_table_key(config: TrainConfig, snapshots: Sequence[Optional[int]]) -> tuple:
+    """What a raw table's plan depends on, cheap to get (footers, the transforms' sources):
+    the options, and each table's fingerprint at its snapshot."""
+    from recxla.data.joins import parse_join
+    from recxla.data.table_source import open_table
+    from recxla.data.transforms import identity, load_transforms
+
+    refs = [config.data] + [parse_join(j)[1] for j in config.join]
+    tables = tuple(open_table(r, s).fingerprint for r, s in zip(refs, snapshots))
+    return (config.data, config.schema, config.join, tuple(snapshots), tables,
+            tuple(identity(load_transforms(config.transform))))
 
 
 def current_snapshots(config: TrainConfig) -> Optional[List[Optional[int]]]:
