@@ -25,6 +25,7 @@ from data_pipeline_cases import assert_batches_equal, to_rows
 
 from recxla.data import DataFormatError, ParquetDataset, convert, make_loader
 from recxla.data.buckets import bucket_of, write_buckets
+from recxla.data import joins
 from recxla.data.epoch_plan import EpochPlan
 from recxla.data.read_time import ReadTimeTable
 from recxla.data.table_source import TableSource
@@ -1017,3 +1018,31 @@ def test_bucket_of_agrees_with_the_folders_the_reader_reads(raw):
     for i, unit in enumerate(table.source.units):
         rows = table.source.read(i, ["user_id"]).column("user_id")
         assert (bucket_of(rows, NUM_BUCKETS) == unit.bucket_of("user_id")).all()
+
+
+@pytest.mark.parametrize("kind", ["int", "string", "colliding strings"])
+def test_key_index_finds_what_index_in_finds(kind, seed, monkeypatch):
+    """KeyIndex (a bucket's keys sorted once, binary searched per unit) against pyarrow's
+    index_in: random keys with nulls, keys missing from the bucket, and for strings a hash that
+    collides for most keys (every string's length), which must fall back to exact matching."""
+    rng = np.random.default_rng(seed)
+    right = rng.choice(1 << 40, 300, replace=False).astype(np.int64)
+    left = np.concatenate([rng.choice(right, 500), rng.integers(0, 1 << 40, 200)])
+    rng.shuffle(left)
+    if kind == "int":
+        r, lf = pa.array(right, pa.int64()), pa.array(left, pa.int64())
+    else:
+        r = pa.array([f"k{v}" for v in right], pa.large_string())
+        lf = pa.array([f"k{v}" for v in left], pa.large_string())
+    if kind == "colliding strings":
+        monkeypatch.setattr(joins, "string_keys",
+                            lambda a: pc.utf8_length(a).to_numpy().astype(np.int64))
+    r = pa.array(r.to_pylist() + [None])  # a feature row without a key matches nothing
+    r = r.cast(pa.int64() if kind == "int" else pa.large_string())
+    nulls = rng.random(len(lf)) < 0.1
+    lf = pa.array(lf.to_pylist(), lf.type, mask=nulls)
+    index = joins.KeyIndex(r, "user_id", "the feature table t")
+    got = index.lookup(lf)
+    want = pc.index_in(lf, value_set=r, skip_nulls=True)
+    assert got.to_pylist() == want.to_pylist()
+    assert got.null_count > nulls.sum()  # some keys are missing, beyond the null ones

@@ -29,6 +29,7 @@ import pyarrow.compute as pc
 
 from recxla.data.buckets import bucket_of
 from recxla.data.errors import DataFormatError
+from recxla.data.id_mapping import string_keys
 from recxla.data.table_source import TableSource, Unit, open_table
 
 OP = "recxla.data.joins"
@@ -97,6 +98,75 @@ class Join:
         return unit.bucket_of(self.key) if self.num_buckets > 1 else 0
 
 
+class KeyIndex:
+    """The keys of one bucket of a feature table, sorted once when the bucket is loaded, so that
+    each unit's lookup is a binary search (a hash set built per unit, as pyarrow's index_in
+    does, cost a copy of the bucket's keys and its time on every read).
+
+    Integer keys are searched as they are; string keys by their 64-bit FNV-1a hash
+    (recxla.data.id_mapping.string_keys), every match checked against the string itself.
+    A key that appears twice is a DataFormatError naming it and `table`; null keys are never
+    matched (a row without a key gets no feature row, not one without a key)."""
+
+    def __init__(self, keys: pa.Array, column: str, table: str):
+        self.keys = keys
+        self.strings = not pa.types.is_integer(keys.type)
+        valid = keys.is_valid().to_numpy(zero_copy_only=False)
+        rows = np.flatnonzero(valid)
+        hashed = self._hash(keys.filter(keys.is_valid()))
+        order = np.argsort(hashed, kind="stable")
+        self.sorted, self.rows = hashed[order], rows[order]
+        self.num_keys = rows.size
+        self._exact = True
+        same = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
+        for k in same:  # equal hashes: the same key twice, or (strings) two keys colliding
+            a, b = (keys[int(self.rows[k])], keys[int(self.rows[k + 1])])
+            if a.as_py() == b.as_py():
+                raise DataFormatError(f"{OP}: join on {column!r}: key {a.as_py()!r} appears "
+                                      f"more than once in {table}; a feature table holds one "
+                                      "row per key")
+            self._exact = False
+        if not self._exact:  # colliding hashes may hide a duplicate between them
+            present = keys.filter(keys.is_valid())
+            if pc.count_distinct(present).as_py() != len(present):
+                counts = pc.value_counts(present)
+                twice = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"]
+                raise DataFormatError(f"{OP}: join on {column!r}: key {twice.as_py()!r} "
+                                      f"appears more than once in {table}; a feature table "
+                                      "holds one row per key")
+
+    def _hash(self, keys: pa.Array) -> np.ndarray:
+        if not self.strings:
+            return keys.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        return string_keys(keys)
+
+    def present_keys(self) -> pa.Array:
+        return self.keys.filter(self.keys.is_valid())
+
+    def lookup(self, left: pa.Array) -> pa.Array:
+        """int64 rows of the bucket's table for each key of `left` (null: no match)."""
+        if not self._exact:  # two strings of the bucket share a hash: pyarrow's own set
+            return pc.index_in(left, value_set=self.keys, skip_nulls=True)
+        n = len(left)
+        valid = left.is_valid().to_numpy(zero_copy_only=False)
+        hashed = np.zeros(n, np.int64)
+        if valid.any():
+            hashed[valid] = self._hash(left.filter(left.is_valid()))
+        found = valid.copy()
+        if self.sorted.size:
+            pos = np.minimum(np.searchsorted(self.sorted, hashed), self.sorted.size - 1)
+            found &= self.sorted[pos] == hashed
+            rows = self.rows[pos]
+        else:
+            found[:] = False
+            rows = np.zeros(n, np.int64)
+        if self.strings and found.any():  # a hash match of another string is no match
+            at = np.flatnonzero(found)
+            same = pc.equal(left.take(pa.array(at)), self.keys.take(pa.array(rows[at])))
+            found[at] = pc.fill_null(same, False).to_numpy(zero_copy_only=False)
+        return pa.array(rows, pa.int64(), mask=~found)
+
+
 class BucketJoiner:
     """The joins of a training table, applied to its units as they are read.
 
@@ -134,22 +204,17 @@ class BucketJoiner:
         """What the data's fingerprint holds of the joins."""
         return [f"{j.key}={j.source.ref}#{j.source.fingerprint}" for j in self.joins]
 
-    def _bucket(self, i: int, bucket: int, check: bool) -> Tuple[pa.Table, pa.Array]:
+    def _bucket(self, i: int, bucket: int, check: bool) -> Tuple[pa.Table, "KeyIndex"]:
         held = self._held.get(i)
         if held is not None and held[0] == bucket:
             return held[1], held[2]
         self._held.pop(i, None)  # the last bucket goes before the next is read
         j = self.joins[i]
         t = j.source.read_bucket(j.key, bucket)
-        keys = _key_array(t.column(j.key), j.kind)
-        present = keys.filter(keys.is_valid())
-        if pc.count_distinct(present).as_py() != len(present):
-            counts = pc.value_counts(present)
-            twice = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
-            raise DataFormatError(f"{OP}: join on {j.key!r}: key {twice!r} appears more than "
-                                  f"once in the feature table {j.source.ref} (bucket {bucket}); "
-                                  "a feature table holds one row per key")
-        if check and j.num_buckets > 1 and len(present):
+        index = KeyIndex(_key_array(t.column(j.key), j.kind), j.key,
+                         f"the feature table {j.source.ref} (bucket {bucket})")
+        if check and j.num_buckets > 1 and index.num_keys:
+            present = index.present_keys()
             got = bucket_of(present, j.num_buckets)
             if (got != bucket).any():
                 k = present[int(np.argmax(got != bucket))].as_py()
@@ -159,8 +224,8 @@ class BucketJoiner:
                                       f"{int(got[int(np.argmax(got != bucket))])}: the table "
                                       "was bucketed by another function")
         table = t.select(j.columns)
-        self._held[i] = (bucket, table, keys)
-        return table, keys
+        self._held[i] = (bucket, table, index)
+        return table, index
 
     def join(self, table: pa.Table, unit: Unit, where: str, check: bool = False) -> pa.Table:
         """`table` (rows of `unit` of the training table) with every join's columns appended.
@@ -178,9 +243,7 @@ class BucketJoiner:
                                           f"{bucket} but holds key {k!r}, whose bucket is "
                                           f"{int(got[int(np.argmax(got != bucket))])}: the "
                                           "training table was bucketed by another function")
-            # skip_nulls: a row without a key matches nothing (not a feature row without one).
-            index = pc.index_in(left, value_set=keys, skip_nulls=True)
-            taken = features.take(index)
+            taken = features.take(keys.lookup(left))
             for c in j.columns:
                 table = table.append_column(features.schema.field(c), taken.column(c))
         return table

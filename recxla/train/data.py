@@ -24,6 +24,7 @@ examples of the job in whole batches per rank, or --eval-batches batches per ran
 evaluates all of its share (every rank reads as many batches), or its first --eval-batches.
 """
 
+import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from torchrec.datasets.utils import Batch as TorchRecBatch
@@ -161,7 +162,8 @@ def is_raw_table(config: TrainConfig) -> bool:
     if config.schema is not None or config.transform or config.join or \
             is_table_ref(config.data):
         return True
-    return not is_recxla_layout(config.data)
+    # A missing path is reported by the reader of converted datasets, as it always was.
+    return os.path.exists(config.data) and not is_recxla_layout(config.data)
 
 
 # The last raw table planned in this process: the preflight, the resume check and the run
