@@ -145,11 +145,12 @@ def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
     # need not fit the options' tables.
     if not diff and state.get("data_fingerprint") != _data_fingerprint(config, state):
         saved_data = saved.get("data")
+        from recxla.train.data import is_raw_table
+
         what = "other data)"
         if saved_data and config.data:
-            what = ("other files)" if saved_data == config.data and not config.transform and
-                    not config.join and config.schema is None else "other data: the table, "
-                    "its snapshots, the joined tables or a transform's source changed)")
+            what = ("other data: the table, its snapshots, the joined tables or a transform's "
+                    "source changed)" if is_raw_table(config) else "other files)")
         diff.append(f"--data {saved_data!r} (now {config.data!r}, {what}")
     if diff:
         raise ValueError("--resume: the checkpoint was written with other options: "
