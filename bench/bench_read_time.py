@@ -296,17 +296,23 @@ def child_memory(ratings: str, users: str, schema: str) -> None:
 
 
 def child_hash(path: str) -> None:
-    """In a fresh process: Arrow's transient memory (pool peak growth, bytes) of the hash
-    kernels a join runs on one bucket's keys: count_distinct (the duplicate check, once per
-    bucket read) and index_in (the lookup, once per unit read)."""
+    """In a fresh process: the memory of the key index a join builds on one bucket's keys
+    (recxla.data.joins.KeyIndex: sorted keys and their rows, held with the bucket) and the
+    peak of building it and of one unit's lookup (numpy, traced by tracemalloc)."""
+    import tracemalloc
+
+    from recxla.data.joins import KeyIndex
+
     keys = pq.read_table(path, columns=["user_id"]).column("user_id").combine_chunks()
     out = {"keys": len(keys), "key_bytes": keys.nbytes}
-    for name, fn in (("count_distinct", lambda m: pc.count_distinct(keys, memory_pool=m)),
-                     ("index_in", lambda m: pc.index_in(keys.slice(0, BATCH), value_set=keys,
-                                                        memory_pool=m))):
-        pool = pa.proxy_memory_pool(pa.default_memory_pool())  # its own peak
-        fn(pool)
-        out[name] = pool.max_memory()
+    tracemalloc.start()
+    index = KeyIndex(keys, "user_id", path)
+    out["build_peak"] = tracemalloc.get_traced_memory()[1]
+    out["held"] = index.sorted.nbytes + index.rows.nbytes
+    tracemalloc.reset_peak()
+    index.lookup(keys.slice(0, BATCH))
+    out["lookup_peak"] = tracemalloc.get_traced_memory()[1] - out["held"]
+    tracemalloc.stop()
     print(json.dumps(out))
 
 
@@ -435,11 +441,11 @@ def report(r: dict, command: str) -> str:
               f"bucket of the larger table and {_mib(big['table'])} for all of it: the RSS "
               "growth is " + ("below" if mem["below_one_bucket"] else "NOT below")
               + " one bucket.", "",
-              f"Transient Arrow memory of the hash kernels a join runs on that bucket's "
-              f"{h['keys']:,} keys ({_mib(h['key_bytes'])} of int64): `pc.count_distinct` (the "
-              f"duplicate-key check, once per bucket read) {_mib(h['count_distinct'])}, "
-              f"`pc.index_in` (the lookup, once per unit read, its hash table built anew each "
-              f"time) {_mib(h['index_in'])}.", ""]
+              f"The key index a join holds with that bucket ({h['keys']:,} keys, "
+              f"{_mib(h['key_bytes'])} of int64; recxla.data.joins.KeyIndex, sorted once per "
+              f"bucket read): {_mib(h['held'])} held, {_mib(h['build_peak'])} at the peak of "
+              f"building it; a lookup of {BATCH:,} keys (a unit's) "
+              f"{_mib(max(h['lookup_peak'], 0))} more.", ""]
     return "\n".join(lines)
 
 

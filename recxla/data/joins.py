@@ -109,13 +109,16 @@ class KeyIndex:
     matched (a row without a key gets no feature row, not one without a key)."""
 
     def __init__(self, keys: pa.Array, column: str, table: str):
-        self.keys = keys
         self.strings = not pa.types.is_integer(keys.type)
+        # Integer keys need only the sorted copy; strings keep theirs to check each match.
+        self.keys = keys if self.strings else None
         valid = keys.is_valid().to_numpy(zero_copy_only=False)
         rows = np.flatnonzero(valid)
         hashed = self._hash(keys.filter(keys.is_valid()))
         order = np.argsort(hashed, kind="stable")
-        self.sorted, self.rows = hashed[order], rows[order]
+        self.sorted = hashed[order]
+        self.rows = rows[order].astype(np.int32 if len(keys) < 2**31 else np.int64)
+        del hashed, order
         self.num_keys = rows.size
         self._exact = True
         same = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
@@ -126,6 +129,7 @@ class KeyIndex:
                                       f"more than once in {table}; a feature table holds one "
                                       "row per key")
             self._exact = False
+        self._exact_keys = None if self._exact else keys
         if not self._exact:  # colliding hashes may hide a duplicate between them
             present = keys.filter(keys.is_valid())
             if pc.count_distinct(present).as_py() != len(present):
@@ -140,13 +144,10 @@ class KeyIndex:
             return keys.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         return string_keys(keys)
 
-    def present_keys(self) -> pa.Array:
-        return self.keys.filter(self.keys.is_valid())
-
     def lookup(self, left: pa.Array) -> pa.Array:
         """int64 rows of the bucket's table for each key of `left` (null: no match)."""
         if not self._exact:  # two strings of the bucket share a hash: pyarrow's own set
-            return pc.index_in(left, value_set=self.keys, skip_nulls=True)
+            return pc.index_in(left, value_set=self._exact_keys, skip_nulls=True)
         n = len(left)
         valid = left.is_valid().to_numpy(zero_copy_only=False)
         hashed = np.zeros(n, np.int64)
@@ -156,7 +157,7 @@ class KeyIndex:
         if self.sorted.size:
             pos = np.minimum(np.searchsorted(self.sorted, hashed), self.sorted.size - 1)
             found &= self.sorted[pos] == hashed
-            rows = self.rows[pos]
+            rows = self.rows[pos].astype(np.int64)
         else:
             found[:] = False
             rows = np.zeros(n, np.int64)
@@ -208,13 +209,16 @@ class BucketJoiner:
         held = self._held.get(i)
         if held is not None and held[0] == bucket:
             return held[1], held[2]
-        self._held.pop(i, None)  # the last bucket goes before the next is read
+        if self._held.pop(i, None) is not None:  # the last bucket goes before the next is read
+            # mimalloc (pyarrow's pool) keeps freed pages for reuse: handing them back keeps the
+            # reader's resident memory at about one bucket, not the largest few it held.
+            pa.default_memory_pool().release_unused()
         j = self.joins[i]
         t = j.source.read_bucket(j.key, bucket)
-        index = KeyIndex(_key_array(t.column(j.key), j.kind), j.key,
-                         f"the feature table {j.source.ref} (bucket {bucket})")
+        keys = _key_array(t.column(j.key), j.kind)
+        index = KeyIndex(keys, j.key, f"the feature table {j.source.ref} (bucket {bucket})")
         if check and j.num_buckets > 1 and index.num_keys:
-            present = index.present_keys()
+            present = keys.filter(keys.is_valid())
             got = bucket_of(present, j.num_buckets)
             if (got != bucket).any():
                 k = present[int(np.argmax(got != bucket))].as_py()
@@ -224,8 +228,15 @@ class BucketJoiner:
                                       f"{int(got[int(np.argmax(got != bucket))])}: the table "
                                       "was bucketed by another function")
         table = t.select(j.columns)
+        del t, keys
         self._held[i] = (bucket, table, index)
         return table, index
+
+    def release(self) -> None:
+        """Let go of the held buckets (the planning pass's joiner, once the table is planned:
+        each reader holds its own)."""
+        self._held = {}
+        pa.default_memory_pool().release_unused()
 
     def join(self, table: pa.Table, unit: Unit, where: str, check: bool = False) -> pa.Table:
         """`table` (rows of `unit` of the training table) with every join's columns appended.

@@ -172,6 +172,7 @@ class ReadTimeTable:
             counter.add(t)
             rows.append(t.num_rows)
             stamps.append(_largest(t, self.plan.timestamp))
+        self.joiner.release()  # readers hold their own buckets; this one is done
         counts = merge_results(self.plan, [counter.result()])
         self.specs, self.vocabs = table_specs(self.plan, counts)
         self.spec = dataset_spec(self.plan, self.specs, f"{OP}: {self.source.ref}")
