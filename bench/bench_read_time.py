@@ -54,6 +54,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from bench.bench_data_pipeline import cpu_model  # noqa: E402
 from recxla.data import convert, make_loader  # noqa: E402
 from recxla.data.buckets import write_buckets  # noqa: E402
 from recxla.data.read_time import ReadTimeTable  # noqa: E402
@@ -79,16 +80,6 @@ def _module(path: str, name: str):
 prepare = _module(os.path.join(EXAMPLE, "prepare.py"), "movielens_prepare")
 transforms = _module(TRANSFORMS, "movielens_transforms")
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def machine() -> dict:

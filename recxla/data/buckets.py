@@ -48,9 +48,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from recxla.data.convert_output import OutputError, _within, install, temp_folder
+from recxla.data.convert_output import OutputError, install, is_within, temp_folder
 from recxla.data.convert_source import format_of
 from recxla.data.errors import DataFormatError
+from recxla.data.id_mapping import string_bytes
 
 OP = "recxla.data.buckets.write_buckets"
 MAX_BUCKETS = 2**31 - 1  # Iceberg's bucket count is a Java int
@@ -113,12 +114,8 @@ def _murmur3_utf8(strings: pa.Array) -> np.ndarray:
     Position by position over whole arrays, as recxla.data.id_mapping's FNV-1a: block j of
     every string that has one, then the tails. The strings are ordered longest first, so the
     strings still hashing at block j are a prefix of the arrays (no index array per step)."""
-    strings = strings.cast(pa.large_string())
-    n = len(strings)
-    bufs = strings.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=np.int64)[strings.offset:strings.offset + n + 1]
-    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.empty(0, np.uint8)
-    starts, lens = offsets[:-1], np.diff(offsets)
+    data, starts, lens = string_bytes(strings)
+    n = len(starts)
     blocks = lens >> 2
     order = np.argsort(-blocks, kind="stable")
     sorted_starts, descending = starts[order], -blocks[order]  # descending: ascending -blocks
@@ -298,7 +295,7 @@ def _schema(files: List[str], key: str) -> pa.Schema:
 def _check_out(out: str, src, files: List[str]) -> None:
     real = os.path.realpath(out)
     src = os.fspath(src)
-    if os.path.isdir(src) and _within(real, os.path.realpath(src)):
+    if os.path.isdir(src) and is_within(real, os.path.realpath(src)):
         raise ValueError(f"{OP}: out {out} is inside the source folder {src}: the buckets would "
                          "be mixed with the input; choose another out")
     if any(os.path.realpath(f) == real for f in files):

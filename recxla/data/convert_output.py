@@ -56,7 +56,7 @@ def writing(out: str) -> Iterator[None]:
         raise output_error(out, e) from e
 
 
-def _within(path: str, folder: str) -> bool:
+def is_within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
@@ -99,7 +99,7 @@ def check_output(out: str, sources: Sequence[str], overwrite: bool) -> None:
     holds no source file, and is absent, an empty folder, or (overwrite) a dataset that
     convert wrote and nothing else."""
     real = os.path.realpath(out)
-    inputs = [s for s in sources if _within(os.path.realpath(s), real)]
+    inputs = [s for s in sources if is_within(os.path.realpath(s), real)]
     if inputs:
         more = f" and {len(inputs) - 1} more" if len(inputs) > 1 else ""
         raise ValueError(f"{OP}: {out}: holds the input ({inputs[0]}{more}); refusing to write "

@@ -43,14 +43,21 @@ ID_TYPES = ("int", "string")
 _INT63 = (1 << 63) - 1
 
 
-def _fnv1a64_unique(strings: pa.Array) -> np.ndarray:
-    """FNV-1a 64 of each string of a (large_)string array without nulls: uint64 [len]."""
+def string_bytes(strings: pa.Array):
+    """(bytes uint8, starts int64 [n], lengths int64 [n]) of a (large_)string array without
+    nulls, views of its buffers: what the vectorized string hashes walk."""
     strings = strings.cast(pa.large_string())
     n = len(strings)
     bufs = strings.buffers()
     offsets = np.frombuffer(bufs[1], dtype=np.int64)[strings.offset:strings.offset + n + 1]
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.empty(0, np.uint8)
-    starts, lens = offsets[:-1], np.diff(offsets)
+    return data, offsets[:-1], np.diff(offsets)
+
+
+def _fnv1a64_unique(strings: pa.Array) -> np.ndarray:
+    """FNV-1a 64 of each string of a (large_)string array without nulls: uint64 [len]."""
+    data, starts, lens = string_bytes(strings)
+    n = len(starts)
     h = np.full(n, FNV_OFFSET, dtype=np.uint64)
     active = np.arange(n)
     prime = np.uint64(FNV_PRIME)
