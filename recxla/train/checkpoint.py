@@ -65,8 +65,8 @@ __all__ = ["STATE_FILE", "DamagedCheckpoint", "checkpoint_path", "latest_checkpo
 RESUME_STEP_FLAG = "--resume-step"
 
 # Options a checkpoint's contents depend on: resuming with others is an error.
-COMPATIBLE = ("model", "embedding_dim", "dense_arch", "over_arch", "dcn_layers", "dcn_low_rank",
-              "batch_size", "train_batches", "dense_optimizer", "sparse_optimizer", "seed",
+COMPATIBLE = ("model", "embedding_dim", "embedding_dims", "dense_arch", "over_arch",
+              "dcn_layers", "dcn_low_rank", "batch_size", "train_batches", "dense_optimizer", "sparse_optimizer", "seed",
               "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction",
               "shuffle_rows", "schema", "transform", "join")
 

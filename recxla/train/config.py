@@ -79,6 +79,14 @@ class TrainConfig:
     embedding_dim: Optional[int] = option(
         None, "columns of every table (overrides the dataset's dims)", group=_M,
         parse=at_least(1), default_text=f"the dataset's, else {FALLBACK_EMBEDDING_DIM}")
+    embedding_dims: Tuple = option(
+        (), "per-table dims: auto (halve the dims of the tables whose bytes dominate the wire "
+        "until their rows carry at most half the bytes: recxla.planner.embedding_dims), "
+        "auto:KEEP (at most KEEP of the bytes), or TABLE=DIM,... (at most --embedding-dim); a "
+        "smaller table's pooled rows are padded with zeros to --embedding-dim for DLRM's "
+        "interaction, after they crossed the wire at their own dim",
+        group=_M, parse=options.embedding_dims, metavar="auto|TABLE=DIM,...",
+        default_text="every table --embedding-dim")
     dense_arch: Tuple[int, ...] = option(
         (512, 256), "bottom MLP hidden sizes; the embedding dim is appended", group=_M,
         parse=options.layer_sizes)

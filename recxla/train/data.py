@@ -24,8 +24,9 @@ examples of the job in whole batches per rank, or --eval-batches batches per ran
 evaluates all of its share (every rank reads as many batches), or its first --eval-batches.
 """
 
+import dataclasses
 import os
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torchrec.datasets.utils import Batch as TorchRecBatch
 
@@ -246,6 +247,8 @@ class TrainData:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.spec = self.profile = self.dataset = self.raw = None
+        self._table_dims: Optional[Dict[str, int]] = None
+        self.wire = None  # --embedding-dims auto: each table's bytes (TableWire)
         # What the loaders read: the --data path, or the raw table (joins, transforms).
         self.source = config.data
         if config.data is not None and _flagged("--data", is_raw_table, config):
@@ -316,12 +319,43 @@ class TrainData:
         return files
 
     def tables(self, embedding_dim: Optional[int] = None) -> list:
-        """TorchRec EmbeddingBagConfigs of the model, `embedding_dim` columns each (default:
-        the run's dim)."""
+        """TorchRec EmbeddingBagConfigs of the model: `embedding_dim` columns each, or by
+        default the run's dims (--embedding-dim, per table --embedding-dims)."""
         dim = self.embedding_dim if embedding_dim is None else embedding_dim
         if self.spec is not None:
-            return dataset_tables(self.spec, dim, self.config.table_rows)
-        return self.dataset.embedding_bag_configs(dim)
+            tables = dataset_tables(self.spec, dim, self.config.table_rows)
+        else:
+            tables = self.dataset.embedding_bag_configs(dim)
+        if embedding_dim is None and self.config.embedding_dims:
+            dims = self.table_dims(tables)
+            tables = [dataclasses.replace(t, embedding_dim=dims.get(t.name, t.embedding_dim))
+                      for t in tables]
+        return tables
+
+    def table_dims(self, tables) -> Dict[str, int]:
+        """{table: dim} of --embedding-dims over `tables` (at the run's one dim): the named
+        ones, or with auto the proposal of recxla.planner.embedding_dims on every rank's first
+        batch (the same on every rank), kept in `wire` with its bytes."""
+        if self._table_dims is not None:
+            return self._table_dims
+        spec = self.config.embedding_dims
+        names = [t.name for t in tables]
+        if spec[0] != "auto":
+            unknown = sorted(set(n for n, _ in spec) - set(names))
+            if unknown:
+                raise ValueError(f"--embedding-dims: unknown table(s) {unknown}; the model's "
+                                 f"tables: {names}")
+            self._table_dims = dict(spec)
+        elif self.world_size < 2:
+            self._table_dims = {}  # one rank: nothing crosses a wire
+        else:
+            from recxla.planner.embedding_dims import propose_dims, table_wire_bytes
+
+            batches = [self.rank_sample(r).sparse_features for r in range(self.world_size)]
+            fwd, bwd = self.config.comms
+            self.wire = table_wire_bytes(tables, batches, fwd, bwd)
+            self._table_dims = propose_dims(self.wire, spec[1], fwd_fmt=fwd, bwd_fmt=bwd)
+        return self._table_dims
 
     @property
     def fingerprint(self) -> Optional[str]:
@@ -340,13 +374,17 @@ class TrainData:
     def sample(self) -> TorchRecBatch:
         """Rank 0's first training batch, the same on every rank (row exchange is judged on
         it), read in this process."""
+        return self.rank_sample(0)
+
+    def rank_sample(self, rank: int) -> TorchRecBatch:
+        """Rank `rank`'s first training batch, read in this process (any rank can read it)."""
         if self.files is None:
             return to_torchrec(SyntheticRankingDataset(
-                self.profile, batch_size=self.config.batch_size, seed=self.config.seed, rank=0,
-                world_size=self.world_size).batch(0))
+                self.profile, batch_size=self.config.batch_size, seed=self.config.seed,
+                rank=rank, world_size=self.world_size).batch(0))
         from recxla.data import ParquetDataset
 
-        first = ParquetDataset(self.source, self.config.batch_size, 0, self.world_size,
+        first = ParquetDataset(self.source, self.config.batch_size, rank, self.world_size,
                                self.config.seed, prefetch=0, row_groups=self.train_groups,
                                shuffle_rows=self.config.shuffle_rows)
         it = iter(first)

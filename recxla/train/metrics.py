@@ -179,6 +179,13 @@ def _si(x: float, unit: str) -> str:
     return f"{x:.0f} {unit}"
 
 
+def _dims_option(value) -> str:
+    """--embedding-dims as it was given, from the config's ("auto", keep) or pairs."""
+    if value and value[0] == "auto":
+        return "auto" if value[1] == 0.5 else f"auto:{value[1]}"
+    return ",".join(f"{n}={d}" for n, d in value)
+
+
 def format_summary(s: dict) -> str:
     """The end-of-run summary, as printed by rank 0."""
     t, cpu = s["step_time_s"], s["cpu_s_per_step"]
@@ -203,6 +210,15 @@ def format_summary(s: dict) -> str:
         + ", ".join(f"{k} {_si(v, 'B')}" for k, v in s["wire_bytes_per_step_by_kind"].items())
         + ")",
     ]
+    dims = s.get("embedding_dims") or {}
+    if len(set(dims.values())) > 1:
+        by_dim: dict = {}
+        for name, d in dims.items():
+            by_dim[d] = by_dim.get(d, 0) + 1
+        lines.append("  embedding dims  " + ", ".join(
+            f"{n} table{'s' if n > 1 else ''} at {d}" for d, n in sorted(by_dim.items(),
+                                                                      reverse=True))
+            + (f" (--embedding-dims {_dims_option(s['config']['embedding_dims'])})"))
     if s.get("cross_node_bytes_per_step") and s["nodes"] > 1:
         lines.append(f"    across nodes  {_si(s['cross_node_bytes_per_step'], 'B')}")
     if s.get("iface_tx_bytes_per_step") is not None:

@@ -208,6 +208,29 @@ def table_sizes(text: str) -> Tuple[Tuple[str, int], ...]:
     return tuple(out)
 
 
+def embedding_dims(text: str) -> Tuple:
+    """"auto", "auto:KEEP" (KEEP in (0, 1]) -> ("auto", keep); "name=dim,..." -> ((name, dim),
+    ...) with dims multiples of 4 (the FP8 codec's vector loads)."""
+    if text == "auto" or text.startswith("auto:"):
+        keep = text.partition(":")[2] or "0.5"
+        try:
+            value = float(keep)
+        except ValueError:
+            value = 0.0
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(f"auto:KEEP needs KEEP in (0, 1], got {keep!r}")
+        return ("auto", value)
+    try:
+        pairs = table_sizes(text)
+    except argparse.ArgumentTypeError:
+        pairs = ()
+    if not pairs or any(d % 4 for _, d in pairs):
+        raise argparse.ArgumentTypeError(
+            f"must be auto, auto:KEEP or comma-separated TABLE=DIM with DIM a multiple of 4, "
+            f"got {text!r}")
+    return pairs
+
+
 def markdown_reference(cls) -> str:
     """The options of dataclass `cls` as Markdown tables, one per group: flag, path, default,
     help (docs/training.md holds this text; a test keeps the two equal)."""

@@ -15,6 +15,7 @@ next ones need.
   written by rank 0.
 """
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -299,6 +300,8 @@ def run_summary(config, conn, data, sharded: Sharded, pipeline, measured: Measur
         "resumed_from_step": measured.start if config.resume else None,
         **summarize(config, per_rank, world), **evaluation,
         "eval_data": data.held_out_description, "tables": len(sharded.tables),
+        "embedding_dims": {t.name: t.embedding_dim for t in sharded.tables},
+        "table_wire": None if data.wire is None else [dataclasses.asdict(w) for w in data.wire],
         "sharder_comm_stats_per_step": _sum_stats(
             [g["sharder_comm_stats"] for g in per_rank],
             max(config.steps - measured.start - measured.warmup, 1)),
