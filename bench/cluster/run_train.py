@@ -30,7 +30,9 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
                          the dense all-reduce as one ring over every rank instead of by node;
                          "own plan": TorchRec's own plan (--data-parallel-tables);
                          "fp8 AR": the dense all-reduce in FP8 with error feedback
-                         (--dense-allreduce fp8)
+                         (--dense-allreduce fp8); "dims auto": the tables whose bytes
+                         dominate the wire at smaller dims (--embedding-dims auto); "fp8 AR
+                         dims auto": both
     recxla FWP m=4       4 micro-batches, all-to-alls behind the dense compute, no DBP
     recxla FWP+DBP m=M   both, M = 2, 4, 8; "clustered": micro-batches by cluster_samples
     recxla 2D m=4        the all-to-alls inside each node, gradients summed across nodes
@@ -92,6 +94,8 @@ VARIANTS = {
     "recxla DBP ring AR": ["--dense-allreduce", "bf16", "--no-dense-allreduce-by-node"],
     "recxla DBP own plan": ["--dense-allreduce", "bf16", "--data-parallel-tables"],
     "recxla DBP fp8 AR": ["--dense-allreduce", "fp8"],
+    "recxla DBP dims auto": ["--dense-allreduce", "bf16", "--embedding-dims", "auto"],
+    "recxla DBP fp8 AR dims auto": ["--dense-allreduce", "fp8", "--embedding-dims", "auto"],
     "recxla FWP m=4": ["--micro-batches", "4", "--no-dbp", "--dense-allreduce", "bf16"],
     "recxla FWP+DBP m=2": ["--micro-batches", "2", "--dense-allreduce", "bf16"],
     "recxla FWP+DBP m=4": ["--micro-batches", "4", "--dense-allreduce", "bf16"],

@@ -345,6 +345,11 @@ class TrainData:
             if unknown:
                 raise ValueError(f"--embedding-dims: unknown table(s) {unknown}; the model's "
                                  f"tables: {names}")
+            above = {n: d for n, d in spec if d > self.embedding_dim}
+            if above:
+                raise ValueError(f"--embedding-dims: {above} above the run's dim "
+                                 f"{self.embedding_dim} (--embedding-dim): DLRM's interaction "
+                                 "takes every table at that dim, smaller ones padded to it")
             self._table_dims = dict(spec)
         elif self.world_size < 2:
             self._table_dims = {}  # one rank: nothing crosses a wire

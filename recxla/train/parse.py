@@ -209,6 +209,12 @@ def preflight(err: Callable[[str], None], fields: dict) -> dict:
             "use --loader local")
     if fields["data"] is not None or fields["eval_data"] is not None:
         fields = _check_data(err, fields)
+    if fields["embedding_dims"] and fields["embedding_dims"][0] != "auto":
+        config = TrainConfig(**fields)
+        try:  # the named tables exist, at most the run's dim (synthetic or --data tables)
+            TrainData(config, 0, world_size(), resumed_snapshots(config)).tables()
+        except (FileNotFoundError, ValueError) as e:
+            err(str(e))
     steps = fields["steps"]
     if fields["warmup_steps"] >= steps:
         err(f"--warmup-steps {fields['warmup_steps']} must be less than the {steps} steps, or "
