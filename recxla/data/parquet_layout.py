@@ -19,8 +19,9 @@ Metadata (Parquet key-value pairs): "recxla.data.layout" (JSON, written with the
 features, dense width and dtypes above) and "recxla.data.stats" (JSON, written when the file is
 complete: rows, the smallest and largest id of every feature, the sort key and the trial that
 chose it). Converted datasets also carry "recxla.data.spec" (JSON: feature and table names,
-rows, pooling, id mapping; see recxla.data.schema). The writer renames a file into place only once it is complete, so a file without
-stats was not written by `write_parquet` or was cut short.
+rows, pooling, id mapping; see recxla.data.schema). The writer renames a file into place only
+once it is complete, so a file without stats was not written by `write_parquet` or was cut
+short.
 """
 
 import dataclasses

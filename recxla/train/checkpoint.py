@@ -66,8 +66,8 @@ RESUME_STEP_FLAG = "--resume-step"
 
 # Options a checkpoint's contents depend on: resuming with others is an error.
 COMPATIBLE = ("model", "embedding_dim", "embedding_dims", "dense_arch", "over_arch",
-              "dcn_layers", "dcn_low_rank", "batch_size", "train_batches", "dense_optimizer", "sparse_optimizer", "seed",
-              "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction",
+              "dcn_layers", "dcn_low_rank", "batch_size", "train_batches", "dense_optimizer",
+              "sparse_optimizer", "seed", "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction",
               "shuffle_rows", "schema", "transform", "join")
 
 
@@ -263,8 +263,8 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
 
 def load(path: str, model, optimizer, dense_fp8=None) -> int:
     """Load checkpoint folder `path` into `model` and `optimizer` in place and restore this
-    rank's random number generator and `dense_fp8`'s residuals (a collective). Every file is checked against the marker
-    before DCP opens it, `.metadata` and byte items through restricted unpicklers
+    rank's random number generator and `dense_fp8`'s residuals (a collective). Every file is
+    checked against the marker before DCP opens it, `.metadata` and byte items through restricted unpicklers
     (recxla.train.checkpoint_reader): DamagedCheckpoint (a ValueError) naming the folder and
     the file otherwise. Rank 0 first deletes the incomplete folders beside it (never a
     committed checkpoint) and prints the newer checkpoints it passes over. Returns the steps

@@ -2,10 +2,10 @@
 
 The model code is TorchRec's (`torchrec.models.dlrm`): recxla changes only the sharder passed
 to DMP, and with tables of several dims (--embedding-dims) the sparse arch, whose pooled rows
-are padded to the one dim DLRM's interaction needs (`PaddedSparseArch`). Its embedding tables are built on the meta device (DMP allocates each rank's shards),
-then `init_embedding_tables` fills every shard from a generator seeded per table, so that the
-initial weights are the same whatever the plan, and the same for the recxla path and for the
-TorchRec baseline. Dense layers are initialised from the run's seed on every rank alike.
+are padded to the one dim DLRM's interaction needs (`PaddedSparseArch`). Its embedding tables
+are built on the meta device (DMP allocates each rank's shards), then `init_embedding_tables`
+fills every shard from a generator seeded per table, so that the initial weights are the same
+whatever the plan, and the same for the recxla path and for the TorchRec baseline. Dense layers are initialised from the run's seed on every rank alike.
 """
 
 import dataclasses
