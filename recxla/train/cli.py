@@ -135,6 +135,7 @@ def _train(config, conn, watchdog, meter) -> dict:
     place, device = conn.place, conn.device
     data = stages.open_data(config, place)
     tables = data.tables()
+    stages.report_embedding_dims(config, place, data)
     model = build_model(config, tables, data.num_dense, device, data.weighted)
     with meter.phase("setup"):
         sharded = stages.plan_and_shard(config, place, device, watchdog, data, tables, model)

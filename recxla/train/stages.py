@@ -3,7 +3,7 @@ docstring draws the data flow): each takes what the stages before it made and re
 next ones need.
 
 - `open_data`: this rank's data (recxla.train.data), a raw table read at the same snapshots on
-  every rank;
+  every rank; `report_embedding_dims`: the tables' wire bytes behind --embedding-dims auto;
 - `plan_and_shard`: the plan (inside each node with --topology 2d), the dense all-reduce's
   nodes, the tables exchanged as rows, then DMP with this path's sharder, seeded tables and the
   optimizer (recxla.train.sharding does each): a `Sharded`;
@@ -82,6 +82,20 @@ def open_data(config, place) -> TrainData:
             raise ValueError(f"--data {config.data}: the ranks planned different data "
                              f"(fingerprints {seen}): a file changed while the job started")
     return data
+
+
+def report_embedding_dims(config, place, data) -> None:
+    """--embedding-dims auto: rank 0 prints each table's bytes a step, its share of the wire
+    and the proposed dim (recxla.planner.embedding_dims.wire_report), before training."""
+    if data.wire is None or place.rank != 0:
+        return
+    from recxla.planner.embedding_dims import wire_report
+
+    fwd, bwd = config.comms
+    dims = data.table_dims(data.tables(data.embedding_dim))
+    print(f"recxla-train: --embedding-dims {config.embedding_dims[0]}: each table's bytes a "
+          f"step on {place.world_size} ranks ({fwd}/{bwd}), and the proposal:\n"
+          + "\n".join(wire_report(data.wire, dims, fwd_fmt=fwd, bwd_fmt=bwd)), flush=True)
 
 
 def plan_and_shard(config, place, device, watchdog, data, tables, model) -> Sharded:
