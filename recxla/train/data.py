@@ -132,6 +132,11 @@ def _fewer_rows_per_group(info, fraction: float, world_size: int) -> str:
     """The advice for a dataset whose row groups are too few to split: convert it again with
     row groups small enough for one per rank on both sides of the split."""
     rows = max(1, int(min(fraction, 1 - fraction) * info.num_rows) // world_size)
+    if hasattr(info, "largest_timestamp"):  # a raw table: its own files' row groups
+        return (f"write the table with row groups of {rows} rows or fewer (`python -m "
+                f"recxla.data bucket ... --rows-per-group {rows}`; an Iceberg table's property "
+                f"write.parquet.row-group-limit), or convert it (`python -m recxla.data convert "
+                f"... --rows-per-group {rows}`)")
     return (f"convert the click log again with smaller row groups, `python -m recxla.data "
             f"convert SRC --out DIR --rows-per-group {rows}` or fewer (with the first "
             "conversion's other options)")
