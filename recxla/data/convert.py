@@ -32,12 +32,13 @@ How (docs/your-data.md for the user's view):
   convert wrote, and never when it holds the input.
 """
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
 import struct
 import threading
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -305,27 +306,37 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
     _JOB.update(files=files, fmt=fmt, plan=plan, rows_per_group=rows_per_group or MAX_GROUP_ROWS,
                 sort_by=sort_by, vocab_limit=plan.vocab_limit, tmp=tmp, out=out)
     try:
-        counts: Dict[str, Optional[pa.Table]] = {}
-        if IdCounter(plan).counted:
-            per_file = _run(_count_file, len(files), workers, total, "counting ids", progress)
-            total = sum(rows for rows, _ in per_file)
-            counts = merge_results(plan, (c for _, c in per_file))
-        if rows_per_group is None:
-            _JOB["rows_per_group"] = default_rows_per_group(
-                total if total is not None else _estimated_rows(files))
-        specs, vocabs = table_specs(plan, counts)
-        spec = dataset_spec(plan, specs, f"{OP}: {src}")
-        _JOB.update(specs=specs, vocabs=vocabs, spec=spec)
-        _write_vocabularies(tmp, out, specs, vocabs)
-        _run(_write_file, len(files), workers, total, "converting", progress)
+        with _installed(tmp, out):
+            counts: Dict[str, Optional[pa.Table]] = {}
+            if IdCounter(plan).counted:
+                per_file = _run(_count_file, len(files), workers, total, "counting ids",
+                                progress)
+                total = sum(rows for rows, _ in per_file)
+                counts = merge_results(plan, (c for _, c in per_file))
+            if rows_per_group is None:
+                _JOB["rows_per_group"] = default_rows_per_group(
+                    total if total is not None else _estimated_rows(files))
+            specs, vocabs = table_specs(plan, counts)
+            spec = dataset_spec(plan, specs, f"{OP}: {src}")
+            _JOB.update(specs=specs, vocabs=vocabs, spec=spec)
+            _write_vocabularies(tmp, out, specs, vocabs)
+            _run(_write_file, len(files), workers, total, "converting", progress)
+    finally:
+        _JOB.clear()
+    return spec
+
+
+@contextlib.contextmanager
+def _installed(tmp: str, out: str) -> Iterator[None]:
+    """Everything written in the block goes to the temporary folder `tmp`, renamed to `out`
+    when the block ends; on any failure `tmp` is removed and `out` is left as it was."""
+    try:
+        yield
         with writing(out):
             install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        _JOB.clear()
-    return spec
 
 
 def _convert_table(src: str, out: str, schema, transforms, joins, rows_per_group, sort_by,
@@ -369,15 +380,11 @@ def _convert_table(src: str, out: str, schema, transforms, joins, rows_per_group
             yield t
 
     try:
-        _write_vocabularies(tmp, out, table.specs, table.vocabs)
-        for part, groups in enumerate(by_file.values()):
-            _write_part(os.path.join(tmp, f"part-{part:05d}.parquet"), info.layout,
-                        blocks(groups), rpg, sort_by, table.spec, out)
-        with writing(out):
-            install(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with _installed(tmp, out):
+            _write_vocabularies(tmp, out, table.specs, table.vocabs)
+            for part, groups in enumerate(by_file.values()):
+                _write_part(os.path.join(tmp, f"part-{part:05d}.parquet"), info.layout,
+                            blocks(groups), rpg, sort_by, table.spec, out)
     finally:
         if bar is not None:
             bar.close()
