@@ -393,19 +393,30 @@ def test_bytes_measured_on_the_emulated_link_match_row_bytes():
     reason = probe(shaped=False)
     if reason is not None:
         pytest.skip(f"network namespaces unavailable here: {reason}")
-    with EmulatedCluster(nodes=2, ranks_per_node=1, rate=None, mode="netns") as cluster:
-        records = cluster.run("bench.cluster.run_a2a:rank_main", dict(
-            rows_per_rank=4096, dim=64, passes=["fwd"], iters=2, warmup=1, seed=0),
-            timeout=180)[0]
-    fp32 = next(r for r in records if r["variant"] == "torch fp32")
-    for r in records:
-        for measured, computed in zip(r["link_measured_tx_per_node"],
-                                      r["link_computed_tx_per_node"]):
-            assert computed <= measured <= 1.01 * computed + 2048, (
-                r["variant"], measured, computed)
-        ratio = sum(r["link_measured_tx_per_node"]) / sum(fp32["link_measured_tx_per_node"])
-        want = recxla.row_bytes(64, r["fwd"]) / recxla.row_bytes(64, "fp32")
-        assert abs(ratio - want) <= 0.01 * want, (r["variant"], ratio, want)
+
+    def misfits():
+        with EmulatedCluster(nodes=2, ranks_per_node=1, rate=None, mode="netns") as cluster:
+            records = cluster.run("bench.cluster.run_a2a:rank_main", dict(
+                rows_per_rank=4096, dim=64, passes=["fwd"], iters=2, warmup=1, seed=0),
+                timeout=180)[0]
+        fp32 = next(r for r in records if r["variant"] == "torch fp32")
+        out = []
+        for r in records:
+            for measured, computed in zip(r["link_measured_tx_per_node"],
+                                          r["link_computed_tx_per_node"]):
+                if not computed <= measured <= 1.01 * computed + 2048:
+                    out.append((r["variant"], measured, computed))
+            ratio = sum(r["link_measured_tx_per_node"]) / sum(fp32["link_measured_tx_per_node"])
+            want = recxla.row_bytes(64, r["fwd"]) / recxla.row_bytes(64, "fp32")
+            if abs(ratio - want) > 0.01 * want:
+                out.append((r["variant"], ratio, want))
+        return out
+
+    # The veth counters count every packet on the link: a TCP retransmission on a loaded
+    # machine adds bytes the test cannot tell from the all-to-all's (seen once: 23 KB over a
+    # 262 KB bf16 exchange). Such noise does not repeat; a wrong count does, in both runs.
+    first = misfits()
+    assert not first or not misfits(), first
 
 
 def test_argument_errors_need_no_process_group():
