@@ -1016,7 +1016,7 @@ def test_bucket_of_agrees_with_the_folders_the_reader_reads(raw):
     table = ReadTimeTable(str(raw["data"] / "log_b"),
                           joins=[f"user_id={raw['data'] / 'users_b'}"])
     for i, unit in enumerate(table.source.units):
-        rows = table.source.read(i, ["user_id"]).column("user_id")
+        rows = table.source.read(i).column("user_id")
         assert (bucket_of(rows, NUM_BUCKETS) == unit.bucket_of("user_id")).all()
 
 

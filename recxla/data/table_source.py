@@ -43,7 +43,7 @@ import hashlib
 import importlib
 import os
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -119,9 +119,9 @@ class TableSource:
             self._open[fi] = _open_parquet(self.files[fi], self._io)
         return self._open[fi]
 
-    def read(self, unit: int, columns: Optional[Sequence[str]] = None) -> pa.Table:
-        """The rows of one unit, with the table's columns (or `columns`, in that order).
-        DataFormatError naming the file and row group if it cannot be read."""
+    def read(self, unit: int) -> pa.Table:
+        """The rows of one unit, with the table's columns. DataFormatError naming the file and
+        row group if it cannot be read."""
         u = self.units[unit]
         try:
             t = self._file(u.file).read_row_group(u.row_group)
@@ -134,15 +134,13 @@ class TableSource:
         if t.num_rows != u.rows:
             raise DataFormatError(f"{OP}: {self.ref}: {self.where(unit)} holds {t.num_rows} "
                                   f"rows, its footer said {u.rows}")
-        return self._as_schema(t, unit, columns)
+        return self._as_schema(t, unit)
 
-    def _as_schema(self, t: pa.Table, unit: int, columns: Optional[Sequence[str]]) -> pa.Table:
+    def _as_schema(self, t: pa.Table, unit: int) -> pa.Table:
         if self._field_names is not None:
             t = _by_field_id(t, self._field_names)
-        want = self.schema if columns is None else pa.schema(
-            [self.schema.field(c) for c in columns])
         arrays = []
-        for f in want:
+        for f in self.schema:
             if f.name in t.column_names:
                 col = t.column(f.name)
                 if not col.type.equals(f.type):
@@ -158,7 +156,7 @@ class TableSource:
             else:
                 raise DataFormatError(f"{OP}: {self.ref}: {self.files[self.units[unit].file]}"
                                       f": column {f.name!r} is missing (the first file has it)")
-        return pa.Table.from_arrays(arrays, schema=want)
+        return pa.Table.from_arrays(arrays, schema=self.schema)
 
     def units_in_bucket(self, column: str, bucket: int) -> List[int]:
         """The units in bucket `bucket` of `column` (all units when the column is not
@@ -167,15 +165,12 @@ class TableSource:
             return list(range(len(self.units))) if bucket == 0 else []
         return [i for i, u in enumerate(self.units) if u.bucket_of(column) == bucket]
 
-    def read_bucket(self, column: str, bucket: int,
-                    columns: Optional[Sequence[str]] = None) -> pa.Table:
+    def read_bucket(self, column: str, bucket: int) -> pa.Table:
         """Every row of one bucket of `column` (the whole table when it is not bucketed)."""
         units = self.units_in_bucket(column, bucket)
-        want = self.schema if columns is None else pa.schema(
-            [self.schema.field(c) for c in columns])
         if not units:
-            return want.empty_table()
-        return pa.concat_tables([self.read(i, columns) for i in units])
+            return self.schema.empty_table()
+        return pa.concat_tables([self.read(i) for i in units])
 
     def clone(self) -> "TableSource":
         """The same table with files of its own: a ParquetFile is not safe to read from two

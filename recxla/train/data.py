@@ -372,8 +372,6 @@ class TrainData:
         """The training data's fingerprint (`data_fingerprint`), None for synthetic logs: a
         checkpoint records it so that --resume on other data fails instead of reading another
         sequence."""
-        if self.raw is not None:
-            return self.raw.info.fingerprint
         return None if self.files is None else self.files.identity["dataset"]
 
     @property
