@@ -115,6 +115,10 @@ CONFIGURATIONS = {
     "fwp+dbp m=3, row exchange": dict(num_micro_batches=3, row_exchange=["t0", "t2"]),
     "sequential, row exchange": dict(num_micro_batches=1, overlap=False, dbp=False,
                                      row_exchange="all"),
+    "dbp, early rows": dict(num_micro_batches=1, row_exchange="all", early_rows=True),
+    "fwp+dbp m=3, early rows, deferred dense update": dict(
+        num_micro_batches=3, row_exchange=["t0", "t2"], early_rows=True,
+        defer_dense_update=True),
     "dbp, deferred dense update": dict(num_micro_batches=1, defer_dense_update=True),
     "fwp+dbp m=2, deferred dense update": dict(num_micro_batches=2, defer_dense_update=True),
 }
@@ -151,16 +155,22 @@ def test_pipeline_on_one_rank_equals_sequential_loop(seed):
 
 
 def test_planted_stale_read_is_caught(seed):
-    """The early DBP lookup without its correction reads rows the previous update changed:
-    the comparison with the sequential loop fails by far more than rounding."""
+    """The early DBP lookup without its correction, and early rows that include the rows the
+    update changes, read rows the previous update changed: the comparison with the sequential
+    loop fails by far more than rounding."""
     stale = {"stale": dict(num_micro_batches=2, dbp_lookup="early", correct=False),
-             "corrected": dict(num_micro_batches=2, dbp_lookup="early")}
+             "corrected": dict(num_micro_batches=2, dbp_lookup="early"),
+             "stale rows": dict(num_micro_batches=2, row_exchange="all", early_rows=True,
+                                correct=False),
+             "held rows": dict(num_micro_batches=2, row_exchange="all", early_rows=True)}
     results = run_distributed(_pipeline_body, world_size=2,
                               args=(seed, stale, 4, 6, "table_wise", "fp32", "fp32"),
                               timeout=300)
     for rank, per_config in enumerate(results):
-        assert per_config["corrected"][1] <= 1e-5, (rank, per_config["corrected"])
-        assert per_config["stale"][1] > 1e-3, (rank, per_config["stale"])
+        for name in ("corrected", "held rows"):
+            assert per_config[name][1] <= 1e-5, (rank, name, per_config[name])
+        for name in ("stale", "stale rows"):
+            assert per_config[name][1] > 1e-3, (rank, name, per_config[name])
 
 
 def test_pipeline_with_fp8_comms_matches_sequential(seed):

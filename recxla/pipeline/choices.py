@@ -7,7 +7,7 @@ its arguments against them, and recxla.train declares its options (--split, --db
 # (recxla.pipeline.micro_batches).
 SPLITS = ("contiguous", "clustered")
 # TrainPipeline(dbp_lookup=...): the next batch's lookup after this batch's update, or before
-# it, corrected after (recxla.pipeline.window.EarlyLookup).
+# it, corrected after (recxla.torchrec.early_lookup).
 DBP_LOOKUPS = ("after_update", "early")
 # TrainPipeline(dense_allreduce=...): the dense gradients' wire format
 # (recxla.pipeline.dense_sync).

@@ -17,7 +17,7 @@ import torch
 from recxla.pipeline.batch_fields import dense_to, module_features
 from recxla.pipeline.copy_stream import CopyStream, InFlight, moved
 from recxla.pipeline.micro_batches import MicroBatches, split_batch
-from recxla.pipeline.window import EarlyLookup
+from recxla.torchrec.early_lookup import EarlyLookup
 
 
 @dataclass
@@ -35,6 +35,10 @@ class ModuleInput:
     # other change of the tables before it is used (a step outside the pipeline, a load) makes
     # it stale, and the window looks up again.
     early_tables: Any = None
+    # DBP's early rows (recxla.torchrec.early_rows): the next batch's row-exchange rows that
+    # this update leaves as they are, sent before it; and the tables_version() they are for.
+    early_rows: Any = None
+    early_rows_tables: Any = None
 
 
 @dataclass
@@ -58,6 +62,24 @@ class PreparedBatch:
     def drop_early_lookups(self) -> None:
         for state in self.inputs:
             state.early = None
+
+    def early_rows(self, state: ModuleInput, module) -> Any:
+        """The state's early rows; an error if the module's tables changed since they were
+        sent (they hold the values of then, and the other ranks use theirs)."""
+        if state.early_rows is not None and state.early_rows_tables != module.tables_version():
+            raise RuntimeError(
+                "recxla.pipeline.TrainPipeline: the tables changed between two progress calls "
+                "while the next batch's early rows were on their way; call detach() before "
+                "changing the model outside the pipeline (it drops them on every rank)")
+        return state.early_rows
+
+    def drop_early_rows(self) -> None:
+        """Waits for the early rows' exchanges and forgets them: the window sends every row
+        (every rank of the group must call this at the same point)."""
+        for state in self.inputs:
+            if state.early_rows is not None:
+                state.early_rows.wait()
+            state.early_rows = None
 
 
 def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batches: int,

@@ -63,7 +63,7 @@ from recxla.pipeline.input_stage import (
 )
 from recxla.pipeline.micro_batches import OWNER
 from recxla.pipeline.timeline import Timeline
-from recxla.pipeline.window import EarlyLookup, FrozenWindow
+from recxla.pipeline.window import FrozenWindow
 from recxla.torchrec.sharded_embedding_bag import ShardedEmbeddingBagCollection
 
 
@@ -93,7 +93,7 @@ class TrainPipeline:
         dbp_lookup: when DBP looks the next batch up: "after_update" (after this batch's
             update, so it reads the updated tables) or "early" (while this batch's last
             gradients travel, then corrected for the rows the update changed; see
-            EarlyLookup). Both give the sequential result.
+            recxla.torchrec.early_lookup). Both give the sequential result.
         dense_allreduce: "fp32", "bf16" or "fp8": the wire format of the dense gradients'
             all-reduce (DDP's buckets, see dense_sync.py); "fp8" is e4m3 with error feedback
             (recxla.distributed.FP8AllReduce), whose residuals are state to checkpoint
@@ -111,6 +111,11 @@ class TrainPipeline:
             forward reads the dense weights), but between two progress calls the dense
             weights lag one update: call flush() before reading them outside the pipeline
             (detach() and an eval-mode progress flush on their own).
+        early_rows: with dbp, decode the next batch's ids before this batch's first dense
+            forward and send its row-exchange rows that this batch's update leaves as they
+            are (recxla.torchrec.early_rows) then, so they travel during the dense forward
+            and backward; only the rows this batch read wait for the update. Bit for bit the
+            same step. Between two progress calls the model may change only after detach().
         timeline: a Timeline to record spans into (None: none recorded).
         phase: a context-manager factory told which phase each part of the step is in
             ("input", "forward", "backward", "optimizer"; e.g. recxla-train's CommMeter.phase).
@@ -122,7 +127,7 @@ class TrainPipeline:
                  device: torch.device, num_micro_batches: int = 1, overlap: bool = True,
                  dbp: bool = True, split: str = "contiguous", dbp_lookup: str = "after_update",
                  dense_allreduce: str = "fp32", dense_allreduce_nodes=None,
-                 defer_dense_update: bool = False,
+                 defer_dense_update: bool = False, early_rows: bool = False,
                  timeline: Optional[Timeline] = None,
                  phase: Optional[Callable[[str], Any]] = None) -> None:
         if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool) \
@@ -130,7 +135,8 @@ class TrainPipeline:
             raise ValueError(f"{OWNER}: num_micro_batches must be an int >= 1, got "
                              f"{num_micro_batches!r}")
         for name, flag in (("overlap", overlap), ("dbp", dbp),
-                           ("defer_dense_update", defer_dense_update)):
+                           ("defer_dense_update", defer_dense_update),
+                           ("early_rows", early_rows)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{OWNER}: {name} must be a bool, got {flag!r}")
         if split not in SPLITS:
@@ -154,6 +160,7 @@ class TrainPipeline:
         # Tests turn this off to plant a stale read and show that the checks catch it.
         self._correct_early_lookups = True
         self._defer_dense_update = defer_dense_update
+        self._early_rows = early_rows and dbp
         self._dense_update_pending = False
         self._next: Optional[PreparedBatch] = None
         self._loader: Optional[Iterator] = None
@@ -195,6 +202,8 @@ class TrainPipeline:
         self.flush()
         self._attached = False
         self.drop_early_lookups()
+        if self._next is not None:
+            self._next.drop_early_rows()
         return self._model
 
     def drop_early_lookups(self) -> None:
@@ -214,6 +223,7 @@ class TrainPipeline:
         if model is not None and model is not self._model:
             self._set_model(model)
             if self._next is not None:
+                self._next.drop_early_rows()
                 self._next = PreparedBatch(self._next.raw)  # prepared again for the new model
         self._attached = True
 
@@ -300,7 +310,8 @@ class TrainPipeline:
                 windows.append(FrozenWindow(module, module.to_device(state.lookup_input),
                                             state.bag_lengths, row_bags,
                                             current.early_lookup(state, module),
-                                            self._correct_early_lookups))
+                                            self._correct_early_lookups,
+                                            current.early_rows(state, module)))
         ahead = 2 if self._overlap else 1
         for k in range(min(ahead, self._num_micro)):
             for w in windows:
@@ -337,6 +348,8 @@ class TrainPipeline:
                     self._gradient_sync.wire = self._wire
                     self._gradient_sync.nodes = self._nodes
                     self._gradient_sync.deferred = True
+            if training and k == 0 and self._early_rows and self._next is not None:
+                self._send_early_rows(windows)
             if training and self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
             with self._span("dense", "backward" if training else "forward", micro_batch=k):
@@ -358,7 +371,7 @@ class TrainPipeline:
                     for w, state in zip(windows, self._next.inputs):
                         arrive_lookup(state)
                         state.lookup_input = w.module.to_device(state.lookup_input)
-                        state.early = EarlyLookup(w.module, state.lookup_input, w.input)
+                        state.early = w.module.early_lookup(state.lookup_input, w.input)
         if training:
             with self._span("wait gradients", "backward", micro_batch=self._num_micro - 1):
                 for w in windows:
@@ -374,7 +387,25 @@ class TrainPipeline:
                 for (_, module), state in zip(self._modules, self._next.inputs):
                     if state.early is not None:
                         state.early_tables = module.tables_version()
+                    if state.early_rows is not None:
+                        state.early_rows_tables = module.tables_version()
         return micro.merge(outputs)
+
+    def _send_early_rows(self, windows: List[FrozenWindow]) -> None:
+        """The next batch's ids decoded now (they left at the start of this step) and its
+        row-exchange rows that this update leaves as they are sent (early rows), so that they
+        travel during this batch's dense forward and backward."""
+        with self._span("early rows", "input"):
+            advance(self._next, decode=True, modules=self._modules, copies=self._copies)
+            if self._next.error is not None:
+                return
+            for w, state in zip(windows, self._next.inputs):
+                arrive_lookup(state)
+                state.lookup_input = w.module.to_device(state.lookup_input)
+                row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
+                if row_bags is not None:
+                    state.early_rows = w.module.start_early_rows(
+                        state.lookup_input, w.input, row_bags, self._correct_early_lookups)
 
     def _exchange_gradients(self, windows: List[FrozenWindow], embeddings, k: int) -> None:
         """After D(k)'s backward: G(k) sent (at once without overlap; with it, the autograd

@@ -19,7 +19,8 @@ from typing import List, Optional
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from recxla.ops.embedding_bag import MEAN
+from recxla.torchrec.early_lookup import EarlyLookup
+from recxla.torchrec.early_rows import EarlyRows
 from recxla.torchrec.input_dist import LookupInput
 from recxla.torchrec.row_exchange import RowBags
 
@@ -36,11 +37,13 @@ class FrozenWindow:
         early: the pooled lookup when it already ran before the previous batch's update
             (DBP); None: the window looks up now.
         correct: apply the early lookup's correction (False plants a stale read, for tests).
+        early_rows: the row-exchange rows sent before the previous batch's update (DBP's
+            early rows); the exchanges then carry only the rest.
     """
 
     def __init__(self, module, lookup_input: LookupInput, bag_lengths: Optional[torch.Tensor],
-                 row_bags: Optional[RowBags] = None, early: Optional["EarlyLookup"] = None,
-                 correct: bool = True):
+                 row_bags: Optional[RowBags] = None, early: Optional[EarlyLookup] = None,
+                 correct: bool = True, early_rows: Optional[EarlyRows] = None):
         self.module = module
         self.input = lookup_input
         self.bag_lengths = bag_lengths
@@ -54,8 +57,7 @@ class FrozenWindow:
             self.pooled = self.output.detach()
         else:
             self.output = early.output
-            self.pooled = self.output.detach() + early.correction() if correct else \
-                self.output.detach()
+            self.pooled = early.corrected() if correct else self.output.detach()
         self.rows = [r.detach() for r in self.row_output]
         self.out_dim = self.pooled.shape[1]
         self._pooled_gradient = self.output.requires_grad
@@ -67,6 +69,14 @@ class FrozenWindow:
         self.row_gradients = [r.new_empty(r.shape) for r in self.rows]
         self._messages = [module.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
+        self.early_rows = early_rows
+        if early_rows is not None:
+            self._sent_messages = [early_rows.late_message(m) for m in self._messages]
+            self._sent_rows, self._sent_input = early_rows.late_rows(self.rows), \
+                early_rows.late_input
+        else:
+            self._sent_messages = self._messages
+            self._sent_rows, self._sent_input = self.rows, lookup_input.rows
         self._sent = [None] * self.num_micro
         self._returning = [None] * self.num_micro
 
@@ -91,15 +101,18 @@ class FrozenWindow:
         start = self.input.micro_batch_start(k)
         sources = self.input.micro_batch_rows(k)
         pooled = self.pooled[start: start + sum(sources)]
-        self._sent[k] = self.module.start_output(pooled, sources, self._messages[k], self.rows,
-                                                 self.input.rows)
+        self._sent[k] = self.module.start_output(pooled, sources, self._sent_messages[k],
+                                                 self._sent_rows, self._sent_input)
 
     def receive_output(self, k: int) -> KeyedTensor:
         """Waits for O(k); -> this rank's micro-batch k embeddings, a leaf that requires grad
         (its gradient is what G(k) sends back)."""
         self.start_output(k)
         handle, _, _ = self._sent[k]
-        embeddings = self.module.assemble_output(handle.wait(), self._messages[k],
+        received = handle.wait()
+        if self.early_rows is not None:
+            received = self.early_rows.merge(received, self._messages[k])
+        embeddings = self.module.assemble_output(received, self._messages[k],
                                                  self._lengths(k), self.needs_gradient)
         self._sent[k] = None
         return embeddings
@@ -156,67 +169,3 @@ class FrozenWindow:
         if outputs:
             torch.autograd.backward(outputs, grads)
         self.output, self.row_output = None, ()
-
-
-class EarlyLookup:
-    """A DBP lookup of the next batch's pooled tables before the current batch's update, made
-    exact after it. (Row-exchange tables need no early lookup: their gather is a copy, done
-    when the next window opens, after the update.)
-
-    The next batch reads, per local table, some rows that the current update changes: those in
-    both batches' unique ids (known before the update runs). The lookup runs early with the old
-    weights; those rows are kept as they were; after the update, `correction()` adds to each bag
-    the change of its rows (w_new - w_old, times the per-sample weight, over the bag's length
-    for MEAN), since pooling is a sum. The result is the lookup after the update, up to float
-    rounding.
-
-    Args:
-        module: the recxla ShardedEmbeddingBagCollection.
-        next_input: the next batch's LookupInput; current_input: the current batch's.
-    """
-
-    def __init__(self, module, next_input: LookupInput, current_input: LookupInput):
-        self.module = module
-        self.input = next_input
-        self.tables = module.pooled_tables
-        self.output = module.lookup_pooled(next_input, rows_follow=module.has_row_tables)
-        self.rows: List[torch.Tensor] = []
-        self.before: List[torch.Tensor] = []
-        nxt, cur = next_input.unique_bounds, current_input.unique_bounds
-        for t, weight in enumerate(self.tables.weights):
-            reads = next_input.unique_values[nxt[t]: nxt[t + 1]]
-            changes = current_input.unique_values[cur[t]: cur[t + 1]]
-            rows = reads[torch.isin(reads, changes)]
-            self.rows.append(rows)
-            self.before.append(weight.detach().index_select(0, rows))
-
-    def correction(self) -> torch.Tensor:
-        """After the update: float32 [B, D_owner] to add to the early lookup's output."""
-        li, tables = self.input, self.tables
-        batch = li.batch_size
-        out = self.output.new_zeros((batch, self.output.shape[1]))
-        weights = tables.weights
-        deltas = [w.detach().index_select(0, rows) - before
-                  for w, rows, before in zip(weights, self.rows, self.before)]
-        lengths = li.offsets.diff()
-        column = 0
-        pooling = tables.pooling
-        for j, t in enumerate(tables.slot_table):
-            cols = weights[t].shape[1]
-            first, last = li.slot_bounds(j)
-            if self.rows[t].numel() and last > first:
-                ids = li.unique_values.index_select(0, li.inverse[first:last])
-                where = torch.searchsorted(self.rows[t], ids).clamp(max=self.rows[t].numel() - 1)
-                changed = self.rows[t].index_select(0, where) == ids
-                sample = torch.repeat_interleave(
-                    torch.arange(batch, device=ids.device), lengths[j * batch:(j + 1) * batch],
-                    output_size=last - first)
-                rows = deltas[t].index_select(0, where[changed])
-                if li.per_sample_weights is not None:
-                    rows = rows * li.per_sample_weights[first:last][changed].unsqueeze(1)
-                block = out[:, column: column + cols]
-                block.index_add_(0, sample[changed], rows)
-                if pooling[t] == MEAN:
-                    block.div_(lengths[j * batch:(j + 1) * batch].clamp(min=1).unsqueeze(1))
-            column += cols
-        return out

@@ -241,14 +241,19 @@ class OutputDist:
 
     # -------------------------------------------------------------- message layouts
 
-    def receive_layout(self, batch: int, bags: Optional[RowBags], k: int = 0) -> Message:
-        """What this rank receives in exchange k (its `batch` samples of that micro-batch)."""
+    def receive_layout(self, batch: int, bags: Optional[RowBags], k: int = 0,
+                       counts: Optional[torch.Tensor] = None) -> Message:
+        """What this rank receives in exchange k (its `batch` samples of that micro-batch);
+        counts: int [G, M] rows per (global row group, micro-batch) when not bags.counts (a
+        part of the rows: early_rows.py)."""
+        if counts is None and bags is not None:
+            counts = bags.counts
         pooled, rows, offset = [], [], 0
         for owner in range(self.layout.world_size):
             pooled.append((offset, self.owner_dims[owner]))
             offset += batch * self.owner_dims[owner]
             for g in range(self.group_base[owner], self.group_base[owner + 1]):
-                count = int(bags.counts[g, k]) if bags is not None else 0
+                count = int(counts[g, k]) if counts is not None else 0
                 rows.append((offset, g, count, self.group_cols[g]))
                 offset += count * self.group_cols[g]
         return Message(batch, pooled, rows, offset, bags, k)

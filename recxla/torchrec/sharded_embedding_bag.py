@@ -28,9 +28,9 @@ layout and dtype), and load_state_dict takes ShardedTensors or full unsharded te
 (sharded_state_dict.py).
 """
 
-from collections import deque
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -68,8 +68,15 @@ from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_
     plan_shards,
     row_exchange_tables,
 )
-from recxla.torchrec.sharded_state_dict import ShardedStateDict, weight_name
-from recxla.torchrec.sharded_steps import PooledTables, ShardedSteps
+from recxla.torchrec.sharded_parts import Fp16Parts, LocalTables, PooledTables, ShardedParts
+from recxla.torchrec.sharded_state_dict import (
+    ShardedStateDict,
+    global_rank,
+    initial_weight,
+    sharded_tensor,
+    weight_name,
+)
+from recxla.torchrec.sharded_steps import ShardedSteps
 
 _SHARDING_NAME = "recxla"
 
@@ -140,14 +147,12 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         get_format(fwd_comm, OWNER, "fwd_comm")
         get_format(bwd_comm, OWNER, "bwd_comm")
         self._module_fqn = module_fqn
-        self._env = env
-        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        device = torch.device(device) if device is not None else torch.device("cpu")
         # On the meta device (DistributedModelParallel(device="meta"), as with TorchRec's
         # sharder) the shards have shapes and no values: enough for state_dict layouts and
         # checkpoint planning; running it needs a module sharded onto a real device.
-        self._on_meta = self._device.type == "meta"
+        on_meta = device.type == "meta"
         self._fwd_comm, self._bwd_comm = fwd_comm, bwd_comm
-        self._replicas = replicas
         if replicas is not None and row_exchange != "off":
             raise ValueError(f"{OWNER}: row_exchange with 2D replicas is not supported yet; "
                              "use row_exchange='off' with replicas")
@@ -169,12 +174,12 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         if data_parallel:
             self._data_parallel = DataParallelTables(module, data_parallel,
                                                      table_name_to_parameter_sharding, env,
-                                                     self._device, fused_params)
+                                                     device, fused_params)
             self._output_merge = OutputMerge(
                 configs, [c.name for c in configs if c.name not in data_parallel])
             configs = [c for c in configs if c.name not in data_parallel]
         self._sharded_configs = configs
-        self._table_names = [c.name for c in configs]
+        table_names = [c.name for c in configs]
         tables, shards = [], []
         for t, config in enumerate(configs):
             sharding = table_name_to_parameter_sharding[config.name]
@@ -184,11 +189,10 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
                                     MEAN if config.pooling == PoolingType.MEAN else SUM))
             shards.append(plan_shards(t, config.name, sharding))
         group = env.process_group
-        row_tables = row_exchange_tables(row_exchange, self._table_names)
-        self._layout = ShardLayout.build(tables, shards, env.rank, env.world_size,
-                                         row_tables=row_tables)
+        row_tables = row_exchange_tables(row_exchange, table_names)
+        layout = ShardLayout.build(tables, shards, env.rank, env.world_size,
+                                   row_tables=row_tables)
         self.comm_stats = CommStats()
-        self._staged_outputs: Deque[KeyedTensor] = deque()
 
         unsharded = {c.name: module.embedding_bags[c.name].weight for c in configs}
         updates = [table_update(c.name, unsharded[c.name], fused_params,
@@ -196,39 +200,40 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
                    for c in configs]
         for t in row_tables:
             if updates[t].kind == NONE:
-                raise ValueError(f"{OWNER}: table '{self._table_names[t]}' is in row_exchange, "
+                raise ValueError(f"{OWNER}: table '{table_names[t]}' is in row_exchange, "
                                  "which needs a fused optimizer (fused_params or "
                                  "apply_optimizer_in_backward)")
         # FP16 tables: float16 values in float32 shards (fp16_tables.py).
-        self._fp16_tables = [t for t, c in enumerate(configs) if c.data_type == DataType.FP16]
-        for t in self._fp16_tables:
-            check_fp16_table(self._table_names[t], updates[t].kind != NONE, t in row_tables,
+        fp16 = Fp16Parts([t for t, c in enumerate(configs) if c.data_type == DataType.FP16])
+        for t in fp16.tables:
+            check_fp16_table(table_names[t], updates[t].kind != NONE, t in row_tables,
                              replicas is not None)
         me = env.rank
-        local_tables = self._layout.local_tables[me]
-        self._local_of_table: Dict[int, List[int]] = {}
+        local_tables = layout.local_tables[me]
+        of_table: Dict[int, List[int]] = {}
         for lt, local in enumerate(local_tables):
-            self._local_of_table.setdefault(local.table, []).append(lt)
+            of_table.setdefault(local.table, []).append(lt)
         # Per table one Parameter per local shard: `weight`, then `weight_1`, ... (state_dict
         # shows them as the one ShardedTensor `weight`).
         self.embedding_bags = nn.ModuleDict()
-        self._local_weights: List[nn.Parameter] = [None] * len(local_tables)
+        local_weights: List[nn.Parameter] = [None] * len(local_tables)
         states: List[Optional[torch.Tensor]] = [None] * len(local_tables)
         for t, config in enumerate(configs):
             holder = nn.Module()
-            mine = self._local_of_table.get(t, [])
+            mine = of_table.get(t, [])
             if not mine:
-                holder.register_parameter("weight", nn.Parameter(torch.empty(0, device=self._device)))
+                holder.register_parameter("weight", nn.Parameter(torch.empty(0, device=device)))
             for k, lt in enumerate(mine):
                 shard = local_tables[lt].shard
-                weight = nn.Parameter(self._initial_weight(shard, unsharded[config.name], config))
+                weight = nn.Parameter(initial_weight(shard, unsharded[config.name], config,
+                                                     device, on_meta))
                 holder.register_parameter(weight_name(k), weight)
-                self._local_weights[lt] = weight
+                local_weights[lt] = weight
                 kind, hyper = updates[t].kind, updates[t].hyperparameters
                 if kind in (ADAGRAD, ROWWISE_ADAGRAD):
                     shape = (shard.rows, shard.cols) if kind == ADAGRAD else (shard.rows,)
                     states[lt] = torch.full(shape, float(hyper["initial_accumulator_value"]),
-                                            device=self._device)
+                                            device=device)
             self.embedding_bags[config.name] = holder
         if self._data_parallel is not None:
             # TorchRec's replicated weights, under their usual names, in the module's order.
@@ -239,67 +244,69 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
                 self.embedding_bags[name] = holder
             self.embedding_bags = nn.ModuleDict(
                 {c.name: self.embedding_bags[c.name] for c in self._embedding_bag_configs})
+        num_pooled = layout.num_pooled[me]
+        local = LocalTables(table_names, local_weights, of_table, num_pooled)
+        local.pooled = PooledTables(tuple(local_weights[:num_pooled]),
+                                    tuple(lt for lt, _ in layout.slots[me]),
+                                    tuple(layout.owner_pooling(me)[:num_pooled]))
 
         # ShardedTensor views of the weights and optimizer states (same memory).
-        self._sharded_weights = []
+        view = functools.partial(sharded_tensor, layout, env, device, self.module_sharding_plan)
         sharded_states = []
         for t, config in enumerate(configs):
-            mine = self._local_of_table.get(t, [])
-            self._sharded_weights.append(self._sharded_tensor(
-                t, [(local_tables[lt].shard, self._local_weights[lt].detach()) for lt in mine],
+            mine = of_table.get(t, [])
+            local.sharded_weights.append(view(
+                t, [(local_tables[lt].shard, local_weights[lt].detach()) for lt in mine],
                 rowwise_state=False))
             kind = updates[t].kind
             if kind in (ADAGRAD, ROWWISE_ADAGRAD):
-                sharded_states.append(self._sharded_tensor(
+                sharded_states.append(view(
                     t, [(local_tables[lt].shard, states[lt]) for lt in mine],
                     rowwise_state=kind == ROWWISE_ADAGRAD))
             else:
                 sharded_states.append(None)
         # FP16 tables: state_dict shows live float16 copies of their shards (fp16_tables.py).
-        fp16_local = {lt: self._local_weights[lt] for t in self._fp16_tables
-                      for lt in self._local_of_table.get(t, [])}
-        self._fp16_copies = Float16Copies(fp16_local) if fp16_local else None
-        self._fp16_weights = {
-            t: as_fp16(self._sharded_weights[t], [self._fp16_copies.halves[lt]
-                                                  for lt in self._local_of_table.get(t, [])])
-            for t in self._fp16_tables}
-        self._optim = ShardedFusedOptimizer(
-            [f"embedding_bags.{c.name}.weight" for c in configs], self._sharded_weights, updates,
-            [local.table for local in local_tables], states, sharded_states,
+        fp16_local = {lt: local_weights[lt] for t in fp16.tables for lt in of_table.get(t, [])}
+        if fp16_local:
+            fp16.copies = Float16Copies(fp16_local)
+            # FP16 shards are all pooled (check_fp16_table): local indices = lookup indices.
+            fp16.round_rows = RoundUpdatedRows(fp16.copies)
+        fp16.weights = {
+            t: as_fp16(local.sharded_weights[t], [fp16.copies.halves[lt]
+                                                  for lt in of_table.get(t, [])])
+            for t in fp16.tables}
+        optim = ShardedFusedOptimizer(
+            [f"embedding_bags.{c.name}.weight" for c in configs], local.sharded_weights, updates,
+            [lt.table for lt in local_tables], states, sharded_states,
             save_step=replicas is not None and replicas.sync == "weights"
             and replicas.sync_every > 1)
         for t, config in enumerate(configs):
             if updates[t].kind != NONE:
                 # TorchRec's in_backward_optimizer_filter keeps these out of dense optimizers.
                 for param in self.embedding_bags[config.name].parameters():
-                    param._in_backward_optimizers = [self._optim]
-        self._has_fused_update = any(updates[local.table].kind != NONE for local in local_tables)
+                    param._in_backward_optimizers = [optim]
+        local.has_fused_update = any(updates[lt.table].kind != NONE for lt in local_tables)
 
         # On GPU the ids go through the CPU (they come from the loader there): a gloo group
         # carries them, and only the owner's decoded lookup input is copied to the device. No
         # size ever has to come back from the GPU, so the hot path has no host sync.
         id_group = group
-        if self._device.type == "cuda" and group is not None:
-            ranks = [self._global_rank(r) for r in range(env.world_size)]
+        if device.type == "cuda" and group is not None:
+            ranks = [global_rank(env, r) for r in range(env.world_size)]
             id_group = dist.new_group(ranks=ranks, backend="gloo")
-        self._router = IdRouter(self._layout, id_group, torch.device("cpu")
-                                if self._device.type in ("cuda", "meta") else self._device,
-                                self._is_weighted, dedup_ids, self.comm_stats)
+        router = IdRouter(layout, id_group, torch.device("cpu")
+                          if device.type in ("cuda", "meta") else device,
+                          self._is_weighted, dedup_ids, self.comm_stats)
         if self._data_parallel is not None:
             # Checked on every rank before any id moves, like the router's own features.
-            self._router.required_features = list(dict.fromkeys(
-                self._router.required_features + self._data_parallel.feature_names))
-        self._output = OutputDist(self._layout, group, fwd_comm, bwd_comm, self.comm_stats)
-        self._slot_table = [lt for lt, _ in self._layout.slots[me]]
-        self._num_pooled = self._layout.num_pooled[me]
-        self._owner_pooling = self._layout.owner_pooling(me)[: self._num_pooled]
-        self._embedding_names = list(self._layout.embedding_names)
-        self._embedding_dims = list(self._layout.embedding_dims)
-        # FP16 shards are all pooled (check_fp16_table): local indices = lookup indices.
-        self._round_fp16_rows = RoundUpdatedRows(self._fp16_copies) \
-            if self._fp16_copies is not None else None
-        self._pooled_tables = PooledTables(tuple(self._local_weights[: self._num_pooled]),
-                                           tuple(self._slot_table), tuple(self._owner_pooling))
+            router.required_features = list(dict.fromkeys(
+                router.required_features + self._data_parallel.feature_names))
+        self.parts = ShardedParts(
+            layout=layout, env=env, device=device, on_meta=on_meta, tables=local, fp16=fp16,
+            optim=optim, router=router,
+            output=OutputDist(layout, group, fwd_comm, bwd_comm, self.comm_stats),
+            replicas=replicas, embedding_names=list(layout.embedding_names),
+            embedding_dims=list(layout.embedding_dims))
         # Unbound: torch passes the module as self (sharded_state_dict.py).
         self._register_state_dict_hook(ShardedStateDict._state_dict_hook)
         self._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
@@ -314,7 +321,7 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
     def input_dist(self, ctx: ShardedEmbeddingBagContext, features: KeyedJaggedTensor):
         """Checks the batch and starts the id all-to-alls. -> Awaitable[Awaitable[KJTList]]
         whose KJTList holds one LookupInput (TorchRec's pipelines wait on it in two steps)."""
-        if self._on_meta:
+        if self.parts.on_meta:
             raise ValueError(f"{OWNER}: this module was sharded on the meta device: its shards "
                              "have no values; shard the model onto a real device (e.g. "
                              "DistributedModelParallel(..., device=torch.device('cpu'))) to run it")
@@ -334,12 +341,12 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
     def forward(self, *input, **kwargs):
         """TorchRec's forward (input dist, lookup, output dist), unless a pipeline staged this
         step's output (`stage_output`): then that output, for the same batch size."""
-        if self._staged_outputs:
-            output = self._staged_outputs.popleft()
+        if self.parts.staged_outputs:
+            output = self.parts.staged_outputs.popleft()
             features = input[0] if input else kwargs.get("features")
             if isinstance(features, KeyedJaggedTensor) and \
                     features.stride() != output.values().shape[0]:
-                self._staged_outputs.clear()
+                self.parts.staged_outputs.clear()
                 raise ValueError(f"{OWNER}: the pipeline staged embeddings of "
                                  f"{output.values().shape[0]} samples, but the model passed "
                                  f"{features.stride()}; the model must give this module the "
@@ -348,7 +355,7 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
                 # The staged output holds the model-parallel tables; the data-parallel ones
                 # are looked up here, on this micro-batch's features.
                 output = self._output_merge.merge(
-                    output.values(), self._embedding_names, self._embedding_dims,
+                    output.values(), self.parts.embedding_names, self.parts.embedding_dims,
                     self._data_parallel.lookup(self._data_parallel.select(features)))
             return output
         return super().forward(*input, **kwargs)
@@ -361,7 +368,7 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         ctx.source_batches = lookup_input.batch_sizes
         ctx.rows = lookup_input.rows
         if ctx.row_bags is not None:
-            ctx.row_bags = ctx.row_bags.to(self._device)
+            ctx.row_bags = ctx.row_bags.to(self.parts.device)
         return self.lookup(lookup_input)
 
 
@@ -379,10 +386,10 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         """output_dist's end (autograd path): waits for the rows, assembles this rank's
         KeyedTensor (the data-parallel tables' lookup merged in) whose backward sends the
         gradient back and counts a fused optimizer step."""
-        values = self._output.finish(handle, sent, message, bag_lengths, self._optim.count_step)
+        values = self.parts.output.finish(handle, sent, message, bag_lengths, self.parts.optim.count_step)
         if self._data_parallel is not None:
             return self._output_merge.merge(
-                values, self._embedding_names, self._embedding_dims,
+                values, self.parts.embedding_names, self.parts.embedding_dims,
                 self._data_parallel.lookup(data_parallel_features))
         return self.keyed_output(values)
 
@@ -392,17 +399,17 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
 
     @property
     def fused_optimizer(self) -> ShardedFusedOptimizer:
-        return self._optim
+        return self.parts.optim
 
     @property
     def layout(self) -> ShardLayout:
-        return self._layout
+        return self.parts.layout
 
     def reset_parameters(self) -> None:
         """Re-initializes every local shard with its table's init_fn."""
         with torch.no_grad():
-            for local, weight in zip(self._layout.local_tables[self._env.rank],
-                                     self._local_weights):
+            for local, weight in zip(self.parts.layout.local_tables[self.parts.layout.rank],
+                                     self.parts.tables.weights):
                 self._sharded_configs[local.table].init_fn(weight)
         self._round_fp16_tables()
 
@@ -411,9 +418,9 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
                                   "save a checkpoint and load it into a module sharded the new way")
 
     def extra_repr(self) -> str:
-        return (f"tables={self._table_names}, fwd_comm={self._fwd_comm!r}, "
+        return (f"tables={self.parts.tables.names}, fwd_comm={self._fwd_comm!r}, "
                 f"bwd_comm={self._bwd_comm!r}, local tables="
-                f"{[self._table_names[lt.table] for lt in self._layout.local_tables[self._env.rank]]}")
+                f"{[self.parts.tables.names[lt.table] for lt in self.parts.layout.local_tables[self.parts.layout.rank]]}")
 
 
 

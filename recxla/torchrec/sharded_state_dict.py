@@ -7,17 +7,21 @@ layout and dtype (FP16 tables as float16: their live float16 copies, fp16_tables
 load_state_dict takes ShardedTensors saved with the same plan or full unsharded tensors.
 """
 
+from typing import Dict
+
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import DataType
 
 from recxla.torchrec.fp16_tables import round_to_fp16_
 from recxla.torchrec.fused_optimizer import rowwise_state_layout
-from recxla.torchrec.shard_layout import OWNER, Shard
+from recxla.torchrec.shard_layout import OWNER, Shard, ShardLayout
+from recxla.torchrec.sharded_parts import ShardedParts
 
 
 def weight_name(k: int) -> str:
@@ -25,105 +29,116 @@ def weight_name(k: int) -> str:
     return "weight" if k == 0 else f"weight_{k}"
 
 
-class ShardedStateDict:
-    """The state_dict side of `ShardedEmbeddingBagCollection`. A mixin: it reads what the
-    module's constructor builds (`_layout`, `_env`, `_device`, `_on_meta`, `_table_names`,
-    `_local_weights`, `_local_of_table`, `_sharded_weights`, `_fp16_tables`, `_fp16_copies`,
-    `_fp16_weights`, `module_sharding_plan`)."""
-
-    def _initial_weight(self, shard: Shard, unsharded: torch.Tensor, config) -> torch.Tensor:
-        weight = torch.empty((shard.rows, shard.cols), dtype=torch.float32, device=self._device)
-        if self._on_meta:
-            return weight
-        with torch.no_grad():
-            if unsharded.device.type != "meta":
-                weight.copy_(unsharded[shard.row_offset: shard.row_offset + shard.rows,
-                                       shard.col_offset: shard.col_offset + shard.cols])
-            else:
-                config.init_fn(weight)
-        if config.data_type == DataType.FP16:
-            round_to_fp16_(weight)
+def initial_weight(shard: Shard, unsharded: torch.Tensor, config, device: torch.device,
+                   on_meta: bool) -> torch.Tensor:
+    """One local shard's starting values: a copy of the unsharded weight's block when it has
+    values, else the table's init_fn; FP16 tables rounded to float16 values; on the meta
+    device, the shape only."""
+    weight = torch.empty((shard.rows, shard.cols), dtype=torch.float32, device=device)
+    if on_meta:
         return weight
-
-    def _sharded_tensor(self, t: int, local, rowwise_state: bool) -> ShardedTensor:
-        """ShardedTensor over table t's weight (or optimizer state: Adagrad's has the weight's
-        layout; row-wise Adagrad's is TorchRec's 1-D layout, fused_optimizer.py
-        `rowwise_state_layout`), from this rank's (shard, tensor) pairs."""
-        table = self._layout.tables[t]
-        plan_shards = self.module_sharding_plan[table.name].sharding_spec.shards
-        all_shards = self._layout.shards[t]
-        if rowwise_state:
-            size, order = rowwise_state_layout(all_shards, table.num_embeddings,
-                                               table.embedding_dim, OWNER)
-            size = [size]
-            all_shards = [s for s, _ in order]
-            offsets = [[offset] for _, offset in order]
-            sizes = [[s.rows] for s in all_shards]
+    with torch.no_grad():
+        if unsharded.device.type != "meta":
+            weight.copy_(unsharded[shard.row_offset: shard.row_offset + shard.rows,
+                                   shard.col_offset: shard.col_offset + shard.cols])
         else:
-            size = [table.num_embeddings, table.embedding_dim]
-            offsets = [[s.row_offset, s.col_offset] for s in all_shards]
-            sizes = [[s.rows, s.cols] for s in all_shards]
-        metadata = []
-        for s, offset, shape in zip(all_shards, offsets, sizes):
-            # ShardedTensor places shards by global rank; the plan numbers the group's ranks.
-            device = plan_shards[s.index].placement.device()
-            if device.type != self._device.type:
-                # A plan made for another device (e.g. CPU, used for a meta-device module).
-                device = self._device
-            placement = f"rank:{self._global_rank(s.rank)}/{device}"
-            metadata.append(ShardMetadata(shard_offsets=offset, shard_sizes=shape,
-                                          placement=placement))
-        global_metadata = ShardedTensorMetadata(
-            shards_metadata=metadata, size=torch.Size(size),
-            tensor_properties=TensorProperties(dtype=torch.float32, layout=torch.strided,
-                                               requires_grad=False,
-                                               memory_format=torch.contiguous_format,
-                                               pin_memory=False))
-        local_shards = [
-            LocalShard(tensor=tensor, metadata=metadata[all_shards.index(shard)])
-            for shard, tensor in local
-        ]
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            local_shards=local_shards, sharded_tensor_metadata=global_metadata,
-            process_group=self._env.process_group)
+            config.init_fn(weight)
+    if config.data_type == DataType.FP16:
+        round_to_fp16_(weight)
+    return weight
 
-    def _global_rank(self, group_rank: int) -> int:
-        group = self._env.process_group
-        if group is None or group is dist.group.WORLD or not dist.is_initialized():
-            return group_rank
-        return dist.get_global_rank(group, group_rank)
+
+def global_rank(env: ShardingEnv, group_rank: int) -> int:
+    """The global rank of rank `group_rank` of the sharding group."""
+    group = env.process_group
+    if group is None or group is dist.group.WORLD or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def sharded_tensor(layout: ShardLayout, env: ShardingEnv, device: torch.device,
+                   plan: Dict[str, ParameterSharding], t: int, local,
+                   rowwise_state: bool) -> ShardedTensor:
+    """ShardedTensor over table t's weight (or optimizer state: Adagrad's has the weight's
+    layout; row-wise Adagrad's is TorchRec's 1-D layout, fused_optimizer.py
+    `rowwise_state_layout`), from this rank's (shard, tensor) pairs; plan: the module's
+    sharding plan (table name -> ParameterSharding)."""
+    table = layout.tables[t]
+    plan_shards = plan[table.name].sharding_spec.shards
+    all_shards = layout.shards[t]
+    if rowwise_state:
+        size, order = rowwise_state_layout(all_shards, table.num_embeddings,
+                                           table.embedding_dim, OWNER)
+        size = [size]
+        all_shards = [s for s, _ in order]
+        offsets = [[offset] for _, offset in order]
+        sizes = [[s.rows] for s in all_shards]
+    else:
+        size = [table.num_embeddings, table.embedding_dim]
+        offsets = [[s.row_offset, s.col_offset] for s in all_shards]
+        sizes = [[s.rows, s.cols] for s in all_shards]
+    metadata = []
+    for s, offset, shape in zip(all_shards, offsets, sizes):
+        # ShardedTensor places shards by global rank; the plan numbers the group's ranks.
+        shard_device = plan_shards[s.index].placement.device()
+        if shard_device.type != device.type:
+            # A plan made for another device (e.g. CPU, used for a meta-device module).
+            shard_device = device
+        placement = f"rank:{global_rank(env, s.rank)}/{shard_device}"
+        metadata.append(ShardMetadata(shard_offsets=offset, shard_sizes=shape,
+                                      placement=placement))
+    global_metadata = ShardedTensorMetadata(
+        shards_metadata=metadata, size=torch.Size(size),
+        tensor_properties=TensorProperties(dtype=torch.float32, layout=torch.strided,
+                                           requires_grad=False,
+                                           memory_format=torch.contiguous_format,
+                                           pin_memory=False))
+    local_shards = [
+        LocalShard(tensor=tensor, metadata=metadata[all_shards.index(shard)])
+        for shard, tensor in local
+    ]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards=local_shards, sharded_tensor_metadata=global_metadata,
+        process_group=env.process_group)
+
+
+class ShardedStateDict:
+    """The state_dict side of `ShardedEmbeddingBagCollection`. A mixin: it reads the module's
+    parts (`parts`, sharded_parts.py) and its `embedding_bags`."""
+
+    parts: ShardedParts
 
     def _state_dict_hook(self, destination, prefix, local_metadata) -> None:
         """state_dict hook (registered unbound: torch passes the module as self)."""
-        if self._fp16_copies is not None:
-            self._fp16_copies.sync()
-        for t, (name, sharded) in enumerate(zip(self._table_names, self._sharded_weights)):
+        if self.parts.fp16.copies is not None:
+            self.parts.fp16.copies.sync()
+        for t, (name, sharded) in enumerate(zip(self.parts.tables.names, self.parts.tables.sharded_weights)):
             destination[f"{prefix}embedding_bags.{name}.weight"] = \
-                self._fp16_weights.get(t, sharded)
-            for k in range(1, len(self._local_of_table.get(t, []))):
+                self.parts.fp16.weights.get(t, sharded)
+            for k in range(1, len(self.parts.tables.of_table.get(t, []))):
                 destination.pop(f"{prefix}embedding_bags.{name}.{weight_name(k)}", None)
 
     def _round_fp16_tables(self, incompatible_keys=None) -> None:
         """FP16 tables hold float16 values, whatever was loaded or initialized (also a
         load_state_dict post hook, registered unbound)."""
-        if self._on_meta:
+        if self.parts.on_meta:
             return
-        for local, weight in zip(self._layout.local_tables[self._env.rank],
-                                 self._local_weights):
-            if local.table in self._fp16_tables:
+        for local, weight in zip(self.parts.layout.local_tables[self.parts.layout.rank],
+                                 self.parts.tables.weights):
+            if local.table in self.parts.fp16.tables:
                 round_to_fp16_(weight)
-        if self._fp16_copies is not None:
-            self._fp16_copies.refresh()
+        if self.parts.fp16.copies is not None:
+            self.parts.fp16.copies.refresh()
 
     def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
                                   missing_keys, unexpected_keys, error_msgs) -> None:
-        local_tables = self._layout.local_tables[self._env.rank]
-        for t, name in enumerate(self._table_names):
+        local_tables = self.parts.layout.local_tables[self.parts.layout.rank]
+        for t, name in enumerate(self.parts.tables.names):
             key = f"{prefix}embedding_bags.{name}.weight"
             if key not in state_dict:
                 continue
             value = state_dict[key]
-            mine = self._local_of_table.get(t, [])
+            mine = self.parts.tables.of_table.get(t, [])
             if not mine:
                 state_dict[key] = self.embedding_bags[name].weight.detach()
             for k, lt in enumerate(mine):
@@ -132,7 +147,7 @@ class ShardedStateDict:
 
     def _local_value(self, key: str, value, shard: Shard) -> torch.Tensor:
         """One local shard of a table, from a ShardedTensor (same plan) or a full tensor."""
-        table = self._layout.tables[shard.table]
+        table = self.parts.layout.tables[shard.table]
         if isinstance(value, ShardedTensor):
             for local in value.local_shards():
                 if list(local.metadata.shard_offsets) == [shard.row_offset, shard.col_offset] \
@@ -140,7 +155,7 @@ class ShardedStateDict:
                     return local.tensor
             raise ValueError(f"{OWNER}: {key} holds no shard at rows {shard.row_offset}+"
                              f"{shard.rows}, columns {shard.col_offset}+{shard.cols} on rank "
-                             f"{self._env.rank}: it was saved with another plan")
+                             f"{self.parts.layout.rank}: it was saved with another plan")
         if isinstance(value, torch.Tensor) and \
                 tuple(value.shape) == (table.num_embeddings, table.embedding_dim):
             return value[shard.row_offset: shard.row_offset + shard.rows,

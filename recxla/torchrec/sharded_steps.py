@@ -18,46 +18,34 @@ sharded_embedding_bag.py) composes these steps for one batch; recxla's pipeline
     start_gradient     the gradient of those embeddings back to their owners
     fused_optimizer    count_step() and step_count around the lookup's backward
 
-and, for a lookup made outside the module (the pipeline's early lookup), `pooled_tables`
-(the pooled tables' weights, slot -> table map, pooling), `has_row_tables` and
-`tables_version` (what changes when the tables change).
+and, for DBP's early lookup (the next batch looked up before this batch's update),
+`early_lookup` (-> an EarlyLookup whose `corrected()` is that lookup after the update) and
+`tables_version` (what changes when the tables change); and `start_early_rows`, the next
+batch's row-exchange rows that this batch's update leaves as they are, sent before it.
+
+The steps read the module's parts (`module.parts`, sharded_parts.py) and nothing else of it.
 """
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.ops.embedding_bag import FusedPooledLookup, LookupPlan
+from recxla.torchrec.early_lookup import EarlyLookup
+from recxla.torchrec.early_rows import EarlyRows
 from recxla.torchrec.input_dist import LookupInput, SizesInFlight
 from recxla.torchrec.output_dist import Message
 from recxla.torchrec.replicas import ReplicatedLookup
 from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup
-
-
-@dataclass(frozen=True)
-class PooledTables:
-    """What a lookup of this rank's pooled tables reads.
-
-    weights: per local pooled table t, its shard: the live float32 [rows_t, cols_t] Parameter
-        (the fused optimizer updates it in place);
-    slot_table: per owner slot j (LookupInput's slot order: bag (j, b) is
-        offsets[j * B + b] .. offsets[j * B + b + 1]), its local table t;
-    pooling: per local pooled table, recxla.ops.embedding_bag.SUM or MEAN (row-sharded
-        tables: SUM; their MEAN is divided at the receiver).
-    """
-
-    weights: Tuple[nn.Parameter, ...]
-    slot_table: Tuple[int, ...]
-    pooling: Tuple[int, ...]
+from recxla.torchrec.sharded_parts import PooledTables, ShardedParts
 
 
 class ShardedSteps:
     """The public steps of `ShardedEmbeddingBagCollection` (see the module docstring). A mixin:
-    the module's constructor builds what they use (`_router`, `_output`, `_local_weights`,
-    `_num_pooled`, the fused optimizer, ...)."""
+    the module's constructor builds `parts`, the one thing the steps read."""
+
+    parts: ShardedParts
 
     # ------------------------------------------------------------------ input dist
 
@@ -71,35 +59,35 @@ class ShardedSteps:
         `.row_bags` (RowBags or None) now; wait() starts the ids' all-to-all (-> IdsInFlight,
         whose wait() gives the owner's LookupInput, on the router's device). A bad batch on
         any rank raises on every rank at the first wait()."""
-        awaitable = self._router.start(self.ids_on_router(features), micro_batch_sizes)
+        awaitable = self.parts.router.start(self.ids_on_router(features), micro_batch_sizes)
         self.comm_stats.steps += 1
         return awaitable
 
     def ids_on_router(self, features):
         """`features` where the input dist runs (CPU for a GPU module)."""
         if isinstance(features, KeyedJaggedTensor) and \
-                features.values().device != self._router.device:
-            return features.to(self._router.device)
+                features.values().device != self.parts.router.device:
+            return features.to(self.parts.router.device)
         return features
 
     def to_device(self, lookup_input: LookupInput) -> LookupInput:
         """The decoded input on the module's device (non-blocking from pinned CPU memory)."""
-        return lookup_input.to(self._device)
+        return lookup_input.to(self.parts.device)
 
     def mean_bag_lengths(self, input_lengths: torch.Tensor) -> Optional[torch.Tensor]:
         """The lengths of this rank's bags of row-sharded MEAN features (their sums arrive in
         parts and are divided at the receiver): input_lengths [input slots, B] -> float32
         [B, those features] clamped to >= 1, or None when there are none."""
-        if not self._output.mean_slots:
+        if not self.parts.output.mean_slots:
             return None
-        return input_lengths[self._output.mean_slots].t().to(torch.float32).clamp(min=1.0) \
-            .contiguous().to(self._device, non_blocking=True)
+        return input_lengths[self.parts.output.mean_slots].t().to(torch.float32).clamp(min=1.0) \
+            .contiguous().to(self.parts.device, non_blocking=True)
 
     def stage_output(self, output: KeyedTensor) -> None:
         """The next forward returns `output` (assemble_output's KeyedTensor for the
         micro-batch the model passes; data-parallel tables are merged in there) instead of
         running the input dist, lookup and output dist (recxla.pipeline's FWP)."""
-        self._staged_outputs.append(output)
+        self.parts.staged_outputs.append(output)
 
     # ------------------------------------------------------------------ lookup
 
@@ -113,38 +101,38 @@ class ShardedSteps:
         device) -> per local row group the rows every rank asked for, float32 [R_g, cols_g]
         in lookup_input.rows order (RowLookup: its backward applies the fused update once per
         row); () without row tables."""
-        row_weights = self._local_weights[self._num_pooled:]
-        if not row_weights:
+        tables = self.parts.tables
+        if not tables.row_weights:
             return ()
-        return tuple(RowLookup.apply(lambda: self.fused_step_arguments(self._num_pooled, None),
-                                     tuple(lookup_input.rows.ids), *row_weights))
+        return tuple(RowLookup.apply(lambda: self.fused_step_arguments(tables.num_pooled, None),
+                                     tuple(lookup_input.rows.ids), *tables.row_weights))
 
     def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
         """The owner's pooled lookup of every source's bags: lookup_input (on the module's
         device) -> float32 [lookup_input.batch_size, D_owner] in the input's sample order (its
         backward runs the fused optimizer). rows_follow: lookup_rows also produced outputs (a
         rank with no pooled table then adds no zeros to the graph)."""
-        if self._fp16_copies is not None:
-            self._fp16_copies.sync()  # writes into state_dict's float16 tensors
-        pooled_weights = self._local_weights[: self._num_pooled]
+        if self.parts.fp16.copies is not None:
+            self.parts.fp16.copies.sync()  # writes into state_dict's float16 tensors
+        pooled_weights = self.parts.tables.pooled.weights
         if not pooled_weights:
             # Nothing pooled here; with no rows either, the zeros still join the graph, so
             # this rank takes part in the gradient all-to-all of backward.
-            pooled = torch.zeros((lookup_input.batch_size, 0), device=self._device,
+            pooled = torch.zeros((lookup_input.batch_size, 0), device=self.parts.device,
                                  requires_grad=torch.is_grad_enabled() and not rows_follow)
-        elif self._replicas is not None:
+        elif self.parts.replicas is not None:
             pooled = ReplicatedLookup.apply(
                 self, lookup_input.unique_values, lookup_input.unique_offsets,
                 lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
                 *pooled_weights)
         else:
             plan = LookupPlan(
-                feature_table=self._slot_table,
-                pooling=self._owner_pooling,
+                feature_table=self.parts.tables.pooled.slot_table,
+                pooling=self.parts.tables.pooled.pooling,
                 batch_size=lookup_input.batch_size,
-                optimizer_step=(lambda: self.fused_step_arguments(0, self._num_pooled))
-                if self._has_fused_update else None,
-                after_update=self._round_fp16_rows,
+                optimizer_step=(lambda: self.fused_step_arguments(0, self.parts.tables.num_pooled))
+                if self.parts.tables.has_fused_update else None,
+                after_update=self.parts.fp16.round_rows,
                 checked_upstream=True,  # ids checked by the input dist's sender (id_encoder)
             )
             pooled = FusedPooledLookup.apply(
@@ -153,33 +141,62 @@ class ShardedSteps:
                 *pooled_weights)
         return pooled
 
+    def early_lookup(self, next_input: LookupInput, current_input: LookupInput) -> EarlyLookup:
+        """DBP's early lookup: the next batch's pooled lookup (next_input, on the module's
+        device) made now, before the update of the batch current_input holds; its
+        `corrected()`, called after that update, is the lookup the update's tables give, up to
+        float rounding (early_lookup.py). Row-exchange tables are not in it: their rows are
+        gathered when the next batch's window opens."""
+        output = self.lookup_pooled(next_input, rows_follow=self.has_row_tables)
+        return EarlyLookup(self.parts.tables.pooled, output, next_input, current_input)
+
+    @property
+    def exchanges_rows(self) -> bool:
+        """Some rank of the group owns row-exchange tables (the same answer on every rank)."""
+        return self.parts.output.group_base[-1] > 0
+
+    def start_early_rows(self, next_input: LookupInput, current_input: LookupInput,
+                         row_bags: RowBags, hold_changed: bool = True) -> Optional[EarlyRows]:
+        """Sends the next batch's row-exchange rows that the current batch's update leaves as
+        they are (early_rows.py), before that update: next_input / current_input: the two
+        batches' LookupInputs on the module's device; row_bags: this rank's bags of the next
+        batch. Collective: every rank of the group calls it at the same point. -> the
+        EarlyRows to hand the next batch's window (None without row-exchange tables).
+        hold_changed=False sends the rows the update changes early too: a planted stale read,
+        for tests."""
+        if not self.exchanges_rows:
+            return None
+        return EarlyRows(self.parts.output, self.parts.env.process_group,
+                         self.parts.tables.row_weights, next_input.rows, current_input.rows,
+                         row_bags, hold_changed)
+
     def fused_step_arguments(self, first: int, last: Optional[int]):
         """The fused optimizer's (kinds, states, hparams) of local tables first .. last."""
-        kinds, states, hparams = self._optim.step_arguments()
+        kinds, states, hparams = self.parts.optim.step_arguments()
         last = len(kinds) if last is None else last
         return kinds[first:last], states[first:last], hparams[4 * first: 4 * last]
 
     @property
     def replicas(self):
         """The module's ReplicaSync in 2D training (recxla.torchrec.replicas), else None."""
-        return self._replicas
+        return self.parts.replicas
 
     @property
     def pooled_tables(self) -> PooledTables:
         """This rank's pooled tables, as a lookup outside the module reads them."""
-        return self._pooled_tables
+        return self.parts.tables.pooled
 
     @property
     def has_row_tables(self) -> bool:
         """This rank owns row-exchange tables (lookup_rows returns their rows)."""
-        return len(self._local_weights) > self._num_pooled
+        return bool(self.parts.tables.row_weights)
 
     def tables_version(self) -> Tuple[int, List[int]]:
         """What changes when the tables change: the fused optimizer's step count (every
         backward through the module counts one) and the parameters' in-place update counters.
         Equal versions: the tables hold the same values."""
-        fp16 = self._fp16_copies.versions() if self._fp16_copies is not None else []
-        return self._optim.step_count, [p._version for p in self.parameters()] + fp16
+        fp16 = self.parts.fp16.copies.versions() if self.parts.fp16.copies is not None else []
+        return self.parts.optim.step_count, [p._version for p in self.parameters()] + fp16
 
     # ------------------------------------------------------------------ output dist
 
@@ -188,7 +205,7 @@ class ShardedSteps:
         """The layout of what this rank receives in exchange `micro_batch` (its `batch`
         samples of that micro-batch; row_bags: its bags of row-exchange tables, on the
         module's device, or None)."""
-        return self._output.receive_layout(batch, row_bags, micro_batch)
+        return self.parts.output.receive_layout(batch, row_bags, micro_batch)
 
     def start_output(self, pooled: torch.Tensor, source_batches: List[int], message: Message,
                      row_outputs: Sequence[torch.Tensor] = (), rows: Optional[RowInput] = None):
@@ -198,7 +215,7 @@ class ShardedSteps:
         [R_g, cols_g] (`rows`: the LookupInput's RowInput). Differentiable w.r.t. pooled and
         row_outputs. -> (handle whose wait() gives the received rows float32
         [R, wire_row_dim], values sent to each rank, values expected from each rank)."""
-        return self._output.start(pooled, source_batches, message, row_outputs, rows)
+        return self.parts.output.start(pooled, source_batches, message, row_outputs, rows)
 
     def assemble_output(self, received: torch.Tensor, message: Message,
                         bag_lengths: Optional[torch.Tensor],
@@ -208,14 +225,14 @@ class ShardedSteps:
         [message.batch, sum of dims]; bag_lengths: this exchange's rows of mean_bag_lengths.
         requires_grad: make the values a leaf that requires grad (its .grad is what
         start_gradient sends back)."""
-        values = self._output.assemble(received, message, bag_lengths)
+        values = self.parts.output.assemble(received, message, bag_lengths)
         values.requires_grad_(requires_grad)
         return self.keyed_output(values)
 
     def keyed_output(self, values: torch.Tensor) -> KeyedTensor:
         """values float32 [B, sum of dims] as the KeyedTensor of the module's model-parallel
         features (keys and dims in TorchRec's order)."""
-        return KeyedTensor(keys=self._embedding_names, length_per_key=self._embedding_dims,
+        return KeyedTensor(keys=self.parts.embedding_names, length_per_key=self.parts.embedding_dims,
                            values=values)
 
     def start_gradient(self, grad: torch.Tensor, source_batches: List[int], message: Message,
@@ -225,4 +242,4 @@ class ShardedSteps:
         whose wait() gives the owner's gradient message, flat float32, divided as TorchRec's
         gradient division divides it; the values it holds per source rank: per source its
         pooled rows [samples, D_owner] then its row groups' rows [count, cols])."""
-        return self._output.start_gradient(grad, source_batches, message, bag_lengths, rows)
+        return self.parts.output.start_gradient(grad, source_batches, message, bag_lengths, rows)
