@@ -25,6 +25,9 @@ One batch n, split into M micro-batches (see micro_batches.py), on every rank:
           tables it reads are then the ones the sequential loop would read. On a GPU its
           dense fields (when it is split) and decoded ids (when decoded) go to the device on a
           copy stream, under this batch's kernels (copy_stream.py).
+    E(n+1)    early rows (early_rows=True): the next batch's ids decoded before D(0) instead,
+          and its row-exchange rows that U(n) leaves as they are sent then, during D(0) ..
+          D(M-1) (recxla.torchrec.early_rows); its O(k) carries the rest.
 
 Every step equals the sequential step (model forward, backward, optimizer) on the same batch up
 to the order of float additions: same weights read, same gradients summed, one update.
@@ -44,9 +47,10 @@ iterator for the next epoch; a model in eval mode gets forward only (no backward
 detach() hands the model back for use on its own, attach() (or the next progress) resumes.
 """
 
+import collections
 import contextlib
 import functools
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -162,7 +166,11 @@ class TrainPipeline:
         self._defer_dense_update = defer_dense_update
         self._early_rows = early_rows and dbp
         self._dense_update_pending = False
-        self._next: Optional[PreparedBatch] = None
+        # The batches loaded ahead, oldest first: one with DBP; two with early rows, so that
+        # the next batch's ids are decoded before this step's dense forward (early rows of it
+        # leave then) while the one after it is loaded and split.
+        self._ahead: Deque[PreparedBatch] = collections.deque()
+        self._depth = 2 if self._early_rows else 1
         self._loader: Optional[Iterator] = None
         self._exhausted = False
         self._attached = True
@@ -196,14 +204,15 @@ class TrainPipeline:
     def detach(self) -> torch.nn.Module:
         """The model, for use on its own (plain forward, backward, optimizer step, eval): the
         pipeline never rewrote it, and between two progress calls no all-to-all is in flight
-        and DDP all-reduces as without the pipeline. The batch already loaded stays queued
-        and runs at the next progress (TorchRec's detach keeps its in-flight batches too); an
-        early DBP lookup made before the model was changed outside is made again."""
+        and DDP all-reduces as without the pipeline. The batches already loaded stay queued
+        and run at the next progress calls (TorchRec's detach keeps its in-flight batches
+        too); an early DBP lookup made before the model was changed outside is made again, and
+        early rows sent before are dropped (every rank detaches at the same point)."""
         self.flush()
         self._attached = False
         self.drop_early_lookups()
-        if self._next is not None:
-            self._next.drop_early_rows()
+        for batch in self._ahead:
+            batch.drop_early_rows()
         return self._model
 
     def drop_early_lookups(self) -> None:
@@ -212,19 +221,21 @@ class TrainPipeline:
         from a checkpoint taken now looks that batch up. Called at each checkpoint, it makes a
         resumed run end bit for bit where an uninterrupted one does (the early lookup plus its
         correction equals the late lookup only up to float rounding). Costs that one batch's
-        early-lookup overlap; with dbp_lookup="after_update" it changes nothing."""
-        if self._next is not None:
-            self._next.drop_early_lookups()
+        early-lookup overlap; with dbp_lookup="after_update" it changes nothing. (Early rows
+        stay: they are the rows' values after the update, bit for bit.)"""
+        for batch in self._ahead:
+            batch.drop_early_lookups()
 
     def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
         """Resumes pipelining, on `model` if given (else the detached one). A different model
-        gets the queued batch's input dist again at the next progress. `sparse_dist` is
-        TorchRec's argument; recxla starts no input dist at attach, so it changes nothing."""
+        gets the queued batches' input dist again. `sparse_dist` is TorchRec's argument; recxla
+        starts no input dist at attach, so it changes nothing."""
         if model is not None and model is not self._model:
             self._set_model(model)
-            if self._next is not None:
-                self._next.drop_early_rows()
-                self._next = PreparedBatch(self._next.raw)  # prepared again for the new model
+            for batch in self._ahead:
+                batch.drop_early_rows()
+            # Prepared again for the new model when their turn comes.
+            self._ahead = collections.deque(PreparedBatch(b.raw) for b in self._ahead)
         self._attached = True
 
     def progress(self, dataloader_iter: Iterator) -> Any:
@@ -236,8 +247,7 @@ class TrainPipeline:
         if dataloader_iter is not self._loader:
             self._loader, self._exhausted = dataloader_iter, False
         with self._span("input dist", "input"):
-            current = self._next
-            self._next = None
+            current = self._ahead.popleft() if self._ahead else None
             if current is None or current.micro is None and current.error is None:
                 try:
                     raw = current.raw if current is not None else self._load(dataloader_iter)
@@ -316,12 +326,8 @@ class TrainPipeline:
         for k in range(min(ahead, self._num_micro)):
             for w in windows:
                 w.start_output(k)
-        if self._dbp and not self._exhausted:
-            with self._span("next batch", "input"):
-                try:
-                    self._next = self._prepare(self._load(dataloader_iter))
-                except StopIteration:
-                    pass
+        early_rows = self._start_early_rows(windows) if training else []
+        fresh = self._load_ahead(dataloader_iter)
         outputs = []
         for k in range(self._num_micro):
             with self._span("wait embeddings", "forward", micro_batch=k):
@@ -333,12 +339,19 @@ class TrainPipeline:
                 w.module.stage_output(kt)
                 if training and self._overlap and kt.values().requires_grad:
                     kt.values().register_hook(functools.partial(_start_gradient, w, k))
-            if self._next is not None and k == 0:
-                # The next batch's ids leave now, so they travel during this batch's dense
-                # compute, when the links are otherwise idle (their sizes went at the start of
-                # the step and have long arrived).
+            if k == 0 and early_rows:
+                # The masks travelled with O(0): the early rows leave now, during this batch's
+                # dense forward and backward.
+                with self._span("early rows", "input"):
+                    for rows in early_rows:
+                        rows.send()
+            if k == 0 and fresh:
+                # The ids of the batches loaded in this step leave now, so they travel during
+                # this batch's dense compute, when the links are otherwise idle (their sizes
+                # went at the start of the step and have long arrived).
                 with self._span("next batch", "input"):
-                    advance(self._next, decode=False)
+                    for batch in fresh:
+                        advance(batch, decode=False)
             if training and k == 0:
                 # The previous batch's dense update, if it was left pending, lands just before
                 # the first dense forward that reads the weights.
@@ -348,8 +361,6 @@ class TrainPipeline:
                     self._gradient_sync.wire = self._wire
                     self._gradient_sync.nodes = self._nodes
                     self._gradient_sync.deferred = True
-            if training and k == 0 and self._early_rows and self._next is not None:
-                self._send_early_rows(windows)
             if training and self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
             with self._span("dense", "backward" if training else "forward", micro_batch=k):
@@ -361,14 +372,17 @@ class TrainPipeline:
             outputs.append(output)
             if training:
                 self._exchange_gradients(windows, embeddings, k)
-        if self._next is not None:
+        if fresh:
             with self._span("next batch", "input"):
-                advance(self._next, decode=True, modules=self._modules, copies=self._copies)
-            if training and self._dbp_lookup == "early" and self._next.error is None:
+                for batch in fresh:
+                    advance(batch, decode=True, modules=self._modules, copies=self._copies)
+        following = self._ahead[0] if self._ahead else None
+        if following is not None:
+            if training and self._dbp_lookup == "early" and _decoded(following):
                 # While the last gradients travel: the next batch's lookup with the weights
                 # before this update; FrozenWindow corrects the rows the update changes.
                 with self._span("early lookup", "input"):
-                    for w, state in zip(windows, self._next.inputs):
+                    for w, state in zip(windows, following.inputs):
                         arrive_lookup(state)
                         state.lookup_input = w.module.to_device(state.lookup_input)
                         state.early = w.module.early_lookup(state.lookup_input, w.input)
@@ -383,29 +397,55 @@ class TrainPipeline:
             self._dense_update_pending = True
             if not self._defer_dense_update:
                 self.flush()
-            if self._next is not None:
-                for (_, module), state in zip(self._modules, self._next.inputs):
+            if following is not None:
+                for (_, module), state in zip(self._modules, following.inputs):
                     if state.early is not None:
                         state.early_tables = module.tables_version()
                     if state.early_rows is not None:
                         state.early_rows_tables = module.tables_version()
         return micro.merge(outputs)
 
-    def _send_early_rows(self, windows: List[FrozenWindow]) -> None:
-        """The next batch's ids decoded now (they left at the start of this step) and its
-        row-exchange rows that this update leaves as they are sent (early rows), so that they
-        travel during this batch's dense forward and backward."""
+    def _load_ahead(self, dataloader_iter: Iterator) -> List[PreparedBatch]:
+        """DBP: batches loaded and split until `_depth` wait ahead (a batch queued unprepared,
+        after attach() with another model, is prepared again here) -> the batches prepared in
+        this step, whose ids this step sends and decodes."""
+        if not self._dbp:
+            return []
+        fresh = []
+        with self._span("next batch", "input"):
+            for i, batch in enumerate(self._ahead):
+                if batch.micro is None and batch.error is None:
+                    self._ahead[i] = self._prepare(batch.raw)
+                    fresh.append(self._ahead[i])
+            while len(self._ahead) < self._depth and not self._exhausted:
+                try:
+                    batch = self._prepare(self._load(dataloader_iter))
+                except StopIteration:
+                    break
+                self._ahead.append(batch)
+                fresh.append(batch)
+        return fresh
+
+    def _start_early_rows(self, windows: List[FrozenWindow]) -> list:
+        """Early rows: the next batch, decoded in an earlier step, gets its row-exchange rows
+        that this update leaves as they are; their masks leave now, with O(0), the rows at
+        D(0) (-> the EarlyRows to send then)."""
+        following = self._ahead[0] if self._ahead else None
+        if not self._early_rows or following is None or not _decoded(following):
+            return []
+        started = []
         with self._span("early rows", "input"):
-            advance(self._next, decode=True, modules=self._modules, copies=self._copies)
-            if self._next.error is not None:
-                return
-            for w, state in zip(windows, self._next.inputs):
+            for w, state in zip(windows, following.inputs):
+                if state.row_bags is None:
+                    continue
                 arrive_lookup(state)
                 state.lookup_input = w.module.to_device(state.lookup_input)
-                row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
-                if row_bags is not None:
-                    state.early_rows = w.module.start_early_rows(
-                        state.lookup_input, w.input, row_bags, self._correct_early_lookups)
+                state.early_rows = w.module.start_early_rows(
+                    state.lookup_input, w.input, state.row_bags.to(self._device),
+                    self._correct_early_lookups)
+                if state.early_rows is not None:
+                    started.append(state.early_rows)
+        return started
 
     def _exchange_gradients(self, windows: List[FrozenWindow], embeddings, k: int) -> None:
         """After D(k)'s backward: G(k) sent (at once without overlap; with it, the autograd
@@ -420,6 +460,13 @@ class TrainPipeline:
                 for j in w.pending_gradients():
                     if j < k or not self._overlap:
                         w.receive_gradient(j)
+
+
+def _decoded(batch: PreparedBatch) -> bool:
+    """The batch's ids are decoded at the owners (and it has no error)."""
+    return batch.micro is not None and batch.error is None and \
+        all(state.lookup_input is not None or state.lookup_copy is not None
+            for state in batch.inputs)
 
 
 def _start_gradient(window: FrozenWindow, k: int, grad: torch.Tensor) -> None:

@@ -14,6 +14,9 @@ class CommStats:
         sends them: every id in the batch's id dtype, lengths in theirs, weights as float32.
     embedding_bytes_*: pooled embeddings in the forward output all-to-all (wire format `fwd`).
     gradient_bytes_*: their gradients in the backward all-to-all (wire format `bwd`).
+    rows_sent_early / rows_sent_late: row-exchange rows an owner sent before the previous
+        batch's update (early rows: recxla.torchrec.early_rows) / after it, counted where early
+        rows run (to every rank, itself included).
     steps: forward calls counted.
     """
 
@@ -25,6 +28,8 @@ class CommStats:
     embedding_bytes_received: int = 0
     gradient_bytes_sent: int = 0
     gradient_bytes_received: int = 0
+    rows_sent_early: int = 0
+    rows_sent_late: int = 0
 
     def reset(self) -> None:
         for f in fields(self):

@@ -68,10 +68,12 @@ def _reshape(flat: List[int], width: int) -> List[List[int]]:
 class EarlyRows:
     """One module's early rows of the next batch (see the module docstring): made by the sharded
     module's `start_early_rows` step, on every rank of the group at once (it runs collectives),
-    before the current batch's update.
+    before the current batch's update. Two steps, so that the masks' small exchange travels
+    while something else is awaited: the constructor starts it; `send()` waits for it and
+    starts the early rows' exchanges (one per micro-batch).
 
     Args:
-        output: the module's OutputDist; group: its process group.
+        output: the module's OutputDist; group: its process group; device: the module's.
         weights: the owner's row-exchange shards (its local row groups, in order).
         next_rows: the owner's requests of the next batch (its LookupInput's RowInput, on the
             module's device); current_rows: the current batch's.
@@ -81,11 +83,11 @@ class EarlyRows:
             stale read, for tests).
     """
 
-    def __init__(self, output: OutputDist, group, weights: Sequence[torch.Tensor],
-                 next_rows: RowInput, current_rows: RowInput, row_bags: RowBags,
-                 hold_changed: bool = True):
+    def __init__(self, output: OutputDist, group, device: torch.device,
+                 weights: Sequence[torch.Tensor], next_rows: RowInput, current_rows: RowInput,
+                 row_bags: RowBags, hold_changed: bool = True):
         layout = output.layout
-        self.output = output
+        self.output, self.device = output, device
         self.num_micro = len(row_bags.micro)
         world = layout.world_size
         # Owner: which requests come late (this batch read them) and the early/late split.
@@ -104,12 +106,24 @@ class EarlyRows:
                     send[s].append((k, g, mask[start: start + n]))
                     start += n
         send_flat = [torch.cat([m for _, _, m in sorted(pieces, key=lambda p: (p[0], p[1]))])
-                     if pieces else torch.empty(0, dtype=torch.bool, device=_device(late))
+                     if pieces else torch.empty(0, dtype=torch.bool, device=device)
                      for pieces in send]
         counts = row_bags.counts  # [G, M] this rank's unique rows per global group
         recv_sizes = [int(counts[output.group_base[o]: output.group_base[o + 1]].sum())
                       for o in range(world)]
-        received = _exchange_masks(send_flat, recv_sizes, group, _device(late))
+        self._counts = counts
+        self._masks_in_flight = _MasksInFlight(send_flat, recv_sizes, group, device)
+        output.stats.rows_sent_early += sum(ids.numel() for ids in self.early_input.ids)
+        output.stats.rows_sent_late += sum(ids.numel() for ids in self.late_input.ids)
+        self._weights = weights
+        self._early: List = []
+
+    def send(self) -> None:
+        """Waits for the masks and starts the early rows' exchanges (once)."""
+        if self._masks_in_flight is None:
+            return
+        output, counts, world = self.output, self._counts, self.output.layout.world_size
+        received, self._masks_in_flight = self._masks_in_flight.wait(), None
         # Per (global group, micro-batch): this rank's late mask of its rows from that group.
         self.masks: List[List[torch.Tensor]] = [[None] * self.num_micro
                                                for _ in range(counts.shape[0])]
@@ -125,15 +139,10 @@ class EarlyRows:
                                    dtype=torch.int64).reshape(counts.shape)
         self.late_counts = late_counts
         self.early_counts = counts - late_counts
-        self.rows_early = int(sum(ids.numel() for ids in self.early_input.ids))
-        self.rows_late = int(sum(ids.numel() for ids in self.late_input.ids))
-        # The early rows leave now, one exchange per micro-batch.
         early_values = [w.detach().index_select(0, ids)
-                        for w, ids in zip(weights, self.early_input.ids)]
-        self._early = []
+                        for w, ids in zip(self._weights, self.early_input.ids)]
         sources = [0] * world
-        empty = early_values[0].new_empty((0, 0)) if early_values else \
-            torch.empty((0, 0), device=_device(late))
+        empty = torch.empty((0, 0), device=self.device)
         for k in range(self.num_micro):
             message = output.receive_layout(0, None, k, counts=self.early_counts)
             handle, _, _ = output.start(empty, sources, message, early_values, self.early_input)
@@ -142,6 +151,7 @@ class EarlyRows:
     def late_message(self, message: Message) -> Message:
         """What this rank receives after the update in `message`'s exchange: the pooled rows
         and the late rows."""
+        self.send()
         return self.output.receive_layout(message.batch, None, message.micro_batch,
                                           counts=self.late_counts)
 
@@ -153,6 +163,7 @@ class EarlyRows:
         """Waits for the early rows of `message`'s exchange and lays them out with the late
         exchange's rows (late_received) as one message: -> [message.total / wire_row_dim,
         wire_row_dim], what the exchange without early rows would have received."""
+        self.send()
         k = message.micro_batch
         handle, early_message = self._early[k]
         early = handle.wait().reshape(-1)
@@ -172,32 +183,40 @@ class EarlyRows:
         return full.view(-1, self.output.row_dim)
 
     def wait(self) -> None:
-        """Waits for every early exchange not merged yet (a step that ends without using
-        them leaves no collective in flight)."""
+        """Waits for every exchange not used yet (dropped early rows leave no collective in
+        flight)."""
+        if self._masks_in_flight is not None:
+            self._masks_in_flight.wait()
+            self._masks_in_flight = None
+            return
         for entry in self._early:
             if entry is not None:
                 entry[0].wait()
         self._early = [None] * self.num_micro
 
 
-def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
-    return tensors[0].device if tensors else torch.device("cpu")
+class _MasksInFlight:
+    """The late masks on their way to the ranks that asked (one byte per row, through the
+    CPU: they are small, and gloo carries uint8); wait() -> per owner, this rank's masks from
+    it (bool, on `device`)."""
 
+    def __init__(self, send: List[torch.Tensor], recv_sizes: List[int], group,
+                 device: torch.device):
+        self._sizes, self._device = recv_sizes, device
+        if len(send) == 1:
+            self._out, self._work = send[0].to("cpu", torch.uint8), None
+            return
+        self._out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        data = torch.cat([m.to("cpu", torch.uint8) for m in send])
+        self._work = dist.all_to_all_single(
+            self._out, data, output_split_sizes=recv_sizes,
+            input_split_sizes=[m.numel() for m in send], group=group, async_op=True)
 
-def _exchange_masks(send: List[torch.Tensor], recv_sizes: List[int], group,
-                    device: torch.device) -> List[torch.Tensor]:
-    """The late masks to the ranks that asked (one byte per row, through the CPU: they are
-    small, and gloo carries them where the ids go) -> per owner, this rank's masks from it
-    (bool, on `device`)."""
-    world = len(send)
-    if world == 1:
-        return [send[0].to(device)]
-    out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-    data = torch.cat([m.to("cpu", torch.uint8) for m in send])
-    dist.all_to_all_single(out, data, output_split_sizes=recv_sizes,
-                           input_split_sizes=[m.numel() for m in send], group=group)
-    pieces, start = [], 0
-    for n in recv_sizes:
-        pieces.append(out[start: start + n].to(device, torch.bool))
-        start += n
-    return pieces
+    def wait(self) -> List[torch.Tensor]:
+        if self._work is not None:
+            self._work.wait()
+        pieces, start = [], 0
+        for n in self._sizes:
+            pieces.append(self._out[start: start + n].to(self._device, torch.bool))
+            start += n
+        return pieces

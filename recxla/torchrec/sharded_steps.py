@@ -157,16 +157,18 @@ class ShardedSteps:
 
     def start_early_rows(self, next_input: LookupInput, current_input: LookupInput,
                          row_bags: RowBags, hold_changed: bool = True) -> Optional[EarlyRows]:
-        """Sends the next batch's row-exchange rows that the current batch's update leaves as
-        they are (early_rows.py), before that update: next_input / current_input: the two
-        batches' LookupInputs on the module's device; row_bags: this rank's bags of the next
-        batch. Collective: every rank of the group calls it at the same point. -> the
-        EarlyRows to hand the next batch's window (None without row-exchange tables).
+        """Starts sending the next batch's row-exchange rows that the current batch's update
+        leaves as they are (early_rows.py), before that update: the masks of which rows come
+        late leave now, the rows at the result's `send()`. next_input / current_input: the
+        two batches' LookupInputs on the module's device; row_bags: this rank's bags of the
+        next batch. Collective: every rank of the group calls it, and send(), at the same
+        point. -> the EarlyRows to hand the next batch's window (None without row-exchange
+        tables).
         hold_changed=False sends the rows the update changes early too: a planted stale read,
         for tests."""
         if not self.exchanges_rows:
             return None
-        return EarlyRows(self.parts.output, self.parts.env.process_group,
+        return EarlyRows(self.parts.output, self.parts.env.process_group, self.parts.device,
                          self.parts.tables.row_weights, next_input.rows, current_input.rows,
                          row_bags, hold_changed)
 

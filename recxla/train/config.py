@@ -198,6 +198,11 @@ class TrainConfig:
         True, "apply each batch's dense update at the next batch's first dense forward, so "
         "its all-reduce travels during the next batch's lookup and all-to-alls (no stale "
         "read; checkpoints and evaluation see every update)", group=_O, applies=RECXLA)
+    early_rows: bool = option(
+        True, "with --dbp: the next batch's row-exchange rows that this batch's update leaves "
+        "as they are leave before it, during this batch's dense forward and backward; only the "
+        "rows this batch read wait for the update (bit for bit the same step: "
+        "recxla.torchrec.early_rows)", group=_O, applies=RECXLA)
     trace: Optional[str] = option(
         None, "write a Chrome trace (chrome://tracing, Perfetto) of every rank's steps: "
         "compute, waits and collectives", group=_O, applies=RECXLA, metavar="PATH")

@@ -176,7 +176,7 @@ def make_pipeline(config, device, meter, sharded: Sharded) -> Tuple[object, Opti
                          dbp_lookup=config.dbp_lookup, dense_allreduce=config.dense_allreduce,
                          dense_allreduce_nodes=sharded.dense_nodes,
                          defer_dense_update=config.defer_dense_update,
-                         timeline=timeline, phase=meter.phase), timeline
+                         early_rows=config.early_rows, timeline=timeline, phase=meter.phase), timeline
 
 
 def train_loop(config, conn, watchdog, meter, data, sharded, pipeline, start) -> Measured:
@@ -339,7 +339,7 @@ def _comm_stats(modules) -> dict:
         stats = m.comm_stats
         for name in ("id_bytes_sent", "id_bytes_received", "id_bytes_without_dedup",
                      "embedding_bytes_sent", "embedding_bytes_received", "gradient_bytes_sent",
-                     "gradient_bytes_received"):
+                     "gradient_bytes_received", "rows_sent_early", "rows_sent_late"):
             if hasattr(stats, name):
                 out[name] = out.get(name, 0) + int(getattr(stats, name))
     return out
