@@ -10,7 +10,7 @@ The data is the trainer's synthetic data as the cluster benchmark trains it (ben
 run_train's TRAIN_ARGS: batch 1024 per rank, tables of at most 100k rows), `--ranks` ranks'
 batches per step. Which tables the trainer exchanges as rows is its own choice
 (recxla.torchrec.choose_row_tables on rank 0's sample). The report replaces the section
-"## Early rows: what could leave before the update" of bench/results/training.md and the JSON
+"### What could leave before the update" of bench/results/training.md and the JSON
 (default bench/results/early_rows.json) keeps the figures. --report '' / --json '' write
 nothing there; `main([...])` returns the results dict.
 """
@@ -28,7 +28,7 @@ if _ROOT not in sys.path:
 
 from bench.bench_data_pipeline import cpu_model  # noqa: E402
 
-SECTION = "## Early rows: what could leave before the update"
+SECTION = "### What could leave before the update"
 
 
 def measure(args) -> dict:
@@ -60,7 +60,7 @@ def measure(args) -> dict:
                            if r["row_exchange"])
     return {
         "date": datetime.date.today().isoformat(), "machine": cpu_model(),
-        "command": "bench/bench_early_rows.py " + " ".join(args.argv),
+        "command": " ".join(["bench/bench_early_rows.py", *args.argv]),
         "ranks": args.ranks, "steps": args.steps, "batch_size": args.batch_size,
         "tables": rows,
         "row_tables_early_share": early_row_values / row_values if row_values else 0.0,
@@ -101,7 +101,7 @@ def replace_section(path: str, text: str) -> None:
     if SECTION in old:
         start = old.index(SECTION)
         rest = old[start + len(SECTION):]
-        end = rest.find("\n## ")
+        end = rest.find("\n#")
         tail = rest[end + 1:] if end >= 0 else ""
         new = old[:start] + text + ("\n" + tail if tail else "")
     else:

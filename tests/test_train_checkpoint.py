@@ -44,9 +44,12 @@ def _load(folder, tmp_path, name):
 # looked up before this step's update and corrected, while a resumed run looks it up after the
 # update; the pipeline makes the lookup after a checkpoint the resumed run's.
 # FP8 dense all-reduce: its error-feedback residuals are saved per rank and resume with it,
-# on recxla's pipeline and as the DDP hook on TorchRec's.
+# on recxla's pipeline and as the DDP hook on TorchRec's. Early rows: the pipeline runs two
+# batches ahead and the next batch's rows left before the checkpoint; the resumed run sends
+# them after the update, with the same values.
 SCHEDULES = {"default": [], "early lookup, 2 micro-batches": ["--dbp-lookup", "early",
                                                                "--micro-batches", "2"],
+             "early rows": ["--early-rows"],
              "fp8 dense all-reduce": ["--dense-allreduce", "fp8"],
              "fp8 dense all-reduce, torchrec": ["--baseline", "torchrec", "--dense-allreduce",
                                                 "fp8"]}
@@ -70,6 +73,8 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
     ranks = launch_ranks([*args, "--steps", "8", "--checkpoint-dir", str(b), "--resume"],
                          tmp_path)
     assert "steps 4..8" in ranks[0].output()
+    if "--early-rows" in args:  # rows did leave early in the resumed run
+        assert "of the row-exchange rows left before the update" in ranks[0].output()
 
     at4 = _load(checkpoint.checkpoint_path(str(a), 4), tmp_path, "a4")
     end_a = _load(checkpoint.checkpoint_path(str(a), 8), tmp_path, "a8")

@@ -25,9 +25,10 @@ One batch n, split into M micro-batches (see micro_batches.py), on every rank:
           tables it reads are then the ones the sequential loop would read. On a GPU its
           dense fields (when it is split) and decoded ids (when decoded) go to the device on a
           copy stream, under this batch's kernels (copy_stream.py).
-    E(n+1)    early rows (early_rows=True): the next batch's ids decoded before D(0) instead,
-          and its row-exchange rows that U(n) leaves as they are sent then, during D(0) ..
-          D(M-1) (recxla.torchrec.early_rows); its O(k) carries the rest.
+    E(n+1)    early rows (early_rows=True): DBP runs two batches ahead (batch n+1 decoded during
+          step n-1, batch n+2 loaded in step n); the masks of batch n+1's row-exchange rows
+          leave with O(0), and before D(0) its rows that U(n) leaves as they are, travelling
+          during D(0) .. D(M-1) (recxla.torchrec.early_rows); its O(k) carries the rest.
 
 Every step equals the sequential step (model forward, backward, optimizer) on the same batch up
 to the order of float additions: same weights read, same gradients summed, one update.
@@ -115,9 +116,9 @@ class TrainPipeline:
             forward reads the dense weights), but between two progress calls the dense
             weights lag one update: call flush() before reading them outside the pipeline
             (detach() and an eval-mode progress flush on their own).
-        early_rows: with dbp, decode the next batch's ids before this batch's first dense
-            forward and send its row-exchange rows that this batch's update leaves as they
-            are (recxla.torchrec.early_rows) then, so they travel during the dense forward
+        early_rows: with dbp, run two batches ahead and send the next batch's row-exchange
+            rows that this batch's update leaves as they are (recxla.torchrec.early_rows)
+            before this batch's first dense forward, so they travel during the dense forward
             and backward; only the rows this batch read wait for the update. Bit for bit the
             same step. Between two progress calls the model may change only after detach().
         timeline: a Timeline to record spans into (None: none recorded).

@@ -199,10 +199,13 @@ class TrainConfig:
         "its all-reduce travels during the next batch's lookup and all-to-alls (no stale "
         "read; checkpoints and evaluation see every update)", group=_O, applies=RECXLA)
     early_rows: bool = option(
-        True, "with --dbp: the next batch's row-exchange rows that this batch's update leaves "
+        False, "with --dbp: the next batch's row-exchange rows that this batch's update leaves "
         "as they are leave before it, during this batch's dense forward and backward; only the "
         "rows this batch read wait for the update (bit for bit the same step: "
-        "recxla.torchrec.early_rows)", group=_O, applies=RECXLA)
+        "recxla.torchrec.early_rows). Pays where the link binds (50 Mbit/s: 1.035x the "
+        "examples/s), costs where the CPU does (200 Mbit/s: 0.92-0.94x; "
+        "bench/results/training.md)", group=_O,
+        applies=RECXLA)
     trace: Optional[str] = option(
         None, "write a Chrome trace (chrome://tracing, Perfetto) of every rank's steps: "
         "compute, waits and collectives", group=_O, applies=RECXLA, metavar="PATH")
