@@ -343,7 +343,7 @@ class TrainPipeline:
             if k == 0 and early_rows:
                 # The masks travelled with O(0): the early rows leave now, during this batch's
                 # dense forward and backward.
-                with self._span("early rows", "input"):
+                with self._span("early rows", "forward"):
                     for rows in early_rows:
                         rows.send()
             if k == 0 and fresh:
@@ -435,7 +435,8 @@ class TrainPipeline:
         if not self._early_rows or following is None or not _decoded(following):
             return []
         started = []
-        with self._span("early rows", "input"):
+        # Their bytes and time are the forward embeddings' (the meter files them there).
+        with self._span("early rows", "forward"):
             for w, state in zip(windows, following.inputs):
                 if state.row_bags is None:
                     continue

@@ -32,6 +32,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from recxla.distributed import traffic
 from recxla.torchrec.output_dist import Message, OutputDist
 from recxla.torchrec.row_exchange import RowBags, RowInput
 
@@ -274,9 +275,10 @@ class _MasksInFlight:
             self._out, self._work = data, None
             return
         self._out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        self._work = dist.all_to_all_single(
-            self._out, data, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
-            group=group, async_op=True)
+        with traffic.carrying("ids"):  # metadata of the rows, as the ids are
+            self._work = dist.all_to_all_single(
+                self._out, data, output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
+                group=group, async_op=True)
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
