@@ -61,13 +61,15 @@ def _early_rows_body(rank, world, seed, fwd, bwd, steps, batch, options):
     of every state tensor, outputs equal, rows sent early, rows sent late, rows requested)."""
     from recxla.pipeline import TrainPipeline
 
+    options = dict(options)
+    row_exchange = options.pop("row_exchange")
     generator = torch.Generator().manual_seed(seed + 1)
-    _, _, configs = _build(seed, world, "table_wise", fwd, bwd, "all")
+    _, _, configs = _build(seed, world, "table_wise", fwd, bwd, row_exchange)
     batches = [dlrm._batch(configs, world * batch, generator) for _ in range(steps)]
     mine = [dlrm._slice(b, rank * batch, (rank + 1) * batch) for b in batches]
     runs = []
     for early_rows in (False, True):
-        model, dense, _ = _build(seed, world, "table_wise", fwd, bwd, "all")
+        model, dense, _ = _build(seed, world, "table_wise", fwd, bwd, row_exchange)
         pipeline = TrainPipeline(model, dense, torch.device("cpu"), early_rows=early_rows,
                                  **options)
         modules = [m for m in model.modules() if hasattr(m, "start_early_rows")]
@@ -91,12 +93,16 @@ def _early_rows_body(rank, world, seed, fwd, bwd, steps, batch, options):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("options", [dict(num_micro_batches=1),
-                                     dict(num_micro_batches=3, split="clustered")],
-                         ids=["dbp", "fwp+dbp m=3 clustered"])
+@pytest.mark.parametrize("options", [
+    dict(num_micro_batches=1, row_exchange="all"),
+    dict(num_micro_batches=3, split="clustered", row_exchange="all"),
+    dict(num_micro_batches=2, row_exchange=["t0"], dbp_lookup="early")],
+    ids=["dbp, rows", "fwp+dbp m=3 clustered, rows", "fwp+dbp m=2, pooled and rows"])
 def test_early_rows_are_bit_for_bit_the_step_without_them(seed, options):
-    """FP8 rows forward, e5m2 gradients: a row quantized early has the bytes it would have had
-    late, so weights, optimizer state and outputs are equal, not close."""
+    """FP8 rows forward, e5m2 gradients: a row or bag quantized early has the bytes it would
+    have had late, so weights, optimizer state and outputs are equal, not close. (A late bag
+    is the early lookup corrected: against DBP's early lookup, which corrects every bag the
+    same way, pooled tables are bit for bit too.)"""
     results = run_distributed(_early_rows_body, world_size=2,
                               args=(seed, "e4m3", "e5m2", 6, 9, options), timeout=300)
     for rank, (difference, same_outputs, early, late) in enumerate(results):

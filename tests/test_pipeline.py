@@ -68,10 +68,12 @@ def _pipeline_body(rank, world, seed, configurations, steps, batch, kind, fwd, b
     for name, options in configurations.items():
         options = dict(options)
         correct = options.pop("correct", True)
+        hold_changed = options.pop("hold_changed", True)
         model, dense, _ = build(options.pop("row_exchange", "off"))
         timeline = Timeline()
         pipeline = TrainPipeline(model, dense, torch.device("cpu"), timeline=timeline, **options)
         pipeline._correct_early_lookups = correct
+        pipeline._hold_changed_rows = hold_changed
         data, trained, outputs = iter(mine), 0, []
         while True:
             try:
@@ -116,6 +118,7 @@ CONFIGURATIONS = {
     "sequential, row exchange": dict(num_micro_batches=1, overlap=False, dbp=False,
                                      row_exchange="all"),
     "dbp, early rows": dict(num_micro_batches=1, row_exchange="all", early_rows=True),
+    "fwp+dbp m=2, early rows, pooled tables": dict(num_micro_batches=2, early_rows=True),
     "fwp+dbp m=3, early rows, deferred dense update": dict(
         num_micro_batches=3, row_exchange=["t0", "t2"], early_rows=True,
         defer_dense_update=True),
@@ -155,13 +158,14 @@ def test_pipeline_on_one_rank_equals_sequential_loop(seed):
 
 
 def test_planted_stale_read_is_caught(seed):
-    """The early DBP lookup without its correction, and early rows that include the rows the
-    update changes, read rows the previous update changed: the comparison with the sequential
-    loop fails by far more than rounding."""
+    """The early DBP lookup without its correction, and early rows that send the rows and bags
+    the update changes early too, read rows the previous update changed: the comparison with
+    the sequential loop fails by far more than rounding."""
     stale = {"stale": dict(num_micro_batches=2, dbp_lookup="early", correct=False),
              "corrected": dict(num_micro_batches=2, dbp_lookup="early"),
              "stale rows": dict(num_micro_batches=2, row_exchange="all", early_rows=True,
-                                correct=False),
+                                hold_changed=False),
+             "stale bags": dict(num_micro_batches=2, early_rows=True, hold_changed=False),
              "held rows": dict(num_micro_batches=2, row_exchange="all", early_rows=True)}
     results = run_distributed(_pipeline_body, world_size=2,
                               args=(seed, stale, 4, 6, "table_wise", "fp32", "fp32"),
@@ -169,7 +173,7 @@ def test_planted_stale_read_is_caught(seed):
     for rank, per_config in enumerate(results):
         for name in ("corrected", "held rows"):
             assert per_config[name][1] <= 1e-5, (rank, name, per_config[name])
-        for name in ("stale", "stale rows"):
+        for name in ("stale", "stale rows", "stale bags"):
             assert per_config[name][1] > 1e-3, (rank, name, per_config[name])
 
 

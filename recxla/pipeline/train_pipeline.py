@@ -162,8 +162,10 @@ class TrainPipeline:
         self._dbp = dbp
         self._split = split
         self._dbp_lookup = dbp_lookup
-        # Tests turn this off to plant a stale read and show that the checks catch it.
+        # Tests turn these off to plant a stale read and show that the checks catch it: the
+        # early lookup's correction, and early rows holding back what the update changes.
         self._correct_early_lookups = True
+        self._hold_changed_rows = True
         self._defer_dense_update = defer_dense_update
         self._early_rows = early_rows and dbp
         self._dense_update_pending = False
@@ -384,6 +386,8 @@ class TrainPipeline:
                 # before this update; FrozenWindow corrects the rows the update changes.
                 with self._span("early lookup", "input"):
                     for w, state in zip(windows, following.inputs):
+                        if state.early is not None:
+                            continue  # made at this step's start (early rows)
                         arrive_lookup(state)
                         state.lookup_input = w.module.to_device(state.lookup_input)
                         state.early = w.module.early_lookup(state.lookup_input, w.input)
@@ -428,9 +432,10 @@ class TrainPipeline:
         return fresh
 
     def _start_early_rows(self, windows: List[FrozenWindow]) -> list:
-        """Early rows: the next batch, decoded in an earlier step, gets its row-exchange rows
-        that this update leaves as they are; their masks leave now, with O(0), the rows at
-        D(0) (-> the EarlyRows to send then)."""
+        """Early rows: the next batch, decoded in an earlier step, is looked up now (its early
+        lookup, corrected after this update) and its cells that this update leaves as they are
+        are found; their masks leave now, with O(0), the cells at D(0) (-> the EarlyRows to
+        send then)."""
         following = self._ahead[0] if self._ahead else None
         if not self._early_rows or following is None or not _decoded(following):
             return []
@@ -438,15 +443,14 @@ class TrainPipeline:
         # Their bytes and time are the forward embeddings' (the meter files them there).
         with self._span("early rows", "forward"):
             for w, state in zip(windows, following.inputs):
-                if state.row_bags is None:
-                    continue
                 arrive_lookup(state)
                 state.lookup_input = w.module.to_device(state.lookup_input)
+                state.early = w.module.early_lookup(state.lookup_input, w.input)
+                row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
                 state.early_rows = w.module.start_early_rows(
-                    state.lookup_input, w.input, state.row_bags.to(self._device),
-                    self._correct_early_lookups)
-                if state.early_rows is not None:
-                    started.append(state.early_rows)
+                    state.lookup_input, w.input, row_bags, state.early,
+                    self._hold_changed_rows)
+                started.append(state.early_rows)
         return started
 
     def _exchange_gradients(self, windows: List[FrozenWindow], embeddings, k: int) -> None:

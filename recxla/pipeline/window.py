@@ -37,8 +37,8 @@ class FrozenWindow:
         early: the pooled lookup when it already ran before the previous batch's update
             (DBP); None: the window looks up now.
         correct: apply the early lookup's correction (False plants a stale read, for tests).
-        early_rows: the row-exchange rows sent before the previous batch's update (DBP's
-            early rows); the exchanges then carry only the rest.
+        early_rows: the cells sent before the previous batch's update (DBP's early rows:
+            recxla.torchrec.early_rows); the exchanges then carry only the rest.
     """
 
     def __init__(self, module, lookup_input: LookupInput, bag_lengths: Optional[torch.Tensor],
@@ -70,13 +70,6 @@ class FrozenWindow:
         self._messages = [module.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
         self.early_rows = early_rows
-        if early_rows is not None:
-            self._sent_messages = [early_rows.late_message(m) for m in self._messages]
-            self._sent_rows, self._sent_input = early_rows.late_rows(self.rows), \
-                early_rows.late_input
-        else:
-            self._sent_messages = self._messages
-            self._sent_rows, self._sent_input = self.rows, lookup_input.rows
         self._sent = [None] * self.num_micro
         self._returning = [None] * self.num_micro
 
@@ -101,8 +94,11 @@ class FrozenWindow:
         start = self.input.micro_batch_start(k)
         sources = self.input.micro_batch_rows(k)
         pooled = self.pooled[start: start + sum(sources)]
-        self._sent[k] = self.module.start_output(pooled, sources, self._sent_messages[k],
-                                                 self._sent_rows, self._sent_input)
+        if self.early_rows is not None:  # the rest of the message: its late cells
+            self._sent[k] = (self.early_rows.start_late(k, self.pooled, self.rows), None, None)
+        else:
+            self._sent[k] = self.module.start_output(pooled, sources, self._messages[k],
+                                                     self.rows, self.input.rows)
 
     def receive_output(self, k: int) -> KeyedTensor:
         """Waits for O(k); -> this rank's micro-batch k embeddings, a leaf that requires grad

@@ -14,9 +14,10 @@ class CommStats:
         sends them: every id in the batch's id dtype, lengths in theirs, weights as float32.
     embedding_bytes_*: pooled embeddings in the forward output all-to-all (wire format `fwd`).
     gradient_bytes_*: their gradients in the backward all-to-all (wire format `bwd`).
-    rows_sent_early / rows_sent_late: row-exchange rows an owner sent before the previous
-        batch's update (early rows: recxla.torchrec.early_rows) / after it, counted where early
-        rows run (to every rank, itself included).
+    rows_sent_early / rows_sent_late: the forward message's cells (pooled bags and
+        row-exchange rows) an owner sent before the previous batch's update (early rows:
+        recxla.torchrec.early_rows) / after it, counted where early rows run (to every rank,
+        itself included).
     steps: forward calls counted.
     """
 

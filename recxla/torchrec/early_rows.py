@@ -1,29 +1,32 @@
-"""Early rows: the next batch's row-exchange rows that this batch's update leaves as they are,
-sent before the update.
+"""Early rows: the next batch's embedding rows that this batch's update leaves as they are, sent
+before the update.
 
-An owner of row-exchange tables (row_exchange.py) sends each rank the unique rows its bags
-read. This batch's update changes exactly the rows this batch read (every rank's requests of
-the batch, at this owner); every other row the next batch reads already holds the value it
-will have after the update. So, once the next batch's ids are decoded, the owner splits each
-rank's requests of the next batch:
+What an owner sends a rank in one exchange (output_dist.py) is rows: per sample its pooled
+bags, one per slot (the slot's columns), then its row groups' unique rows. This batch's update
+changes exactly the rows of the tables this batch read (every rank's requests of the batch, at
+this owner), so once the next batch's ids are decoded and its pooled tables looked up (before
+the update, as DBP's early lookup does: early_lookup.py), the owner splits the next batch's
+message, cell by cell:
 
-    early  rows this batch did not read: final now, sent while this batch's dense forward and
-           backward run (a link otherwise idle then);
-    late   rows this batch read: sent after the update, with the pooled rows, as every row was
-           before.
+    early  a row-exchange row this batch did not read, or a pooled bag none of whose rows this
+           batch read: its value is final now, and it leaves while this batch's dense forward
+           and backward run (a link otherwise idle then);
+    late   the others: sent after the update, as every cell was before (a late bag's value is
+           the early lookup corrected for the rows the update changed).
 
-Each row travels once, early or late, with the same bytes it had in one message (rows are
-quantized one by one, a scale per wire row): the receiver puts both parts back into the one
-message's layout, and the step is bit for bit the step without early rows. The receiver learns
-which of its rows come late from a mask the owner sends first (one byte per requested row;
-the rows themselves are cols / wire_row_dim wire rows of wire_row_dim values each).
+Each cell travels once, early or late, in the bytes it has in one message (the wire quantizes
+each wire row on its own, with its own scale): the receiver puts both parts back into the one
+message's layout. Every early cell and every late row is bit for bit what the message without
+early rows would carry; a late bag equals it to float rounding (the early lookup's
+correction). The receiver learns which cells come late from masks the owner sends first (a
+byte per pooled bag and per requested row).
 
-What pays on the trainer's Zipf data (bench/results/training.md, "Early rows"): the hot rows
-are read by every batch, so they come late; the tail comes early (48% of the row tables'
-values). Pooled tables get no early send: a bag is a sum over its rows, and on that data 94%
-and 100% of the two pooled tables' next bags hold a row the update changes, so a correction of
-the changed bags would cost as many bytes after the update as it saved before it
-(recxla.planner.early_send measures both shares on a user's data).
+What pays depends on the data (`recxla.planner.early_send` measures it per table;
+bench/results/training.md, "Early rows"): on the trainer's Zipf data the hot rows are read by
+every batch, so they come late and the tail comes early (48% of the row tables' values), while
+94% and 100% of the two pooled tables' next bags hold a row the update changes; with uniform
+keys nearly every bag is early. The bytes are the same either way (plus the masks): only when
+they travel changes.
 """
 
 from itertools import accumulate
@@ -33,8 +36,11 @@ import torch
 import torch.distributed as dist
 
 from recxla.distributed import traffic
+from recxla.torchrec.input_dist import LookupInput
 from recxla.torchrec.output_dist import Message, OutputDist
 from recxla.torchrec.row_exchange import RowBags, RowInput
+from recxla.torchrec.sharded_parts import PooledTables
+
 
 def split_requests(rows: RowInput, late: torch.Tensor) -> Tuple[RowInput, RowInput]:
     """rows: the owner's requests; late: bool [sum_g R_g], rows.ids concatenated, the requests
@@ -64,15 +70,61 @@ def split_requests(rows: RowInput, late: torch.Tensor) -> Tuple[RowInput, RowInp
             RowInput(list(late_ids.split(late_totals)), late_counts))
 
 
-def _runs_index(starts: Sequence[int], lengths: Sequence[int], device) -> torch.Tensor:
-    """The positions of the runs [start, start + length) one after another."""
-    lengths_t = torch.tensor(list(lengths), dtype=torch.int64, device=device)
-    total = int(sum(lengths))
-    before = torch.tensor(list(accumulate(lengths, initial=0))[:-1], dtype=torch.int64,
-                          device=device)
-    shift = torch.tensor(list(starts), dtype=torch.int64, device=device) - before
-    return torch.arange(total, device=device) + torch.repeat_interleave(shift, lengths_t,
-                                                                        output_size=total)
+def late_bags(next_input: LookupInput, current_input: LookupInput,
+              tables: PooledTables) -> torch.Tensor:
+    """bool [B, S]: bag (sample b, slot j) of next_input holds a row of slot j's table that
+    current_input read (the owner's pooled lookups, samples in LookupInput order)."""
+    batch, slots = next_input.batch_size, len(tables.slot_table)
+    device = next_input.offsets.device
+    if not slots or not batch:
+        return torch.zeros((batch, slots), dtype=torch.bool, device=device)
+    read = _rows_read(current_input.unique_values, current_input.unique_bounds,
+                      [w.shape[0] for w in tables.weights], device)
+    base = torch.tensor(list(accumulate((w.shape[0] for w in tables.weights), initial=0))[:-1],
+                        dtype=torch.int64, device=device)
+    lengths = next_input.offsets.diff()
+    total = int(next_input.inverse.numel())
+    bag = torch.repeat_interleave(torch.arange(slots * batch, device=device), lengths,
+                                  output_size=total)
+    table = torch.tensor(list(tables.slot_table), dtype=torch.int64,
+                         device=device).index_select(0, bag // batch)
+    ids = next_input.unique_values.index_select(0, next_input.inverse)
+    hits = read.index_select(0, ids + base.index_select(0, table)).to(torch.int32)
+    per_bag = torch.zeros(slots * batch, dtype=torch.int32, device=device).index_add_(0, bag,
+                                                                                     hits)
+    return (per_bag > 0).view(slots, batch).t()
+
+
+def _rows_read(values: torch.Tensor, bounds: Sequence[int], table_rows: Sequence[int],
+               device: torch.device) -> torch.Tensor:
+    """One flag per row of the tables (concatenated): read by `values` (unique ids, table by
+    table, cut by `bounds`). Linear, where an isin would sort."""
+    base = list(accumulate(table_rows, initial=0))
+    sizes = [bounds[t + 1] - bounds[t] for t in range(len(table_rows))]
+    read = torch.zeros(base[-1], dtype=torch.bool, device=device)
+    if sum(sizes):
+        shift = torch.repeat_interleave(
+            torch.tensor(base[:-1], dtype=torch.int64, device=device),
+            torch.tensor(sizes, dtype=torch.int64, device=device), output_size=sum(sizes))
+        read[values[bounds[0]: bounds[len(table_rows)]].to(torch.int64) + shift] = True
+    return read
+
+
+def _late_requests(next_ids: Sequence[torch.Tensor], current_ids: Sequence[torch.Tensor],
+                   table_rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """bool per request of next_ids (concatenated): the current batch requested that row of
+    that group too."""
+    if not next_ids:
+        return torch.zeros(0, dtype=torch.bool, device=device)
+    current = [i.to(torch.int64) for i in current_ids]
+    read = _rows_read(torch.cat(current), list(accumulate((i.numel() for i in current),
+                                                          initial=0)), table_rows, device)
+    base = torch.tensor(list(accumulate(table_rows, initial=0))[:-1], dtype=torch.int64,
+                        device=device)
+    sizes = [i.numel() for i in next_ids]
+    shift = torch.repeat_interleave(base, torch.tensor(sizes, dtype=torch.int64, device=device),
+                                    output_size=sum(sizes))
+    return read.index_select(0, torch.cat(next_ids).to(torch.int64) + shift)
 
 
 class EarlyRows:
@@ -80,156 +132,213 @@ class EarlyRows:
     module's `start_early_rows` step, on every rank of the group at once (it runs collectives),
     before the current batch's update. Two steps, so that the masks' small exchange travels
     while something else is awaited: the constructor starts it; `send()` waits for it and
-    starts the early rows' exchanges (one per micro-batch). Every step is a few vectorized ops
-    over all row groups at once: the steps run on the training step's path.
+    starts the early cells' exchanges (one per micro-batch). After the update, `start_late`
+    sends the rest of each exchange and `merge` lays the two parts out as the one message.
+    Every step is a few vectorized ops over all slots and row groups at once: they run on the
+    training step's path.
 
     Args:
         output: the module's OutputDist; group: its process group; device: the module's.
-        weights: the owner's row-exchange shards (its local row groups, in order).
-        next_rows: the owner's requests of the next batch (its LookupInput's RowInput, on the
-            module's device); current_rows: the current batch's.
-        row_bags: this rank's bags of row-exchange tables of the next batch (its counts: what
-            it asked each owner for).
-        hold_changed: False sends every row early, those the update changes too (a planted
+        tables: the owner's pooled tables; early_pooled: the next batch's pooled lookup before
+            the update (float32 [B, D_owner], detached; early_lookup.py).
+        row_weights: the owner's row-exchange shards (its local row groups, in order).
+        next_input: the owner's LookupInput of the next batch (on the module's device);
+            current_input: the current batch's.
+        row_bags: this rank's bags of row-exchange tables of the next batch (None without
+            row-exchange tables).
+        hold_changed: False sends every cell early, those the update changes too (a planted
             stale read, for tests).
     """
 
-    def __init__(self, output: OutputDist, group, device: torch.device,
-                 weights: Sequence[torch.Tensor], next_rows: RowInput, current_rows: RowInput,
-                 row_bags: RowBags, hold_changed: bool = True):
+    def __init__(self, output: OutputDist, group, device: torch.device, tables: PooledTables,
+                 early_pooled: torch.Tensor, row_weights: Sequence[torch.Tensor],
+                 next_input: LookupInput, current_input: LookupInput,
+                 row_bags: Optional[RowBags], hold_changed: bool = True):
+        layout = output.layout
         self.output, self.device = output, device
-        self.num_micro = len(row_bags.micro)
-        world = output.layout.world_size
-        # Owner: which requests come late (this batch read them), all groups in one isin.
-        late = _late_requests(next_rows.ids, current_rows.ids, [w.shape[0] for w in weights],
-                              device) if hold_changed else \
-            torch.zeros(sum(i.numel() for i in next_rows.ids), dtype=torch.bool, device=device)
-        self.early_input, self.late_input = split_requests(next_rows, late)
+        world, me, row_dim = layout.world_size, layout.rank, output.row_dim
+        self.sizes = next_input.micro_batch_sizes  # [W][M] samples per source and micro-batch
+        self.num_micro = len(self.sizes[me])
+        next_rows = next_input.rows if next_input.rows is not None else RowInput([], [])
+        current_rows = current_input.rows if current_input.rows is not None else \
+            RowInput([], [])
+        # Owner: the late pooled bags, as flags per wire row of the pooled block, and the late
+        # requests of the row groups.
+        if hold_changed:
+            bags = late_bags(next_input, current_input, tables)
+            rows = _late_requests(next_rows.ids, current_rows.ids,
+                                  [w.shape[0] for w in row_weights], device)
+        else:
+            bags = torch.zeros((next_input.batch_size, len(tables.slot_table)),
+                               dtype=torch.bool, device=device)
+            rows = torch.zeros(sum(i.numel() for i in next_rows.ids), dtype=torch.bool,
+                               device=device)
+        self._late_bags = bags
+        self._late_wire = _wire_flags(bags, layout.slot_cols(me), row_dim)
+        self._early_pooled = early_pooled
+        self.early_input, self.late_input = split_requests(next_rows, rows)
+        positions = rows.nonzero().flatten()
         group_starts = list(accumulate((i.numel() for i in next_rows.ids), initial=0))
-        late_positions = late.nonzero().flatten()
-        self.late_index = list((late_positions - torch.repeat_interleave(
+        self.late_index = list((positions - torch.repeat_interleave(
             torch.tensor(group_starts[:-1], dtype=torch.int64, device=device),
-            torch.tensor([sum(map(sum, c)) for c in self.late_input.counts],
-                         dtype=torch.int64, device=device),
-            output_size=late_positions.numel())).split(
+            torch.tensor([i.numel() for i in self.late_input.ids], dtype=torch.int64,
+                         device=device), output_size=positions.numel())).split(
                 [i.numel() for i in self.late_input.ids]))
-        # The masks to the ranks that asked: per source, micro-batch by micro-batch, group by
-        # group (the runs of `late` are group by group, micro-batch by micro-batch, source by
-        # source).
+        self._early_rows = [w.detach().index_select(0, ids)
+                            for w, ids in zip(row_weights, self.early_input.ids)]
+        # The masks to the ranks that asked: per source, micro-batch by micro-batch, its bags
+        # (sample by sample, slot by slot) then its rows group by group.
         groups = len(next_rows.ids)
         run_sizes = [c for counts in next_rows.counts for per_micro in counts for c in per_micro]
         run_starts = list(accumulate(run_sizes, initial=0))
-        order = [(g * self.num_micro + k) * world + s for s in range(world)
-                 for k in range(self.num_micro) for g in range(groups)]
-        send_sizes = [sum(run_sizes[(g * self.num_micro + k) * world + s]
-                          for k in range(self.num_micro) for g in range(groups))
-                      for s in range(world)]
-        index = _runs_index([run_starts[i] for i in order], [run_sizes[i] for i in order],
-                            device)
-        counts = row_bags.counts  # [G, M] this rank's unique rows per global group
-        # Received from owner o: micro-batch by micro-batch, o's groups in turn.
-        self._recv_runs = [int(counts[g, k]) for o in range(world) for k in range(self.num_micro)
-                           for g in range(output.group_base[o], output.group_base[o + 1])]
-        recv_sizes = [int(counts[output.group_base[o]: output.group_base[o + 1]].sum())
-                      for o in range(world)]
+        bag_flat = bags.reshape(-1)
+        slots = bags.shape[1]
+        pieces, send_sizes = [], []
+        for s in range(world):
+            size = 0
+            for k in range(self.num_micro):
+                first = self._sample_start(k, s)
+                pieces.append(bag_flat[first * slots: (first + self.sizes[s][k]) * slots])
+                size += self.sizes[s][k] * slots
+                for g in range(groups):
+                    run = (g * self.num_micro + k) * world + s
+                    pieces.append(rows[run_starts[run]: run_starts[run + 1]])
+                    size += run_sizes[run]
+            send_sizes.append(size)
+        # What this rank receives from owner o, micro-batch by micro-batch: its bags of o's
+        # slots, then its rows of o's groups.
+        counts = row_bags.counts if row_bags is not None else \
+            torch.zeros((output.group_base[-1], self.num_micro), dtype=torch.int64)
         self._counts = counts
-        self._masks_in_flight = _MasksInFlight(late.index_select(0, index), send_sizes,
-                                               recv_sizes, group)
-        output.stats.rows_sent_early += self.early_input_rows
-        output.stats.rows_sent_late += late.numel() - self.early_input_rows
-        self._weights = weights
-        self._early: List[Optional[tuple]] = []
-        self._mask: Optional[torch.Tensor] = None
-
-    @property
-    def early_input_rows(self) -> int:
-        return sum(i.numel() for i in self.early_input.ids)
-
-    def send(self) -> None:
-        """Waits for the masks and starts the early rows' exchanges (once)."""
-        if self._masks_in_flight is None:
-            return
-        output, counts, world = self.output, self._counts, self.output.layout.world_size
-        mask, self._masks_in_flight = self._masks_in_flight.wait(), None
-        self._mask = mask.to(self.device)
-        # Late rows per received run -> late_counts [G, M].
-        ends = torch.tensor(list(accumulate(self._recv_runs, initial=0)), dtype=torch.int64)
-        running = torch.zeros(mask.numel() + 1, dtype=torch.int64)
-        torch.cumsum(mask, 0, out=running[1:])
-        late_per_run = iter(running.index_select(0, ends).diff().tolist())
-        late_counts = torch.zeros_like(counts)
+        self._owner_slots = [len(layout.slot_cols(o)) for o in range(world)]
+        self._recv_runs = []  # (owner, k, None for its bags or a global group, size)
         for o in range(world):
             for k in range(self.num_micro):
+                self._recv_runs.append((o, k, None, self.sizes[me][k] * self._owner_slots[o]))
                 for g in range(output.group_base[o], output.group_base[o + 1]):
-                    late_counts[g, k] = next(late_per_run)
-        self.late_counts = late_counts
-        self.early_counts = counts - late_counts
-        early_values = [w.detach().index_select(0, ids)
-                        for w, ids in zip(self._weights, self.early_input.ids)]
-        sources = [0] * world
-        empty = torch.empty((0, 0), device=self.device)
+                    self._recv_runs.append((o, k, g, int(counts[g, k])))
+        recv_sizes = [sum(n for owner, _, _, n in self._recv_runs if owner == o)
+                      for o in range(world)]
+        flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.bool, device=device)
+        self._masks_in_flight = _MasksInFlight(flat, send_sizes, recv_sizes, group)
+        early_cells = int((~bags).sum()) + sum(i.numel() for i in self.early_input.ids)
+        output.stats.rows_sent_early += early_cells
+        output.stats.rows_sent_late += bags.numel() + rows.numel() - early_cells
+        self._early: List[Optional[tuple]] = []
+        self._late_flags: List[Optional[torch.Tensor]] = [None] * self.num_micro
+        self._mask: Optional[torch.Tensor] = None
+
+    def _sample_start(self, k: int, source: int) -> int:
+        """The owner's first sample of (micro-batch k, source)."""
+        return sum(sum(m[:k]) for m in self.sizes) + sum(m[k] for m in self.sizes[:source])
+
+    # ------------------------------------------------------------------ owner: what leaves
+
+    def _message(self, k: int, pooled: torch.Tensor, rows: Sequence[torch.Tensor],
+                 requests: RowInput, late: bool) -> Tuple[torch.Tensor, List[int]]:
+        """The owner's part of exchange k: per source its pooled cells (the late or the early
+        ones; pooled: this owner's pooled rows of every sample) and its rows of each group ->
+        (flat float32 values, values per source)."""
+        row_dim, world = self.output.row_dim, self.output.layout.world_size
+        pieces, sizes = [], []
+        for s in range(world):
+            first, n = self._sample_start(k, s), self.sizes[s][k]
+            size = 0
+            if pooled.shape[1]:
+                flags = self._late_wire[first: first + n].reshape(-1)
+                cells = pooled[first: first + n].reshape(-1, row_dim)
+                cells = cells[flags] if late else cells[~flags]
+                pieces.append(cells.reshape(-1))
+                size += cells.numel()
+            for g, values in enumerate(rows):
+                start, count = requests.start(g, k, s), requests.rows(g, k, s)
+                pieces.append(values[start: start + count].reshape(-1))
+                size += values[start: start + count].numel()
+            sizes.append(size)
+        flat = torch.cat(pieces) if pieces else pooled.new_empty(0)
+        return flat, sizes
+
+    def send(self) -> None:
+        """Waits for the masks and starts the early cells' exchanges (once)."""
+        if self._masks_in_flight is None:
+            return
+        mask, self._masks_in_flight = self._masks_in_flight.wait(), None
+        self._mask = mask.to(self.device)
         for k in range(self.num_micro):
-            message = output.receive_layout(0, None, k, counts=self.early_counts)
-            handle, _, _ = output.start(empty, sources, message, early_values, self.early_input)
-            self._early.append((handle, message))
+            flat, send = self._message(k, self._early_pooled, self._early_rows,
+                                       self.early_input, late=False)
+            flags = self._flags(k)
+            recv = [int(n) * self.output.row_dim for n in self._per_owner(~flags, k)]
+            self._early.append((self.output.start_values(flat, send, recv), recv))
+        self._early_pooled, self._early_rows = None, None
 
-    def late_message(self, message: Message) -> Message:
-        """What this rank receives after the update in `message`'s exchange: the pooled rows
-        and the late rows."""
+    def start_late(self, k: int, pooled: torch.Tensor, row_outputs: Sequence[torch.Tensor]):
+        """After the update: starts exchange k's late cells (pooled: the owner's pooled rows of
+        every sample, as the update's tables give them; row_outputs: lookup_rows' rows,
+        detached) -> its handle (wait() gives the late wire rows)."""
         self.send()
-        return self.output.receive_layout(message.batch, None, message.micro_batch,
-                                          counts=self.late_counts)
+        late_rows = [rows.index_select(0, index)
+                     for rows, index in zip(row_outputs, self.late_index)]
+        flat, send = self._message(k, pooled, late_rows, self.late_input, late=True)
+        recv = [int(n) * self.output.row_dim for n in self._per_owner(self._flags(k), k)]
+        return self.output.start_values(flat, send, recv)
 
-    def late_rows(self, row_outputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """The owner's late rows out of its whole gather (lookup_rows' rows, detached)."""
-        return [rows.index_select(0, index) for rows, index in zip(row_outputs, self.late_index)]
+    # ------------------------------------------------------------------ receiver
+
+    def _flags(self, k: int) -> torch.Tensor:
+        """bool per wire row of this rank's exchange k: the cell comes late."""
+        if self._late_flags[k] is not None:
+            return self._late_flags[k]
+        layout, output, row_dim = self.output.layout, self.output, self.output.row_dim
+        starts = list(accumulate((n for _, _, _, n in self._recv_runs), initial=0))
+        flags, widths = [], []
+        for i, (o, kk, g, n) in enumerate(self._recv_runs):
+            if kk != k or not n:
+                continue
+            flags.append(self._mask[starts[i]: starts[i + 1]])
+            if g is None:  # bags: sample by sample, o's slots in turn
+                batch = n // self._owner_slots[o]
+                cols = torch.tensor([c // row_dim for c in layout.slot_cols(o)],
+                                    dtype=torch.int64, device=self.device)
+                widths.append(cols.repeat(batch))
+            else:
+                widths.append(torch.full((n,), output.group_cols[g] // row_dim,
+                                         dtype=torch.int64, device=self.device))
+        if not flags:
+            self._late_flags[k] = torch.zeros(0, dtype=torch.bool, device=self.device)
+        else:
+            width = torch.cat(widths)
+            self._late_flags[k] = torch.repeat_interleave(
+                torch.cat(flags), width, output_size=int(width.sum()))
+        return self._late_flags[k]
+
+    def _per_owner(self, flags: torch.Tensor, k: int) -> List[int]:
+        """Wire rows set in `flags` (exchange k's, owner by owner) per owner."""
+        row_dim, layout, output = self.output.row_dim, self.output.layout, self.output
+        me = layout.rank
+        bounds = []
+        for o in range(layout.world_size):
+            rows = self.sizes[me][k] * output.owner_dims[o] // row_dim + sum(
+                int(self._counts[g, k]) * output.group_cols[g] // row_dim
+                for g in range(output.group_base[o], output.group_base[o + 1]))
+            bounds.append(rows)
+        return [int(part.sum()) for part in flags.split(bounds)]
 
     def merge(self, late_received: torch.Tensor, message: Message) -> torch.Tensor:
-        """Waits for the early rows of `message`'s exchange and lays them out with the late
+        """Waits for the early cells of `message`'s exchange and lays them out with the late
         exchange's rows (late_received) as one message: -> [message.total / wire_row_dim,
         wire_row_dim], what the exchange without early rows would have received."""
         self.send()
         k = message.micro_batch
-        handle, _ = self._early[k]
+        (handle, _), self._early[k] = self._early[k], None
         early = handle.wait()
-        self._early[k] = None
-        late_flags = self._late_wire_rows(message)
+        flags = self._flags(k)
         full = late_received.new_empty((message.total // self.output.row_dim,
                                         self.output.row_dim))
-        full.index_copy_(0, late_flags.nonzero().flatten(), late_received)
-        full.index_copy_(0, (~late_flags).nonzero().flatten(), early)
+        full.index_copy_(0, flags.nonzero().flatten(), late_received.view(-1,
+                                                                          self.output.row_dim))
+        full.index_copy_(0, (~flags).nonzero().flatten(), early.view(-1, self.output.row_dim))
         return full
-
-    def _late_wire_rows(self, message: Message) -> torch.Tensor:
-        """bool per wire row of `message`: it comes in the late exchange (the pooled blocks and
-        the late rows) or the early one."""
-        output, world, k = self.output, self.output.layout.world_size, message.micro_batch
-        row_dim, device = output.row_dim, self.device
-        # Per element (an owner's pooled block, or one row) its flag and its wire rows.
-        flags, pooled_rows, groups = [], [], []
-        runs = list(accumulate(self._recv_runs, initial=0))
-        run = 0
-        for o in range(world):
-            mine = range(output.group_base[o], output.group_base[o + 1])
-            first = run + k * len(mine)
-            flags.append(torch.ones(1, dtype=torch.bool, device=device))
-            flags.append(self._mask[runs[first]: runs[first + len(mine)]])
-            pooled_rows.append(message.batch * output.owner_dims[o] // row_dim)
-            groups.append(mine)
-            run += self.num_micro * len(mine)
-        # Elements: owner by owner, its pooled block then its groups' rows.
-        sizes, widths = [], []
-        for o, mine in enumerate(groups):
-            sizes.append(1)
-            widths.append(pooled_rows[o])
-            for g in mine:
-                sizes.append(int(self._counts[g, k]))
-                widths.append(output.group_cols[g] // row_dim)
-        repeat = torch.repeat_interleave(
-            torch.tensor(widths, dtype=torch.int64, device=device),
-            torch.tensor(sizes, dtype=torch.int64, device=device), output_size=sum(sizes))
-        return torch.repeat_interleave(torch.cat(flags), repeat,
-                                       output_size=message.total // row_dim)
 
     def wait(self) -> None:
         """Waits for every exchange not used yet (dropped early rows leave no collective in
@@ -244,28 +353,17 @@ class EarlyRows:
         self._early = [None] * self.num_micro
 
 
-def _late_requests(next_ids: Sequence[torch.Tensor], current_ids: Sequence[torch.Tensor],
-                   table_rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """bool per request of next_ids (concatenated): the current batch requested that row of
-    that group too. One flag per row of the owner's row groups, set from the current requests
-    and read at the next ones: linear, where an isin would sort."""
-    if not next_ids:
-        return torch.zeros(0, dtype=torch.bool, device=device)
-    base = torch.tensor(list(accumulate(table_rows, initial=0))[:-1], dtype=torch.int64,
-                        device=device)
-
-    def keyed(ids):
-        sizes = torch.tensor([i.numel() for i in ids], dtype=torch.int64, device=device)
-        return torch.cat(ids).to(torch.int64) + torch.repeat_interleave(
-            base, sizes, output_size=sum(i.numel() for i in ids))
-
-    read = torch.zeros(sum(table_rows), dtype=torch.bool, device=device)
-    read[keyed(current_ids)] = True
-    return read.index_select(0, keyed(next_ids))
+def _wire_flags(bags: torch.Tensor, slot_cols: Sequence[int], row_dim: int) -> torch.Tensor:
+    """bool [B, D_owner / row_dim]: per sample, each slot's flag over its wire rows."""
+    if not bags.shape[1]:
+        return bags.new_zeros((bags.shape[0], 0))
+    widths = torch.tensor([c // row_dim for c in slot_cols], dtype=torch.int64,
+                          device=bags.device)
+    return torch.repeat_interleave(bags, widths, dim=1, output_size=int(widths.sum()))
 
 
 class _MasksInFlight:
-    """The late masks on their way to the ranks that asked (one byte per row, through the
+    """The late masks on their way to the ranks that asked (one byte per cell, through the
     CPU: they are small, and gloo carries uint8); wait() -> this rank's masks, bool, every
     owner's in turn."""
 

@@ -303,6 +303,14 @@ class OutputDist:
             flat = _DivideGradient.apply(flat, self)
         return self._exchange(flat, recv, send, self.fwd), send, recv
 
+    def start_values(self, flat: torch.Tensor, send: List[int], recv: List[int]):
+        """Starts a forward exchange of values laid out by the caller (early_rows.py: part of
+        a message): flat float32, `send` values to each rank, `recv` from each, every one a
+        multiple of wire_row_dim; no autograd -> its handle (wait() gives
+        [sum(recv) / wire_row_dim, wire_row_dim])."""
+        self._count(send, recv, forward=True)
+        return self._exchange(flat, recv, send, self.fwd)
+
     def assemble(self, received: torch.Tensor, message: Message,
                  bag_lengths: Optional[torch.Tensor]) -> torch.Tensor:
         """received rows -> [batch, sum of embedding dims], the module's output columns;

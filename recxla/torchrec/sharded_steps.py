@@ -21,7 +21,7 @@ sharded_embedding_bag.py) composes these steps for one batch; recxla's pipeline
 and, for DBP's early lookup (the next batch looked up before this batch's update),
 `early_lookup` (-> an EarlyLookup whose `corrected()` is that lookup after the update) and
 `tables_version` (what changes when the tables change); and `start_early_rows`, the next
-batch's row-exchange rows that this batch's update leaves as they are, sent before it.
+batch's rows that this batch's update leaves as they are, sent before it.
 
 The steps read the module's parts (`module.parts`, sharded_parts.py) and nothing else of it.
 """
@@ -150,27 +150,23 @@ class ShardedSteps:
         output = self.lookup_pooled(next_input, rows_follow=self.has_row_tables)
         return EarlyLookup(self.parts.tables.pooled, output, next_input, current_input)
 
-    @property
-    def exchanges_rows(self) -> bool:
-        """Some rank of the group owns row-exchange tables (the same answer on every rank)."""
-        return self.parts.output.group_base[-1] > 0
-
     def start_early_rows(self, next_input: LookupInput, current_input: LookupInput,
-                         row_bags: RowBags, hold_changed: bool = True) -> Optional[EarlyRows]:
-        """Starts sending the next batch's row-exchange rows that the current batch's update
-        leaves as they are (early_rows.py), before that update: the masks of which rows come
-        late leave now, the rows at the result's `send()`. next_input / current_input: the
-        two batches' LookupInputs on the module's device; row_bags: this rank's bags of the
-        next batch. Collective: every rank of the group calls it, and send(), at the same
-        point. -> the EarlyRows to hand the next batch's window (None without row-exchange
-        tables).
-        hold_changed=False sends the rows the update changes early too: a planted stale read,
-        for tests."""
-        if not self.exchanges_rows:
-            return None
+                         row_bags: Optional[RowBags], early: EarlyLookup,
+                         hold_changed: bool = True) -> EarlyRows:
+        """Starts sending the next batch's rows that the current batch's update leaves as they
+        are (early_rows.py: its pooled bags none of whose rows the current batch read, and its
+        row-exchange rows the current batch did not read), before that update: the masks of
+        which cells come late leave now, the early cells at the result's `send()`.
+        next_input / current_input: the two batches' LookupInputs on the module's device;
+        row_bags: this rank's bags of row-exchange tables of the next batch (None without
+        them); early: the next batch's early lookup (`early_lookup`), made now. Collective:
+        every rank of the group calls it, and send(), at the same point. -> the EarlyRows to
+        hand the next batch's window. hold_changed=False sends every cell early, those the
+        update changes too: a planted stale read, for tests."""
         return EarlyRows(self.parts.output, self.parts.env.process_group, self.parts.device,
-                         self.parts.tables.row_weights, next_input.rows, current_input.rows,
-                         row_bags, hold_changed)
+                         self.parts.tables.pooled, early.output.detach(),
+                         self.parts.tables.row_weights, next_input, current_input, row_bags,
+                         hold_changed)
 
     def fused_step_arguments(self, first: int, last: Optional[int]):
         """The fused optimizer's (kinds, states, hparams) of local tables first .. last."""

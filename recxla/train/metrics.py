@@ -222,8 +222,8 @@ def format_summary(s: dict) -> str:
     stats = s.get("sharder_comm_stats_per_step") or {}
     early, late = stats.get("rows_sent_early", 0), stats.get("rows_sent_late", 0)
     if early + late:
-        lines.append(f"  early rows      {early / (early + late):.0%} of the row-exchange rows "
-                     "left before the update (--early-rows)")
+        lines.append(f"  early rows      {early / (early + late):.0%} of the embedding rows "
+                     "(pooled bags, row-exchange rows) left before the update (--early-rows)")
     if s.get("cross_node_bytes_per_step") and s["nodes"] > 1:
         lines.append(f"    across nodes  {_si(s['cross_node_bytes_per_step'], 'B')}")
     if s.get("iface_tx_bytes_per_step") is not None:
