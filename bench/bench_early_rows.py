@@ -1,7 +1,8 @@
 """What could leave before the update, per table, on the trainer's data: the share of the next
-batch's bags that hold a row this batch read (a pooled table's early bag would need a
-correction) and the share of each rank's unique rows that this batch read (a row-exchange
-table's late rows), with recxla.planner.early_send.
+batch's bags that hold a row this batch read (a pooled table's late bags) and the share of each
+rank's unique rows that this batch read (a row-exchange table's late rows), with
+recxla.planner.early_send; and what that makes of the forward message's values (the trainer's
+`--early-rows` sends the rest before the update).
 
     .venv/bin/python bench/bench_early_rows.py [--ranks 4] [--steps 20] [--batch-size 1024]
         [--max-rows 100000] [--zipf 1.05] [--report PATH] [--json PATH]
@@ -10,9 +11,9 @@ The data is the trainer's synthetic data as the cluster benchmark trains it (ben
 run_train's TRAIN_ARGS: batch 1024 per rank, tables of at most 100k rows), `--ranks` ranks'
 batches per step. Which tables the trainer exchanges as rows is its own choice
 (recxla.torchrec.choose_row_tables on rank 0's sample). The report replaces the section
-"### What could leave before the update" of bench/results/training.md and the JSON
-(default bench/results/early_rows.json) keeps the figures. --report '' / --json '' write
-nothing there; `main([...])` returns the results dict.
+"### What could leave before the update, Zipf Z" of bench/results/training.md (one per
+--zipf) and the JSON (default bench/results/early_rows.json) keeps each --zipf's latest run.
+--report '' / --json '' write nothing there; `main([...])` returns the results dict.
 """
 
 import argparse
@@ -29,6 +30,10 @@ if _ROOT not in sys.path:
 from bench.bench_data_pipeline import cpu_model  # noqa: E402
 
 SECTION = "### What could leave before the update"
+
+
+def section(zipf: float) -> str:
+    return f"{SECTION}, Zipf {zipf:g}"
 
 
 def measure(args) -> dict:
@@ -52,55 +57,63 @@ def measure(args) -> dict:
         rows.append({"table": s.table, "dim": t.embedding_dim, "row_exchange": s.table in row_tables,
                      "unique_per_bag": s.unique_per_bag, "bags_late": s.bags_late,
                      "rows_late": s.rows_late, "bags": s.bags, "rows": s.rows})
-    # The forward rows each way sends per step, in values: a pooled table one per bag, a row
-    # table one per unique row (times the dim); what leaves early under each scheme.
+    # The forward message's values a step: a pooled table one row per bag, a row table one
+    # per unique row (times the dim); what leaves early.
     row_values = sum(r["rows"] * r["dim"] for r in rows if r["row_exchange"])
     pooled_values = sum(r["bags"] * r["dim"] for r in rows if not r["row_exchange"])
     early_row_values = sum(r["rows"] * r["dim"] * (1 - r["rows_late"]) for r in rows
                            if r["row_exchange"])
+    early_pooled_values = sum(r["bags"] * r["dim"] * (1 - r["bags_late"]) for r in rows
+                              if not r["row_exchange"])
     return {
         "date": datetime.date.today().isoformat(), "machine": cpu_model(),
         "command": " ".join(["bench/bench_early_rows.py", *args.argv]),
         "ranks": args.ranks, "steps": args.steps, "batch_size": args.batch_size,
         "tables": rows,
         "row_tables_early_share": early_row_values / row_values if row_values else 0.0,
+        "pooled_tables_early_share": early_pooled_values / pooled_values if pooled_values
+        else 0.0,
+        "early_share": (early_row_values + early_pooled_values)
+        / max(row_values + pooled_values, 1),
         "row_tables_share_of_forward": row_values / max(row_values + pooled_values, 1),
         "bags_late_median": statistics.median(r["bags_late"] for r in rows),
+        "zipf": args.zipf,
         "rows_late_median": statistics.median(r["rows_late"] for r in rows
                                               if r["row_exchange"]) if row_values else None,
     }
 
 
 def report(results: dict) -> str:
-    lines = [SECTION, "",
+    lines = [section(results["zipf"]), "",
              f"`.venv/bin/python {results['command']}` ({results['date']}, "
              f"{results['machine']}): the trainer's synthetic data, {results['ranks']} ranks x "
-             f"{results['batch_size']} samples a step, steps 1..{results['steps'] - 1} each "
-             "against the step before it.", "",
+             f"{results['batch_size']} samples a step (Zipf exponent {results['zipf']}), "
+             f"steps 1..{results['steps'] - 1} each against the step before it.", "",
              "| table | dim | exchanged as | unique rows per bag | bags late | rows late |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in results["tables"]:
         lines.append(f"| {r['table']} | {r['dim']} | {'rows' if r['row_exchange'] else 'pooled'} "
                      f"| {r['unique_per_bag']:.2f} | {r['bags_late']:.0%} | {r['rows_late']:.0%} |")
+    rows_late = results["rows_late_median"]
     lines += ["",
-              f"- Bags late (a pooled bag holding a row the update changes): median "
-              f"{results['bags_late_median']:.0%} over the tables. An early pooled send would "
-              "resend those bags' corrections after the update: no table gains enough, and "
-              "pooled tables get no early send.",
-              f"- Rows late (a row-exchange row this batch read): median "
-              f"{results['rows_late_median']:.0%}; weighted by each table's values, "
-              f"{results['row_tables_early_share']:.0%} of the row tables' forward values can "
-              "leave early (`--early-rows`), each row once, and the row tables carry "
-              f"{results['row_tables_share_of_forward']:.0%} of the forward embedding values "
-              "(the pooled tables the rest).", ""]
+              f"- Bags late (a bag holding a row the update changes, as if every table were "
+              f"pooled): median {results['bags_late_median']:.0%} over the tables; the pooled "
+              f"tables' values that can leave early: {results['pooled_tables_early_share']:.0%}.",
+              "- Rows late (a row-exchange row this batch read): median "
+              + ("none" if rows_late is None else f"{rows_late:.0%}")
+              + f"; the row tables' values that can leave early: "
+              f"{results['row_tables_early_share']:.0%}. The row tables carry "
+              f"{results['row_tables_share_of_forward']:.0%} of the forward values.",
+              f"- With `--early-rows`, **{results['early_share']:.0%}** of the forward message's "
+              "values leave before the update (each once: the bytes do not change).", ""]
     return "\n".join(lines)
 
 
-def replace_section(path: str, text: str) -> None:
+def replace_section(path: str, title: str, text: str) -> None:
     old = open(path).read() if os.path.exists(path) else ""
-    if SECTION in old:
-        start = old.index(SECTION)
-        rest = old[start + len(SECTION):]
+    if title in old:
+        start = old.index(title)
+        rest = old[start + len(title):]
         end = rest.find("\n#")
         tail = rest[end + 1:] if end >= 0 else ""
         new = old[:start] + text + ("\n" + tail if tail else "")
@@ -127,10 +140,15 @@ def main(argv=None) -> dict:
     text = report(results)
     print(text)
     if args.report:
-        replace_section(args.report, text)
+        replace_section(args.report, section(args.zipf), text)
     if args.json:
+        runs = []
+        if os.path.exists(args.json):
+            with open(args.json) as f:
+                old = json.load(f)
+            runs = [r for r in old.get("runs", []) if r.get("zipf") != args.zipf]
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"runs": sorted(runs + [results], key=lambda r: -r["zipf"])}, f, indent=1)
             f.write("\n")
     return results
 

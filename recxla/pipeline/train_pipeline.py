@@ -445,11 +445,11 @@ class TrainPipeline:
             for w, state in zip(windows, following.inputs):
                 arrive_lookup(state)
                 state.lookup_input = w.module.to_device(state.lookup_input)
-                state.early = w.module.early_lookup(state.lookup_input, w.input)
                 row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
                 state.early_rows = w.module.start_early_rows(
-                    state.lookup_input, w.input, row_bags, state.early,
-                    self._hold_changed_rows)
+                    state.lookup_input, w.input, row_bags, self._hold_changed_rows)
+                if state.early_rows.early is not None:
+                    state.early = state.early_rows.early
                 started.append(state.early_rows)
         return started
 

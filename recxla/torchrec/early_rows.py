@@ -25,8 +25,12 @@ What pays depends on the data (`recxla.planner.early_send` measures it per table
 bench/results/training.md, "Early rows"): on the trainer's Zipf data the hot rows are read by
 every batch, so they come late and the tail comes early (48% of the row tables' values), while
 94% and 100% of the two pooled tables' next bags hold a row the update changes; with uniform
-keys nearly every bag is early. The bytes are the same either way (plus the masks): only when
-they travel changes.
+keys most bags are early. The bytes are the same either way (plus the masks): only when they
+travel changes. Rows are split at no cost but the bookkeeping; early bags need the early
+lookup and its correction of the late bags, so an owner sends bags early only in a batch where
+at least POOLED_EARLY_MIN of its pooled values can leave (a choice per owner and batch, which
+the masks carry: the receivers need no other agreement), and the trainer's metrics count the
+cells that left early.
 """
 
 from itertools import accumulate
@@ -40,6 +44,12 @@ from recxla.torchrec.input_dist import LookupInput
 from recxla.torchrec.output_dist import Message, OutputDist
 from recxla.torchrec.row_exchange import RowBags, RowInput
 from recxla.torchrec.sharded_parts import PooledTables
+
+# An owner sends pooled bags early only when at least this share of its pooled values can
+# leave before the update: the early lookup's correction of the late bags costs CPU on the
+# step's path (on the trainer's Zipf data, where 94-100% of the bags are late, it cost 0.82x
+# the examples/s at 200 Mbit/s), while rows are split for free.
+POOLED_EARLY_MIN = 0.5
 
 
 def split_requests(rows: RowInput, late: torch.Tensor) -> Tuple[RowInput, RowInput]:
@@ -139,8 +149,9 @@ class EarlyRows:
 
     Args:
         output: the module's OutputDist; group: its process group; device: the module's.
-        tables: the owner's pooled tables; early_pooled: the next batch's pooled lookup before
-            the update (float32 [B, D_owner], detached; early_lookup.py).
+        tables: the owner's pooled tables; early_lookup: `lookup(next_input)` -> the next
+            batch's early lookup (early_lookup.py), called when its pooled bags go early
+            (POOLED_EARLY_MIN); `early` is then that EarlyLookup, else None.
         row_weights: the owner's row-exchange shards (its local row groups, in order).
         next_input: the owner's LookupInput of the next batch (on the module's device);
             current_input: the current batch's.
@@ -151,7 +162,7 @@ class EarlyRows:
     """
 
     def __init__(self, output: OutputDist, group, device: torch.device, tables: PooledTables,
-                 early_pooled: torch.Tensor, row_weights: Sequence[torch.Tensor],
+                 early_lookup, row_weights: Sequence[torch.Tensor],
                  next_input: LookupInput, current_input: LookupInput,
                  row_bags: Optional[RowBags], hold_changed: bool = True):
         layout = output.layout
@@ -173,9 +184,17 @@ class EarlyRows:
                                dtype=torch.bool, device=device)
             rows = torch.zeros(sum(i.numel() for i in next_rows.ids), dtype=torch.bool,
                                device=device)
-        self._late_bags = bags
+        cols = torch.tensor(layout.slot_cols(me), dtype=torch.float32, device=device)
+        early_values = float(((~bags).to(torch.float32) * cols).sum()) if bags.numel() else 0.0
+        total_values = float(cols.sum()) * bags.shape[0]
+        self.early = None
+        if total_values and early_values >= POOLED_EARLY_MIN * total_values:
+            self.early = early_lookup(next_input)
+            self._early_pooled = self.early.output.detach()
+        else:  # every bag late: looked up after the update, as without early rows
+            bags = torch.ones_like(bags)
+            self._early_pooled = torch.empty((next_input.batch_size, 0), device=device)
         self._late_wire = _wire_flags(bags, layout.slot_cols(me), row_dim)
-        self._early_pooled = early_pooled
         self.early_input, self.late_input = split_requests(next_rows, rows)
         positions = rows.nonzero().flatten()
         group_starts = list(accumulate((i.numel() for i in next_rows.ids), initial=0))
@@ -244,7 +263,7 @@ class EarlyRows:
         for s in range(world):
             first, n = self._sample_start(k, s), self.sizes[s][k]
             size = 0
-            if pooled.shape[1]:
+            if self._late_wire.shape[1] and (late or pooled.shape[1]):
                 flags = self._late_wire[first: first + n].reshape(-1)
                 cells = pooled[first: first + n].reshape(-1, row_dim)
                 cells = cells[flags] if late else cells[~flags]

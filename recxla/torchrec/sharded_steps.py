@@ -151,20 +151,22 @@ class ShardedSteps:
         return EarlyLookup(self.parts.tables.pooled, output, next_input, current_input)
 
     def start_early_rows(self, next_input: LookupInput, current_input: LookupInput,
-                         row_bags: Optional[RowBags], early: EarlyLookup,
-                         hold_changed: bool = True) -> EarlyRows:
+                         row_bags: Optional[RowBags], hold_changed: bool = True) -> EarlyRows:
         """Starts sending the next batch's rows that the current batch's update leaves as they
         are (early_rows.py: its pooled bags none of whose rows the current batch read, and its
         row-exchange rows the current batch did not read), before that update: the masks of
         which cells come late leave now, the early cells at the result's `send()`.
         next_input / current_input: the two batches' LookupInputs on the module's device;
         row_bags: this rank's bags of row-exchange tables of the next batch (None without
-        them); early: the next batch's early lookup (`early_lookup`), made now. Collective:
+        them). Where at least early_rows.POOLED_EARLY_MIN of this owner's pooled values can
+        leave early, it makes the next batch's early lookup (`early_lookup`) now: the result's
+        `early`, for the next batch's window. Collective:
         every rank of the group calls it, and send(), at the same point. -> the EarlyRows to
         hand the next batch's window. hold_changed=False sends every cell early, those the
         update changes too: a planted stale read, for tests."""
         return EarlyRows(self.parts.output, self.parts.env.process_group, self.parts.device,
-                         self.parts.tables.pooled, early.output.detach(),
+                         self.parts.tables.pooled,
+                         lambda li: self.early_lookup(li, current_input),
                          self.parts.tables.row_weights, next_input, current_input, row_bags,
                          hold_changed)
 
