@@ -91,14 +91,14 @@ class FrozenWindow:
         """O(k): micro-batch k's pooled rows and requested rows to the ranks that use them."""
         if self._sent[k] is not None:
             return
+        if self.early_rows is not None:  # the rest of the message: its late cells
+            self._sent[k] = (self.early_rows.start_late(k, self.pooled, self.rows), None, None)
+            return
         start = self.input.micro_batch_start(k)
         sources = self.input.micro_batch_rows(k)
         pooled = self.pooled[start: start + sum(sources)]
-        if self.early_rows is not None:  # the rest of the message: its late cells
-            self._sent[k] = (self.early_rows.start_late(k, self.pooled, self.rows), None, None)
-        else:
-            self._sent[k] = self.module.start_output(pooled, sources, self._messages[k],
-                                                     self.rows, self.input.rows)
+        self._sent[k] = self.module.start_output(pooled, sources, self._messages[k], self.rows,
+                                                 self.input.rows)
 
     def receive_output(self, k: int) -> KeyedTensor:
         """Waits for O(k); -> this rank's micro-batch k embeddings, a leaf that requires grad

@@ -199,13 +199,13 @@ class TrainConfig:
         "its all-reduce travels during the next batch's lookup and all-to-alls (no stale "
         "read; checkpoints and evaluation see every update)", group=_O, applies=RECXLA)
     early_rows: bool = option(
-        False, "with --dbp: the next batch's row-exchange rows that this batch's update leaves "
-        "as they are leave before it, during this batch's dense forward and backward; only the "
-        "rows this batch read wait for the update (bit for bit the same step: "
-        "recxla.torchrec.early_rows). Pays where the link binds (50 Mbit/s: 1.035x the "
-        "examples/s), costs where the CPU does (200 Mbit/s: 0.92-0.94x; "
-        "bench/results/training.md)", group=_O,
-        applies=RECXLA)
+        False, "with --dbp: the next batch's embedding rows that this batch's update leaves as "
+        "they are (row-exchange rows this batch did not read; pooled bags none of whose rows "
+        "it read, where at least half of an owner's can go) leave before it, during this "
+        "batch's dense forward and backward; the rest waits for the update (the same step: "
+        "recxla.torchrec.early_rows). Where the link binds, 1.025x the examples/s on the "
+        "synthetic data (50 Mbit/s); where the CPU does, 0.90x (200 Mbit/s; "
+        "bench/results/training.md)", group=_O, applies=RECXLA)
     trace: Optional[str] = option(
         None, "write a Chrome trace (chrome://tracing, Perfetto) of every rank's steps: "
         "compute, waits and collectives", group=_O, applies=RECXLA, metavar="PATH")
