@@ -148,7 +148,8 @@ class EarlyRows:
     training step's path.
 
     Args:
-        output: the module's OutputDist; group: its process group; device: the module's.
+        output: the module's OutputDist; group: the process group of the masks (CPU tensors:
+            the input dist's group); device: the module's.
         tables: the owner's pooled tables; early_lookup: `lookup(next_input)` -> the next
             batch's early lookup (early_lookup.py), called when its pooled bags go early
             (POOLED_EARLY_MIN); `early` is then that EarlyLookup, else None.

@@ -164,7 +164,9 @@ class ShardedSteps:
         every rank of the group calls it, and send(), at the same point. -> the EarlyRows to
         hand the next batch's window. hold_changed=False sends every cell early, those the
         update changes too: a planted stale read, for tests."""
-        return EarlyRows(self.parts.output, self.parts.env.process_group, self.parts.device,
+        # The masks travel where the ids do: through the CPU, on the router's group (gloo on a
+        # GPU, where the module's group is NCCL's).
+        return EarlyRows(self.parts.output, self.parts.router.group, self.parts.device,
                          self.parts.tables.pooled,
                          lambda li: self.early_lookup(li, current_input),
                          self.parts.tables.row_weights, next_input, current_input, row_bags,
