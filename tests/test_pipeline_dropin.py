@@ -25,6 +25,8 @@ SCHEDULES = {
     "fwp+dbp m=3": dict(num_micro_batches=3),
     "fwp+dbp m=3 clustered, early lookup": dict(num_micro_batches=3, split="clustered",
                                                 dbp_lookup="early"),
+    # Two batches ahead, and cells sent before the update (the bags where half can go).
+    "fwp+dbp m=3, early rows": dict(num_micro_batches=3, early_rows=True),
 }
 
 
@@ -218,7 +220,8 @@ def test_eval_and_detach_in_between_as_torchrec(seed):
     plain training step on the detached model, between pipelined steps: eval changes no weight,
     its logits are the sequential loop's, and training resumes exactly."""
     schedules = {name: SCHEDULES[name] for name in
-                 ("sequential", "dbp", "fwp+dbp m=3", "fwp+dbp m=3 clustered, early lookup")}
+                 ("sequential", "dbp", "fwp+dbp m=3", "fwp+dbp m=3 clustered, early lookup",
+                  "fwp+dbp m=3, early rows")}
     results = run_distributed(_eval_body, world_size=2, args=(seed, schedules), timeout=300)
     for rank, per_run in enumerate(results):
         for name, result in per_run.items():
