@@ -471,8 +471,7 @@ class TrainPipeline:
 def _decoded(batch: PreparedBatch) -> bool:
     """The batch's ids are decoded at the owners (and it has no error)."""
     return batch.micro is not None and batch.error is None and \
-        all(state.lookup_input is not None or state.lookup_copy is not None
-            for state in batch.inputs)
+        all(state.lookup_input is not None for state in batch.inputs)
 
 
 def _start_gradient(window: FrozenWindow, k: int, grad: torch.Tensor) -> None:

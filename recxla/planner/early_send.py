@@ -41,9 +41,8 @@ class EarlyShare:
         return self.rows / self.bags if self.bags else 0.0
 
 
-def _features(batch, names: Sequence[str]):
-    """(ids, lengths) of `names` in one KeyedJaggedTensor, concatenated."""
-    by_key = batch.to_dict()
+def _features(by_key, names: Sequence[str]):
+    """(ids, lengths) of `names` in one batch's features by key, concatenated."""
     values = [by_key[n].values() for n in names]
     lengths = [by_key[n].lengths() for n in names]
     return torch.cat(values), torch.cat(lengths)
@@ -60,6 +59,7 @@ def early_send_shares(tables: Sequence, steps: Sequence[Sequence]) -> List[Early
     if len(ranks) != 1 or 0 in ranks:
         raise ValueError(f"{OP}: every step needs the same number of ranks' batches (>= 1), "
                          f"got {sorted(ranks)}")
+    steps = [[batch.to_dict() for batch in step] for step in steps]  # once, not per table
     out = []
     for config in tables:
         names = list(config.feature_names)

@@ -241,19 +241,14 @@ class OutputDist:
 
     # -------------------------------------------------------------- message layouts
 
-    def receive_layout(self, batch: int, bags: Optional[RowBags], k: int = 0,
-                       counts: Optional[torch.Tensor] = None) -> Message:
-        """What this rank receives in exchange k (its `batch` samples of that micro-batch);
-        counts: int [G, M] rows per (global row group, micro-batch) when not bags.counts (a
-        part of the rows: early_rows.py)."""
-        if counts is None and bags is not None:
-            counts = bags.counts
+    def receive_layout(self, batch: int, bags: Optional[RowBags], k: int = 0) -> Message:
+        """What this rank receives in exchange k (its `batch` samples of that micro-batch)."""
         pooled, rows, offset = [], [], 0
         for owner in range(self.layout.world_size):
             pooled.append((offset, self.owner_dims[owner]))
             offset += batch * self.owner_dims[owner]
             for g in range(self.group_base[owner], self.group_base[owner + 1]):
-                count = int(counts[g, k]) if counts is not None else 0
+                count = int(bags.counts[g, k]) if bags is not None else 0
                 rows.append((offset, g, count, self.group_cols[g]))
                 offset += count * self.group_cols[g]
         return Message(batch, pooled, rows, offset, bags, k)
@@ -297,17 +292,16 @@ class OutputDist:
                 pieces.append(out[first: first + rows.rows(g, k, s)].reshape(-1))
         send = self.send_sizes(source_batches, rows, k)
         recv = _owner_totals(message)
-        self._count(send, recv, forward=True)
         flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if flat.requires_grad:
             flat = _DivideGradient.apply(flat, self)
-        return self._exchange(flat, recv, send, self.fwd), send, recv
+        return self.start_values(flat, send, recv), send, recv
 
     def start_values(self, flat: torch.Tensor, send: List[int], recv: List[int]):
-        """Starts a forward exchange of values laid out by the caller (early_rows.py: part of
-        a message): flat float32, `send` values to each rank, `recv` from each, every one a
-        multiple of wire_row_dim; no autograd -> its handle (wait() gives
-        [sum(recv) / wire_row_dim, wire_row_dim])."""
+        """Starts a forward exchange of values laid out by the caller (`start`, and
+        early_rows.py for part of a message): flat float32, `send` values to each rank, `recv`
+        from each, every one a multiple of wire_row_dim -> its handle (wait() gives
+        [sum(recv) / wire_row_dim, wire_row_dim]; its backward sends the gradient back)."""
         self._count(send, recv, forward=True)
         return self._exchange(flat, recv, send, self.fwd)
 
