@@ -39,6 +39,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.distributed.gather import all_gather_flat
 from recxla.distributed.traffic import carrying
 from recxla.ops.fp8_rows import dequantize_rows, quantize_rows
@@ -185,7 +186,7 @@ class FP8AllReduceHandle:
         self._done = True
 
 
-class FP8AllReduce:
+class FP8AllReduce(CompressedAllReduce):
     """Averages gradients over the ranks in FP8 with error feedback (module docstring); holds
     the residuals, which `state_dict()` / `load_state_dict()` save and restore by parameter
     name.
@@ -203,11 +204,14 @@ class FP8AllReduce:
         error_feedback: carry what quantizing lost to the next call (default True).
     """
 
+    state_name = "fp8"  # recxla.train.checkpoint files its state_dict under this name
+
     def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
                  group: Optional[dist.ProcessGroup] = None,
                  node_group: Optional[dist.ProcessGroup] = None,
                  cross_group: Optional[dist.ProcessGroup] = None, fmt: str = "e4m3",
                  chunk: int = DEFAULT_CHUNK, error_feedback: bool = True):
+        super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"{OP}: fmt must be one of {FORMATS}, got {fmt!r}")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
@@ -250,14 +254,6 @@ class FP8AllReduce:
         # zeros in the rows whose residual lives on another rank.
         self._residuals: Dict[str, Optional[torch.Tensor]] = {"sent": None, "sum": None}
         self._layouts: Dict[Tuple, _Layout] = {}
-        # fp8_compress_hook's buckets of this backward: (handle, future, bucket buffer).
-        self._hooked: List[Tuple[FP8AllReduceHandle, torch.futures.Future, torch.Tensor]] = []
-
-    @classmethod
-    def for_ddp(cls, ddp, **kwargs) -> "FP8AllReduce":
-        """The state for `ddp`'s parameters over its process group (`fp8_compress_hook`)."""
-        kwargs.setdefault("group", ddp.process_group)
-        return cls(ddp.module.named_parameters(), **kwargs)
 
     # -- residuals ----------------------------------------------------------------------------
     def residuals(self, which: str) -> torch.Tensor:
@@ -371,32 +367,6 @@ class FP8AllReduce:
                                               layout.cross_counts, group=self.cross_group,
                                               async_op=True)
         return FP8AllReduceHandle(self, grads, layout, received, work)
-
-    def all_reduce(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        """Averages `grads` in place (blocking)."""
-        handle = self.start(params, grads)
-        handle.wait()
-
-    def finish(self, handles: Sequence[FP8AllReduceHandle]) -> None:
-        """Completes `handles` (in the order they were started): every all-gather is issued
-        before the first is waited for, so they travel together."""
-        for handle in handles:
-            handle.gather()
-        for handle in handles:
-            handle.wait()
-
-    def hook(self, bucket) -> torch.futures.Future[torch.Tensor]:
-        """fp8_compress_hook's work for one DDP bucket: starts it; the last bucket of the
-        backward completes every bucket started since the last one."""
-        handle = self.start(bucket.parameters(), bucket.gradients())
-        future: torch.futures.Future = torch.futures.Future()
-        self._hooked.append((handle, future, bucket.buffer()))
-        if bucket.is_last():
-            hooked, self._hooked = self._hooked, []
-            self.finish([h for h, _, _ in hooked])
-            for _, done, buffer in hooked:
-                done.set_result(buffer)
-        return future
 
 
 def fp8_compress_hook(state: FP8AllReduce, bucket) -> torch.futures.Future[torch.Tensor]:

@@ -1,0 +1,329 @@
+"""Dense gradients averaged over the ranks as low-rank factors, with error feedback (PowerSGD,
+Vogels et al. 2019): PowerSGDAllReduce and the DDP communication hook powersgd_compress_hook.
+
+A gradient matrix M [n, m] (a parameter of two dims or more, viewed as [shape[0], the rest])
+travels as two thin factors, P = M Q [n, r] and Q = M^T P [m, r], r the rank: n + m values
+a column where M has n m. The default DLRM's dense gradients are 0.5M values; at rank 1 their
+factors and its vectors are about 5,000, a hundredth of bf16's bytes. What the factors miss
+is not dropped but carried to the next step (error feedback): each rank adds its residual to
+its next gradient, so over the steps the average of what was applied follows the average of
+the gradients, and training converges as with the exact average (the paper's results; on
+recxla's DLRM, bench/results/training.md).
+
+How one set of gradients travels (two all-reduces, sums over the ranks, in fp32):
+1. Every rank adds its residual to each matrix it compresses: M_w = g_w + e_w. Each P_w =
+   M_w Q (Q the previous step's, the same on every rank, its columns orthonormalized) and the
+   gradients that travel whole go in one all-reduce: the vectors (biases), the matrices too
+   small for the factors to save half their bytes, and every parameter in its first
+   `start_step` averages (the model moves fastest then; torch's hook waits the same way).
+2. P = sum_w P_w with its columns orthonormalized (Gram-Schmidt), the same bits on every rank;
+   each rank's Q_w = M_w^T P goes in the second all-reduce, and Q = their mean.
+3. The average is P Q^T = P P^T mean_w(M_w): the mean projected on P's columns. Each rank's
+   residual becomes e_w = M_w - P Q^T, so the mean residual is what the mean lost. Q stays for
+   the next step (warm start: a power iteration a step keeps P on the gradients' leading
+   directions).
+
+Every value is summed at the same place of the same buffer whatever DDP's buckets: a set's
+buffer holds its parameters in the order they were given to PowerSGDAllReduce, and the hook
+sends one set per backward, every bucket's parameters together (DDP regroups its buckets after
+the first step, and a resumed run starts from the first grouping again). So the average is the
+same bits on every rank, and a run resumed from `state_dict()` continues bit for bit.
+
+By node (node_group / cross_group given, e.g. recxla.torchrec.make_topology_2d's shard_group and
+replica_group), each all-reduce is recxla.distributed.all_reduce_by_node: summed inside the node
+first, 1/L of it per rank across the nodes.
+
+Every call issues its collectives from the calling thread, in program order (never from a
+completion callback), so every rank issues them in the same order on each group.
+"""
+
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from recxla.data import hashing
+from recxla.distributed.all_reduce_by_node import all_reduce_by_node
+from recxla.distributed.compressed_all_reduce import CompressedAllReduce
+from recxla.distributed.traffic import carrying
+
+OP = "recxla.distributed.PowerSGDAllReduce"
+# Averages before a parameter is compressed. torch's hook defaults to 1,000 for long runs and
+# its docs suggest about 10% of a run's steps; recxla's trainer and benchmarks run 30 to a few
+# hundred steps a run, and the AUC measured with 10 matches bf16's (bench/results/training.md).
+DEFAULT_START_STEP = 10
+# A matrix is compressed only where its factors take at most half its values (torch's rule).
+MIN_COMPRESSION = 2
+_TAG_Q = 0x51  # the seed stream of the factors' first Q (recxla.data.hashing.mix_scalar)
+
+
+def orthonormalize_columns(matrix: torch.Tensor) -> torch.Tensor:
+    """Gram-Schmidt on the columns of `matrix` [n, r], in place: each column minus its
+    projections on the ones before, divided by its norm (a zero column stays zero). -> matrix.
+    No host synchronization on a GPU."""
+    for k in range(matrix.shape[1]):
+        column = matrix[:, k]
+        for j in range(k):
+            column.sub_(torch.dot(matrix[:, j], column) * matrix[:, j])
+        norm = torch.linalg.vector_norm(column)
+        column.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
+    return matrix
+
+
+def _matrix_shape(p: torch.Tensor) -> Tuple[int, int]:
+    return p.shape[0], p.numel() // max(p.shape[0], 1)
+
+
+class PowerSGDAllReduceHandle:
+    """One set of gradients on its way: `gather()` (every rank, in the order of the starts)
+    completes the first all-reduce and starts the second; `wait()` completes it and writes the
+    averages into the gradients."""
+
+    def __init__(self, owner: "PowerSGDAllReduce", indices: List[int],
+                 grads: List[torch.Tensor], compressed: List[Tuple[int, torch.Tensor]],
+                 buffer: torch.Tensor, work):
+        self._owner, self._indices, self._grads = owner, indices, grads
+        # (position in the set, M_w viewed [n, m]) of each compressed gradient.
+        self._compressed = compressed
+        self._buffer, self._work = buffer, work
+        self._factors: List[torch.Tensor] = []  # P of each compressed gradient
+        self._q_sum: Optional[torch.Tensor] = None
+        self._done = False
+
+    def gather(self) -> None:
+        if self._q_sum is not None or self._done:
+            return
+        owner = self._owner
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        at = 0
+        compressed = {position for position, _ in self._compressed}
+        for position, g in enumerate(self._grads):
+            if position in compressed:
+                continue
+            g.copy_(self._buffer[at:at + g.numel()].view(g.shape)).div_(owner.world)
+            at += g.numel()
+        q_parts = []
+        for position, matrix in self._compressed:
+            rank = owner.factor_rank[self._indices[position]]
+            p = self._buffer[at:at + matrix.shape[0] * rank].view(matrix.shape[0], rank)
+            at += p.numel()
+            self._factors.append(orthonormalize_columns(p))
+            q_parts.append((matrix.t() @ p).reshape(-1))
+        if not q_parts:
+            self._q_sum = self._buffer.new_empty(0)
+            return
+        self._q_sum = torch.cat(q_parts)
+        self._work = owner.sum_async(self._q_sum)
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self.gather()
+        owner = self._owner
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        q_all = self._q_sum.div_(owner.world)
+        at = 0
+        for (position, matrix), p in zip(self._compressed, self._factors):
+            i = self._indices[position]
+            q = q_all[at:at + owner.q[i].numel()].view_as(owner.q[i])
+            at += q.numel()
+            average = p @ q.t()
+            if owner.error_feedback:
+                torch.sub(matrix, average, out=owner.residuals[i].view_as(matrix))
+            grad = self._grads[position]
+            grad.copy_(average.view(grad.shape))
+            owner.q[i].copy_(q)
+        for i in self._indices:
+            owner.averages[i] += 1
+        self._done = True
+
+
+class PowerSGDAllReduce(CompressedAllReduce):
+    """Averages gradients over the ranks as rank-`rank` factors with error feedback (module
+    docstring); holds the residuals, the factors Q and each parameter's count of averages,
+    which `state_dict()` / `load_state_dict()` save and restore by parameter name.
+
+    Args:
+        named_parameters: (name, parameter) pairs, e.g. `model.named_parameters()`: the
+            parameters whose gradients it averages (those without requires_grad are skipped),
+            all on one device; every rank gives the same names in the same order.
+        group: the ranks to average over (default: every rank); ignored when `node_group` is
+            given.
+        node_group, cross_group: average by node: the ranks of this rank's node, and this rank
+            with the ranks of the same local rank on the other nodes (both or neither).
+        rank: the factors' columns (default 1, the most compression; a matrix of fewer rows or
+            columns gets that many).
+        start_step: averages of a parameter sent whole before it is compressed (default 10).
+        error_feedback: carry what the factors miss to the next call (default True).
+        seed: the first Q's random draw, the same on every rank (default 0).
+    """
+
+    state_name = "powersgd"  # recxla.train.checkpoint files its state_dict under this name
+
+    def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
+                 group: Optional[dist.ProcessGroup] = None,
+                 node_group: Optional[dist.ProcessGroup] = None,
+                 cross_group: Optional[dist.ProcessGroup] = None, rank: int = 1,
+                 start_step: int = DEFAULT_START_STEP, error_feedback: bool = True,
+                 seed: int = 0):
+        super().__init__()
+        for name, value, least in (("rank", rank, 1), ("start_step", start_step, 0),
+                                   ("seed", seed, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{OP}: {name} must be an int >= {least}, got {value!r}")
+        if (node_group is None) != (cross_group is None):
+            raise ValueError(f"{OP}: node_group and cross_group go together (by node: both; "
+                             "a flat group: neither)")
+        self.rank, self.start_step = rank, start_step
+        self.error_feedback = bool(error_feedback)
+        self.names: List[str] = []
+        self.index: Dict[int, int] = {}
+        self.shapes: List[torch.Size] = []
+        # Per parameter index: the factors' columns (0: never compressed).
+        self.factor_rank: List[int] = []
+        devices = set()
+        for name, p in named_parameters:
+            if p.requires_grad:
+                self.index[id(p)] = len(self.names)
+                self.names.append(name)
+                self.shapes.append(p.shape)
+                n, m = _matrix_shape(p)
+                r = min(n, m, rank) if p.dim() >= 2 else 0
+                self.factor_rank.append(r if r and n * m >= MIN_COMPRESSION * (n + m) * r
+                                        else 0)
+                devices.add(p.device)
+        if not self.names:
+            raise ValueError(f"{OP}: named_parameters holds no parameter that requires grad")
+        if len(devices) > 1:
+            raise ValueError(f"{OP}: the parameters must be on one device, got "
+                             f"{sorted(map(str, devices))}")
+        self.device = devices.pop()
+        if node_group is None:
+            self.node_group, self.cross_group = None, group
+            self.world = dist.get_world_size(group)
+        else:
+            self.node_group, self.cross_group = node_group, cross_group
+            self.world = dist.get_world_size(node_group) * dist.get_world_size(cross_group)
+        # The state, allocated now so that state_dict() returns the live tensors (a checkpoint
+        # loads into them in place): residuals [numel] and Q [m, r] of the compressed
+        # parameters, each parameter's count of averages.
+        self.residuals: Dict[int, torch.Tensor] = {}
+        self.q: Dict[int, torch.Tensor] = {}
+        self.averages = torch.zeros(len(self.names), dtype=torch.int64)
+        for i, shape in enumerate(self.shapes):
+            if self.factor_rank[i]:
+                self.residuals[i] = torch.zeros(shape.numel(), dtype=torch.float32,
+                                                device=self.device)
+                self.q[i] = self._first_q(i, seed)
+        # The buckets of this backward held back by start_bucket: (parameters, gradients).
+        self._held: List[Tuple[list, list]] = []
+
+    def _first_q(self, i: int, seed: int) -> torch.Tensor:
+        n, m = _matrix_shape(torch.empty(self.shapes[i], device="meta"))
+        g = torch.Generator().manual_seed(hashing.mix_scalar(seed, _TAG_Q, i))
+        return torch.randn(m, self.factor_rank[i], generator=g).to(self.device)
+
+    def sum_async(self, flat: torch.Tensor):
+        """Starts summing `flat` in place over the ranks (by node where the groups say);
+        -> an object whose wait() completes it."""
+        with carrying("dense"):
+            if self.node_group is not None:
+                return all_reduce_by_node(flat, self.node_group, self.cross_group)
+            return dist.all_reduce(flat, group=self.cross_group, async_op=True)
+
+    # -- state ----------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """{"<parameter>.averages": int64 [], and for a compressed parameter ".residual"
+        float32 [numel] and ".q" float32 [m, r]} of this rank (residuals differ between
+        ranks): what a resumed run needs to continue bit for bit. Views of the live state:
+        loading into them in place (as torch.distributed.checkpoint does) restores it."""
+        state = {}
+        for i, name in enumerate(self.names):
+            state[f"{name}.averages"] = self.averages[i]
+            if self.factor_rank[i]:
+                state[f"{name}.residual"] = self.residuals[i]
+                state[f"{name}.q"] = self.q[i]
+        return state
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        """Restores the state of `state` (a state_dict() of the same parameters, rank and
+        start_step); raises ValueError naming the key that does not fit."""
+        own = self.state_dict()
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise ValueError(f"{OP}: load_state_dict: {missing[0]!r} is missing")
+        for key, value in state.items():
+            if key not in own:
+                raise ValueError(f"{OP}: load_state_dict: {key!r} is no state of these "
+                                 "parameters at this rank")
+            if not isinstance(value, torch.Tensor) or value.shape != own[key].shape:
+                raise ValueError(f"{OP}: load_state_dict: {key!r} must be shaped "
+                                 f"{list(own[key].shape)}, got {getattr(value, 'shape', value)!r}")
+        for key, value in state.items():
+            if value is not own[key]:
+                own[key].copy_(value)
+
+    # -- the collectives --------------------------------------------------------------------
+    def start(self, params: Sequence[torch.Tensor],
+              grads: Sequence[torch.Tensor]) -> PowerSGDAllReduceHandle:
+        """Starts averaging `grads` (the gradients of `params`, contiguous, written in place at
+        wait()). Every rank calls it with the same parameters; their order does not matter
+        (the set travels in the order of the named_parameters)."""
+        try:
+            indices = [self.index[id(p)] for p in params]
+        except KeyError:
+            raise ValueError(f"{OP}: a gradient's parameter is not among the named_parameters "
+                             "this PowerSGDAllReduce was built with") from None
+        grads = list(grads)
+        if not indices or len(grads) != len(indices) or len(set(indices)) != len(indices):
+            raise ValueError(f"{OP}: start needs one gradient per parameter, each parameter "
+                             f"once, at least one; got {len(indices)} parameters and "
+                             f"{len(grads)} gradients")
+        for i, g in zip(indices, grads):
+            if g.shape != self.shapes[i]:
+                raise ValueError(f"{OP}: the gradient of {self.names[i]!r} is shaped "
+                                 f"{list(g.shape)}, its parameter {list(self.shapes[i])}")
+        order = sorted(range(len(indices)), key=lambda k: indices[k])
+        indices = [indices[k] for k in order]
+        grads = [grads[k] for k in order]
+        whole, compressed, factors = [], [], []
+        for position, (i, g) in enumerate(zip(indices, grads)):
+            if not self.factor_rank[i] or int(self.averages[i]) < self.start_step:
+                whole.append(g.reshape(-1))
+                continue
+            matrix = g.reshape(_matrix_shape(g)).float()
+            matrix = matrix + self.residuals[i].view_as(matrix) if self.error_feedback \
+                else matrix.clone()
+            compressed.append((position, matrix))
+            factors.append((matrix @ orthonormalize_columns(self.q[i])).reshape(-1))
+        buffer = torch.cat([t.float() for t in whole] + factors)
+        work = self.sum_async(buffer)
+        return PowerSGDAllReduceHandle(self, indices, grads, compressed, buffer, work)
+
+    def start_bucket(self, bucket) -> Optional[PowerSGDAllReduceHandle]:
+        """The buckets of a backward travel as one set, started with the last (the module
+        docstring says why) -> its handle; None for the others."""
+        self._held.append((bucket.parameters(), bucket.gradients()))
+        if not bucket.is_last():
+            return None
+        held, self._held = self._held, []
+        return self.start([p for params, _ in held for p in params],
+                          [g for _, grads in held for g in grads])
+
+
+def powersgd_compress_hook(state: PowerSGDAllReduce,
+                           bucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook that averages the gradients as low-rank factors with error
+    feedback:
+
+        ddp.register_comm_hook(PowerSGDAllReduce.for_ddp(ddp), powersgd_compress_hook)
+
+    (`for_ddp(ddp, node_group=..., cross_group=...)` by node). The backward's buckets travel
+    together when DDP hands over the last, from the backward's thread. Unlike torch's
+    powerSGD_hook, the average does not depend on DDP's buckets, and `state.state_dict()`
+    saved with the model resumes a run bit for bit."""
+    return state.hook(bucket)

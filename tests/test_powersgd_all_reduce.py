@@ -1,0 +1,264 @@
+"""recxla.distributed.PowerSGDAllReduce and powersgd_compress_hook on gloo ranks (4 ranks as 2
+nodes x 2 by node, 4 x 1, 1 x 4, and one flat group): several steps against a float64
+reference of PowerSGD with error feedback computed from every rank's gradients, the same bits
+on every rank, the whole average in the first start_step steps, error feedback carrying what
+the factors miss, the same bits whatever the buckets and across a save/load of the state, DDP
+trained with the hook, and the errors."""
+
+import pytest
+import torch
+from distributed_utils import run_distributed
+from test_fp8_all_reduce import _grads, _layouts, _params
+
+pytestmark = pytest.mark.distributed
+
+
+def _reference(all_grads, shapes, steps, rank, start_step, first_qs):
+    """PowerSGD over every rank's gradients in float64 (the module docstring's steps 1-3):
+    -> per step, the averages every rank applies."""
+    world = len(all_grads)
+    residuals = [[torch.zeros(s, dtype=torch.float64) for s in shapes] for _ in range(world)]
+    qs = [None if q is None else q.double() for q in first_qs]
+    out = []
+    for step in range(steps):
+        averages = []
+        for i, shape in enumerate(shapes):
+            grads = [all_grads[w][step][i].double() for w in range(world)]
+            if qs[i] is None or step < start_step:
+                averages.append(torch.stack(grads).mean(0))
+                continue
+            n = shape[0]
+            ms = [(g + residuals[w][i]).reshape(n, -1) for w, g in enumerate(grads)]
+            q, _ = torch.linalg.qr(qs[i])
+            p, _ = torch.linalg.qr(sum(m @ q for m in ms))
+            # QR's columns may differ from Gram-Schmidt's in sign; P Q^T does not.
+            q_mean = sum(m.t() @ p for m in ms) / world
+            average = p @ q_mean.t()
+            for w, m in enumerate(ms):
+                residuals[w][i] = (m - average).reshape(shape)
+            qs[i] = q_mean
+            averages.append(average.reshape(shape))
+        out.append(averages)
+    return out
+
+
+def _steps_body(rank, world, seed, shapes, steps, factor_rank, start_step):
+    import torch.distributed as dist
+
+    from recxla.distributed import PowerSGDAllReduce
+
+    all_grads = [[_grads(seed, k, step, shapes) for step in range(steps)] for k in range(world)]
+    out = []
+    for label, groups in _layouts(world):
+        params = _params(shapes)
+        sync = PowerSGDAllReduce([(f"p{i}", p) for i, p in enumerate(params)], rank=factor_rank,
+                                 start_step=start_step, seed=seed, **groups)
+        first_qs = [sync.q[i].clone() if i in sync.q else None for i in range(len(shapes))]
+        reference = _reference(all_grads, shapes, steps, factor_rank, start_step, first_qs)
+        for step in range(steps):
+            grads = [g.clone() for g in all_grads[rank][step]]
+            sync.all_reduce(params, grads)
+            for i, (got, want) in enumerate(zip(grads, reference[step])):
+                gathered = [torch.empty_like(got) for _ in range(world)]
+                dist.all_gather(gathered, got)
+                matrix = got.reshape(got.shape[0], -1).double()
+                out.append({
+                    "layout": label, "step": step, "param": i,
+                    "compressed": i in sync.q and step >= start_step,
+                    "same_on_ranks": all(torch.equal(g, gathered[0]) for g in gathered),
+                    "error": ((got.double() - want).abs().max() /
+                              want.abs().max().clamp_min(1e-30)).item(),
+                    "matrix_rank": int(torch.linalg.matrix_rank(matrix, rtol=1e-5))
+                    if got.dim() == 2 else None})
+    return out
+
+
+@pytest.mark.parametrize("factor_rank", [1, 3])
+def test_steps_against_a_float64_reference(seed, factor_rank):
+    g = torch.Generator().manual_seed(seed)
+    # Compressed: a matrix and a 3-D parameter (viewed [shape[0], rest]); whole: a vector, and a
+    # matrix too small for its factors to save half its values.
+    shapes = [(int(torch.randint(20, 60, (1,), generator=g)), 31), (9, 4, 5), (17,), (3, 2)]
+    start_step, steps = 2, 5
+    for per_rank in run_distributed(_steps_body, 4,
+                                    (seed, shapes, steps, factor_rank, start_step)):
+        assert len(per_rank) == 4 * steps * len(shapes)
+        for r in per_rank:
+            assert r["same_on_ranks"], r
+            assert r["error"] <= 1e-4, r
+            assert r["compressed"] == (r["param"] in (0, 1) and r["step"] >= start_step), r
+            if r["compressed"] and r["matrix_rank"] is not None:
+                assert r["matrix_rank"] <= factor_rank, r
+            elif r["matrix_rank"] is not None and r["param"] == 0:
+                assert r["matrix_rank"] > factor_rank, r  # the whole average, before start
+
+
+def _feedback_body(rank, world, seed, shape, steps):
+    from recxla.distributed import PowerSGDAllReduce
+
+    grad = _grads(seed, rank, 0, [shape])[0]
+    exact = torch.stack([_grads(seed, k, 0, [shape])[0].double() for k in range(world)]).mean(0)
+    errors = {}
+    for feedback in (True, False):
+        params = _params([shape])
+        sync = PowerSGDAllReduce([("p", params[0])], start_step=0, error_feedback=feedback,
+                                 seed=seed)
+        total = torch.zeros(shape, dtype=torch.float64)
+        for _ in range(steps):  # the same gradient every step: the worst case without it
+            step = [grad.clone()]
+            sync.all_reduce(params, step)
+            total += step[0].double()
+        errors[feedback] = ((total - steps * exact).abs().max() / exact.abs().max()).item()
+    return errors
+
+
+def test_error_feedback_carries_what_the_factors_miss(seed):
+    steps = 80
+    for errors in run_distributed(_feedback_body, 2, (seed, (6, 4), steps)):
+        # Without feedback a rank-1 average of a full-rank gradient misses the same part every
+        # step, and the sum's error grows with the steps; with it, the missed part is sent on
+        # later steps: the error stays what one residual holds (about 3 here, whatever the
+        # steps, against about 0.7 a step without).
+        assert errors[False] > 0.3 * steps, errors
+        assert errors[True] * 6 < errors[False], errors
+
+
+class _Bucket:
+    """What a DDP comm hook reads of a bucket."""
+
+    def __init__(self, params, grads, last):
+        self._params, self._grads, self._last = params, grads, last
+        self._buffer = torch.cat([g.flatten() for g in grads])
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return self._grads
+
+    def buffer(self):
+        return self._buffer
+
+    def is_last(self):
+        return self._last
+
+
+def _resume_body(rank, world, seed, shapes, steps, split):
+    from recxla.distributed import PowerSGDAllReduce
+
+    def run(buckets, resume_at=None):
+        params = _params(shapes)
+        named = [(f"p{i}", p) for i, p in enumerate(params)]
+
+        def new():
+            return PowerSGDAllReduce(named, start_step=2, seed=seed)
+
+        sync = new()
+        results = []
+        for step in range(steps):
+            if step == resume_at:  # a new state from the saved one, as a resumed run
+                saved = {k: v.clone() for k, v in sync.state_dict().items()}
+                sync = new()
+                sync.load_state_dict(saved)
+            grads = _grads(seed, rank, step, shapes)
+            handles = [sync.start_bucket(_Bucket([params[i] for i in b], [grads[i] for i in b],
+                                                 k + 1 == len(buckets)))
+                       for k, b in enumerate(buckets)]
+            sync.finish([h for h in handles if h is not None])
+            results.append(torch.cat([t.flatten() for t in grads]))
+        return torch.stack(results)
+
+    whole = run([list(range(len(shapes)))])
+    return {"regrouped": torch.equal(whole, run(split)),
+            "resumed": torch.equal(whole, run(split, resume_at=steps // 2)),
+            "changes": not torch.equal(whole[0], whole[-1])}
+
+
+def test_same_bits_whatever_the_buckets_and_across_a_resume(seed):
+    """DDP regroups the parameters into buckets after its first step, and a resumed run starts
+    with the first grouping again: neither may change a bit."""
+    shapes = [(50, 3), (129,), (1,), (26, 40)]
+    split = [[3, 1], [0], [2]]
+    for r in run_distributed(_resume_body, 4, (seed, shapes, 6, split)):
+        assert r == {"regrouped": True, "resumed": True, "changes": True}
+
+
+def _ddp_body(rank, world, seed, steps, hook):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from recxla.distributed import PowerSGDAllReduce, powersgd_compress_hook
+
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # several buckets
+    if hook:
+        ddp.register_comm_hook(PowerSGDAllReduce.for_ddp(ddp, start_step=3),
+                               powersgd_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed * 7 + rank)
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(seed))
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), x @ w)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return {"same_on_ranks": all(torch.equal(t, flat) for t in gathered), "loss": loss.item()}
+
+
+def test_ddp_hook_trains_as_ddp_does(seed):
+    steps = 60
+    fp32 = run_distributed(_ddp_body, 2, (seed, steps, False))[0]
+    low_rank = run_distributed(_ddp_body, 2, (seed, steps, True))
+    assert all(r["same_on_ranks"] for r in low_rank)
+    assert low_rank[0]["loss"] <= 1.5 * fp32["loss"] + 1e-2, (low_rank[0]["loss"],
+                                                               fp32["loss"])
+
+
+def _errors_body(rank, world):
+    import torch.distributed as dist
+
+    from recxla.distributed import PowerSGDAllReduce
+
+    p = torch.nn.Parameter(torch.zeros(8, 6))
+    messages = []
+    for kwargs in ({"rank": 0}, {"start_step": -1}, {"seed": 1.5},
+                   {"node_group": dist.group.WORLD}):
+        with pytest.raises(ValueError) as e:
+            PowerSGDAllReduce([("p", p)], **kwargs)
+        messages.append(str(e.value))
+    with pytest.raises(ValueError) as e:
+        PowerSGDAllReduce([("p", torch.nn.Parameter(torch.zeros(2), requires_grad=False))])
+    messages.append(str(e.value))
+    sync = PowerSGDAllReduce([("p", p)])
+    for params, grads in (([torch.nn.Parameter(torch.zeros(3))], [torch.zeros(3)]), ([], []),
+                          ([p, p], [torch.zeros(8, 6)] * 2), ([p], [torch.zeros(6, 8)])):
+        with pytest.raises(ValueError) as e:
+            sync.start(params, grads)
+        messages.append(str(e.value))
+    good = {k: v.clone() for k, v in sync.state_dict().items()}
+    for bad in ({**good, "q.q": torch.zeros(6, 1)}, {**good, "p.q": torch.zeros(8, 1)},
+                {k: v for k, v in good.items() if k != "p.residual"}):
+        with pytest.raises(ValueError) as e:
+            sync.load_state_dict(bad)
+        messages.append(str(e.value))
+    return messages
+
+
+def test_errors_name_the_op_and_argument():
+    messages = run_distributed(_errors_body, 2, ())[0]
+    wants = ["rank must be an int >= 1, got 0", "start_step must be an int >= 0, got -1",
+             "seed must be an int >= 0, got 1.5", "node_group and cross_group go together",
+             "no parameter that requires grad", "not among the named_parameters",
+             "one gradient per parameter, each parameter once, at least one; got 0",
+             "each parameter once", "the gradient of 'p' is shaped [6, 8], its parameter [8, 6]",
+             "'q.q' is no state of these parameters", "'p.q' must be shaped [6, 1]",
+             "'p.residual' is missing"]
+    assert len(messages) == len(wants)
+    for message, want in zip(messages, wants):
+        assert message.startswith("recxla.distributed.PowerSGDAllReduce: ") and want in message, \
+            (message, want)
