@@ -1,9 +1,10 @@
 """The pipeline's dense gradient sync (recxla.pipeline.dense_sync) on 2 gloo ranks: a deferred
 all-reduce leaves each rank's own gradient in .grad until wait(), then the average over the
-ranks, bit for bit what DDP's own all-reduce gives (fp32 and bf16 on the wire), and fp8 bit for
-bit what DDP gives with recxla's fp8_compress_hook; without gradient_as_bucket_view it does not
-defer. By node (4 ranks as 2 nodes x 2): the same average up to rounding (fp8: bit for bit the
-hook's by node), the same bits on every rank."""
+ranks, bit for bit what DDP's own all-reduce gives (fp32 and bf16 on the wire), and fp8 and
+powersgd bit for bit what DDP gives with recxla's fp8_compress_hook / powersgd_compress_hook;
+without gradient_as_bucket_view it does not defer. By node (4 ranks as 2 nodes x 2): the same
+average up to rounding (fp8, powersgd: bit for bit the hook's by node), the same bits on every
+rank."""
 
 import pytest
 import torch
@@ -41,13 +42,19 @@ def _sync_body(rank, world, seed, wire, bucket_view, by_node=False):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         reference.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    groups = {} if nodes is None else {"node_group": nodes.shard_group,
+                                       "cross_group": nodes.replica_group}
     if wire == "fp8":
         from recxla.distributed import FP8AllReduce, fp8_compress_hook
 
-        groups = {} if nodes is None else {"node_group": nodes.shard_group,
-                                           "cross_group": nodes.replica_group}
         reference.register_comm_hook(FP8AllReduce.for_ddp(reference, **groups),
                                      fp8_compress_hook)
+    if wire == "powersgd":  # compressed from the first step
+        from recxla.distributed import PowerSGDAllReduce, powersgd_compress_hook
+
+        reference.register_comm_hook(
+            PowerSGDAllReduce.for_ddp(reference, start_step=0, **groups),
+            powersgd_compress_hook)
     reference(x).sum().backward()
     want = grads(reference)
     reference.zero_grad(set_to_none=True)
@@ -55,6 +62,8 @@ def _sync_body(rank, world, seed, wire, bucket_view, by_node=False):
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=bucket_view,
                                   bucket_cap_mb=0.001)
     sync = MicroBatchGradientSync.for_ddp(ddp)
+    if wire == "powersgd":
+        sync.compressor(wire, nodes, start_step=0)
     sync.wire, sync.deferred, sync.nodes = wire_dtype(wire), True, nodes
     ddp(x).sum().backward()
     before_wait = grads(ddp)
@@ -72,25 +81,25 @@ def _sync_body(rank, world, seed, wire, bucket_view, by_node=False):
             "same_on_ranks": all(torch.equal(g, gathered[0]) for g in gathered)}
 
 
-@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp8", "powersgd"])
 def test_deferred_all_reduce_equals_ddp(seed, wire):
     for r in run_distributed(_sync_body, 2, (seed, wire, True)):
         assert r["pending"] >= 1, r  # the buckets in flight until wait()
         assert r["own_before_wait"] and r["equals_ddp"] and r["same_on_ranks"], r
 
 
-@pytest.mark.parametrize("wire", ["fp32", "fp8"])
+@pytest.mark.parametrize("wire", ["fp32", "fp8", "powersgd"])
 def test_no_deferral_without_bucket_views(seed, wire):
     for r in run_distributed(_sync_body, 2, (seed, wire, False)):
         assert r["pending"] == 0 and not r["own_before_wait"], r
         assert r["equals_ddp"] and r["same_on_ranks"], r
 
 
-@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp8", "powersgd"])
 def test_deferred_all_reduce_by_node_equals_ddp(seed, wire):
     # fp32: the sums differ from the ring's in order only; bf16: both round to bf16 on the
-    # wire; fp8: the reference is the hook by node, the same computation.
-    tolerance = {"fp32": 1e-6, "bf16": 2 ** -6, "fp8": 0.0}[wire]
+    # wire; fp8 and powersgd: the reference is the hook by node, the same computation.
+    tolerance = {"fp32": 1e-6, "bf16": 2 ** -6, "fp8": 0.0, "powersgd": 0.0}[wire]
     for r in run_distributed(_sync_body, 4, (seed, wire, True, True)):
         assert r["pending"] >= 1, r
         assert r["own_before_wait"] and r["same_on_ranks"], r

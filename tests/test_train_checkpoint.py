@@ -44,15 +44,18 @@ def _load(folder, tmp_path, name):
 # looked up before this step's update and corrected, while a resumed run looks it up after the
 # update; the pipeline makes the lookup after a checkpoint the resumed run's.
 # FP8 dense all-reduce: its error-feedback residuals are saved per rank and resume with it,
-# on recxla's pipeline and as the DDP hook on TorchRec's. Early rows: the pipeline runs two
-# batches ahead and the next batch's rows left before the checkpoint; the resumed run sends
-# them after the update, with the same values.
+# on recxla's pipeline and as the DDP hook on TorchRec's; PowerSGD's residuals, factors and
+# counts likewise (compressed from step 2, so the resumed steps 4..8 compress). Early rows:
+# the pipeline runs two batches ahead and the next batch's rows left before the checkpoint;
+# the resumed run sends them after the update, with the same values.
 SCHEDULES = {"default": [], "early lookup, 2 micro-batches": ["--dbp-lookup", "early",
                                                                "--micro-batches", "2"],
              "early rows": ["--early-rows"],
              "fp8 dense all-reduce": ["--dense-allreduce", "fp8"],
              "fp8 dense all-reduce, torchrec": ["--baseline", "torchrec", "--dense-allreduce",
-                                                "fp8"]}
+                                                "fp8"],
+             "powersgd dense all-reduce": ["--dense-allreduce", "powersgd", "--powersgd-start",
+                                           "2"]}
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -86,8 +89,10 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
                    "embedding_bags" in k]
     dense_state = [k for k in tensors if k.startswith("optimizer.state.") and "dense_arch" in k]
     assert len(tables) == 26 and len(fused_state) >= 26 and dense_state
-    residuals = [k for k in tensors if k.startswith("train.dense_fp8_rank")]
-    assert bool(residuals) == ("fp8" in schedule), residuals
+    compressed = "fp8" if "fp8" in schedule else "powersgd" if "powersgd" in schedule else None
+    residuals = [k for k in tensors if k.startswith("train.dense_")]
+    assert all(k.startswith(f"train.dense_{compressed}_rank") for k in residuals), residuals
+    assert bool(residuals) == bool(compressed), residuals
     for k in tensors:
         assert torch.equal(end_a[k], end_b[k]), k
     # Steps 4..8 did change every table and optimizer state (the equality above is not vacuous).

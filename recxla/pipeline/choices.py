@@ -11,4 +11,4 @@ SPLITS = ("contiguous", "clustered")
 DBP_LOOKUPS = ("after_update", "early")
 # TrainPipeline(dense_allreduce=...): the dense gradients' wire format
 # (recxla.pipeline.dense_sync).
-DENSE_ALLREDUCE_FORMATS = ("fp32", "bf16", "fp8")
+DENSE_ALLREDUCE_FORMATS = ("fp32", "bf16", "fp8", "powersgd")

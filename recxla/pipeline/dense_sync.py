@@ -7,9 +7,11 @@ place, gradient_as_bucket_view); for the last, each bucket is averaged over the 
 as DDP has it, while the rest of that backward runs (DDP's bucketed all-reduce, the same one
 the sequential step uses). precision="bf16" sends the buckets as bfloat16 (half the bytes;
 torch's bf16_compress_hook does the same for one micro-batch); "fp8" as e4m3 with a scale per
-128 values and error feedback (recxla.distributed.FP8AllReduce: about a quarter of the bytes,
-by node or over every rank; its residuals are the state `fp8_state(nodes).state_dict()` that a
-checkpoint saves).
+128 values and error feedback (recxla.distributed.FP8AllReduce: about a quarter of the bytes);
+"powersgd" as low-rank factors with error feedback (recxla.distributed.PowerSGDAllReduce:
+about a hundredth of them on the default DLRM, the backward's buckets sent together with the
+last). Both by node or over every rank; their state (residuals, factors) is
+`compressor(wire, nodes).state_dict()`, which a checkpoint saves.
 
 Deferred wait: inside a pipeline's step the all-reduces are not waited for at the end of the
 backward (where DDP waits for its buckets) but just before the dense optimizer step
@@ -40,20 +42,24 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from recxla.distributed.all_reduce_by_node import all_reduce_by_node
-from recxla.distributed.fp8_all_reduce import FP8AllReduce, fp8_compress_hook
+from recxla.distributed.compressed_all_reduce import CompressedAllReduce
+from recxla.distributed.fp8_all_reduce import FP8AllReduce
+from recxla.distributed.powersgd_all_reduce import PowerSGDAllReduce
 from recxla.pipeline.choices import DENSE_ALLREDUCE_FORMATS as PRECISIONS
 from recxla.pipeline.micro_batches import OWNER
 
-FP8 = "fp8"
+# The wires that a CompressedAllReduce carries (by `precision` name), and its class.
+COMPRESSED = {"fp8": FP8AllReduce, "powersgd": PowerSGDAllReduce}
 
 
 def wire_dtype(precision: str):
     """The all-reduce's wire for `precision`: None (the gradients' own dtype, fp32),
-    torch.bfloat16, or FP8 (FP8AllReduce)."""
+    torch.bfloat16, or the name of a compressed wire (a key of COMPRESSED)."""
     if precision not in PRECISIONS:
         raise ValueError(f"{OWNER}: dense_allreduce must be one of {PRECISIONS}, got "
                          f"{precision!r}")
-    return {"bf16": torch.bfloat16, "fp8": FP8}.get(precision)
+    return torch.bfloat16 if precision == "bf16" else \
+        precision if precision in COMPRESSED else None
 
 
 _INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -112,7 +118,8 @@ class MicroBatchGradientSync:
     def __init__(self, ddp: DistributedDataParallel):
         self.group = ddp.process_group
         self.named_parameters = list(ddp.module.named_parameters())
-        self._fp8 = {}  # node layout (None: the flat group) -> its FP8AllReduce
+        # (compressed wire, node layout's id or None: the flat group) -> its CompressedAllReduce
+        self._compressors = {}
         self.world = dist.get_world_size(self.group)
         self.sync = True
         self.wire = None
@@ -131,15 +138,25 @@ class MicroBatchGradientSync:
                 "allreduce_comm_precision (pass dense_allreduce='bf16' to the pipeline "
                 "instead)") from e
 
-    def fp8_state(self, nodes=None) -> FP8AllReduce:
-        """The FP8AllReduce of the "fp8" wire for node layout `nodes` (None: over every rank),
-        made on first use: its residuals carry from step to step."""
-        key = None if nodes is None else id(nodes)
-        if key not in self._fp8:
+    def compressor(self, wire: str, nodes=None, **options) -> CompressedAllReduce:
+        """The CompressedAllReduce of compressed wire `wire` ("fp8", "powersgd") for node
+        layout `nodes` (None: over every rank), made on first use with `options` (the class's
+        keyword arguments, e.g. rank=2 for PowerSGD): its state carries from step to step.
+        Options for one already made must be the ones it was made with."""
+        if wire not in COMPRESSED:
+            raise ValueError(f"{OWNER}: a compressed dense all-reduce is one of "
+                             f"{tuple(COMPRESSED)}, got {wire!r}")
+        key = (wire, None if nodes is None else id(nodes))
+        if key not in self._compressors:
             groups = {"group": self.group} if nodes is None else \
                 {"node_group": nodes.shard_group, "cross_group": nodes.replica_group}
-            self._fp8[key] = FP8AllReduce(self.named_parameters, **groups)
-        return self._fp8[key]
+            self._compressors[key] = (
+                COMPRESSED[wire](self.named_parameters, **groups, **options), options)
+        made, made_with = self._compressors[key]
+        if options and options != made_with:
+            raise ValueError(f"{OWNER}: the {wire} all-reduce was made with {made_with}, "
+                             f"not {options}")
+        return made
 
     def wait(self) -> None:
         """Waits for the deferred all-reduces and writes each bucket's average into it (the
@@ -164,12 +181,14 @@ class MicroBatchGradientSync:
             done = torch.futures.Future()
             done.set_result(buffer)
             return done
-        if state.wire is FP8:
-            fp8 = state.fp8_state(state.nodes)
+        if state.wire in COMPRESSED:
+            compressor = state.compressor(state.wire, state.nodes)
             if not (state.deferred and state.can_defer):
-                return fp8_compress_hook(fp8, bucket)
+                return compressor.hook(bucket)
             # Written into the bucket's gradient views at wait().
-            state.in_flight.append(fp8.start(bucket.parameters(), bucket.gradients()))
+            handle = compressor.start_bucket(bucket)
+            if handle is not None:
+                state.in_flight.append(handle)
             done = torch.futures.Future()
             done.set_result(buffer)
             return done

@@ -99,10 +99,12 @@ class TrainPipeline:
             update, so it reads the updated tables) or "early" (while this batch's last
             gradients travel, then corrected for the rows the update changed; see
             recxla.torchrec.early_lookup). Both give the sequential result.
-        dense_allreduce: "fp32", "bf16" or "fp8": the wire format of the dense gradients'
-            all-reduce (DDP's buckets, see dense_sync.py); "fp8" is e4m3 with error feedback
-            (recxla.distributed.FP8AllReduce), whose residuals are state to checkpoint
-            (`dense_allreduce_state()`).
+        dense_allreduce: "fp32", "bf16", "fp8" or "powersgd": the wire format of the dense
+            gradients' all-reduce (DDP's buckets, see dense_sync.py); "fp8" is e4m3 with error
+            feedback (recxla.distributed.FP8AllReduce), "powersgd" low-rank factors with error
+            feedback (recxla.distributed.PowerSGDAllReduce, rank 1 unless made before with
+            `MicroBatchGradientSync.for_ddp(ddp).compressor("powersgd", nodes, rank=R)`); their
+            state, to checkpoint, is that `compressor(wire, nodes).state_dict()`.
         dense_allreduce_nodes: the node layout (`recxla.torchrec.make_topology_2d`) to
             all-reduce the dense gradients by node: summed inside each node, 1/ranks_per_node
             of them per rank across the nodes, gathered inside the node

@@ -9,8 +9,10 @@ A checkpoint `step_<N>` holds, every rank writing its own shards through DCP:
 - "train": the steps done, which is also the data position (see recxla.train.data: batch k
   is a function of k alone, with --data as with the synthetic logs), each rank's random
   number generator state (`rng_cpu_rank<r>`; nothing in the trainer's step draws from it
-  today, a model with dropout would), and with --dense-allreduce fp8 each rank's
-  error-feedback residuals (`dense_fp8_rank<r>`, recxla.distributed.FP8AllReduce);
+  today, a model with dropout would), and with --dense-allreduce fp8 or powersgd each rank's
+  compressed all-reduce state (`dense_fp8_rank<r>`: recxla.distributed.FP8AllReduce's
+  error-feedback residuals; `dense_powersgd_rank<r>`: PowerSGDAllReduce's residuals, factors
+  and counts);
 and `train_state.json`, the completion marker: the training state again, the options it
 depends on (checked by --resume before any process group exists), the --data files'
 fingerprint, `state_sha256` (a hash of every rank's saved tensors: two runs that end with the
@@ -209,33 +211,33 @@ def _rng_key(rank: int) -> str:
     return f"rng_cpu_rank{rank}"
 
 
-def _fp8_key(rank: int) -> str:
-    return f"dense_fp8_rank{rank}"
+def _dense_key(dense_state, rank: int) -> str:
+    return f"dense_{dense_state.state_name}_rank{rank}"
 
 
-def _contents(model, optimizer, steps_done: int, rank: int, dense_fp8=None) -> dict:
+def _contents(model, optimizer, steps_done: int, rank: int, dense_state=None) -> dict:
     train = {"steps_done": torch.tensor(steps_done, dtype=torch.int64),
              _rng_key(rank): torch.get_rng_state()}
-    if dense_fp8 is not None:  # its live residuals: DCP loads into them in place
-        train[_fp8_key(rank)] = dense_fp8.state_dict()
+    if dense_state is not None:  # its live state: DCP loads into it in place
+        train[_dense_key(dense_state, rank)] = dense_state.state_dict()
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "train": train}
 
 
 def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
          world_size: int, data_fingerprint: Optional[str] = None,
-         keep: Optional[int] = None, dense_fp8=None, data_snapshots=None) -> str:
+         keep: Optional[int] = None, dense_state=None, data_snapshots=None) -> str:
     """Write checkpoint `step_<steps_done>` (a collective: every rank calls it) and commit it;
     then delete the older ones beyond the `keep` newest (None: keep all). Returns the folder.
     `data_fingerprint`: TrainData.fingerprint (None: synthetic logs); `data_snapshots`:
-    TrainData.snapshots (the Iceberg snapshots a resume reads again). `dense_fp8`: the
-    FP8AllReduce of --dense-allreduce fp8, whose residuals are saved too."""
+    TrainData.snapshots (the Iceberg snapshots a resume reads again). `dense_state`: the
+    CompressedAllReduce of --dense-allreduce fp8 or powersgd, whose state is saved too."""
     rank = dist.get_rank()
     partial = files.partial_path(directory, steps_done)
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         files.remove_incomplete(directory)  # a killed run's leftovers, this step's included
     dist.barrier()
-    state = _contents(model, optimizer, steps_done, rank, dense_fp8)
+    state = _contents(model, optimizer, steps_done, rank, dense_state)
     writer = _Writer(partial, steps_done)
     dcp.save(state, storage_writer=writer)
     kill_point(f"checkpoint {steps_done} written")
@@ -261,9 +263,9 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
     return checkpoint_path(directory, steps_done)
 
 
-def load(path: str, model, optimizer, dense_fp8=None) -> int:
+def load(path: str, model, optimizer, dense_state=None) -> int:
     """Load checkpoint folder `path` into `model` and `optimizer` in place and restore this
-    rank's random number generator and `dense_fp8`'s residuals (a collective). Every file is
+    rank's random number generator and `dense_state`'s (a collective). Every file is
     checked against the marker before DCP opens it, `.metadata` and byte items through restricted unpicklers
     (recxla.train.checkpoint_reader): DamagedCheckpoint (a ValueError) naming the folder and
     the file otherwise. Rank 0 first deletes the incomplete folders beside it (never a
@@ -279,14 +281,14 @@ def load(path: str, model, optimizer, dense_fp8=None) -> int:
     if rank == 0:
         files.remove_incomplete(os.path.dirname(os.path.normpath(path)))
         _report_newer(path, marker["steps_done"])
-    state = _contents(model, optimizer, -1, rank, dense_fp8)
+    state = _contents(model, optimizer, -1, rank, dense_state)
     if f"train.{_rng_key(rank)}" not in saved_keys:  # written before generators were saved
         del state["train"][_rng_key(rank)]
-    if dense_fp8 is not None and not any(k.startswith(f"train.{_fp8_key(rank)}.")
-                                         for k in saved_keys):
+    if dense_state is not None and not any(
+            k.startswith(f"train.{_dense_key(dense_state, rank)}.") for k in saved_keys):
         # Saved by a run with another --dense-allreduce (a resume may change the wire): the
-        # residuals start at zero.
-        del state["train"][_fp8_key(rank)]
+        # state starts anew (zero residuals; PowerSGD's factors drawn again, its counts at 0).
+        del state["train"][_dense_key(dense_state, rank)]
     try:
         dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(path))
     except CheckpointException as e:  # DCP gathers every rank's failure of the read
@@ -298,8 +300,8 @@ def load(path: str, model, optimizer, dense_fp8=None) -> int:
     optimizer.load_state_dict(state["optimizer"])
     if _rng_key(rank) in state["train"]:
         torch.set_rng_state(state["train"][_rng_key(rank)])
-    if _fp8_key(rank) in state["train"]:
-        dense_fp8.load_state_dict(state["train"][_fp8_key(rank)])
+    if dense_state is not None and _dense_key(dense_state, rank) in state["train"]:
+        dense_state.load_state_dict(state["train"][_dense_key(dense_state, rank)])
     return int(state["train"]["steps_done"])
 
 

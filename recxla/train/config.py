@@ -38,9 +38,6 @@ RECXLA_DDP_BUCKET_MB = 1.0
 # 4 ranks the held-out AUC is the fp32 all-reduce's (0.7704 / 0.7702 and 0.7775 / 0.7777 for
 # seeds 0 / 1, bench/results/training.md).
 RECXLA_DENSE_ALLREDUCE = "bf16"
-# Dense all-reduces of the TorchRec baseline alone: torch's PowerSGD DDP hook, the compressed
-# all-reduce a TorchRec user can register today (recxla.train.sharding.POWERSGD).
-BASELINE_DENSE_ALLREDUCE = ("powersgd",)
 SHARDINGS = ("auto", "table_wise", "column_wise", "table_column_wise", "row_wise")
 # TorchRec's own sharders offer these on CPU (gloo lacks the reduce-scatter row-wise needs).
 TORCHREC_CPU_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")
@@ -135,15 +132,27 @@ class TrainConfig:
         "rows are fewer, judged on a sample batch), off, all, or comma-separated table names",
         group=_C, applies=RECXLA, default_text="auto; off with --topology 2d")
     dense_allreduce: Optional[str] = option(
-        None, "wire format of the dense gradients' all-reduce: fp32, bf16, or fp8 (e4m3 with a "
+        None, "wire format of the dense gradients' all-reduce: fp32, bf16, fp8 (e4m3 with a "
         "scale per 128 values and error feedback, recxla.distributed.FP8AllReduce; its "
-        "residuals go into the checkpoints; on the baseline, as a hook on TorchRec's DDP); "
-        "powersgd (baseline only): torch's PowerSGD hook, rank 1, after 10 fp32 steps (a "
-        "resume restarts its state)",
+        "residuals go into the checkpoints; on the baseline, as a hook on TorchRec's DDP), or "
+        "powersgd (low-rank factors of rank --powersgd-rank with error feedback, each "
+        "parameter compressed after its first --powersgd-start averages: on the recxla path "
+        "recxla.distributed.PowerSGDAllReduce, whose state goes into the checkpoints; on the "
+        "baseline torch's PowerSGD hook, what a TorchRec user registers today, whose state a "
+        "resume restarts)",
         group=_C,
-        choices=(*DENSE_ALLREDUCE_FORMATS, *BASELINE_DENSE_ALLREDUCE),
+        choices=DENSE_ALLREDUCE_FORMATS,
         default_text=f"{RECXLA_DENSE_ALLREDUCE} on the recxla path, fp32 (TorchRec's) on the "
         "baseline")
+    powersgd_rank: int = option(
+        1, "--dense-allreduce powersgd: the factors' columns (1: the fewest bytes; a higher "
+        "rank keeps more of each gradient a step, with (rows + columns) x rank values a "
+        "matrix)", group=_C, parse=at_least(1))
+    powersgd_start: Optional[int] = option(
+        None, "--dense-allreduce powersgd: steps whose dense gradients travel whole before the "
+        "factors take over (the model moves fastest then; torch suggests about a tenth of a "
+        "run)", group=_C, parse=at_least(0),
+        default_text="recxla.distributed.PowerSGDAllReduce's default, 10")
     dense_allreduce_by_node: bool = option(
         True, "all-reduce the dense gradients inside each node first, then 1/ranks-per-node "
         "of them per rank across the nodes (recxla.distributed.all_reduce_by_node; with one "

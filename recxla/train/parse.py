@@ -28,7 +28,6 @@ import torch
 from recxla.train import options
 from recxla.train.checkpoint import resume_checkpoint, resumed_snapshots
 from recxla.train.config import (
-    BASELINE_DENSE_ALLREDUCE,
     CRITEO_PROFILE_MAX_ROWS,
     DEFAULT_EVAL_FRACTION,
     FALLBACK_EMBEDDING_DIM,
@@ -114,10 +113,6 @@ def _check(err, given: dict) -> dict:
         v["ddp_bucket_mb"] = RECXLA_DDP_BUCKET_MB
     if v["dense_allreduce"] is None:
         v["dense_allreduce"] = "fp32" if v["baseline"] else RECXLA_DENSE_ALLREDUCE
-    if v["dense_allreduce"] in BASELINE_DENSE_ALLREDUCE and not v["baseline"]:
-        err(f"--dense-allreduce {v['dense_allreduce']} applies to the TorchRec baseline "
-            "(--baseline torchrec: a DDP hook on TorchRec's DDP); the recxla path takes "
-            "fp32, bf16 or fp8")
     if v["data_parallel_tables"] and v["sharding"] != "auto":
         err(f"--data-parallel-tables applies to --sharding auto (--sharding {v['sharding']} is "
             "one plan for every table)")

@@ -33,8 +33,10 @@ from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.distributed.fp8_all_reduce import FP8AllReduce, fp8_compress_hook
-from recxla.pipeline.dense_sync import MicroBatchGradientSync
+from recxla.distributed.powersgd_all_reduce import DEFAULT_START_STEP as DEFAULT_POWERSGD_START
+from recxla.pipeline.dense_sync import COMPRESSED, MicroBatchGradientSync
 from recxla.torchrec.data_parallel import DATA_PARALLEL, is_data_parallel
 from recxla.train.config import TORCHREC_CPU_SHARDINGS, TrainConfig
 
@@ -217,35 +219,46 @@ def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan, device: tor
             (config is None or config.baseline):
         wire = "fp32" if config is None else config.dense_allreduce
         if wire == "powersgd":
-            ddp.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, **POWERSGD),
-                                   powerSGD_hook.powerSGD_hook)
-        elif wire != "fp8":  # fp8: dense_fp8_state
+            ddp.register_comm_hook(powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=config.powersgd_rank,
+                start_powerSGD_iter=powersgd_start(config), **TORCH_POWERSGD),
+                powerSGD_hook.powerSGD_hook)
+        elif wire != "fp8":  # fp8: dense_allreduce_state
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if wire == "bf16"
                                    else default_hooks.allreduce_hook)
     return dmp
 
 
-# torch's PowerSGD hook as the baseline's --dense-allreduce powersgd: rank 1 (torch's default,
-# the most compression); compressed from step 10 (torch's default of 1,000 is for long runs, its
-# docs suggest 10% of the steps: the benchmarks' runs are 36 to 300 steps); error feedback and
-# warm start (torch's defaults); the seed fixed so that every run compresses alike.
-POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10,
-            "use_error_feedback": True, "warm_start": True, "random_seed": 0}
+# torch's PowerSGD hook as the baseline's --dense-allreduce powersgd (--powersgd-rank,
+# --powersgd-start as recxla's PowerSGDAllReduce): error feedback and warm start (torch's
+# defaults); the seed fixed so that every run compresses alike.
+TORCH_POWERSGD = {"use_error_feedback": True, "warm_start": True, "random_seed": 0}
 
 
-def dense_fp8_state(dmp, config, dense_nodes) -> Optional[FP8AllReduce]:
-    """With --dense-allreduce fp8, the FP8AllReduce whose residuals the checkpoints carry: on
-    the recxla path the pipeline's (recxla.pipeline.dense_sync), made now so that a resume can
-    load into it; with --baseline, recxla's DDP hook registered on TorchRec's DDP as any
-    TorchRec user can (recxla.distributed.fp8_compress_hook). None for the other wires."""
-    if config.dense_allreduce != "fp8":
-        return None
+def powersgd_start(config) -> int:
+    """--powersgd-start, or PowerSGDAllReduce's default: the same on both paths."""
+    return DEFAULT_POWERSGD_START if config.powersgd_start is None else config.powersgd_start
+
+
+def dense_allreduce_state(dmp, config, dense_nodes) -> Optional[CompressedAllReduce]:
+    """The compressed dense all-reduce whose state the checkpoints carry: on the recxla path
+    with --dense-allreduce fp8 or powersgd the pipeline's (recxla.pipeline.dense_sync), made
+    now so that a resume can load into it; with --baseline and fp8, recxla's DDP hook
+    registered on TorchRec's DDP as any TorchRec user can (recxla.distributed.fp8_compress_hook).
+    None for the other wires (the baseline's powersgd is torch's hook, its state its own)."""
     ddp = dmp._dmp_wrapped_module
     if config.baseline:
+        if config.dense_allreduce != "fp8":
+            return None
         state = FP8AllReduce.for_ddp(ddp)
         ddp.register_comm_hook(state, fp8_compress_hook)
         return state
-    return MicroBatchGradientSync.for_ddp(ddp).fp8_state(dense_nodes)
+    if config.dense_allreduce not in COMPRESSED:
+        return None
+    options = {"rank": config.powersgd_rank, "start_step": powersgd_start(config)} \
+        if config.dense_allreduce == "powersgd" else {}
+    return MicroBatchGradientSync.for_ddp(ddp).compressor(config.dense_allreduce, dense_nodes,
+                                                           **options)
 
 
 def dense_optimizer_kwargs(optimizer: str, device_type: str) -> dict:

@@ -34,7 +34,7 @@ from recxla.train.metrics import (
     format_summary, iface_bytes, local_figures, machine, summarize, write_metrics)
 from recxla.train.models import init_embedding_tables
 from recxla.train.sharding import (
-    build_optimizer, build_sharder, data_parallel_tables, dense_fp8_state, embedding_tables,
+    build_optimizer, build_sharder, data_parallel_tables, dense_allreduce_state, embedding_tables,
     gradient_division_description, plan_sharding, plan_summary, resolve_row_exchange,
     shard_model, sharder_description)
 
@@ -49,7 +49,8 @@ class Sharded:
     dense_nodes: object  # the dense all-reduce's nodes (a Topology2D); None: one ring
     dmp: torch.nn.Module  # DistributedModelParallel
     optimizer: object  # the fused embedding optimizer and the dense one, combined
-    dense_fp8: object  # --dense-allreduce fp8: its FP8AllReduce (residuals); else None
+    # --dense-allreduce fp8 / powersgd: its CompressedAllReduce (residuals, factors); else None
+    dense_state: object
 
 
 @dataclass
@@ -113,7 +114,7 @@ def plan_and_shard(config, place, device, watchdog, data, tables, model) -> Shar
                       topology)
     init_embedding_tables(embedding_tables(dmp), tables, config.seed)
     return Sharded(tables, plan, row_tables, dense_nodes, dmp, build_optimizer(dmp, config),
-                   dense_fp8_state(dmp, config, dense_nodes))
+                   dense_allreduce_state(dmp, config, dense_nodes))
 
 
 def _topology(config):
@@ -161,7 +162,7 @@ def resume(config, watchdog, sharded: Sharded) -> int:
         return 0
     watchdog.progress("loading the checkpoint")
     path = checkpoint.resume_checkpoint(config.checkpoint_dir, config.resume_step)[1]
-    return checkpoint.load(path, sharded.dmp, sharded.optimizer, sharded.dense_fp8)
+    return checkpoint.load(path, sharded.dmp, sharded.optimizer, sharded.dense_state)
 
 
 def make_pipeline(config, device, meter, sharded: Sharded) -> Tuple[object, Optional[Timeline]]:
@@ -277,7 +278,7 @@ class _Checkpoints:
         with self.meter.phase("checkpoint"):
             checkpoint.save(config.checkpoint_dir, done, self.sharded.dmp,
                             self.sharded.optimizer, config, self.world, self.data.fingerprint,
-                            dense_fp8=self.sharded.dense_fp8,
+                            dense_state=self.sharded.dense_state,
                             data_snapshots=self.data.snapshots)
         if not config.baseline:
             self.pipeline.drop_early_lookups()  # the next batch read as a resumed run reads it
