@@ -183,6 +183,35 @@ def test_same_bits_whatever_the_buckets_and_across_a_resume(seed):
         assert r == {"regrouped": True, "resumed": True, "changes": True}
 
 
+def _dropped_body(rank, world, seed):
+    from recxla.distributed import PowerSGDAllReduce
+
+    shapes = [(12, 9), (5,)]
+    params = _params(shapes)
+
+    def new():
+        return PowerSGDAllReduce([(f"p{i}", p) for i, p in enumerate(params)], start_step=0,
+                                 seed=seed)
+
+    fresh, interrupted = new(), new()
+    # A backward that raised after its first bucket: that bucket stays held until dropped.
+    held = interrupted.start_bucket(_Bucket([params[0]], _grads(seed, rank, 0, shapes)[:1],
+                                            last=False))
+    interrupted.drop_pending()
+    out = []
+    for sync in (fresh, interrupted):
+        grads = _grads(seed, rank, 1, shapes)
+        handle = sync.start_bucket(_Bucket(params, grads, last=True))
+        sync.finish([handle])
+        out.append(torch.cat([g.flatten() for g in grads]))
+    return {"held": held is None, "same": torch.equal(out[0], out[1])}
+
+
+def test_a_dropped_backward_leaves_nothing_behind(seed):
+    for r in run_distributed(_dropped_body, 2, (seed,)):
+        assert r == {"held": True, "same": True}
+
+
 def _ddp_body(rank, world, seed, steps, hook):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel

@@ -94,6 +94,19 @@ def test_cluster_variants_parse(capsys, monkeypatch):
         main(["--list", "--variants", "torchrec fp64"])
 
 
+def test_powersgd_variants_compress_from_the_first_measured_step():
+    from types import SimpleNamespace
+
+    from bench.cluster.run_train import VARIANTS, powersgd_steady_state
+
+    args = SimpleNamespace(warmup=7, train_args=[])
+    for label in ("torchrec bf16+PowerSGD", "recxla DBP powersgd AR"):
+        assert powersgd_steady_state(VARIANTS[label], args) == ["--powersgd-start", "7"]
+    assert powersgd_steady_state(VARIANTS["recxla DBP fp8 AR"], args) == []
+    given = SimpleNamespace(warmup=7, train_args=["--powersgd-start", "2"])  # the user's wins
+    assert powersgd_steady_state(VARIANTS["recxla DBP powersgd AR"], given) == []
+
+
 def test_compare_ratio_to_the_fastest_torchrec_run():
     from recxla.train.compare import rows
 

@@ -47,6 +47,11 @@ class CompressedAllReduce:
         for handle in handles:
             handle.wait()
 
+    def drop_pending(self) -> None:
+        """Forgets the buckets of a backward that never reached its last bucket (it raised):
+        the next backward starts a set of its own."""
+        self._hooked = []
+
     def hook(self, bucket) -> torch.futures.Future[torch.Tensor]:
         """A DDP comm hook's work for one bucket: starts it; the last bucket of the backward
         completes every bucket started since the last one, from the backward's thread."""

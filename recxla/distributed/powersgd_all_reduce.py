@@ -4,7 +4,7 @@ Vogels et al. 2019): PowerSGDAllReduce and the DDP communication hook powersgd_c
 A gradient matrix M [n, m] (a parameter of two dims or more, viewed as [shape[0], the rest])
 travels as two thin factors, P = M Q [n, r] and Q = M^T P [m, r], r the rank: n + m values
 a column where M has n m. The default DLRM's dense gradients are 0.5M values; at rank 1 their
-factors and its vectors are about 5,000, a hundredth of bf16's bytes. What the factors miss
+factors and its vectors are about 5,200 fp32 values, 21 KB against bf16's 1.0 MB. What the factors miss
 is not dropped but carried to the next step (error feedback): each rank adds its residual to
 its next gradient, so over the steps the average of what was applied follows the average of
 the gradients, and training converges as with the exact average (the paper's results; on
@@ -303,6 +303,10 @@ class PowerSGDAllReduce(CompressedAllReduce):
         buffer = torch.cat([t.float() for t in whole] + factors)
         work = self.sum_async(buffer)
         return PowerSGDAllReduceHandle(self, indices, grads, compressed, buffer, work)
+
+    def drop_pending(self) -> None:
+        super().drop_pending()
+        self._held = []
 
     def start_bucket(self, bucket) -> Optional[PowerSGDAllReduceHandle]:
         """The buckets of a backward travel as one set, started with the last (the module
