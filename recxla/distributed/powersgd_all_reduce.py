@@ -106,8 +106,8 @@ class PowerSGDAllReduceHandle:
             at += g.numel()
         q_parts = []
         for position, matrix in self._compressed:
-            rank = owner.factor_rank[self._indices[position]]
-            p = self._buffer[at:at + matrix.shape[0] * rank].view(matrix.shape[0], rank)
+            columns = owner.factor_rank[self._indices[position]]
+            p = self._buffer[at:at + matrix.shape[0] * columns].view(matrix.shape[0], columns)
             at += p.numel()
             self._factors.append(orthonormalize_columns(p))
             q_parts.append((matrix.t() @ p).reshape(-1))

@@ -113,6 +113,10 @@ def _check(err, given: dict) -> dict:
         v["ddp_bucket_mb"] = RECXLA_DDP_BUCKET_MB
     if v["dense_allreduce"] is None:
         v["dense_allreduce"] = "fp32" if v["baseline"] else RECXLA_DENSE_ALLREDUCE
+    for name in ("powersgd_rank", "powersgd_start"):
+        if name in given and v["dense_allreduce"] != "powersgd":
+            err(f"--{name.replace('_', '-')} applies to --dense-allreduce powersgd (the dense "
+                f"all-reduce is {v['dense_allreduce']})")
     if v["data_parallel_tables"] and v["sharding"] != "auto":
         err(f"--data-parallel-tables applies to --sharding auto (--sharding {v['sharding']} is "
             "one plan for every table)")
