@@ -6,44 +6,17 @@ hook against DDP's own all-reduce, and the errors."""
 
 import pytest
 import torch
+from compressed_all_reduce_cases import (
+    grads_of,
+    node_layouts,
+    params_of,
+    regroup_and_resume_body,
+)
 from distributed_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
 
 E4M3_HALF_ULP = 2 ** -4  # e4m3 keeps 3 mantissa bits: rounding to nearest errs by <= 1/16
-
-
-def _grads(seed, rank, step, shapes):
-    g = torch.Generator().manual_seed(seed * 1009 + rank * 31 + step)
-    # Magnitudes that differ per parameter and per rank, as gradients do.
-    return [torch.randn(s, generator=g) * float(torch.rand(1, generator=g) * 10 + 0.01)
-            for s in shapes]
-
-
-def _params(shapes):
-    return [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-
-
-def _layouts(world):
-    """(label, kwargs for FP8AllReduce) of every layout on `world` ranks, groups created by
-    every rank in the same order."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    out = [("flat", {})]
-    for per_node in (2, 1, 4):
-        nodes = world // per_node
-        mine = {}
-        for ranks in [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine["node_group"] = group
-        for ranks in [[n * per_node + i for n in range(nodes)] for i in range(per_node)]:
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine["cross_group"] = group
-        out.append((f"{nodes}x{per_node}", mine))
-    return out
 
 
 def _average_body(rank, world, seed, shapes):
@@ -52,13 +25,13 @@ def _average_body(rank, world, seed, shapes):
     from recxla.distributed import FP8AllReduce
 
     out = []
-    for label, groups in _layouts(world):
-        params = _params(shapes)
+    for label, groups in node_layouts(world):
+        params = params_of(shapes)
         sync = FP8AllReduce([(f"p{i}", p) for i, p in enumerate(params)], **groups)
-        grads = _grads(seed, rank, 0, shapes)
+        grads = grads_of(seed, rank, 0, shapes)
         sync.all_reduce(params, grads)
         for i, (shape, got) in enumerate(zip(shapes, grads)):
-            terms = torch.stack([_grads(seed, k, 0, shapes)[i].double() for k in range(world)])
+            terms = torch.stack([grads_of(seed, k, 0, shapes)[i].double() for k in range(world)])
             exact = terms.mean(0)
             gathered = [torch.empty_like(got) for _ in range(world)]
             dist.all_gather(gathered, got)
@@ -87,12 +60,12 @@ def test_average_over_every_rank_in_fp8(seed):
 def _feedback_body(rank, world, seed, shapes, steps):
     from recxla.distributed import FP8AllReduce
 
-    grads = _grads(seed, rank, 0, shapes)
-    exact = [torch.stack([_grads(seed, k, 0, shapes)[i].double() for k in range(world)]).mean(0)
+    grads = grads_of(seed, rank, 0, shapes)
+    exact = [torch.stack([grads_of(seed, k, 0, shapes)[i].double() for k in range(world)]).mean(0)
              for i in range(len(shapes))]
     errors = {}
     for feedback in (True, False):
-        params = _params(shapes)
+        params = params_of(shapes)
         sync = FP8AllReduce([(f"p{i}", p) for i, p in enumerate(params)],
                             error_feedback=feedback)
         total = [torch.zeros(s, dtype=torch.float64) for s in shapes]
@@ -115,38 +88,13 @@ def test_error_feedback_keeps_the_accumulated_error_at_one_steps(seed):
         assert errors[True] * 6 < errors[False], errors
 
 
-def _resume_body(rank, world, seed, shapes, steps, split):
-    from recxla.distributed import FP8AllReduce
-
-    def run(buckets, resume_at=None):
-        params = _params(shapes)
-        named = [(f"p{i}", p) for i, p in enumerate(params)]
-        sync = FP8AllReduce(named)
-        results = []
-        for step in range(steps):
-            if step == resume_at:  # a new state from the saved residuals, as a resumed run
-                saved = {k: v.clone() for k, v in sync.state_dict().items()}
-                sync = FP8AllReduce(named)
-                sync.load_state_dict(saved)
-            grads = _grads(seed, rank, step, shapes)
-            handles = [sync.start([params[i] for i in b], [grads[i] for i in b])
-                       for b in buckets]
-            sync.finish(handles)
-            results.append(torch.cat([t.flatten() for t in grads]))
-        return torch.stack(results)
-
-    whole = run([list(range(len(shapes)))])
-    return {"regrouped": torch.equal(whole, run(split)),
-            "resumed": torch.equal(whole, run(split, resume_at=steps // 2)),
-            "changes": not torch.equal(whole[0], whole[-1])}
-
-
 def test_same_bits_whatever_the_buckets_and_across_a_resume(seed):
     """DDP regroups the parameters into buckets after its first step, and a resumed run starts
     with the first grouping again: neither may change a bit."""
     shapes = [(50, 3), (129,), (1,), (260,)]
     split = [[3, 1], [0], [2]]
-    for r in run_distributed(_resume_body, 4, (seed, shapes, 6, split)):
+    for r in run_distributed(regroup_and_resume_body, 4,
+                             ("FP8AllReduce", {}, seed, shapes, 6, split)):
         assert r == {"regrouped": True, "resumed": True, "changes": True}
 
 

@@ -7,8 +7,14 @@ trained with the hook, and the errors."""
 
 import pytest
 import torch
+from compressed_all_reduce_cases import (
+    Bucket,
+    grads_of,
+    node_layouts,
+    params_of,
+    regroup_and_resume_body,
+)
 from distributed_utils import run_distributed
-from test_fp8_all_reduce import _grads, _layouts, _params
 
 pytestmark = pytest.mark.distributed
 
@@ -47,10 +53,10 @@ def _steps_body(rank, world, seed, shapes, steps, factor_rank, start_step):
 
     from recxla.distributed import PowerSGDAllReduce
 
-    all_grads = [[_grads(seed, k, step, shapes) for step in range(steps)] for k in range(world)]
+    all_grads = [[grads_of(seed, k, step, shapes) for step in range(steps)] for k in range(world)]
     out = []
-    for label, groups in _layouts(world):
-        params = _params(shapes)
+    for label, groups in node_layouts(world):
+        params = params_of(shapes)
         sync = PowerSGDAllReduce([(f"p{i}", p) for i, p in enumerate(params)], rank=factor_rank,
                                  start_step=start_step, seed=seed, **groups)
         first_qs = [sync.q[i].clone() if i in sync.q else None for i in range(len(shapes))]
@@ -96,11 +102,11 @@ def test_steps_against_a_float64_reference(seed, factor_rank):
 def _feedback_body(rank, world, seed, shape, steps):
     from recxla.distributed import PowerSGDAllReduce
 
-    grad = _grads(seed, rank, 0, [shape])[0]
-    exact = torch.stack([_grads(seed, k, 0, [shape])[0].double() for k in range(world)]).mean(0)
+    grad = grads_of(seed, rank, 0, [shape])[0]
+    exact = torch.stack([grads_of(seed, k, 0, [shape])[0].double() for k in range(world)]).mean(0)
     errors = {}
     for feedback in (True, False):
-        params = _params([shape])
+        params = params_of([shape])
         sync = PowerSGDAllReduce([("p", params[0])], start_step=0, error_feedback=feedback,
                                  seed=seed)
         total = torch.zeros(shape, dtype=torch.float64)
@@ -123,63 +129,14 @@ def test_error_feedback_carries_what_the_factors_miss(seed):
         assert errors[True] * 6 < errors[False], errors
 
 
-class _Bucket:
-    """What a DDP comm hook reads of a bucket."""
-
-    def __init__(self, params, grads, last):
-        self._params, self._grads, self._last = params, grads, last
-        self._buffer = torch.cat([g.flatten() for g in grads])
-
-    def parameters(self):
-        return self._params
-
-    def gradients(self):
-        return self._grads
-
-    def buffer(self):
-        return self._buffer
-
-    def is_last(self):
-        return self._last
-
-
-def _resume_body(rank, world, seed, shapes, steps, split):
-    from recxla.distributed import PowerSGDAllReduce
-
-    def run(buckets, resume_at=None):
-        params = _params(shapes)
-        named = [(f"p{i}", p) for i, p in enumerate(params)]
-
-        def new():
-            return PowerSGDAllReduce(named, start_step=2, seed=seed)
-
-        sync = new()
-        results = []
-        for step in range(steps):
-            if step == resume_at:  # a new state from the saved one, as a resumed run
-                saved = {k: v.clone() for k, v in sync.state_dict().items()}
-                sync = new()
-                sync.load_state_dict(saved)
-            grads = _grads(seed, rank, step, shapes)
-            handles = [sync.start_bucket(_Bucket([params[i] for i in b], [grads[i] for i in b],
-                                                 k + 1 == len(buckets)))
-                       for k, b in enumerate(buckets)]
-            sync.finish([h for h in handles if h is not None])
-            results.append(torch.cat([t.flatten() for t in grads]))
-        return torch.stack(results)
-
-    whole = run([list(range(len(shapes)))])
-    return {"regrouped": torch.equal(whole, run(split)),
-            "resumed": torch.equal(whole, run(split, resume_at=steps // 2)),
-            "changes": not torch.equal(whole[0], whole[-1])}
-
-
 def test_same_bits_whatever_the_buckets_and_across_a_resume(seed):
     """DDP regroups the parameters into buckets after its first step, and a resumed run starts
     with the first grouping again: neither may change a bit."""
     shapes = [(50, 3), (129,), (1,), (26, 40)]
     split = [[3, 1], [0], [2]]
-    for r in run_distributed(_resume_body, 4, (seed, shapes, 6, split)):
+    kwargs = {"start_step": 2, "seed": seed}
+    for r in run_distributed(regroup_and_resume_body, 4,
+                             ("PowerSGDAllReduce", kwargs, seed, shapes, 6, split)):
         assert r == {"regrouped": True, "resumed": True, "changes": True}
 
 
@@ -187,7 +144,7 @@ def _dropped_body(rank, world, seed):
     from recxla.distributed import PowerSGDAllReduce
 
     shapes = [(12, 9), (5,)]
-    params = _params(shapes)
+    params = params_of(shapes)
 
     def new():
         return PowerSGDAllReduce([(f"p{i}", p) for i, p in enumerate(params)], start_step=0,
@@ -195,13 +152,13 @@ def _dropped_body(rank, world, seed):
 
     fresh, interrupted = new(), new()
     # A backward that raised after its first bucket: that bucket stays held until dropped.
-    held = interrupted.start_bucket(_Bucket([params[0]], _grads(seed, rank, 0, shapes)[:1],
+    held = interrupted.start_bucket(Bucket([params[0]], grads_of(seed, rank, 0, shapes)[:1],
                                             last=False))
     interrupted.drop_pending()
     out = []
     for sync in (fresh, interrupted):
-        grads = _grads(seed, rank, 1, shapes)
-        handle = sync.start_bucket(_Bucket(params, grads, last=True))
+        grads = grads_of(seed, rank, 1, shapes)
+        handle = sync.start_bucket(Bucket(params, grads, last=True))
         sync.finish([handle])
         out.append(torch.cat([g.flatten() for g in grads]))
     return {"held": held is None, "same": torch.equal(out[0], out[1])}

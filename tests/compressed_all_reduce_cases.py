@@ -1,0 +1,91 @@
+"""What the tests of recxla's compressed dense all-reduces (FP8AllReduce, PowerSGDAllReduce)
+share: gradients, parameters, every node layout of 4 ranks, a stand-in for DDP's bucket, and
+the check that the buckets' grouping and a save/load of the state change no bit."""
+
+import torch
+
+
+def grads_of(seed, rank, step, shapes):
+    g = torch.Generator().manual_seed(seed * 1009 + rank * 31 + step)
+    # Magnitudes that differ per parameter and per rank, as gradients do.
+    return [torch.randn(s, generator=g) * float(torch.rand(1, generator=g) * 10 + 0.01)
+            for s in shapes]
+
+
+def params_of(shapes):
+    return [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+
+
+def node_layouts(world):
+    """(label, node-group kwargs of a compressed all-reduce) of every layout on `world` ranks,
+    groups created by every rank in the same order."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = [("flat", {})]
+    for per_node in (2, 1, 4):
+        nodes = world // per_node
+        mine = {}
+        for ranks in [list(range(n * per_node, (n + 1) * per_node)) for n in range(nodes)]:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine["node_group"] = group
+        for ranks in [[n * per_node + i for n in range(nodes)] for i in range(per_node)]:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine["cross_group"] = group
+        out.append((f"{nodes}x{per_node}", mine))
+    return out
+
+
+class Bucket:
+    """What a DDP comm hook reads of a bucket."""
+
+    def __init__(self, params, grads, last):
+        self._params, self._grads, self._last = params, grads, last
+        self._buffer = torch.cat([g.flatten() for g in grads])
+
+    def parameters(self):
+        return self._params
+
+    def gradients(self):
+        return self._grads
+
+    def buffer(self):
+        return self._buffer
+
+    def is_last(self):
+        return self._last
+
+
+def regroup_and_resume_body(rank, world, cls_name, kwargs, seed, shapes, steps, split):
+    """`steps` averages with every parameter in one bucket, with the buckets of `split`, and
+    with those buckets and a new state loaded from the old one's state_dict() halfway (a
+    resumed run): {"regrouped": same bits, "resumed": same bits, "changes": the averages
+    moved}."""
+    import recxla.distributed
+
+    cls = getattr(recxla.distributed, cls_name)
+
+    def run(buckets, resume_at=None):
+        params = params_of(shapes)
+        named = [(f"p{i}", p) for i, p in enumerate(params)]
+        sync = cls(named, **kwargs)
+        results = []
+        for step in range(steps):
+            if step == resume_at:  # a new state from the saved one, as a resumed run
+                saved = {k: v.clone() for k, v in sync.state_dict().items()}
+                sync = cls(named, **kwargs)
+                sync.load_state_dict(saved)
+            grads = grads_of(seed, rank, step, shapes)
+            handles = [sync.start_bucket(Bucket([params[i] for i in b], [grads[i] for i in b],
+                                                k + 1 == len(buckets)))
+                       for k, b in enumerate(buckets)]
+            sync.finish([h for h in handles if h is not None])
+            results.append(torch.cat([t.flatten() for t in grads]))
+        return torch.stack(results)
+
+    whole = run([list(range(len(shapes)))])
+    return {"regrouped": torch.equal(whole, run(split)),
+            "resumed": torch.equal(whole, run(split, resume_at=steps // 2)),
+            "changes": not torch.equal(whole[0], whole[-1])}
