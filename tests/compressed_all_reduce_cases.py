@@ -58,6 +58,39 @@ class Bucket:
         return self._last
 
 
+def ddp_training_body(rank, world, seed, steps, hook=None, kwargs=None):
+    """A small regression trained with DDP over several buckets, averaged by DDP's own
+    all-reduce (hook None) or by a hook of recxla.distributed, (state class name, hook
+    function name), the state made by for_ddp(ddp, **kwargs): {"weights", "same_on_ranks",
+    "loss" (the last step's)}."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import recxla.distributed
+
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # several buckets
+    if hook is not None:
+        cls_name, hook_name = hook
+        ddp.register_comm_hook(getattr(recxla.distributed, cls_name).for_ddp(ddp, **kwargs),
+                               getattr(recxla.distributed, hook_name))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed * 7 + rank)
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(seed))
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=g)
+        loss = torch.nn.functional.mse_loss(ddp(x), x @ w)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return {"weights": flat, "same_on_ranks": all(torch.equal(t, flat) for t in gathered),
+            "loss": loss.item()}
+
+
 def regroup_and_resume_body(rank, world, cls_name, kwargs, seed, shapes, steps, split):
     """`steps` averages with every parameter in one bucket, with the buckets of `split`, and
     with those buckets and a new state loaded from the old one's state_dict() halfway (a

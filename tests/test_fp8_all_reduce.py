@@ -7,6 +7,7 @@ hook against DDP's own all-reduce, and the errors."""
 import pytest
 import torch
 from compressed_all_reduce_cases import (
+    ddp_training_body,
     grads_of,
     node_layouts,
     params_of,
@@ -98,37 +99,11 @@ def test_same_bits_whatever_the_buckets_and_across_a_resume(seed):
         assert r == {"regrouped": True, "resumed": True, "changes": True}
 
 
-def _ddp_body(rank, world, seed, steps, hook):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from recxla.distributed import FP8AllReduce, fp8_compress_hook
-
-    torch.manual_seed(seed)  # the same initial weights on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # several buckets
-    if hook:
-        ddp.register_comm_hook(FP8AllReduce.for_ddp(ddp), fp8_compress_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(seed * 7 + rank)
-    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(seed))
-    for _ in range(steps):
-        x = torch.randn(32, 16, generator=g)
-        loss = torch.nn.functional.mse_loss(ddp(x), x @ w)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)
-    return {"weights": flat, "same_on_ranks": all(torch.equal(t, flat) for t in gathered),
-            "loss": loss.item()}
-
-
 def test_ddp_hook_trains_as_ddp_does(seed):
     steps = 40
-    fp32 = run_distributed(_ddp_body, 2, (seed, steps, False))[0]
-    fp8 = run_distributed(_ddp_body, 2, (seed, steps, True))
+    fp32 = run_distributed(ddp_training_body, 2, (seed, steps))[0]
+    fp8 = run_distributed(ddp_training_body, 2,
+                           (seed, steps, ("FP8AllReduce", "fp8_compress_hook"), {}))
     assert all(r["same_on_ranks"] for r in fp8)
     drift = (fp8[0]["weights"] - fp32["weights"]).abs().max().item()
     scale = fp32["weights"].abs().max().item()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from compressed_all_reduce_cases import (
     Bucket,
+    ddp_training_body,
     grads_of,
     node_layouts,
     params_of,
@@ -169,37 +170,11 @@ def test_a_dropped_backward_leaves_nothing_behind(seed):
         assert r == {"held": True, "same": True}
 
 
-def _ddp_body(rank, world, seed, steps, hook):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from recxla.distributed import PowerSGDAllReduce, powersgd_compress_hook
-
-    torch.manual_seed(seed)  # the same initial weights on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # several buckets
-    if hook:
-        ddp.register_comm_hook(PowerSGDAllReduce.for_ddp(ddp, start_step=3),
-                               powersgd_compress_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(seed * 7 + rank)
-    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(seed))
-    for _ in range(steps):
-        x = torch.randn(32, 16, generator=g)
-        loss = torch.nn.functional.mse_loss(ddp(x), x @ w)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)
-    return {"same_on_ranks": all(torch.equal(t, flat) for t in gathered), "loss": loss.item()}
-
-
 def test_ddp_hook_trains_as_ddp_does(seed):
     steps = 60
-    fp32 = run_distributed(_ddp_body, 2, (seed, steps, False))[0]
-    low_rank = run_distributed(_ddp_body, 2, (seed, steps, True))
+    fp32 = run_distributed(ddp_training_body, 2, (seed, steps))[0]
+    hook = ("PowerSGDAllReduce", "powersgd_compress_hook")
+    low_rank = run_distributed(ddp_training_body, 2, (seed, steps, hook, {"start_step": 3}))
     assert all(r["same_on_ranks"] for r in low_rank)
     assert low_rank[0]["loss"] <= 1.5 * fp32["loss"] + 1e-2, (low_rank[0]["loss"],
                                                                fp32["loss"])

@@ -4,21 +4,79 @@ and it completes (`handle.wait()`, the averages written into the gradients); a D
 becomes a start (`start_bucket`); and the DDP communication hook's bookkeeping (`hook`).
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 
 class CompressedAllReduce:
-    """Base of the compressed all-reduces. A subclass sets `state_name` (the name under which
-    recxla.train.checkpoint files its `state_dict()`) and implements `start(params, grads)`,
-    `state_dict()` and `load_state_dict(state)`; `start_bucket` may hold buckets back."""
+    """Base of the compressed all-reduces. A subclass sets `op` (its name in errors) and
+    `state_name` (the name under which recxla.train.checkpoint files its `state_dict()`) and
+    implements `start(params, grads)`, `state_dict()` and `load_state_dict(state)`;
+    `start_bucket` may hold buckets back.
 
+    Args:
+        named_parameters: (name, parameter) pairs, e.g. `model.named_parameters()`: the
+            parameters whose gradients it averages (those without requires_grad are skipped),
+            all on one device; every rank gives the same names in the same order.
+        group: the ranks to average over (default: every rank); ignored when `node_group` is
+            given.
+        node_group, cross_group: average by node: the ranks of this rank's node, and this rank
+            with the ranks of the same local rank on the other nodes (both or neither).
+
+    The constructor registers the parameters that require grad (`names`, `parameters`, their
+    index by identity, `device`) and the groups: `local_size` / `local_rank` inside the node
+    (1 / 0 over one group), `cross_size` / `cross_rank` across, `world` in all."""
+
+    op = ""
     state_name = ""
 
-    def __init__(self):
+    def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
+                 group: Optional[dist.ProcessGroup] = None,
+                 node_group: Optional[dist.ProcessGroup] = None,
+                 cross_group: Optional[dist.ProcessGroup] = None):
+        if (node_group is None) != (cross_group is None):
+            raise ValueError(f"{self.op}: node_group and cross_group go together (by node: "
+                             "both; a flat group: neither)")
+        self.names: List[str] = []
+        self.parameters: List[torch.nn.Parameter] = []
+        self._index: Dict[int, int] = {}
+        for name, p in named_parameters:
+            if p.requires_grad:
+                self._index[id(p)] = len(self.names)
+                self.names.append(name)
+                self.parameters.append(p)
+        if not self.names:
+            raise ValueError(f"{self.op}: named_parameters holds no parameter that requires "
+                             "grad")
+        devices = {p.device for p in self.parameters}
+        if len(devices) > 1:
+            raise ValueError(f"{self.op}: the parameters must be on one device, got "
+                             f"{sorted(map(str, devices))}")
+        self.device = devices.pop()
+        if node_group is None:
+            self.node_group, self.cross_group = None, group
+            self.local_size, self.local_rank = 1, 0
+        else:
+            self.node_group, self.cross_group = node_group, cross_group
+            self.local_size = dist.get_world_size(node_group)
+            self.local_rank = dist.get_rank(node_group)
+        self.cross_size = dist.get_world_size(self.cross_group)
+        self.cross_rank = dist.get_rank(self.cross_group)
+        self.world = self.local_size * self.cross_size
         # hook()'s buckets of this backward: (handle or None, future, bucket buffer).
         self._hooked: List[Tuple[object, torch.futures.Future, torch.Tensor]] = []
+
+    def indices_of(self, params: Sequence[torch.Tensor]) -> List[int]:
+        """Each of `params`' index among the registered parameters (ValueError for one that
+        is not)."""
+        try:
+            return [self._index[id(p)] for p in params]
+        except KeyError:
+            raise ValueError(f"{self.op}: a gradient's parameter is not among the "
+                             f"named_parameters this {type(self).__name__} was built with"
+                             ) from None
 
     @classmethod
     def for_ddp(cls, ddp, **kwargs) -> "CompressedAllReduce":

@@ -192,18 +192,13 @@ class FP8AllReduce(CompressedAllReduce):
     name.
 
     Args:
-        named_parameters: (name, parameter) pairs, e.g. `model.named_parameters()`: the
-            parameters whose gradients it averages (those without requires_grad are skipped),
-            all on one device; every rank gives the same names in the same order.
-        group: the ranks to average over (default: every rank); ignored when `node_group` is
-            given.
-        node_group, cross_group: average by node: the ranks of this rank's node, and this rank
-            with the ranks of the same local rank on the other nodes (both or neither).
+        named_parameters, group, node_group, cross_group: as CompressedAllReduce's.
         fmt: "e4m3" (default) or "e5m2".
         chunk: values per scale (default 128).
         error_feedback: carry what quantizing lost to the next call (default True).
     """
 
+    op = OP
     state_name = "fp8"  # recxla.train.checkpoint files its state_dict under this name
 
     def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
@@ -211,45 +206,16 @@ class FP8AllReduce(CompressedAllReduce):
                  node_group: Optional[dist.ProcessGroup] = None,
                  cross_group: Optional[dist.ProcessGroup] = None, fmt: str = "e4m3",
                  chunk: int = DEFAULT_CHUNK, error_feedback: bool = True):
-        super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"{OP}: fmt must be one of {FORMATS}, got {fmt!r}")
         if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
             raise ValueError(f"{OP}: chunk must be an int >= 1, got {chunk!r}")
-        if (node_group is None) != (cross_group is None):
-            raise ValueError(f"{OP}: node_group and cross_group go together (by node: both; "
-                             "a flat group: neither)")
+        super().__init__(named_parameters, group, node_group, cross_group)
         self.fmt, self.chunk = fmt, chunk
         self.error_feedback = bool(error_feedback)
-        self.names: List[str] = []
-        self.index: Dict[int, int] = {}
         # Per parameter index: its chunks' rows and where they start among all rows.
-        self.rows: List[int] = []
-        self.row_offsets: List[int] = []
-        devices = set()
-        for name, p in named_parameters:
-            if p.requires_grad:
-                self.index[id(p)] = len(self.names)
-                self.names.append(name)
-                self.row_offsets.append(sum(self.rows))
-                self.rows.append(max(1, math.ceil(p.numel() / chunk)))
-                devices.add(p.device)
-        if not self.names:
-            raise ValueError(f"{OP}: named_parameters holds no parameter that requires grad")
-        if len(devices) > 1:
-            raise ValueError(f"{OP}: the parameters must be on one device, got "
-                             f"{sorted(map(str, devices))}")
-        self.device = devices.pop()
-        if node_group is None:
-            self.node_group, self.cross_group = None, group
-            self.local_size, self.local_rank = 1, 0
-        else:
-            self.node_group, self.cross_group = node_group, cross_group
-            self.local_size = dist.get_world_size(node_group)
-            self.local_rank = dist.get_rank(node_group)
-        self.cross_size = dist.get_world_size(self.cross_group)
-        self.cross_rank = dist.get_rank(self.cross_group)
-        self.world = self.local_size * self.cross_size
+        self.rows = [max(1, math.ceil(p.numel() / chunk)) for p in self.parameters]
+        self.row_offsets = [sum(self.rows[:i]) for i in range(len(self.rows))]
         # "sent" / "sum" -> residual rows [every parameter's rows, chunk], made on first use;
         # zeros in the rows whose residual lives on another rank.
         self._residuals: Dict[str, Optional[torch.Tensor]] = {"sent": None, "sum": None}
@@ -322,11 +288,7 @@ class FP8AllReduce(CompressedAllReduce):
               grads: Sequence[torch.Tensor]) -> FP8AllReduceHandle:
         """Starts averaging `grads` (the gradients of `params`, contiguous, written in place
         at wait()). Every rank calls it with the same parameters in the same order."""
-        try:
-            indices = [self.index[id(p)] for p in params]
-        except KeyError:
-            raise ValueError(f"{OP}: a gradient's parameter is not among the named_parameters "
-                             "this FP8AllReduce was built with") from None
+        indices = self.indices_of(params)
         grads = list(grads)
         if not indices or len(grads) != len(indices):
             raise ValueError(f"{OP}: start needs one gradient per parameter, at least one; got "

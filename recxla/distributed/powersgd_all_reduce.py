@@ -3,12 +3,12 @@ Vogels et al. 2019): PowerSGDAllReduce and the DDP communication hook powersgd_c
 
 A gradient matrix M [n, m] (a parameter of two dims or more, viewed as [shape[0], the rest])
 travels as two thin factors, P = M Q [n, r] and Q = M^T P [m, r], r the rank: n + m values
-a column where M has n m. The default DLRM's dense gradients are 0.5M values; at rank 1 their
-factors and its vectors are about 5,200 fp32 values, 21 KB against bf16's 1.0 MB. What the factors miss
-is not dropped but carried to the next step (error feedback): each rank adds its residual to
-its next gradient, so over the steps the average of what was applied follows the average of
-the gradients, and training converges as with the exact average (the paper's results; on
-recxla's DLRM, bench/results/training.md).
+a column where M has n m. The default DLRM's dense gradients are 0.5M values; at rank 1
+their factors and its vectors are about 5,200 fp32 values, 21 KB against bf16's 1.0 MB.
+What the factors miss is not dropped but carried to the next step (error feedback): each rank
+adds its residual to its next gradient, so over the steps the average of what was applied
+follows the average of the gradients, and training converges as with the exact average (the
+paper's results; on recxla's DLRM, bench/results/training.md).
 
 How one set of gradients travels (two all-reduces, sums over the ranks, in fp32):
 1. Every rank adds its residual to each matrix it compresses: M_w = g_w + e_w. Each P_w =
@@ -148,13 +148,7 @@ class PowerSGDAllReduce(CompressedAllReduce):
     which `state_dict()` / `load_state_dict()` save and restore by parameter name.
 
     Args:
-        named_parameters: (name, parameter) pairs, e.g. `model.named_parameters()`: the
-            parameters whose gradients it averages (those without requires_grad are skipped),
-            all on one device; every rank gives the same names in the same order.
-        group: the ranks to average over (default: every rank); ignored when `node_group` is
-            given.
-        node_group, cross_group: average by node: the ranks of this rank's node, and this rank
-            with the ranks of the same local rank on the other nodes (both or neither).
+        named_parameters, group, node_group, cross_group: as CompressedAllReduce's.
         rank: the factors' columns (default 1, the most compression; a matrix of fewer rows or
             columns gets that many).
         start_step: averages of a parameter sent whole before it is compressed (default 10).
@@ -162,6 +156,7 @@ class PowerSGDAllReduce(CompressedAllReduce):
         seed: the first Q's random draw, the same on every rank (default 0).
     """
 
+    op = OP
     state_name = "powersgd"  # recxla.train.checkpoint files its state_dict under this name
 
     def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
@@ -170,44 +165,16 @@ class PowerSGDAllReduce(CompressedAllReduce):
                  cross_group: Optional[dist.ProcessGroup] = None, rank: int = 1,
                  start_step: int = DEFAULT_START_STEP, error_feedback: bool = True,
                  seed: int = 0):
-        super().__init__()
         for name, value, least in (("rank", rank, 1), ("start_step", start_step, 0),
                                    ("seed", seed, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{OP}: {name} must be an int >= {least}, got {value!r}")
-        if (node_group is None) != (cross_group is None):
-            raise ValueError(f"{OP}: node_group and cross_group go together (by node: both; "
-                             "a flat group: neither)")
+        super().__init__(named_parameters, group, node_group, cross_group)
         self.rank, self.start_step = rank, start_step
         self.error_feedback = bool(error_feedback)
-        self.names: List[str] = []
-        self.index: Dict[int, int] = {}
-        self.shapes: List[torch.Size] = []
+        self.shapes: List[torch.Size] = [p.shape for p in self.parameters]
         # Per parameter index: the factors' columns (0: never compressed).
-        self.factor_rank: List[int] = []
-        devices = set()
-        for name, p in named_parameters:
-            if p.requires_grad:
-                self.index[id(p)] = len(self.names)
-                self.names.append(name)
-                self.shapes.append(p.shape)
-                n, m = _matrix_shape(p)
-                r = min(n, m, rank) if p.dim() >= 2 else 0
-                self.factor_rank.append(r if r and n * m >= MIN_COMPRESSION * (n + m) * r
-                                        else 0)
-                devices.add(p.device)
-        if not self.names:
-            raise ValueError(f"{OP}: named_parameters holds no parameter that requires grad")
-        if len(devices) > 1:
-            raise ValueError(f"{OP}: the parameters must be on one device, got "
-                             f"{sorted(map(str, devices))}")
-        self.device = devices.pop()
-        if node_group is None:
-            self.node_group, self.cross_group = None, group
-            self.world = dist.get_world_size(group)
-        else:
-            self.node_group, self.cross_group = node_group, cross_group
-            self.world = dist.get_world_size(node_group) * dist.get_world_size(cross_group)
+        self.factor_rank: List[int] = [self._factor_columns(p) for p in self.parameters]
         # The state, allocated now so that state_dict() returns the live tensors (a checkpoint
         # loads into them in place): residuals [numel] and Q [m, r] of the compressed
         # parameters, each parameter's count of averages.
@@ -221,6 +188,12 @@ class PowerSGDAllReduce(CompressedAllReduce):
                 self.q[i] = self._first_q(i, seed)
         # The buckets of this backward held back by start_bucket: (parameters, gradients).
         self._held: List[Tuple[list, list]] = []
+
+    def _factor_columns(self, p: torch.Tensor) -> int:
+        """The factors' columns of `p` (0: it travels whole)."""
+        n, m = _matrix_shape(p)
+        r = min(n, m, self.rank) if p.dim() >= 2 else 0
+        return r if r and n * m >= MIN_COMPRESSION * (n + m) * r else 0
 
     def _first_q(self, i: int, seed: int) -> torch.Tensor:
         n, m = _matrix_shape(torch.empty(self.shapes[i], device="meta"))
@@ -273,11 +246,7 @@ class PowerSGDAllReduce(CompressedAllReduce):
         """Starts averaging `grads` (the gradients of `params`, contiguous, written in place at
         wait()). Every rank calls it with the same parameters; their order does not matter
         (the set travels in the order of the named_parameters)."""
-        try:
-            indices = [self.index[id(p)] for p in params]
-        except KeyError:
-            raise ValueError(f"{OP}: a gradient's parameter is not among the named_parameters "
-                             "this PowerSGDAllReduce was built with") from None
+        indices = self.indices_of(params)
         grads = list(grads)
         if not indices or len(grads) != len(indices) or len(set(indices)) != len(indices):
             raise ValueError(f"{OP}: start needs one gradient per parameter, each parameter "
