@@ -91,6 +91,18 @@ def ddp_training_body(rank, world, seed, steps, hook=None, kwargs=None):
             "loss": loss.item()}
 
 
+def error_messages(calls):
+    """The ValueError message of each of `calls` (callables that must raise it)."""
+    import pytest
+
+    messages = []
+    for call in calls:
+        with pytest.raises(ValueError) as e:
+            call()
+        messages.append(str(e.value))
+    return messages
+
+
 def regroup_and_resume_body(rank, world, cls_name, kwargs, seed, shapes, steps, split):
     """`steps` averages with every parameter in one bucket, with the buckets of `split`, and
     with those buckets and a new state loaded from the old one's state_dict() halfway (a

@@ -6,13 +6,7 @@ hook against DDP's own all-reduce, and the errors."""
 
 import pytest
 import torch
-from compressed_all_reduce_cases import (
-    ddp_training_body,
-    grads_of,
-    node_layouts,
-    params_of,
-    regroup_and_resume_body,
-)
+import compressed_all_reduce_cases as cases
 from distributed_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -26,13 +20,14 @@ def _average_body(rank, world, seed, shapes):
     from recxla.distributed import FP8AllReduce
 
     out = []
-    for label, groups in node_layouts(world):
-        params = params_of(shapes)
+    for label, groups in cases.node_layouts(world):
+        params = cases.params_of(shapes)
         sync = FP8AllReduce([(f"p{i}", p) for i, p in enumerate(params)], **groups)
-        grads = grads_of(seed, rank, 0, shapes)
+        grads = cases.grads_of(seed, rank, 0, shapes)
         sync.all_reduce(params, grads)
         for i, (shape, got) in enumerate(zip(shapes, grads)):
-            terms = torch.stack([grads_of(seed, k, 0, shapes)[i].double() for k in range(world)])
+            terms = torch.stack([cases.grads_of(seed, k, 0, shapes)[i].double()
+                                 for k in range(world)])
             exact = terms.mean(0)
             gathered = [torch.empty_like(got) for _ in range(world)]
             dist.all_gather(gathered, got)
@@ -61,12 +56,13 @@ def test_average_over_every_rank_in_fp8(seed):
 def _feedback_body(rank, world, seed, shapes, steps):
     from recxla.distributed import FP8AllReduce
 
-    grads = grads_of(seed, rank, 0, shapes)
-    exact = [torch.stack([grads_of(seed, k, 0, shapes)[i].double() for k in range(world)]).mean(0)
+    grads = cases.grads_of(seed, rank, 0, shapes)
+    exact = [torch.stack([cases.grads_of(seed, k, 0, shapes)[i].double()
+                          for k in range(world)]).mean(0)
              for i in range(len(shapes))]
     errors = {}
     for feedback in (True, False):
-        params = params_of(shapes)
+        params = cases.params_of(shapes)
         sync = FP8AllReduce([(f"p{i}", p) for i, p in enumerate(params)],
                             error_feedback=feedback)
         total = [torch.zeros(s, dtype=torch.float64) for s in shapes]
@@ -94,15 +90,15 @@ def test_same_bits_whatever_the_buckets_and_across_a_resume(seed):
     with the first grouping again: neither may change a bit."""
     shapes = [(50, 3), (129,), (1,), (260,)]
     split = [[3, 1], [0], [2]]
-    for r in run_distributed(regroup_and_resume_body, 4,
+    for r in run_distributed(cases.regroup_and_resume_body, 4,
                              ("FP8AllReduce", {}, seed, shapes, 6, split)):
         assert r == {"regrouped": True, "resumed": True, "changes": True}
 
 
 def test_ddp_hook_trains_as_ddp_does(seed):
     steps = 40
-    fp32 = run_distributed(ddp_training_body, 2, (seed, steps))[0]
-    fp8 = run_distributed(ddp_training_body, 2,
+    fp32 = run_distributed(cases.ddp_training_body, 2, (seed, steps))[0]
+    fp8 = run_distributed(cases.ddp_training_body, 2,
                            (seed, steps, ("FP8AllReduce", "fp8_compress_hook"), {}))
     assert all(r["same_on_ranks"] for r in fp8)
     drift = (fp8[0]["weights"] - fp32["weights"]).abs().max().item()
@@ -117,27 +113,17 @@ def _errors_body(rank, world):
     from recxla.distributed import FP8AllReduce
 
     p = torch.nn.Parameter(torch.zeros(3))
-    messages = []
-    for kwargs in ({"fmt": "bf16"}, {"chunk": 0}, {"node_group": dist.group.WORLD}):
-        with pytest.raises(ValueError) as e:
-            FP8AllReduce([("p", p)], **kwargs)
-        messages.append(str(e.value))
-    with pytest.raises(ValueError) as e:
-        FP8AllReduce([("p", torch.nn.Parameter(torch.zeros(2), requires_grad=False))])
-    messages.append(str(e.value))
     sync = FP8AllReduce([("p", p)])
-    with pytest.raises(ValueError) as e:
-        sync.start([torch.nn.Parameter(torch.zeros(3))], [torch.zeros(3)])
-    messages.append(str(e.value))
-    with pytest.raises(ValueError) as e:
-        sync.start([], [])
-    messages.append(str(e.value))
-    for bad in ({"q.sent_residual": torch.zeros(1, 128)}, {"p.sent_residual": torch.zeros(4)},
-                {"p.other": torch.zeros(1, 128)}):
-        with pytest.raises(ValueError) as e:
-            sync.load_state_dict(bad)
-        messages.append(str(e.value))
-    return messages
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    return cases.error_messages(
+        [lambda kw=kw: FP8AllReduce([("p", p)], **kw)
+         for kw in ({"fmt": "bf16"}, {"chunk": 0}, {"node_group": dist.group.WORLD})]
+        + [lambda: FP8AllReduce([("p", frozen)]),
+           lambda: sync.start([torch.nn.Parameter(torch.zeros(3))], [torch.zeros(3)]),
+           lambda: sync.start([], [])]
+        + [lambda bad=bad: sync.load_state_dict(bad)
+           for bad in ({"q.sent_residual": torch.zeros(1, 128)},
+                       {"p.sent_residual": torch.zeros(4)}, {"p.other": torch.zeros(1, 128)})])
 
 
 def test_errors_name_the_op_and_argument():

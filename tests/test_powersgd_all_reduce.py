@@ -7,14 +7,7 @@ trained with the hook, and the errors."""
 
 import pytest
 import torch
-from compressed_all_reduce_cases import (
-    Bucket,
-    ddp_training_body,
-    grads_of,
-    node_layouts,
-    params_of,
-    regroup_and_resume_body,
-)
+import compressed_all_reduce_cases as cases
 from distributed_utils import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -54,10 +47,11 @@ def _steps_body(rank, world, seed, shapes, steps, factor_rank, start_step):
 
     from recxla.distributed import PowerSGDAllReduce
 
-    all_grads = [[grads_of(seed, k, step, shapes) for step in range(steps)] for k in range(world)]
+    all_grads = [[cases.grads_of(seed, k, step, shapes) for step in range(steps)]
+                 for k in range(world)]
     out = []
-    for label, groups in node_layouts(world):
-        params = params_of(shapes)
+    for label, groups in cases.node_layouts(world):
+        params = cases.params_of(shapes)
         sync = PowerSGDAllReduce([(f"p{i}", p) for i, p in enumerate(params)], rank=factor_rank,
                                  start_step=start_step, seed=seed, **groups)
         first_qs = [sync.q[i].clone() if i in sync.q else None for i in range(len(shapes))]
@@ -103,11 +97,12 @@ def test_steps_against_a_float64_reference(seed, factor_rank):
 def _feedback_body(rank, world, seed, shape, steps):
     from recxla.distributed import PowerSGDAllReduce
 
-    grad = grads_of(seed, rank, 0, [shape])[0]
-    exact = torch.stack([grads_of(seed, k, 0, [shape])[0].double() for k in range(world)]).mean(0)
+    grad = cases.grads_of(seed, rank, 0, [shape])[0]
+    exact = torch.stack([cases.grads_of(seed, k, 0, [shape])[0].double()
+                         for k in range(world)]).mean(0)
     errors = {}
     for feedback in (True, False):
-        params = params_of([shape])
+        params = cases.params_of([shape])
         sync = PowerSGDAllReduce([("p", params[0])], start_step=0, error_feedback=feedback,
                                  seed=seed)
         total = torch.zeros(shape, dtype=torch.float64)
@@ -136,7 +131,7 @@ def test_same_bits_whatever_the_buckets_and_across_a_resume(seed):
     shapes = [(50, 3), (129,), (1,), (26, 40)]
     split = [[3, 1], [0], [2]]
     kwargs = {"start_step": 2, "seed": seed}
-    for r in run_distributed(regroup_and_resume_body, 4,
+    for r in run_distributed(cases.regroup_and_resume_body, 4,
                              ("PowerSGDAllReduce", kwargs, seed, shapes, 6, split)):
         assert r == {"regrouped": True, "resumed": True, "changes": True}
 
@@ -145,7 +140,7 @@ def _dropped_body(rank, world, seed):
     from recxla.distributed import PowerSGDAllReduce
 
     shapes = [(12, 9), (5,)]
-    params = params_of(shapes)
+    params = cases.params_of(shapes)
 
     def new():
         return PowerSGDAllReduce([(f"p{i}", p) for i, p in enumerate(params)], start_step=0,
@@ -153,13 +148,13 @@ def _dropped_body(rank, world, seed):
 
     fresh, interrupted = new(), new()
     # A backward that raised after its first bucket: that bucket stays held until dropped.
-    held = interrupted.start_bucket(Bucket([params[0]], grads_of(seed, rank, 0, shapes)[:1],
-                                            last=False))
+    first = cases.Bucket([params[0]], cases.grads_of(seed, rank, 0, shapes)[:1], last=False)
+    held = interrupted.start_bucket(first)
     interrupted.drop_pending()
     out = []
     for sync in (fresh, interrupted):
-        grads = grads_of(seed, rank, 1, shapes)
-        handle = sync.start_bucket(Bucket(params, grads, last=True))
+        grads = cases.grads_of(seed, rank, 1, shapes)
+        handle = sync.start_bucket(cases.Bucket(params, grads, last=True))
         sync.finish([handle])
         out.append(torch.cat([g.flatten() for g in grads]))
     return {"held": held is None, "same": torch.equal(out[0], out[1])}
@@ -172,9 +167,9 @@ def test_a_dropped_backward_leaves_nothing_behind(seed):
 
 def test_ddp_hook_trains_as_ddp_does(seed):
     steps = 60
-    fp32 = run_distributed(ddp_training_body, 2, (seed, steps))[0]
+    fp32 = run_distributed(cases.ddp_training_body, 2, (seed, steps))[0]
     hook = ("PowerSGDAllReduce", "powersgd_compress_hook")
-    low_rank = run_distributed(ddp_training_body, 2, (seed, steps, hook, {"start_step": 3}))
+    low_rank = run_distributed(cases.ddp_training_body, 2, (seed, steps, hook, {"start_step": 3}))
     assert all(r["same_on_ranks"] for r in low_rank)
     assert low_rank[0]["loss"] <= 1.5 * fp32["loss"] + 1e-2, (low_rank[0]["loss"],
                                                                fp32["loss"])
@@ -186,28 +181,20 @@ def _errors_body(rank, world):
     from recxla.distributed import PowerSGDAllReduce
 
     p = torch.nn.Parameter(torch.zeros(8, 6))
-    messages = []
-    for kwargs in ({"rank": 0}, {"start_step": -1}, {"seed": 1.5},
-                   {"node_group": dist.group.WORLD}):
-        with pytest.raises(ValueError) as e:
-            PowerSGDAllReduce([("p", p)], **kwargs)
-        messages.append(str(e.value))
-    with pytest.raises(ValueError) as e:
-        PowerSGDAllReduce([("p", torch.nn.Parameter(torch.zeros(2), requires_grad=False))])
-    messages.append(str(e.value))
     sync = PowerSGDAllReduce([("p", p)])
-    for params, grads in (([torch.nn.Parameter(torch.zeros(3))], [torch.zeros(3)]), ([], []),
-                          ([p, p], [torch.zeros(8, 6)] * 2), ([p], [torch.zeros(6, 8)])):
-        with pytest.raises(ValueError) as e:
-            sync.start(params, grads)
-        messages.append(str(e.value))
     good = {k: v.clone() for k, v in sync.state_dict().items()}
-    for bad in ({**good, "q.q": torch.zeros(6, 1)}, {**good, "p.q": torch.zeros(8, 1)},
-                {k: v for k, v in good.items() if k != "p.residual"}):
-        with pytest.raises(ValueError) as e:
-            sync.load_state_dict(bad)
-        messages.append(str(e.value))
-    return messages
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    return cases.error_messages(
+        [lambda kw=kw: PowerSGDAllReduce([("p", p)], **kw)
+         for kw in ({"rank": 0}, {"start_step": -1}, {"seed": 1.5},
+                    {"node_group": dist.group.WORLD})]
+        + [lambda: PowerSGDAllReduce([("p", frozen)])]
+        + [lambda a=a: sync.start(*a)
+           for a in (([torch.nn.Parameter(torch.zeros(3))], [torch.zeros(3)]), ([], []),
+                     ([p, p], [torch.zeros(8, 6)] * 2), ([p], [torch.zeros(6, 8)]))]
+        + [lambda bad=bad: sync.load_state_dict(bad)
+           for bad in ({**good, "q.q": torch.zeros(6, 1)}, {**good, "p.q": torch.zeros(8, 1)},
+                       {k: v for k, v in good.items() if k != "p.residual"})])
 
 
 def test_errors_name_the_op_and_argument():
