@@ -124,6 +124,27 @@ def test_recxla_and_torchrec_train_the_same_model(tmp_path):
         assert torch.equal(lite[k], tr[k]), k
 
 
+@pytest.mark.parametrize("resumed_with", [
+    ["--dense-allreduce", "powersgd", "--powersgd-start", "0", "--powersgd-rank", "2"],
+    ["--dense-allreduce", "fp8"], ["--dense-allreduce", "bf16"]])
+def test_resume_with_another_compressed_all_reduce_starts_its_state_anew(tmp_path, resumed_with):
+    """A checkpoint of --dense-allreduce powersgd at rank 1 resumed with another rank (its
+    factors have other shapes) or another wire: the new state starts anew; the run goes on
+    and its next checkpoint holds that state."""
+    args = [*SMALL, "--warmup-steps", "1", "--checkpoint-dir", str(tmp_path / "c")]
+    launch_ranks([*args, "--steps", "3", "--dense-allreduce", "powersgd", "--powersgd-start",
+                  "0"], tmp_path)
+    ranks = launch_ranks([*args, "--steps", "5", "--resume", *resumed_with], tmp_path)
+    assert "steps 3..5" in ranks[0].output()
+    saved = _load(checkpoint.checkpoint_path(str(tmp_path / "c"), 5), tmp_path, "c5")
+    wire = resumed_with[1]
+    dense = {k for k in saved if k.startswith("train.dense_")}
+    assert all(k.startswith(f"train.dense_{wire}_rank") for k in dense), dense
+    assert bool(dense) == (wire != "bf16")
+    if wire == "powersgd":
+        assert any(k.endswith(".q") and saved[k].shape[1] == 2 for k in dense), dense
+
+
 def test_resume_rejects_other_options(tmp_path):
     config = parse_config([*FP32, "--steps", "8"])
     state = {"steps_done": 4, "data_position": 4, "world_size": 2, "path": "recxla",

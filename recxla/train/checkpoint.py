@@ -284,10 +284,11 @@ def load(path: str, model, optimizer, dense_state=None) -> int:
     state = _contents(model, optimizer, -1, rank, dense_state)
     if f"train.{_rng_key(rank)}" not in saved_keys:  # written before generators were saved
         del state["train"][_rng_key(rank)]
-    if dense_state is not None and not any(
-            k.startswith(f"train.{_dense_key(dense_state, rank)}.") for k in saved_keys):
-        # Saved by a run with another --dense-allreduce (a resume may change the wire): the
-        # state starts anew (zero residuals; PowerSGD's factors drawn again, its counts at 0).
+    if dense_state is not None and not _holds(saved_keys, f"train.{_dense_key(dense_state, rank)}",
+                                              dense_state.state_dict()):
+        # Saved by a run with another --dense-allreduce or --powersgd-rank (a resume may change
+        # them): the state starts anew (zero residuals; PowerSGD's factors drawn again, its
+        # counts at 0).
         del state["train"][_dense_key(dense_state, rank)]
     try:
         dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(path))
@@ -303,6 +304,16 @@ def load(path: str, model, optimizer, dense_state=None) -> int:
     if dense_state is not None and _dense_key(dense_state, rank) in state["train"]:
         dense_state.load_state_dict(state["train"][_dense_key(dense_state, rank)])
     return int(state["train"]["steps_done"])
+
+
+def _holds(saved_keys, prefix: str, state: dict) -> bool:
+    """The checkpoint (DCP's metadata `saved_keys`) holds every tensor of `state` under
+    `prefix`, each of the shape it has now."""
+    for key, tensor in state.items():
+        saved = saved_keys.get(f"{prefix}.{key}")
+        if saved is None or tuple(getattr(saved, "size", ())) != tuple(tensor.shape):
+            return False
+    return True
 
 
 def _report_newer(path: str, step: int) -> None:
