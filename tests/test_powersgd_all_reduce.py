@@ -13,7 +13,7 @@ from distributed_utils import run_distributed
 pytestmark = pytest.mark.distributed
 
 
-def _reference(all_grads, shapes, steps, rank, start_step, first_qs):
+def _reference(all_grads, shapes, steps, start_step, first_qs):
     """PowerSGD over every rank's gradients in float64 (the module docstring's steps 1-3):
     -> per step, the averages every rank applies."""
     world = len(all_grads)
@@ -55,7 +55,7 @@ def _steps_body(rank, world, seed, shapes, steps, factor_rank, start_step):
         sync = PowerSGDAllReduce([(f"p{i}", p) for i, p in enumerate(params)], rank=factor_rank,
                                  start_step=start_step, seed=seed, **groups)
         first_qs = [sync.q[i].clone() if i in sync.q else None for i in range(len(shapes))]
-        reference = _reference(all_grads, shapes, steps, factor_rank, start_step, first_qs)
+        reference = _reference(all_grads, shapes, steps, start_step, first_qs)
         for step in range(steps):
             grads = [g.clone() for g in all_grads[rank][step]]
             sync.all_reduce(params, grads)
