@@ -172,7 +172,6 @@ class PowerSGDAllReduce(CompressedAllReduce):
         super().__init__(named_parameters, group, node_group, cross_group)
         self.rank, self.start_step = rank, start_step
         self.error_feedback = bool(error_feedback)
-        self.shapes: List[torch.Size] = [p.shape for p in self.parameters]
         # Per parameter index: the factors' columns (0: never compressed).
         self.factor_rank: List[int] = [self._factor_columns(p) for p in self.parameters]
         # The state, allocated now so that state_dict() returns the live tensors (a checkpoint
@@ -181,9 +180,9 @@ class PowerSGDAllReduce(CompressedAllReduce):
         self.residuals: Dict[int, torch.Tensor] = {}
         self.q: Dict[int, torch.Tensor] = {}
         self.averages = torch.zeros(len(self.names), dtype=torch.int64)
-        for i, shape in enumerate(self.shapes):
+        for i, p in enumerate(self.parameters):
             if self.factor_rank[i]:
-                self.residuals[i] = torch.zeros(shape.numel(), dtype=torch.float32,
+                self.residuals[i] = torch.zeros(p.numel(), dtype=torch.float32,
                                                 device=self.device)
                 self.q[i] = self._first_q(i, seed)
         # The buckets of this backward held back by start_bucket: (parameters, gradients).
@@ -196,7 +195,7 @@ class PowerSGDAllReduce(CompressedAllReduce):
         return r if r and n * m >= MIN_COMPRESSION * (n + m) * r else 0
 
     def _first_q(self, i: int, seed: int) -> torch.Tensor:
-        n, m = _matrix_shape(torch.empty(self.shapes[i], device="meta"))
+        m = _matrix_shape(self.parameters[i])[1]
         g = torch.Generator().manual_seed(hashing.mix_scalar(seed, _TAG_Q, i))
         return torch.randn(m, self.factor_rank[i], generator=g).to(self.device)
 
@@ -223,8 +222,8 @@ class PowerSGDAllReduce(CompressedAllReduce):
         return state
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        """Restores the state of `state` (a state_dict() of the same parameters, rank and
-        start_step); raises ValueError naming the key that does not fit."""
+        """Restores the state of `state` (a state_dict() of the same parameters and rank);
+        raises ValueError naming the key that does not fit."""
         own = self.state_dict()
         missing = sorted(set(own) - set(state))
         if missing:
@@ -253,9 +252,10 @@ class PowerSGDAllReduce(CompressedAllReduce):
                              f"once, at least one; got {len(indices)} parameters and "
                              f"{len(grads)} gradients")
         for i, g in zip(indices, grads):
-            if g.shape != self.shapes[i]:
+            if g.shape != self.parameters[i].shape:
                 raise ValueError(f"{OP}: the gradient of {self.names[i]!r} is shaped "
-                                 f"{list(g.shape)}, its parameter {list(self.shapes[i])}")
+                                 f"{list(g.shape)}, its parameter "
+                                 f"{list(self.parameters[i].shape)}")
         order = sorted(range(len(indices)), key=lambda k: indices[k])
         indices = [indices[k] for k in order]
         grads = [grads[k] for k in order]

@@ -162,10 +162,7 @@ class MicroBatchGradientSync:
         """Waits for the deferred all-reduces and writes each bucket's average into it (the
         parameters' .grad): every last collective is issued before the first wait."""
         pending, self.in_flight = self.in_flight, []
-        for reduction in pending:
-            reduction.gather()
-        for reduction in pending:
-            reduction.wait()
+        CompressedAllReduce.finish(pending)
 
     def reset(self) -> None:
         """DDP's own behaviour: every backward all-reduces (fp32, averaged) and DDP waits. Any

@@ -160,9 +160,8 @@ class ShardedSteps:
         row_bags: this rank's bags of row-exchange tables of the next batch (None without
         them). Where at least early_rows.POOLED_EARLY_MIN of this owner's pooled values can
         leave early, it makes the next batch's early lookup (`early_lookup`) now: the result's
-        `early`, for the next batch's window. Collective:
-        every rank of the group calls it, and send(), at the same point. -> the EarlyRows to
-        hand the next batch's window. hold_changed=False sends every cell early, those the
+        `early`, for the next batch's window. Collective: every rank of the group calls it,
+        and send(), at the same point. -> the EarlyRows to hand the next batch's window. hold_changed=False sends every cell early, those the
         update changes too: a planted stale read, for tests."""
         # The masks travel where the ids do: through the CPU, on the router's group (gloo on a
         # GPU, where the module's group is NCCL's).
