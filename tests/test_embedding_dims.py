@@ -11,13 +11,13 @@ import torch
 from test_train_cli import SMALL, _parse_error, check_metrics, launch_ranks
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.data import SyntheticRankingDataset, criteo_kaggle_profile, embedding_bag_configs
 from recxla.formats import row_bytes
 from recxla.planner.embedding_dims import TableWire, propose_dims, table_wire_bytes
 from recxla.train import options
-from recxla.train.models import PaddedSparseArch
+from recxla.train.models import PadFeatures, PaddedSparseArch, feature_runs, pad_features
 
 
 def _batches(seed: int, world: int, batch: int = 256):
@@ -100,24 +100,66 @@ def test_option_parses():
 
 
 def test_padded_sparse_arch_pads_each_feature(seed):
-    """Every feature's pooled rows, zero-padded to the run's dim, in DLRM's [B, F, D]."""
+    """Every feature's pooled rows, zero-padded to the run's dim, in DLRM's [B, F, D], and the
+    gradient of the pooled values: both against a pad and a cat per feature."""
     torch.manual_seed(seed)
-    dims = {"a": 8, "b": 16, "c": 4}
-    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=d, num_embeddings=50,
-                                 feature_names=[f]) for f, d in dims.items()]
+    tables = [EmbeddingBagConfig(name="t_a", embedding_dim=8, num_embeddings=50,
+                                 feature_names=["a", "a2"]),  # one run of two features
+              EmbeddingBagConfig(name="t_b", embedding_dim=16, num_embeddings=50,
+                                 feature_names=["b"]),
+              EmbeddingBagConfig(name="t_c", embedding_dim=4, num_embeddings=50,
+                                 feature_names=["c"]),
+              EmbeddingBagConfig(name="t_d", embedding_dim=4, num_embeddings=50,
+                                 feature_names=["d"])]  # merged with c: another table
+    dims = {f: t.embedding_dim for t in tables for f in t.feature_names}
     ebc = EmbeddingBagCollection(tables=tables)
     arch = PaddedSparseArch(ebc, 16)
-    b = 5
+    b = int(torch.randint(1, 9, ()))
     lengths = torch.randint(0, 4, (len(dims) * b,))
     kjt = KeyedJaggedTensor(keys=list(dims), values=torch.randint(0, 50, (int(lengths.sum()),)),
                             lengths=lengths)
     got = arch(kjt)
     pooled = ebc(kjt).to_dict()
-    assert got.shape == (b, 3, 16)
+    assert got.shape == (b, len(dims), 16)
     for i, (f, d) in enumerate(dims.items()):
         assert torch.equal(got[:, i, :d], pooled[f])
         assert torch.count_nonzero(got[:, i, d:]) == 0
     assert arch.sparse_feature_names == list(dims)
+
+    values = torch.randn(b, sum(dims.values()), requires_grad=True)
+    grad = torch.randn(b, len(dims), 16)
+    runs = feature_runs(list(dims), list(dims.values()), {f: i for i, f in enumerate(dims)})
+    PadFeatures.apply(values, runs, len(dims), 16).backward(grad)
+    reference = values.detach().clone().requires_grad_()
+    parts = torch.split(reference, list(dims.values()), dim=1)
+    torch.stack([torch.nn.functional.pad(p, (0, 16 - p.shape[1])) for p in parts], dim=1) \
+        .backward(grad)
+    assert torch.equal(values.grad, reference.grad)
+
+
+def test_feature_runs_follow_the_output_order():
+    """Features the pooled values hold in another order than the output's: a run each."""
+    runs = feature_runs(["b", "a", "c"], [4, 4, 4], {"a": 0, "b": 1, "c": 2})
+    assert runs == [(1, 1, 4, 0), (0, 1, 4, 4), (2, 1, 4, 8)]
+    assert feature_runs(["a", "b", "c"], [4, 4, 8], {"a": 0, "b": 1, "c": 2}) == \
+        [(0, 2, 4, 0), (2, 1, 8, 8)]
+
+
+def test_pad_features_takes_the_pooled_keys_in_any_order(seed):
+    """A sharded collection's KeyedTensor holds the features in its own order (TorchRec's
+    groups them by sharding type): each lands at its place in the output all the same."""
+    torch.manual_seed(seed)
+    values = torch.randn(3, 4 + 2 + 4)
+    pooled = KeyedTensor(keys=["c", "a", "b"], length_per_key=[4, 2, 4], values=values)
+    got = pad_features(pooled, ["a", "b", "c"], 6)
+    assert torch.equal(got[:, 0, :2], values[:, 4:6])
+    assert torch.equal(got[:, 1, :4], values[:, 6:])
+    assert torch.equal(got[:, 2, :4], values[:, :4])
+    assert torch.count_nonzero(got[:, 0, 2:]) + torch.count_nonzero(got[:, 1:, 4:]) == 0
+    with pytest.raises(ValueError, match=r"PaddedSparseArch: the pooled KeyedTensor's keys "
+                                         r"\['c', 'a', 'x'\] are not the collection's features"):
+        pad_features(KeyedTensor(keys=["c", "a", "x"], length_per_key=[4, 2, 4], values=values),
+                     ["a", "b", "c"], 6)
 
 
 def test_unknown_tables_are_named(capsys):

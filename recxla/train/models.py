@@ -9,7 +9,8 @@ whatever the plan, and the same for the recxla path and for the TorchRec baselin
 """
 
 import dataclasses
-from typing import Iterable, List
+import functools
+from typing import Dict, Iterable, List, Sequence, Tuple
 
 import torch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
@@ -67,14 +68,16 @@ class PaddedSparseArch(torch.nn.Module):
     d columns. No parameters: a linear map to `dim` per table would add its weights to the
     dense all-reduce every step, bytes on the wire that the smaller tables were to save (26
     maps of 32 x 64 add 0.19 MB a step in bf16, about what halving the 26 tables' dims saved
-    with --profile small at batch 512)."""
+    with --profile small at batch 512).
+
+    The pooled KeyedTensor's values go into the [B, F, dim] output in one copy per run of
+    features of one dim (`PadFeatures`), not a pad per feature and a cat of them all."""
 
     def __init__(self, embedding_bag_collection, dim: int):
         super().__init__()
         self.embedding_bag_collection = embedding_bag_collection
         configs = embedding_bag_collection.embedding_bag_configs()
         self._features = [f for c in configs for f in c.feature_names]
-        self._pad = {f: dim - c.embedding_dim for c in configs for f in c.feature_names}
         self.D = dim
         self.F = len(self._features)
 
@@ -83,10 +86,75 @@ class PaddedSparseArch(torch.nn.Module):
         return list(self._features)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        pooled = self.embedding_bag_collection(features).to_dict()
-        out = [torch.nn.functional.pad(pooled[f], (0, self._pad[f])) if self._pad[f] else
-               pooled[f] for f in self._features]
-        return torch.cat(out, dim=1).reshape(-1, self.F, self.D)
+        return pad_features(self.embedding_bag_collection(features), self._features, self.D)
+
+
+@torch.fx.wrap  # TorchRec's pipelines trace the model with torch.fx: one opaque call here
+def pad_features(pooled: KeyedTensor, features: List[str], dim: int) -> torch.Tensor:
+    """PadFeatures of the pooled values into the output order `features`. The values hold the
+    features in the sharded collection's order (TorchRec's groups them by sharding type), so
+    the runs are found per order, once."""
+    runs = _runs_of(tuple(pooled.keys()), tuple(pooled.length_per_key()), tuple(features))
+    return PadFeatures.apply(pooled.values(), runs, len(features), dim)
+
+
+@functools.lru_cache(maxsize=64)
+def _runs_of(keys: Tuple[str, ...], dims: Tuple[int, ...],
+             features: Tuple[str, ...]) -> List["FeatureRun"]:
+    position = {f: i for i, f in enumerate(features)}
+    if sorted(keys) != sorted(features):
+        raise ValueError(f"PaddedSparseArch: the pooled KeyedTensor's keys {list(keys)} are "
+                         f"not the collection's features {list(features)}")
+    return feature_runs(keys, dims, position)
+
+
+# A run of features side by side in the pooled values and in the output alike, all of one dim:
+# (first output feature, features, dim, first value column).
+FeatureRun = Tuple[int, int, int, int]
+
+
+def feature_runs(keys: Sequence[str], dims: Sequence[int],
+                 position: Dict[str, int]) -> List[FeatureRun]:
+    """The runs of pooled values (features `keys` of widths `dims`, side by side) to their
+    output features (`position`: feature -> index in the output), adjacent ones merged."""
+    runs: List[FeatureRun] = []
+    column = 0
+    for key, dim in zip(keys, dims):
+        first = position[key]
+        if runs and runs[-1][2] == dim and runs[-1][0] + runs[-1][1] == first \
+                and runs[-1][3] + runs[-1][1] * dim == column:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, dim, runs[-1][3])
+        else:
+            runs.append((first, 1, dim, column))
+        column += dim
+    return runs
+
+
+class PadFeatures(torch.autograd.Function):
+    """values [B, sum of the features' dims] -> [B, F, D]: feature f's columns at [:, f, :d_f],
+    zeros after them. Each pass writes every element once: forward one copy and one fill per
+    run, backward one copy per run into the values' gradient."""
+
+    @staticmethod
+    def forward(ctx, values, runs: List[FeatureRun], num_features: int, dim: int):
+        ctx.runs = runs
+        batch = values.shape[0]
+        out = values.new_empty((batch, num_features, dim))
+        for first, count, width, column in runs:
+            out[:, first: first + count, :width].copy_(
+                values[:, column: column + count * width].reshape(batch, count, width))
+            out[:, first: first + count, width:].zero_()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        batch = grad.shape[0]
+        total = sum(count * width for _, count, width, _ in ctx.runs)
+        grad_values = grad.new_empty((batch, total))
+        for first, count, width, column in ctx.runs:
+            grad_values[:, column: column + count * width].view(batch, count, width).copy_(
+                grad[:, first: first + count, :width])
+        return grad_values, None, None, None
 
 
 class FixedPooledEmbeddings(torch.nn.Module):
