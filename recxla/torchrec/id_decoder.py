@@ -171,7 +171,7 @@ class IdDecoder:
                 unique = received[bounds[1]: bounds[1] + u * id_bytes].view(id_dtype)
                 if encoding == wire.DEDUP16:
                     index = received[bounds[2]: bounds[2] + n * 2].view(torch.int16)
-                    index = index.to(torch.int64) & 0xFFFF
+                    index = index.to(torch.int32) & 0xFFFF  # unsigned on the wire
                 else:
                     index = received[bounds[2]: bounds[2] + n * 4].view(torch.int32)
                 ids.append(unique.index_select(0, index))
@@ -182,7 +182,8 @@ class IdDecoder:
                                  .view(torch.int32).to(torch.int64))
                 row_ids.append(received[bounds[5]: bounds[5] + num_row_ids * id_bytes]
                                .view(id_dtype).to(torch.int64))
-        values = torch.cat([i.to(torch.int64) for i in ids]) if ids else \
+        # One cat at the wire's width, then one widening pass.
+        values = torch.cat(ids).to(torch.int64) if ids else \
             torch.zeros(0, dtype=torch.int64, device=self.device)
         psw = torch.cat(weights) if self.is_weighted else None
         all_lengths = torch.cat(lengths, dim=1) if lengths else \
