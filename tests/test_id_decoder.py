@@ -1,11 +1,12 @@
 """The owner's reorder of received ids: segments laid out (source, group, micro-batch) go to
 (group, micro-batch, source), ids and weights alike, against a plain loop over the segments
-on random sizes (empty segments included)."""
+on random sizes (empty segments included): FBGEMM's permute on CPU and the gather index that
+other devices take."""
 
 import pytest
 import torch
 
-from recxla.torchrec.id_decoder import _permute_segments
+from recxla.torchrec.id_decoder import _permute_segments, segment_gather
 
 
 def permute_ref(sizes, values):
@@ -36,3 +37,6 @@ def test_permute_segments_matches_the_loop(shape, weighted):
         assert torch.equal(got_weights, permute_ref(sizes, weights))
     else:
         assert got_weights is None
+    # The GPU's path (a gather index), run here on CPU tensors.
+    gather = segment_gather(sizes, total)
+    assert torch.equal(values.index_select(0, gather), permute_ref(sizes, values))

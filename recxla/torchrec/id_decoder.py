@@ -231,11 +231,29 @@ def _permute_segments(sizes: torch.Tensor, values: torch.Tensor,
     """values (and weights alike) lie in segments of the lengths `sizes` (int64 [world, groups,
     micro-batches], row-major): -> the same segments in (group, micro-batch, world) order.
 
-    FBGEMM's permute_2D_sparse_data copies each segment whole, on CPU and CUDA alike: on CPU
-    about 7x faster than building a gather index over every value and index_select-ing."""
+    On CPU, FBGEMM's permute_2D_sparse_data copies each segment whole: about 7x faster than a
+    gather index over every value. A GPU may have FBGEMM's CPU-only build (docs/gpu.md), so
+    other devices take the gather (`segment_gather`, a few torch ops)."""
+    if values.device.type != "cpu":
+        gather = segment_gather(sizes, values.numel())
+        return (values.index_select(0, gather),
+                None if weights is None else weights.index_select(0, gather))
     world, groups, micro = sizes.shape
-    order = torch.arange(world * groups * micro, dtype=torch.int32, device=sizes.device)
+    order = torch.arange(world * groups * micro, dtype=torch.int32)
     order = order.view(world, groups, micro).permute(1, 2, 0).flatten()
     _, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
         order, sizes.reshape(-1, 1), values, weights, values.numel())
     return values, weights
+
+
+def segment_gather(sizes: torch.Tensor, total: int) -> torch.Tensor:
+    """The gather index of _permute_segments: segments in the row-major order of `sizes`
+    (int64 [world, groups, micro-batches]) to (group, micro-batch, world). total: the sum of
+    sizes."""
+    flat = sizes.flatten()
+    start = (torch.cumsum(flat, 0) - flat).view(sizes.shape)
+    target_sizes = sizes.permute(1, 2, 0).flatten()
+    target_start = torch.cumsum(target_sizes, 0) - target_sizes
+    shift = torch.repeat_interleave(start.permute(1, 2, 0).flatten() - target_start,
+                                    target_sizes, output_size=total)
+    return torch.arange(total, device=sizes.device) + shift
