@@ -41,12 +41,12 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from recxla.train import cli, loop
+    from recxla.train import cli, stages
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port or _free_port()))
-    run_steps = loop.run_steps
+    run_steps = stages.run_steps  # the name the trainer's loop stage calls
     captured = {}
 
     def profiled(pipeline, batches, first, last, meter, progress, on_step_done, log=None):
@@ -65,11 +65,11 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
                 captured["averages"] = prof.key_averages()
             captured["steps"] = last - first - warmup
 
-    loop.run_steps = profiled
+    stages.run_steps = profiled
     try:
         assert cli.main(argv) == 0
     finally:
-        loop.run_steps = run_steps
+        stages.run_steps = run_steps
     torch.distributed.destroy_process_group() if torch.distributed.is_initialized() else None
     return captured.get("averages"), captured["steps"]
 
