@@ -110,6 +110,29 @@ def test_kernel_targets_read_the_rows():
     assert found["clustering <= 0.5 ms"] == ("cuda:fused 700.0 us", False)
 
 
+def test_back_to_back_time_beside_each_call_and_against_the_copy():
+    """time_calls times the same calls back to back too (on CPU with the host clock, the GPU's
+    code path), and the report sets each provider's back-to-back time against its group's
+    device copy's."""
+    import torch
+
+    from bench.gpu_campaign.timing import DEVICE_COPY, row, time_calls
+
+    calls = []
+    timing = time_calls(lambda x: calls.append(x.sum()), [(torch.ones(64),)], warmup=2,
+                        iters=5, device="cpu")
+    assert len(calls) == 2 + 5 + 5 and timing["back_to_back_us"] > 0
+    assert row("g", "p", timing)["back_to_back_us"] == round(timing["back_to_back_us"], 2)
+    rows = [row("g", DEVICE_COPY, {"median_us": 30.0, "min_us": 29.0, "back_to_back_us": 8.0},
+                check="baseline"),
+            row("g", "cuda:a", {"median_us": 32.0, "min_us": 31.0, "back_to_back_us": 10.0}),
+            row("g", "triton", {"median_us": 40.0, "min_us": 39.0})]  # timed before the column
+    table = "\n".join(report._kernel_tables({"rows": rows}))
+    assert "| cuda:a | 32.0 us | 31.0 us | - | - | 10.0 us | 0.8 | exact |" in table
+    assert "| device copy | 30.0 us | 29.0 us | - | - | 8.0 us | 1.0 | baseline |" in table
+    assert "| triton | 40.0 us | 39.0 us | - | - | - | - | exact |" in table
+
+
 def _run(date, stages_):
     return {"date": date, "commit": date, "dry_run": False, "machine": {}, "command": "",
             "stages": stages_}

@@ -55,7 +55,7 @@ import torch
 
 from bench.bench_dedup import criteo_batch, torch_unique_combined
 from bench.gpu_campaign.timing import (
-    Guard, backend, choice, copy_fn, failed_row, rotation_count, row, time_calls,
+    DEVICE_COPY, Guard, backend, choice, copy_fn, failed_row, rotation_count, row, time_calls,
 )
 from recxla.reference.dedup import segmented_unique_ref
 
@@ -294,13 +294,13 @@ def run(device: str, dry_run: bool) -> dict:
         sizes[group] = size
         sets = [(v.to(device), o.to(device)) for v, o in cpu_sets]
         copy, pairs = copy_fn(size["bytes"] // 2, device, sets=len(sets))
-        copied, error = guard("device copy", lambda: time_calls(
+        copied, error = guard(DEVICE_COPY, lambda: time_calls(
             copy, pairs, timing["warmup"], timing["iters"], device))
         if error:
-            rows.append(failed_row(group, "device copy", error))
+            rows.append(failed_row(group, DEVICE_COPY, error))
         else:
             size["copy_us"] = copied["median_us"]
-            rows.append(row(group, "device copy", copied, size["bytes"], size["copy_us"],
+            rows.append(row(group, DEVICE_COPY, copied, size["bytes"], size["copy_us"],
                             check="baseline", n_keys=n, n_unique=unique))
         for name, (fn, context) in providers.items():
             rows.append(_time_provider(guard, group, name, fn, context, sets, size, checks[name],

@@ -22,7 +22,9 @@ from typing import Dict, List
 
 import torch
 
-from bench.gpu_campaign.timing import Guard, backend, copy_fn, failed_row, row, time_calls
+from bench.gpu_campaign.timing import (
+    DEVICE_COPY, Guard, backend, copy_fn, failed_row, row, time_calls,
+)
 
 GROUP = "embedding-bag step (fwd+bwd+rowwise adagrad), batch 8192, dim 64"
 
@@ -74,9 +76,9 @@ def run(device: str, dry_run: bool) -> dict:
         nbytes = eb.step_bytes(kjts, n_unique)
         group = f"{GROUP}, {distribution}"
         fn, pairs = copy_fn(nbytes // 2, device)
-        copy_us = time_calls(fn, pairs, iters=iters, device=device)["median_us"]
-        rows.append(row(group, "device copy", {"median_us": copy_us, "min_us": copy_us},
-                        nbytes, copy_us, check="baseline"))
+        copied = time_calls(fn, pairs, iters=iters, device=device)
+        copy_us = copied["median_us"]
+        rows.append(row(group, DEVICE_COPY, copied, nbytes, copy_us, check="baseline"))
         providers: Dict[str, tuple] = {}
         for name in (["cuda", "triton"] if device == "cuda" else ["cpu"]):
             providers[f"recxla-{name}"] = ("recxla", name)

@@ -74,7 +74,7 @@ import torch
 
 from bench.bench_fp8_rows import plain_dequantize, plain_quantize
 from bench.gpu_campaign.timing import (
-    Guard, choice, copy_fn, failed_row, rotation_count, row, time_calls,
+    DEVICE_COPY, Guard, choice, copy_fn, failed_row, rotation_count, row, time_calls,
 )
 from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref
 
@@ -97,7 +97,7 @@ DRY_TIMED = [(32, 128, torch.float32, "e4m3", "benchmark shape (dry run size)"),
 BUDGET_S = 40.0
 COMPILE_NEEDS_S = 15.0  # torch.compile starts only while this much of the budget is left
 NOISE = 1.03  # a variant must beat warp_per_row by 3% (geometric mean) to replace it
-PLAIN, COMPILED, COPY = "plain PyTorch", "torch.compile(plain PyTorch)", "device copy"
+PLAIN, COMPILED = "plain PyTorch", "torch.compile(plain PyTorch)"
 
 
 def random_rows(rows: int, dim: int, dtype, specials: bool = False) -> torch.Tensor:
@@ -279,14 +279,14 @@ def run(device: str, dry_run: bool) -> dict:
                 rows.append(failed_row(_group(op, rows_n, dim, dtype, fmt), "inputs", error))
             continue
         sets = made
-        copied, error = guard(COPY, lambda: time_calls(
+        copied, error = guard(DEVICE_COPY, lambda: time_calls(
             *copy_fn(nbytes // 2, device, sets=count), timing["warmup"], timing["iters"], device))
         copy_us = None if error else copied["median_us"]
         extra = {"shape": [rows_n, dim], "dtype": DTYPE_NAMES[dtype], "fmt": fmt, "what": what}
         for op in FAMILIES:
             group = _group(op, rows_n, dim, dtype, fmt)
-            rows.append(failed_row(group, COPY, error) if error else
-                        row(group, COPY, copied, nbytes, copy_us, check="baseline", **extra))
+            rows.append(failed_row(group, DEVICE_COPY, error) if error else
+                        row(group, DEVICE_COPY, copied, nbytes, copy_us, check="baseline", **extra))
             for name, fns in providers.items():
                 rows.append(_time(guard, op, group, name, fns, sets, fmt, dim, nbytes, copy_us,
                                   checks[(name, op)], timing, extra))
@@ -385,7 +385,7 @@ def _choices(rows, timed, device, dry_run, began, iters) -> list:
                 and score[fallback] < NOISE * score[winner])
         if kept:
             winner = fallback
-        copies = {g: median.get((COPY, g)) for g in groups}
+        copies = {g: median.get((DEVICE_COPY, g)) for g in groups}
 
         def figures(v):
             return ", ".join(

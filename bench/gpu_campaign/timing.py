@@ -3,13 +3,16 @@
 A GPU kernel is timed with CUDA events around each call (device time, not host time), after
 warm-up calls that are left out (module load, Triton compilation, allocator growth), as the
 median of many calls. Calls rotate over several input sets whose total exceeds the L2 cache, so
-a kernel that reads its input does not find it in the cache from the previous call. On CPU (the
-campaign's dry run) the same functions time with the host clock, so the code path is the one
-that runs on the GPU.
+a kernel that reads its input does not find it in the cache from the previous call. The event
+pair around one call also spans the host's launch of it: where a call lasts about as long as
+its launch (the trainer's 1-2 MB messages), the same calls are also timed back to back, the
+host enqueueing them all between one pair of events, so that the device runs them one after
+another and their mean is the kernel's own time. On CPU (the campaign's dry run) the same
+functions time with the host clock, so the code path is the one that runs on the GPU.
 
-Every timing becomes one row (`row`): group, provider, median and minimum in microseconds,
-bytes moved, GB/s and the ratio to a device copy of the same bytes, and the outcome of the check
-against the reference that preceded it.
+Every timing becomes one row (`row`): group, provider, median and minimum in microseconds, the
+back-to-back mean, bytes moved, GB/s and the ratio to a device copy of the same bytes, and the
+outcome of the check against the reference that preceded it.
 """
 
 import contextlib
@@ -19,6 +22,10 @@ import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
+
+# The provider name of every group's baseline row: a device copy of the bytes the group's
+# providers read and write.
+DEVICE_COPY = "device copy"
 
 # Inputs rotate until they span this many bytes: above the H100's 50 MB and the H200's 60 MB of L2.
 ROTATE_BYTES = 256 << 20
@@ -33,10 +40,12 @@ def rotation_count(bytes_per_set: int, limit: int = 16) -> int:
 
 def time_calls(fn: Callable, arg_sets: Sequence[tuple], warmup: int = 3, iters: int = 40,
                device: str = "cuda") -> Dict[str, float]:
-    """Times fn(*arg_sets[i % len(arg_sets)]) for `iters` calls after `warmup` untimed ones.
+    """Times fn(*arg_sets[i % len(arg_sets)]) for `iters` calls after `warmup` untimed ones,
+    each between its own pair of events, then `iters` calls back to back between one pair.
 
-    Returns {"median_us", "min_us", "iters"}: device time per call from CUDA events on a CUDA
-    device, host time on CPU.
+    Returns {"median_us", "min_us", "back_to_back_us", "iters"}: device time per call from CUDA
+    events on a CUDA device, host time on CPU; back_to_back_us is the back-to-back run's time
+    over its calls (a function that waits for the device inside runs no faster that way).
     """
     n = len(arg_sets)
     for i in range(warmup):
@@ -52,12 +61,24 @@ def time_calls(fn: Callable, arg_sets: Sequence[tuple], warmup: int = 3, iters: 
             end.record()
         torch.cuda.synchronize()
         samples = [1e3 * start.elapsed_time(end) for start, end in events]
+        start, end = events[0]
+        start.record()
+        for i in range(iters):
+            fn(*arg_sets[i % n])
+        end.record()
+        torch.cuda.synchronize()
+        back_to_back = 1e3 * start.elapsed_time(end) / iters
     else:
         for i in range(iters):
             t0 = time.perf_counter()
             fn(*arg_sets[i % n])
             samples.append(1e6 * (time.perf_counter() - t0))
-    return {"median_us": statistics.median(samples), "min_us": min(samples), "iters": iters}
+        t0 = time.perf_counter()
+        for i in range(iters):
+            fn(*arg_sets[i % n])
+        back_to_back = 1e6 * (time.perf_counter() - t0) / iters
+    return {"median_us": statistics.median(samples), "min_us": min(samples),
+            "back_to_back_us": back_to_back, "iters": iters}
 
 
 def copy_fn(nbytes: int, device: str, sets: int = 1):
@@ -75,9 +96,12 @@ def row(group: str, provider: str, timing: Dict[str, float], nbytes: Optional[in
     """One result row. nbytes: bytes read + written by one call; copy_us: the device copy of
     the same bytes (read + written) timed in the same process, for `of_copy`. check: how the
     provider's output compared with the reference before it was timed ("exact" bit for bit,
-    "close" within the stated tolerance, "FAILED: ..." otherwise)."""
+    "close" within the stated tolerance, "FAILED: ..." otherwise). The report sets the
+    back-to-back time beside the group's device copy's (`of_copy_back_to_back`)."""
     out = {"group": group, "provider": provider, "median_us": round(timing["median_us"], 2),
            "min_us": round(timing["min_us"], 2), "check": check}
+    if timing.get("back_to_back_us") is not None:
+        out["back_to_back_us"] = round(timing["back_to_back_us"], 2)
     if nbytes is not None:
         out["bytes"] = nbytes
         out["gbps"] = round(nbytes / timing["median_us"] / 1e3, 1)
