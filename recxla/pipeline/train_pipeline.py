@@ -2,9 +2,9 @@
 
 One batch n, split into M micro-batches (see micro_batches.py), on every rank:
 
-    comm:    O(0) O(1) sizes(n+1) | ids(n+1) O(2) G(0) | ... G(M-2) | G(M-1)  AR(dense) ...
-    compute: L   load, split(n+1) | D(0)               | D(1) A(0)  | ... D(M-1) A(M-2) |
-             A(M-1) decode(n+1) U step
+    comm:    O(0) O(1) sizes(n+1)          | ids(n+1) O(2) G(0) | ... G(M-2) | G(M-1)  AR ...
+    compute: L  load, split(n+1) step(n-1) | D(0)               | D(1) A(0)  | ... D(M-1) A(M-2) |
+             A(M-1) decode(n+1) U
 
     L     the owners look up every micro-batch's bags at once (the tables are frozen for the
           batch: FrozenWindow);
@@ -19,6 +19,8 @@ One batch n, split into M micro-batches (see micro_batches.py), on every rank:
     AR    the dense gradients, accumulated over the micro-batches and all-reduced once, by
           DDP's buckets from inside D(M-1)'s backward, waited for only at the dense optimizer
           step, so A(M-1) and U run while they travel (dense_sync.py);
+    step(n-1)  that dense optimizer step, at the next batch's start while its O(0) travels
+          (it reads none of its rows; D(0) is the first to read the weights it updates);
     ids(n+1)  double buffering across batches (DBP): the next batch is loaded and split, its
           block sizes sent while O(0) travels, and its ids while D(0) computes (the links are
           otherwise idle then); they are decoded after D(M-1). Its lookup waits for U(n): the
@@ -333,6 +335,16 @@ class TrainPipeline:
                 w.start_output(k)
         early_rows = self._start_early_rows(windows) if training else []
         fresh = self._load_ahead(dataloader_iter)
+        if training:
+            # The previous batch's dense update, if it was left pending, lands before the first
+            # dense forward that reads the weights, and while O(0) travels: it needs none of
+            # this batch's rows, so the host applies it instead of waiting for them.
+            self.flush()
+            self._optimizer.zero_grad()
+            if self._gradient_sync is not None:
+                self._gradient_sync.wire = self._wire
+                self._gradient_sync.nodes = self._nodes
+                self._gradient_sync.deferred = True
         outputs = []
         for k in range(self._num_micro):
             with self._span("wait embeddings", "forward", micro_batch=k):
@@ -357,15 +369,6 @@ class TrainPipeline:
                 with self._span("next batch", "input"):
                     for batch in fresh:
                         advance(batch, decode=False)
-            if training and k == 0:
-                # The previous batch's dense update, if it was left pending, lands just before
-                # the first dense forward that reads the weights.
-                self.flush()
-                self._optimizer.zero_grad()
-                if self._gradient_sync is not None:
-                    self._gradient_sync.wire = self._wire
-                    self._gradient_sync.nodes = self._nodes
-                    self._gradient_sync.deferred = True
             if training and self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
             with self._span("dense", "backward" if training else "forward", micro_batch=k):
