@@ -11,7 +11,9 @@ One batch n, split into M micro-batches (see micro_batches.py), on every rank:
     O(k)  micro-batch k's pooled rows to their ranks (FP8 in forward), in flight while the
           previous micro-batch computes;
     D(k)  the model's forward and backward on micro-batch k (the sharded modules return the
-          rows O(k) brought); its loss is weighted by its share of the batch;
+          rows O(k) brought, waited for when the forward first calls one of them: the layers
+          it runs before, DLRM's bottom MLP, compute while they travel); its loss is weighted
+          by its share of the batch;
     G(k)  the gradient of those rows back to the owners, started from inside D(k)'s backward
           as soon as autograd has it, in flight during D(k + 1);
     A(k)  G(k)'s rows into the owner's gradient buffer;
@@ -40,7 +42,7 @@ to the order of float additions: same weights read, same gradients summed, one u
 What a model needs for this: it calls each recxla-sharded module once per forward, on the
 micro-batch's sparse features (TorchRec's DLRM and DLRM_DCN do: any order of dense and sparse
 arches works, because the rows of micro-batch k are already in flight before its forward
-starts), its forward returns (loss, output) with the loss a mean over the micro-batch's
+starts; what runs before the first sharded module overlaps them), its forward returns (loss, output) with the loss a mean over the micro-batch's
 samples (DLRMTrain does), and no layer mixes samples across the batch (no batch norm): each
 micro-batch's gradient must be its samples' part of the whole batch's. The model is never
 traced or rewritten: Python control flow and torch.compile'd parts are fine.
@@ -347,28 +349,13 @@ class TrainPipeline:
                 self._gradient_sync.deferred = True
         outputs = []
         for k in range(self._num_micro):
-            with self._span("wait embeddings", "forward", micro_batch=k):
-                embeddings = [w.receive_output(k) for w in windows]
-            if self._overlap and k + 1 < self._num_micro:
-                for w in windows:
-                    w.start_output(k + 1)
-            for w, kt in zip(windows, embeddings):
-                w.module.stage_output(kt)
-                if training and self._overlap and kt.values().requires_grad:
-                    kt.values().register_hook(functools.partial(_start_gradient, w, k))
-            if k == 0 and early_rows:
-                # The masks travelled with O(0): the early rows leave now, during this batch's
-                # dense forward and backward.
-                with self._span("early rows", "forward"):
-                    for rows in early_rows:
-                        rows.send()
-            if k == 0 and fresh:
-                # The ids of the batches loaded in this step leave now, so they travel during
-                # this batch's dense compute, when the links are otherwise idle (their sizes
-                # went at the start of the step and have long arrived).
-                with self._span("next batch", "input"):
-                    for batch in fresh:
-                        advance(batch, decode=False)
+            # O(k)'s rows are waited for when the model's forward first calls a sharded module,
+            # so that the layers it runs before (DLRM's bottom MLP) compute while they travel.
+            arrival = _Arrival(functools.partial(
+                self._receive_output, windows, k, training, early_rows if k == 0 else [],
+                fresh if k == 0 else []))
+            for i, w in enumerate(windows):
+                w.module.stage_output(functools.partial(arrival.output, i))
             if training and self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
             with self._span("dense", "backward" if training else "forward", micro_batch=k):
@@ -379,7 +366,7 @@ class TrainPipeline:
                     (loss * (micro.sizes[k] / max(micro.batch_size, 1))).backward()
             outputs.append(output)
             if training:
-                self._exchange_gradients(windows, embeddings, k)
+                self._exchange_gradients(windows, arrival.embeddings(), k)
         if fresh:
             with self._span("next batch", "input"):
                 for batch in fresh:
@@ -458,6 +445,35 @@ class TrainPipeline:
                 started.append(state.early_rows)
         return started
 
+    def _receive_output(self, windows: List[FrozenWindow], k: int, training: bool,
+                        early_rows: list, fresh: List[PreparedBatch]) -> list:
+        """O(k)'s rows, waited for (-> each window's KeyedTensor), then what follows their
+        arrival: O(k + 1) starts, the gradient hooks; at k = 0 the early rows and the ids of
+        the batches loaded in this step leave."""
+        with self._span("wait embeddings", "forward", micro_batch=k):
+            embeddings = [w.receive_output(k) for w in windows]
+        if self._overlap and k + 1 < self._num_micro:
+            for w in windows:
+                w.start_output(k + 1)
+        if training and self._overlap:
+            for w, kt in zip(windows, embeddings):
+                if kt.values().requires_grad:
+                    kt.values().register_hook(functools.partial(_start_gradient, w, k))
+        if early_rows:
+            # The masks travelled with O(0): the early rows leave now, during this batch's
+            # dense forward and backward.
+            with self._span("early rows", "forward"):
+                for rows in early_rows:
+                    rows.send()
+        if fresh:
+            # The ids of the batches loaded in this step leave now, so they travel during this
+            # batch's dense compute, when the links are otherwise idle (their sizes went at the
+            # start of the step and have long arrived), and not beside O(0).
+            with self._span("next batch", "input"):
+                for batch in fresh:
+                    advance(batch, decode=False)
+        return embeddings
+
     def _exchange_gradients(self, windows: List[FrozenWindow], embeddings, k: int) -> None:
         """After D(k)'s backward: G(k) sent (at once without overlap; with it, the autograd
         hook already did), and the gradients of earlier micro-batches received."""
@@ -483,3 +499,21 @@ def _start_gradient(window: FrozenWindow, k: int, grad: torch.Tensor) -> None:
     """Autograd hook on micro-batch k's embeddings: G(k) leaves as soon as its gradient exists,
     while the rest of the backward (the dense arch) still runs."""
     window.start_gradient(k, grad)
+
+
+class _Arrival:
+    """One micro-batch's rows, received once (`receive()` -> each window's KeyedTensor) by
+    whichever asks first: a sharded module's forward (`output(i)`, what the pipeline stages)
+    or the pipeline after the model's forward and backward (`embeddings()`)."""
+
+    def __init__(self, receive: Callable[[], list]):
+        self._receive = receive
+        self._embeddings: Optional[list] = None
+
+    def embeddings(self) -> list:
+        if self._embeddings is None:
+            self._embeddings = self._receive()
+        return self._embeddings
+
+    def output(self, i: int):
+        return self.embeddings()[i]

@@ -343,6 +343,8 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         step's output (`stage_output`): then that output, for the same batch size."""
         if self.parts.staged_outputs:
             output = self.parts.staged_outputs.popleft()
+            if callable(output):
+                output = output()
             features = input[0] if input else kwargs.get("features")
             if isinstance(features, KeyedJaggedTensor) and \
                     features.stride() != output.values().shape[0]:

@@ -8,7 +8,7 @@ rather than spread over private attributes set in another file.
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -104,4 +104,5 @@ class ShardedParts:
     replicas: Optional[ReplicaSync]
     embedding_names: List[str]
     embedding_dims: List[int]
-    staged_outputs: Deque[KeyedTensor] = field(default_factory=deque)
+    staged_outputs: Deque[Union[KeyedTensor, Callable[[], KeyedTensor]]] = field(
+        default_factory=deque)

@@ -14,7 +14,7 @@ sharded_embedding_bag.py) composes these steps for one batch; recxla's pipeline
     output_message     what this rank receives in one exchange (a micro-batch)
     start_output       the owner's rows to the ranks whose samples they are
     assemble_output    the received rows as this rank's KeyedTensor
-    stage_output       the next forward returns that KeyedTensor
+    stage_output       the next forward returns that KeyedTensor (or calls for it)
     start_gradient     the gradient of those embeddings back to their owners
     fused_optimizer    count_step() and step_count around the lookup's backward
 
@@ -26,7 +26,7 @@ batch's rows that this batch's update leaves as they are, sent before it.
 The steps read the module's parts (`module.parts`, sharded_parts.py) and nothing else of it.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -83,10 +83,12 @@ class ShardedSteps:
         return input_lengths[self.parts.output.mean_slots].t().to(torch.float32).clamp(min=1.0) \
             .contiguous().to(self.parts.device, non_blocking=True)
 
-    def stage_output(self, output: KeyedTensor) -> None:
+    def stage_output(self, output: Union[KeyedTensor, Callable[[], KeyedTensor]]) -> None:
         """The next forward returns `output` (assemble_output's KeyedTensor for the
         micro-batch the model passes; data-parallel tables are merged in there) instead of
-        running the input dist, lookup and output dist (recxla.pipeline's FWP)."""
+        running the input dist, lookup and output dist (recxla.pipeline's FWP). A callable is
+        called by that forward for the KeyedTensor: the pipeline waits for the rows only when
+        the model asks for them."""
         self.parts.staged_outputs.append(output)
 
     # ------------------------------------------------------------------ lookup
