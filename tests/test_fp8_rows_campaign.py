@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from bench.gpu_campaign import fp8_rows as campaign
+from bench.gpu_campaign.timing import DEVICE_COPY
 from recxla.ops.gpu_variants import variants
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -22,14 +23,14 @@ def test_dry_run_rows_and_choices():
             group = campaign._group(op, n, dim, dtype, fmt)
             mine = {r["provider"]: r for r in rows if r["group"] == group}
             expected = {f"cuda:{v}" for v in variants(family)} | {
-                "triton", campaign.PLAIN, campaign.COPY}
+                "triton", campaign.PLAIN, DEVICE_COPY}
             assert set(mine) == expected, (group, sorted(mine))
             for name, r in mine.items():
                 assert r["median_us"] > 0 and r["bytes"] == n * dim * 4 + n * (dim + 4)
                 assert r["check"] == ("exact" if name.startswith(("cuda:", "triton")) else
-                                      "baseline" if name == campaign.COPY else r["check"])
+                                      "baseline" if name == DEVICE_COPY else r["check"])
             assert mine[campaign.PLAIN]["check"].startswith("close")
-            assert all("of_copy" in r for r in mine.values())
+            assert all("of_copy" in r and r["back_to_back_us"] > 0 for r in mine.values())
     families = {c["family"]: c for c in result["choices"]}
     assert set(families) == set(campaign.FAMILIES.values())
     for family, choice in families.items():
