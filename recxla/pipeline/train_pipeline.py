@@ -42,10 +42,11 @@ to the order of float additions: same weights read, same gradients summed, one u
 What a model needs for this: it calls each recxla-sharded module once per forward, on the
 micro-batch's sparse features (TorchRec's DLRM and DLRM_DCN do: any order of dense and sparse
 arches works, because the rows of micro-batch k are already in flight before its forward
-starts; what runs before the first sharded module overlaps them), its forward returns (loss, output) with the loss a mean over the micro-batch's
-samples (DLRMTrain does), and no layer mixes samples across the batch (no batch norm): each
-micro-batch's gradient must be its samples' part of the whole batch's. The model is never
-traced or rewritten: Python control flow and torch.compile'd parts are fine.
+starts; what runs before the first sharded module overlaps them), its forward returns (loss,
+output) with the loss a mean over the micro-batch's samples (DLRMTrain does), and no layer
+mixes samples across the batch (no batch norm): each micro-batch's gradient must be its
+samples' part of the whole batch's. The model is never traced or rewritten: Python control
+flow and torch.compile'd parts are fine.
 
 The user's loop is TorchRec's (docs/pipeline.md): progress(it) until StopIteration, a new
 iterator for the next epoch; a model in eval mode gets forward only (no backward, no update);
