@@ -231,7 +231,7 @@ def _permute_segments(sizes: torch.Tensor, values: torch.Tensor,
     """values (and weights alike) lie in segments of the lengths `sizes` (int64 [world, groups,
     micro-batches], row-major): -> the same segments in (group, micro-batch, world) order.
 
-    On CPU, FBGEMM's permute_2D_sparse_data copies each segment whole: about 7x faster than a
+    On CPU, FBGEMM's permute_2D_sparse_data copies each segment whole: about 6x faster than a
     gather index over every value. A GPU may have FBGEMM's CPU-only build (docs/gpu.md), so
     other devices take the gather (`segment_gather`, a few torch ops)."""
     if values.device.type != "cpu":
