@@ -258,7 +258,8 @@ def _kernel_tables(data: dict) -> List[str]:
              ""]
     for group in dict.fromkeys(r["group"] for r in rows):
         lines += [f"### {group}", "",
-                  "| provider | median | min | GB/s | of copy | back to back | of copy | check |",
+                  "| provider | median | min | GB/s | of copy | back to back | of copy, back to back "
+                  "| check |",
                   "|---|---:|---:|---:|---:|---:|---:|---|"]
         members = [r for r in rows if r["group"] == group]
         copy = next((r.get("back_to_back_us") for r in members

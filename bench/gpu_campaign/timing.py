@@ -96,8 +96,8 @@ def row(group: str, provider: str, timing: Dict[str, float], nbytes: Optional[in
     """One result row. nbytes: bytes read + written by one call; copy_us: the device copy of
     the same bytes (read + written) timed in the same process, for `of_copy`. check: how the
     provider's output compared with the reference before it was timed ("exact" bit for bit,
-    "close" within the stated tolerance, "FAILED: ..." otherwise). The report sets the
-    back-to-back time beside the group's device copy's (`of_copy_back_to_back`)."""
+    "close" within the stated tolerance, "FAILED: ..." otherwise). The back-to-back time is kept as it is; the report sets it
+    against the group's device copy's."""
     out = {"group": group, "provider": provider, "median_us": round(timing["median_us"], 2),
            "min_us": round(timing["min_us"], 2), "check": check}
     if timing.get("back_to_back_us") is not None:

@@ -89,6 +89,11 @@ class PaddedSparseArch(torch.nn.Module):
         return pad_features(self.embedding_bag_collection(features), self._features, self.D)
 
 
+# A run of features side by side in the pooled values and in the output alike, all of one dim:
+# (first output feature, features, dim, first value column).
+FeatureRun = Tuple[int, int, int, int]
+
+
 @torch.fx.wrap  # TorchRec's pipelines trace the model with torch.fx: one opaque call here
 def pad_features(pooled: KeyedTensor, features: List[str], dim: int) -> torch.Tensor:
     """PadFeatures of the pooled values into the output order `features`. The values hold the
@@ -100,17 +105,12 @@ def pad_features(pooled: KeyedTensor, features: List[str], dim: int) -> torch.Te
 
 @functools.lru_cache(maxsize=64)
 def _runs_of(keys: Tuple[str, ...], dims: Tuple[int, ...],
-             features: Tuple[str, ...]) -> List["FeatureRun"]:
+             features: Tuple[str, ...]) -> List[FeatureRun]:
     position = {f: i for i, f in enumerate(features)}
     if sorted(keys) != sorted(features):
         raise ValueError(f"PaddedSparseArch: the pooled KeyedTensor's keys {list(keys)} are "
                          f"not the collection's features {list(features)}")
     return feature_runs(keys, dims, position)
-
-
-# A run of features side by side in the pooled values and in the output alike, all of one dim:
-# (first output feature, features, dim, first value column).
-FeatureRun = Tuple[int, int, int, int]
 
 
 def feature_runs(keys: Sequence[str], dims: Sequence[int],
