@@ -21,6 +21,7 @@ const std::map<std::string, std::vector<std::string>>& families() {
       {"fp8_dequantize", {"warp_per_row", "vector_warp_per_row", "vector_rows_per_warp"}},
       {"dedup", {"segmented_sort", "packed_radix_sort"}},
       {"cluster", {"passes", "fused"}},
+      {"embedding_update", {"warp_per_row", "batched_ids"}},
   };
   return table;
 }

@@ -62,9 +62,10 @@ def make_tables(mean=False, shared=True):
     return tables
 
 
-def op_inputs(dtype=torch.int64, weighted=False, batch=7, exponent=1.05):
-    """Random op arguments whose features are not in table order (feature_table [0, 2, 1, 0])."""
-    dims_rows = [(40, 8), (7, 17), (500, 1)]
+def op_inputs(dtype=torch.int64, weighted=False, batch=7, exponent=1.05,
+              dims_rows=((40, 8), (7, 17), (500, 1))):
+    """Random op arguments whose features are not in table order (feature_table [0, 2, 1, 0]);
+    dims_rows: the three tables' (rows, dim)."""
     weights = [torch.randn(rows, dim) for rows, dim in dims_rows]
     feature_table, pooling = [0, 2, 1, 0], [ops.SUM, ops.MEAN, ops.SUM]
     lengths = torch.randint(0, 4, (len(feature_table) * batch,))

@@ -10,19 +10,15 @@ With a GPU: every variant of both families against the reference, the fallback c
 """
 
 import ctypes
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
 
+import cpu_harness
 import recxla
 from fp8_rows_cases import DTYPES, FP8, assert_same_values, random_rows, with_specials
 from recxla.reference.fp8_rows import dequantize_rows_ref, quantize_rows_ref
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HARNESS = os.path.join(ROOT, "tests", "fp8_rows_vector_harness.cpp")
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FMT_CODE = {"e4m3": 0, "e5m2": 1}
 # recxla::fp8::vec::Kernel and Fallback.
@@ -38,16 +34,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    compiler = shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        pytest.fail("no C++ compiler on PATH: the extension itself needs one to build")
-    library = str(tmp_path_factory.mktemp("fp8_vector") / "harness.so")
-    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
-    # The extension's own CPU flags where they matter for the math: C++20, no FMA contraction.
-    subprocess.run([compiler, "-std=c++20", "-O2", "-ffp-contract=off", "-shared", "-fPIC",
-                    "-I", os.path.join(ROOT, "csrc", "include"), "-I", torch_include,
-                    HARNESS, "-o", library], check=True, capture_output=True, text=True)
-    lib = ctypes.CDLL(library)
+    lib = cpu_harness.build("fp8_rows_vector_harness.cpp", tmp_path_factory.mktemp("fp8_vector"))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.plan_quantize.argtypes = [i32, i64, i32, ctypes.c_uint64, i64, ctypes.c_uint64,
                                   ctypes.POINTER(i32), ctypes.POINTER(i32)]

@@ -202,6 +202,11 @@ def test_campaign_dry_run(tmp_path):
     families = {r["group"].split()[0] for r in kernels["rows"]}
     assert {"fp8_quantize", "fp8_dequantize", "dedup", "cluster", "embedding-bag"} <= families
     assert not [r for r in kernels["rows"] if r["check"].startswith("FAILED")]
+    from recxla.ops import gpu_variants
+
+    assert {"dedup", "cluster", "embedding_update"} <= {c["family"] for c in kernels["choices"]}
+    assert {f"recxla-cuda:{v}" for v in gpu_variants.variants("embedding_update")} <= {
+        r["provider"] for r in kernels["rows"] if r["group"].startswith("embedding-bag")}
     trainer = run["stages"]["trainer"]["data"]
     assert max(trainer["relative_differences"].values()) <= 1e-4
     text = (out / "gpu.md").read_text()

@@ -13,7 +13,7 @@ CAPABILITIES = (70, 80, 86, 89, 90, 100, 120)
 
 def test_every_family_has_variants_and_a_valid_choice():
     families = gpu_variants.families()
-    assert {"fp8_quantize", "fp8_dequantize", "dedup", "cluster"} <= set(families)
+    assert {"fp8_quantize", "fp8_dequantize", "dedup", "cluster", "embedding_update"} <= set(families)
     for family in families:
         names = gpu_variants.variants(family)
         assert len(names) >= 2 and len(set(names)) == len(names), family

@@ -4,9 +4,12 @@
 // the row's columns, so every row load is coalesced, and the bag's sum lives in the warp's slice
 // of shared memory until it is written once.
 // Backward: the ids are grouped by unique row with ATen ops on the current stream (a stable
-// argsort of `inverse`, a bincount and a scan), then one warp per unique row sums its ids'
-// output gradients (in id order: deterministic) into shared memory and updates the row and its
-// optimizer state in place. A row belongs to one warp, so no atomics are needed; row-wise Adagrad
+// argsort of `inverse`, a count and a scan), then one warp per unique row sums its ids'
+// output gradients (in id order: deterministic) and updates the row and its optimizer state in
+// place: in shared memory one id at a time (variant `warp_per_row`), or in registers with the
+// ids read 32 at a time and several gradient rows in flight (`batched_ids`,
+// recxla/embedding_update_lanes.h); the family "embedding_update" of recxla/gpu_variants.h picks
+// one per architecture, and both give the same bits. A row belongs to one warp, so no atomics are needed; row-wise Adagrad
 // reduces the row's squares with warp shuffles.
 //
 // The per-element math is recxla/embedding_bag.h, shared with the CPU kernel. Shape and dtype
@@ -29,6 +32,8 @@
 
 #include "recxla/embedding_bag.h"
 #include "recxla/embedding_bag_checks.h"
+#include "recxla/embedding_update_lanes.h"
+#include "recxla/gpu_variants.h"
 
 namespace recxla {
 namespace {
@@ -41,6 +46,9 @@ constexpr int kWarp = 32;
 constexpr int kWarpsPerBlock = 4;
 constexpr int kThreads = kWarp * kWarpsPerBlock;
 constexpr int64_t kMaxSharedBytes = 48 * 1024;
+// The index of "batched_ids" among the family "embedding_update"'s variants
+// (csrc/gpu_variants.cpp); every other index runs "warp_per_row".
+constexpr int kBatchedIds = 1;
 
 // Per-call metadata, one int64 array on the device:
 //   [feature_table F][feature_column F][table_dim T][pooling T][weights T][states T][grad_out T]
@@ -198,6 +206,67 @@ __global__ void update_kernel(
   }
 }
 
+// The `batched_ids` variant of update_kernel (recxla/embedding_update_lanes.h says why): the same
+// rows, sums and updates, with the ids' offsets and scales read 32 at a time and kAhead gradient
+// rows in flight per lane. Needs every table's dim <= lanes::kWarp * lanes::kMaxPerLane.
+template <typename index_t>
+__global__ void update_kernel_batched_ids(
+    Meta m, const index_t* __restrict__ rows, const int64_t* __restrict__ start,
+    const int64_t* __restrict__ grad_offset, const float* __restrict__ scale,
+    const float* __restrict__ grad, const int64_t* __restrict__ optim,
+    const float* __restrict__ hparams, int64_t num_unique) {
+  namespace ln = emb::lanes;
+  static_assert(ln::kWarp == kWarp, "the lane code's warp is the launch's");
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; u < num_unique;
+       u += warps) {
+    int64_t t = 0;  // the table whose segment holds u (few tables: a linear scan)
+    while (t + 1 < m.num_tables && m.unique_offsets[t + 1] <= u) ++t;
+    const auto kind = static_cast<Optim>(optim[t]);
+    float* grad_out = reinterpret_cast<float*>(m.grad_out[t]);
+    if (kind == Optim::None && grad_out == nullptr) continue;
+    const int64_t dim = m.table_dim[t];
+    ln::RowGradLane sum;
+    sum.zero();
+    const int64_t first = start[u], last = start[u + 1];
+    for (int64_t base = first; base < last; base += kWarp) {
+      const int n = static_cast<int>(last - base < kWarp ? last - base : kWarp);
+      const int64_t my_offset = lane < n ? grad_offset[base + lane] : 0;
+      const float my_scale = lane < n ? scale[base + lane] : 0.0f;
+      for (int j = 0; j < n; j += ln::kAhead) {
+        const float* src[ln::kAhead];
+        float s[ln::kAhead];
+#pragma unroll
+        for (int q = 0; q < ln::kAhead; ++q) {
+          // Every lane takes part in every shuffle; lanes past n hold offset 0 and scale 0.
+          const int from = j + q < n ? j + q : 0;
+          src[q] = grad + __shfl_sync(0xFFFFFFFFu, my_offset, from);
+          s[q] = __shfl_sync(0xFFFFFFFFu, my_scale, from);
+        }
+        sum.add(src, s, n - j < ln::kAhead ? n - j : ln::kAhead, lane, dim);
+      }
+    }
+    const Hparams h{hparams[4 * t], hparams[4 * t + 1], hparams[4 * t + 2], hparams[4 * t + 3]};
+    const int64_t r = rows[u];
+    float* row = reinterpret_cast<float*>(m.weights[t]) + r * dim;
+    float* state = reinterpret_cast<float*>(m.states[t]);
+    float m_new = 0.0f;
+    if (kind == Optim::RowwiseAdagrad) {
+      float squares = sum.squares(row, h, lane, dim);
+      for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+        squares += __shfl_xor_sync(0xFFFFFFFFu, squares, offset);
+      }
+      m_new = emb::rowwise_accumulator(state[r], squares, dim);
+      __syncwarp();
+      if (lane == 0) state[r] = m_new;
+    }
+    float* grad_row = kind == Optim::None ? grad_out + (u - m.unique_offsets[t]) * dim : nullptr;
+    sum.apply(kind, h, row, state, r, grad_row, m_new, lane, dim);
+    __syncwarp();
+  }
+}
+
 int64_t shared_dim(const char* op, const Layout& l) {
   const int64_t dim = max_dim(l);
   TORCH_CHECK_VALUE(dim * kWarpsPerBlock * static_cast<int64_t>(sizeof(float)) <= kMaxSharedBytes,
@@ -318,6 +387,21 @@ void run_update(
   const at::Tensor hp_d = upload(hp, at::kFloat, dev);
   const at::Tensor rows = unique_values.contiguous(), grad = grad_output.contiguous();
   const auto stream = at::cuda::getCurrentCUDAStream();
+  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
+  const bool batched = gpu_variants::chosen("embedding_update", 10 * props->major + props->minor) ==
+                           kBatchedIds &&
+                       emb::lanes::fits(smem_dim);
+  if (batched) {
+    AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_update_cuda", [&] {
+      update_kernel_batched_ids<index_t><<<blocks_for(l.num_unique), kThreads, 0, stream>>>(
+          meta.meta, rows.const_data_ptr<index_t>(), start.const_data_ptr<int64_t>(),
+          grad_offset.const_data_ptr<int64_t>(), scale.const_data_ptr<float>(),
+          grad.const_data_ptr<float>(), optim_d.const_data_ptr<int64_t>(),
+          hp_d.const_data_ptr<float>(), l.num_unique);
+    });
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   const size_t smem = smem_dim * kWarpsPerBlock * sizeof(float);
   AT_DISPATCH_INDEX_TYPES(rows.scalar_type(), "embedding_bag_update_cuda", [&] {
     update_kernel<index_t><<<blocks_for(l.num_unique), kThreads, smem, stream>>>(
