@@ -244,11 +244,13 @@ class OutputDist:
     def receive_layout(self, batch: int, bags: Optional[RowBags], k: int = 0) -> Message:
         """What this rank receives in exchange k (its `batch` samples of that micro-batch)."""
         pooled, rows, offset = [], [], 0
+        # One read of the host counts, not a tensor index and an int() per row group.
+        counts = bags.counts[:, k].tolist() if bags is not None else None
         for owner in range(self.layout.world_size):
             pooled.append((offset, self.owner_dims[owner]))
             offset += batch * self.owner_dims[owner]
             for g in range(self.group_base[owner], self.group_base[owner + 1]):
-                count = int(bags.counts[g, k]) if bags is not None else 0
+                count = counts[g] if counts is not None else 0
                 rows.append((offset, g, count, self.group_cols[g]))
                 offset += count * self.group_cols[g]
         return Message(batch, pooled, rows, offset, bags, k)
