@@ -154,6 +154,21 @@ __global__ void forward_kernel(
   }
 }
 
+// What a warp of the fused update needs to know about unique row u's table.
+struct RowTable {
+  int64_t t;
+  Optim kind;
+  float* grad_out;  // Optim::None: the table's gradient output (nullptr: nothing to do)
+  int64_t dim;
+};
+
+__device__ __forceinline__ RowTable row_table(const Meta& m, const int64_t* optim, int64_t u) {
+  int64_t t = 0;  // the table whose segment holds u (few tables: a linear scan)
+  while (t + 1 < m.num_tables && m.unique_offsets[t + 1] <= u) ++t;
+  return RowTable{t, static_cast<Optim>(optim[t]), reinterpret_cast<float*>(m.grad_out[t]),
+                  m.table_dim[t]};
+}
+
 template <typename index_t>
 __global__ void update_kernel(
     Meta m, const index_t* __restrict__ rows, const int64_t* __restrict__ start,
@@ -166,12 +181,11 @@ __global__ void update_kernel(
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; u < num_unique;
        u += warps) {
-    int64_t t = 0;  // the table whose segment holds u (few tables: a linear scan)
-    while (t + 1 < m.num_tables && m.unique_offsets[t + 1] <= u) ++t;
-    const auto kind = static_cast<Optim>(optim[t]);
-    float* grad_out = reinterpret_cast<float*>(m.grad_out[t]);
-    if (kind == Optim::None && grad_out == nullptr) continue;
-    const int64_t dim = m.table_dim[t];
+    const RowTable rt = row_table(m, optim, u);
+    if (rt.kind == Optim::None && rt.grad_out == nullptr) continue;
+    const int64_t t = rt.t, dim = rt.dim;
+    const Optim kind = rt.kind;
+    float* grad_out = rt.grad_out;
     for (int64_t d = lane; d < dim; d += kWarp) g[d] = 0.0f;
     for (int64_t e = start[u]; e < start[u + 1]; ++e) {
       const float* src = grad + grad_offset[e];
@@ -221,12 +235,8 @@ __global__ void update_kernel_batched_ids(
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
   for (int64_t u = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp; u < num_unique;
        u += warps) {
-    int64_t t = 0;  // the table whose segment holds u (few tables: a linear scan)
-    while (t + 1 < m.num_tables && m.unique_offsets[t + 1] <= u) ++t;
-    const auto kind = static_cast<Optim>(optim[t]);
-    float* grad_out = reinterpret_cast<float*>(m.grad_out[t]);
+    const auto [t, kind, grad_out, dim] = row_table(m, optim, u);
     if (kind == Optim::None && grad_out == nullptr) continue;
-    const int64_t dim = m.table_dim[t];
     ln::RowGradLane sum;
     sum.zero();
     const int64_t first = start[u], last = start[u + 1];
