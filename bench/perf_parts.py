@@ -10,11 +10,12 @@ gloo's threads, libc) by its thread, library and symbol.
 Each run is `torchrun --standalone --nproc-per-node RANKS -m recxla.train --threads 1 --steps
 STEPS` with the run's options, over loopback; after --settle seconds (the ranks' setup) `perf
 record -a -g` samples the whole machine for --seconds while they train, so nothing else should
-run, and the run must outlast the sample (else an error says to give it more steps). The parts' shares of the busy samples are scaled to the trainer's own CPU per example (all
-ranks, all threads), and the table (markdown) gives each run's parts in microseconds of CPU an
-example and its total above the run labelled `dense floor`, if any. Needs `perf` (Linux perf
-events, as root or with kernel.perf_event_paranoid <= -1); bench/results/training.md has a
-table made with it.
+run, and the run must outlast the sample (else an error says to give it more steps). The parts'
+shares of the busy samples are scaled to the trainer's own CPU per example (all ranks, all
+threads), and the table (markdown) gives each run's parts in microseconds of CPU an example and
+its total above the run labelled `dense floor`, if any. Needs `perf` (Linux perf events, as
+root or with kernel.perf_event_paranoid <= -1); bench/results/training.md has a table made with
+it.
 """
 
 import argparse

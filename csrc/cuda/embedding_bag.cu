@@ -9,8 +9,8 @@
 // place: in shared memory one id at a time (variant `warp_per_row`), or in registers with the
 // ids read 32 at a time and several gradient rows in flight (`batched_ids`,
 // recxla/embedding_update_lanes.h); the family "embedding_update" of recxla/gpu_variants.h picks
-// one per architecture, and both give the same bits. A row belongs to one warp, so no atomics are needed; row-wise Adagrad
-// reduces the row's squares with warp shuffles.
+// one per architecture, and both give the same bits. A row belongs to one warp, so no atomics
+// are needed; row-wise Adagrad reduces the row's squares with warp shuffles.
 //
 // The per-element math is recxla/embedding_bag.h, shared with the CPU kernel. Shape and dtype
 // checks are the host-side ones of the CPU kernel (recxla/embedding_bag_checks.h). The data
