@@ -52,6 +52,8 @@ def part_of(thread: str, library: str, symbol: str) -> str:
         return IDLE
     if "gloo" in thread:
         return PARTS[5]
+    if thread != "python":  # e.g. torchrun's agent (pt_elastic): not the ranks' work
+        return PARTS[6]
     if "mkl" in symbol:
         return PARTS[0]
     if "fbgemm" in library:

@@ -29,6 +29,7 @@ SAMPLES = [
     ("python", "_C.abi3.so", "recxla::emb_cpu::run_part_i64", pp.PARTS[4]),
     ("python", "libc.so.6", "_int_malloc", pp.PARTS[6]),
     ("python", "[kernel.kallsyms]", "do_syscall_64", pp.PARTS[6]),
+    ("pt_elastic", "libpython3.11.so.1.0", "_PyEval_EvalFrameDefault", pp.PARTS[6]),
 ]
 
 
