@@ -53,7 +53,9 @@ from typing import Callable, Dict, List
 
 import torch
 
-from bench.gpu_campaign.timing import Guard, choice, failed_row, row, time_calls
+from bench.gpu_campaign.timing import (
+    Guard, choice, failed_row, least_summed_median, medians_by_group, row, time_calls,
+)
 from bench.gpu_campaign.timing import backend as backend_env
 
 FAMILY = "cluster"
@@ -314,24 +316,17 @@ def run(device: str, dry_run: bool) -> dict:
 def _choices(rows: List[dict], variants: List[str], device: str, dry_run: bool, began: float):
     """The variant with the least summed median over the M groups (timed and passed in each)."""
     groups = sorted({r["group"] for r in rows}, key=lambda g: int(g.rsplit("=", 1)[1]))
-
-    def medians(provider):
-        return {r["group"]: r["median_us"] for r in rows
-                if r["provider"] == provider and r["median_us"] is not None}
-
-    totals = {v: sum(medians(f"cuda:{v}").values()) for v in variants
-              if len(medians(f"cuda:{v}")) == len(groups) and groups}
-    if not totals:
+    winner = least_summed_median(rows, variants, groups)
+    if winner is None:
         return []
-    winner = min(totals, key=totals.get)
 
     def figures(provider):
-        got = medians(provider)
+        got = medians_by_group(rows, provider)
         return " / ".join(f"{got[g]:.0f}" if g in got else "n/a" for g in groups) + " us"
 
     ms = " / ".join(g.rsplit("=", 1)[1] for g in groups)
     others = "; ".join(f"{v} {figures('cuda:' + v)}" for v in variants if v != winner)
-    best = min(medians(f"cuda:{winner}").values())
+    best = min(medians_by_group(rows, f"cuda:{winner}").values())
     why = (f"{winner} took {figures('cuda:' + winner)} per call (M = {ms}) "
            f"against {others or 'no other variant'}; the C++ CPU kernel on one thread "
            f"{figures(CPU_KERNEL)}; target <= 500 us {'met' if best <= 500 else 'missed'} at "

@@ -55,7 +55,8 @@ import torch
 
 from bench.bench_dedup import criteo_batch, torch_unique_combined
 from bench.gpu_campaign.timing import (
-    DEVICE_COPY, Guard, backend, choice, copy_fn, failed_row, rotation_count, row, time_calls,
+    DEVICE_COPY, Guard, backend, choice, copy_fn, failed_row, least_summed_median,
+    medians_by_group, rotation_count, row, time_calls,
 )
 from recxla.reference.dedup import segmented_unique_ref
 
@@ -340,22 +341,12 @@ def _choices(rows, variants, device, dry_run, began) -> list:
     passed and been timed in each)."""
     headline = [r for r in rows if r["group"].endswith("int64")]
     groups = sorted({r["group"] for r in headline})
-
-    def medians(provider):
-        return {r["group"]: r["median_us"] for r in headline
-                if r["provider"] == provider and r["median_us"] is not None}
-
-    totals = {}
-    for v in variants:
-        got = medians(f"cuda:{v}")
-        if groups and len(got) == len(groups):
-            totals[v] = sum(got.values())
-    if not totals:
+    winner = least_summed_median(headline, variants, groups)
+    if winner is None:
         return []
-    winner = min(totals, key=totals.get)
 
     def figures(provider):
-        got = medians(provider)
+        got = medians_by_group(headline, provider)
         return " / ".join(f"{got[g]:.1f}" if g in got else "n/a" for g in groups) + " us"
 
     names = " / ".join(g.split(", ")[-1] for g in groups)

@@ -31,7 +31,8 @@ from typing import Dict, List, Optional
 import torch
 
 from bench.gpu_campaign.timing import (
-    DEVICE_COPY, Guard, backend, choice, copy_fn, failed_row, row, time_calls,
+    DEVICE_COPY, Guard, backend, choice, copy_fn, failed_row, least_summed_median,
+    medians_by_group, row, time_calls,
 )
 
 FAMILY = "embedding_update"
@@ -133,21 +134,19 @@ def _choices(rows: List[dict], device: str, dry_run: bool, began: float) -> list
     must have passed and been timed in each)."""
     from recxla.ops import gpu_variants
 
+    variants = gpu_variants.variants(FAMILY)
     groups = sorted({r["group"] for r in rows})
-    totals, figures = {}, {}
-    for variant in gpu_variants.variants(FAMILY):
-        got = {r["group"]: r["median_us"] for r in rows
-               if r["provider"] == f"recxla-cuda:{variant}" and r.get("median_us") is not None}
-        figures[variant] = " / ".join(f"{got[g] / 1e3:.2f}" if g in got else "n/a"
-                                      for g in groups) + " ms"
-        if groups and len(got) == len(groups):
-            totals[variant] = sum(got.values())
-    if not totals:
+    winner = least_summed_median(rows, variants, groups, prefix="recxla-cuda:")
+    if winner is None:
         return []
-    winner = min(totals, key=totals.get)
+
+    def figures(variant):
+        got = medians_by_group(rows, f"recxla-cuda:{variant}")
+        return " / ".join(f"{got[g] / 1e3:.2f}" if g in got else "n/a" for g in groups) + " ms"
+
     names = " / ".join(g.split(", ")[-1] for g in groups)
-    others = "; ".join(f"{v} {figures[v]}" for v in figures if v != winner)
-    why = (f"{winner} took {figures[winner]} a step ({names}, median) against "
+    others = "; ".join(f"{v} {figures(v)}" for v in variants if v != winner)
+    why = (f"{winner} took {figures(winner)} a step ({names}, median) against "
            f"{others or 'no other variant'}")
     return [choice(FAMILY, winner, why, device, dry_run, began)]
 

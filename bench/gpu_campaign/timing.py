@@ -171,6 +171,25 @@ class Guard:
             return None, f"FAILED: {text}"
 
 
+def medians_by_group(rows: List[dict], provider: str) -> Dict[str, float]:
+    """`provider`'s median (us) in each group of `rows` where it was timed."""
+    return {r["group"]: r["median_us"] for r in rows
+            if r["provider"] == provider and r.get("median_us") is not None}
+
+
+def least_summed_median(rows: List[dict], variants: Sequence[str], groups: Sequence[str],
+                        prefix: str = "cuda:") -> Optional[str]:
+    """The variant (provider `prefix` + name) with the least sum of its medians over `groups`,
+    among those timed in every one of them (a variant whose check failed has no median); the
+    earlier variant on a tie; None when none was."""
+    totals = {}
+    for v in variants:
+        got = medians_by_group(rows, prefix + v)
+        if groups and all(g in got for g in groups):
+            totals[v] = sum(got[g] for g in groups)
+    return min(totals, key=totals.get) if totals else None
+
+
 DRY_RUN_NOTE = "dry run on CPU (the CPU op stood in for every variant; not a measurement): "
 
 

@@ -19,6 +19,12 @@
 
 #include "recxla/embedding_bag.h"
 
+#if defined(__CUDACC__)
+#define RECXLA_LANES_UNROLL _Pragma("unroll")
+#else
+#define RECXLA_LANES_UNROLL
+#endif
+
 namespace recxla {
 namespace emb {
 namespace lanes {
@@ -46,9 +52,7 @@ struct RowGradLane {
   float g[kMaxPerLane];
 
   RECXLA_EB_HD void zero() {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+    RECXLA_LANES_UNROLL
     for (int c = 0; c < kMaxPerLane; ++c) g[c] = 0.0f;
   }
 
@@ -57,26 +61,18 @@ struct RowGradLane {
   RECXLA_EB_HD void add(const float* const* src, const float* scale, int count, int lane,
                         int64_t dim) {
     float v[kAhead][kMaxPerLane];
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+    RECXLA_LANES_UNROLL
     for (int q = 0; q < kAhead; ++q) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+      RECXLA_LANES_UNROLL
       for (int c = 0; c < kMaxPerLane; ++c) {
         const int64_t d = lane + static_cast<int64_t>(kWarp) * c;
         v[q][c] = q < count && d < dim ? load_readonly(src[q] + d) : 0.0f;
       }
     }
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+    RECXLA_LANES_UNROLL
     for (int q = 0; q < kAhead; ++q) {
       if (q < count) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+        RECXLA_LANES_UNROLL
         for (int c = 0; c < kMaxPerLane; ++c) g[c] = g[c] + scale[q] * v[q][c];
       }
     }
@@ -86,9 +82,7 @@ struct RowGradLane {
   // warp_per_row's lane loop); the warp then sums the lanes by the xor tree.
   RECXLA_EB_HD float squares(const float* row, const Hparams& h, int lane, int64_t dim) const {
     float s = 0.0f;
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+    RECXLA_LANES_UNROLL
     for (int c = 0; c < kMaxPerLane; ++c) {
       const int64_t d = lane + static_cast<int64_t>(kWarp) * c;
       if (d < dim) s += rowwise_square(g[c], row[d], h);
@@ -97,15 +91,13 @@ struct RowGradLane {
   }
 
   // The row's update with this lane's columns (or its gradient into grad_row for Optim::None).
-  // row_squares: the warp's sum of squares (RowwiseAdagrad only); state: the table's optimizer
-  // state, r the row.
+  // m_new: the row's new row-wise Adagrad accumulator (RowwiseAdagrad only); state: the table's
+  // optimizer state, r the row.
   RECXLA_EB_HD void apply(Optim kind, const Hparams& h, float* row, float* state, int64_t r,
                           float* grad_row, float m_new, int lane, int64_t dim) const {
     const float mult = kind == Optim::RowwiseAdagrad ? rowwise_multiplier(m_new, h) : 0.0f;
     const float corr = kind == Optim::RowwiseAdagrad ? rowwise_correction(mult, h) : 0.0f;
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
+    RECXLA_LANES_UNROLL
     for (int c = 0; c < kMaxPerLane; ++c) {
       const int64_t d = lane + static_cast<int64_t>(kWarp) * c;
       if (d >= dim) continue;
