@@ -39,6 +39,7 @@ PARTS = [
     "gloo's threads (TCP)",
     "libc (malloc, memcpy) and the rest",
 ]
+GEMM, ATEN, DISPATCH, FBGEMM, RECXLA, GLOO, REST = PARTS
 IDLE = "idle"
 FLOOR = "dense floor"
 # ATen's kernels by their symbols: the loops of TensorIterator and the named native kernels.
@@ -51,20 +52,20 @@ def part_of(thread: str, library: str, symbol: str) -> str:
     if thread == "swapper":
         return IDLE
     if "gloo" in thread:
-        return PARTS[5]
+        return GLOO
     if thread != "python":  # e.g. torchrun's agent (pt_elastic): not the ranks' work
-        return PARTS[6]
+        return REST
     if "mkl" in symbol:
-        return PARTS[0]
+        return GEMM
     if "fbgemm" in library:
-        return PARTS[3]
-    if library.startswith("_C.") and thread == "python":
-        return PARTS[4]
+        return FBGEMM
+    if library.startswith("_C."):
+        return RECXLA
     if "libpython" in library or "libtorch_python" in library or library.startswith("libc10."):
-        return PARTS[2]
+        return DISPATCH
     if library.startswith("libtorch_cpu"):
-        return PARTS[1] if _ATEN_KERNEL.search(symbol) else PARTS[2]
-    return PARTS[6]
+        return ATEN if _ATEN_KERNEL.search(symbol) else DISPATCH
+    return REST
 
 
 def parts_of_report(report: str) -> Dict[str, float]:

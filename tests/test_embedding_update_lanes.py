@@ -77,12 +77,13 @@ def replay(lib, a, grad, optim, hparams, weights, states, grad_out):
     signs = [hparams[4 * t + 3] for t in range(tables)]
     start, grad_offset, scale = ids_by_row(a, signs)
     rows = a["unique_values"].to(torch.int64).contiguous()
-    keep = (rows, start, grad_offset, scale, grad,
-            a["unique_offsets"], torch.tensor([w.shape[1] for w in weights]),
-            torch.tensor([optim] * tables), torch.tensor(hparams, dtype=torch.float32))
+    unique_offsets = a["unique_offsets"].contiguous()
+    dims = torch.tensor([w.shape[1] for w in weights])
+    kinds = torch.tensor([optim] * tables)
+    hp = torch.tensor(hparams, dtype=torch.float32)
     lib.replay_update(rows.numel(), rows.data_ptr(), start.data_ptr(), grad_offset.data_ptr(),
-                      scale.data_ptr(), grad.data_ptr(), tables, keep[5].data_ptr(),
-                      keep[6].data_ptr(), keep[7].data_ptr(), keep[8].data_ptr(),
+                      scale.data_ptr(), grad.data_ptr(), tables, unique_offsets.data_ptr(),
+                      dims.data_ptr(), kinds.data_ptr(), hp.data_ptr(),
                       pointers(weights), pointers(states), pointers(grad_out))
 
 
