@@ -4,6 +4,8 @@
     python -m bench.profile_train --schedule fwp-dbp-m2 -- --threads 1   # trainer options after --
     python -m bench.profile_train --ranks 4 -- --threads 1 --sparse-optimizer sgd
 
+    python -m bench.profile_train --ranks 4 --calls-by-line -- --dense-allreduce powersgd
+
 Runs `recxla-train` in this process as a job of one rank (no communication leaves the process),
 the trainer's default model and options plus the schedule's flags, and profiles the steps after
 warm-up (record_shapes off). With --ranks N it runs N processes over loopback and profiles rank
@@ -11,6 +13,12 @@ warm-up (record_shapes off). With --ranks N it runs N processes over loopback an
 the CPU shares, not the wall time). Prints the top operators and labelled ranges by self CPU time: their
 share of all self CPU time recorded, milliseconds and calls per step. The profiler's own cost
 inflates ops with many small calls; read the shares, not the absolute times.
+
+With --calls-by-line it counts ATen calls instead (a TorchDispatchMode over the same steps on
+rank 0, forward and backward): per step, by the innermost line of Python that made them outside
+torch itself (recxla's, TorchRec's, the model's), the lines with the most calls first. On a CPU
+every such call costs a few microseconds of dispatch whatever its size, and on a GPU it is a
+kernel launch: this says which lines to batch.
 """
 
 import argparse
@@ -18,6 +26,7 @@ import multiprocessing
 import os
 import socket
 import sys
+from collections import Counter
 from typing import List
 
 SCHEDULES = {
@@ -34,10 +43,52 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _CallsByLine:
+    """Counts ATen calls by the innermost caller outside torch's own package while active
+    (start / stop, as torch.profiler.profile): `counts` maps "path:line" (relative to
+    site-packages or to this repository) to calls."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        this_file = os.path.abspath(__file__)
+        counts = self.counts = Counter()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                frame = sys._getframe(1)
+                while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
+                                             or frame.f_code.co_filename == this_file):
+                    frame = frame.f_back
+                where = "(torch only)" if frame is None else \
+                    f"{_short_path(frame.f_code.co_filename)}:{frame.f_lineno}"
+                counts[where] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+
+    def start(self) -> None:
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        self._mode.__exit__(None, None, None)
+
+
+def _short_path(path: str) -> str:
+    """A source path relative to site-packages or to the current directory."""
+    marker = os.sep + "site-packages" + os.sep
+    if marker in path:
+        return path.split(marker, 1)[1]
+    return os.path.relpath(path) if path.startswith(os.getcwd()) else path
+
+
 def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
-                port: int = 0):
+                port: int = 0, calls_by_line: bool = False):
     """Run recxla-train ARGV as rank `rank` of `world` (port: the rendezvous's, 0 for a free
-    one); returns (key averages of the measured steps, steps), profiled on rank 0 only."""
+    one); returns (key averages of the measured steps, or with calls_by_line the Counter of
+    ATen calls by line, steps), profiled on rank 0 only."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -50,7 +101,8 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
     captured = {}
 
     def profiled(pipeline, batches, first, last, meter, progress, on_step_done, log=None):
-        prof = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+        prof = _CallsByLine() if calls_by_line else \
+            profile(activities=[ProfilerActivity.CPU], record_shapes=False)
 
         def step_done(done: int) -> None:
             on_step_done(done)
@@ -62,7 +114,7 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
         finally:
             if rank == 0:
                 prof.stop()
-                captured["averages"] = prof.key_averages()
+                captured["averages"] = prof.counts if calls_by_line else prof.key_averages()
             captured["steps"] = last - first - warmup
 
     stages.run_steps = profiled
@@ -84,6 +136,16 @@ def top_entries(averages, steps: int, n: int) -> List[dict]:
             for e in rows]
 
 
+def top_lines(counts: Counter, steps: int, n: int) -> str:
+    """The n lines with the most ATen calls, as a markdown table of calls per step."""
+    total = sum(counts.values())
+    lines = [f"all ATen calls: {total / steps:.0f} a step", "",
+             "| line | calls / step | share |", "|---|---|---|"]
+    for where, calls in counts.most_common(n):
+        lines.append(f"| `{where}` | {calls / steps:.1f} | {calls / total:.1%} |")
+    return "\n".join(lines)
+
+
 def markdown(entries: List[dict]) -> str:
     lines = ["| op or range | self CPU share | ms / step | calls / step |", "|---|---|---|---|"]
     for e in entries:
@@ -103,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--ranks", type=int, default=1, help="processes over loopback (rank 0 "
                    "profiled)")
+    p.add_argument("--calls-by-line", action="store_true",
+                   help="count ATen calls by the line of Python that made them, not time ops")
     args = p.parse_args(argv)
     train = ["--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--eval-batches",
              "1", "--no-progress", "--label", args.schedule, *SCHEDULES[args.schedule], *extra]
@@ -113,14 +177,15 @@ def main(argv=None) -> int:
               for r in range(1, args.ranks)]
     for process in others:
         process.start()
-    averages, steps = profile_run(train, args.warmup, 0, args.ranks, port)
+    averages, steps = profile_run(train, args.warmup, 0, args.ranks, port, args.calls_by_line)
     for process in others:
         process.join()
     print(f"\nrecxla-train {' '.join(train)} on {args.ranks} rank(s): {steps} steps profiled "
           f"on rank 0; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")
-    print(markdown(top_entries(averages, steps, args.top)))
+    print(top_lines(averages, steps, args.top) if args.calls_by_line else
+          markdown(top_entries(averages, steps, args.top)))
     return 0
 
 
