@@ -57,17 +57,29 @@ MIN_COMPRESSION = 2
 _TAG_Q = 0x51  # the seed stream of the factors' first Q (recxla.data.hashing.mix_scalar)
 
 
-def orthonormalize_columns(matrix: torch.Tensor) -> torch.Tensor:
-    """Gram-Schmidt on the columns of `matrix` [n, r], in place: each column minus its
-    projections on the ones before, divided by its norm (a zero column stays zero). -> matrix.
-    No host synchronization on a GPU."""
-    for k in range(matrix.shape[1]):
-        column = matrix[:, k]
-        for j in range(k):
-            column.sub_(torch.dot(matrix[:, j], column) * matrix[:, j])
-        norm = torch.linalg.vector_norm(column)
-        column.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
-    return matrix
+# A column whose norm is below float32's smallest normal number is divided by that number
+# instead: zero (the only such column in practice) stays zero, without a comparison and a select
+# per matrix.
+_TINY_NORM = torch.finfo(torch.float32).tiny
+
+
+def orthonormalize_columns(matrices: Sequence[torch.Tensor]) -> None:
+    """Gram-Schmidt on the columns of each of `matrices` ([n_i, r_i]), in place: each column
+    minus its projections on the ones before, divided by its norm (a zero column stays zero).
+    The k-th columns of every matrix are normalized together (one norm call and one division
+    call for all of them: a step's factors are a dozen small matrices, and their per-matrix
+    calls were most of PowerSGD's cost); each matrix's result does not depend on the others
+    in the list. No host synchronization on a GPU."""
+    width = max((m.shape[1] for m in matrices), default=0)
+    for k in range(width):
+        having = [m for m in matrices if m.shape[1] > k]
+        columns = having if width == 1 else [m[:, k] for m in having]
+        for matrix, column in zip(having, columns):
+            for j in range(k):
+                column.sub_(torch.dot(matrix[:, j], column) * matrix[:, j])
+        norms = torch._foreach_norm(columns)
+        torch._foreach_clamp_min_(norms, _TINY_NORM)
+        torch._foreach_div_(columns, norms)
 
 
 def _matrix_shape(p: torch.Tensor) -> Tuple[int, int]:
@@ -77,17 +89,23 @@ def _matrix_shape(p: torch.Tensor) -> Tuple[int, int]:
 class PowerSGDAllReduceHandle:
     """One set of gradients on its way: `gather()` (every rank, in the order of the starts)
     completes the first all-reduce and starts the second; `wait()` completes it and writes the
-    averages into the gradients."""
+    averages into the gradients.
+
+    Args (from PowerSGDAllReduce.start): indices and grads of the set, in parameter order;
+    whole: flat views of the gradients that travel whole, in the buffer's order; compressed:
+    (position in the set, parameter index, M_w [n, m]) of each compressed gradient; factors:
+    their P [n, r], views of `buffer`; buffer: float32, the whole gradients then the factors,
+    being summed by `work`."""
 
     def __init__(self, owner: "PowerSGDAllReduce", indices: List[int],
-                 grads: List[torch.Tensor], compressed: List[Tuple[int, torch.Tensor]],
+                 grads: List[torch.Tensor], whole: List[torch.Tensor],
+                 compressed: List[Tuple[int, int, torch.Tensor]], factors: List[torch.Tensor],
                  buffer: torch.Tensor, work):
         self._owner, self._indices, self._grads = owner, indices, grads
-        # (position in the set, M_w viewed [n, m]) of each compressed gradient.
-        self._compressed = compressed
+        self._whole, self._compressed, self._factors = whole, compressed, factors
         self._buffer, self._work = buffer, work
-        self._factors: List[torch.Tensor] = []  # P of each compressed gradient
         self._q_sum: Optional[torch.Tensor] = None
+        self._q_parts: List[torch.Tensor] = []  # each compressed gradient's Q, views of _q_sum
         self._done = False
 
     def gather(self) -> None:
@@ -97,24 +115,20 @@ class PowerSGDAllReduceHandle:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        at = 0
-        compressed = {position for position, _ in self._compressed}
-        for position, g in enumerate(self._grads):
-            if position in compressed:
-                continue
-            g.copy_(self._buffer[at:at + g.numel()].view(g.shape)).div_(owner.world)
-            at += g.numel()
-        q_parts = []
-        for position, matrix in self._compressed:
-            columns = owner.factor_rank[self._indices[position]]
-            p = self._buffer[at:at + matrix.shape[0] * columns].view(matrix.shape[0], columns)
-            at += p.numel()
-            self._factors.append(orthonormalize_columns(p))
-            q_parts.append((matrix.t() @ p).reshape(-1))
-        if not q_parts:
+        if self._whole:
+            sizes = [g.numel() for g in self._whole]
+            averaged = self._buffer[:sum(sizes)].div_(owner.world)
+            torch._foreach_copy_(self._whole, list(torch.split(averaged, sizes)))
+        if not self._compressed:
             self._q_sum = self._buffer.new_empty(0)
             return
-        self._q_sum = torch.cat(q_parts)
+        orthonormalize_columns(self._factors)
+        shapes = [owner.q[i].shape for _, i, _ in self._compressed]
+        self._q_sum = self._buffer.new_empty(sum(m * r for m, r in shapes))
+        self._q_parts = [part.view(shape) for part, shape in zip(
+            torch.split(self._q_sum, [m * r for m, r in shapes]), shapes)]
+        for (_, _, matrix), p, q in zip(self._compressed, self._factors, self._q_parts):
+            torch.mm(matrix.t(), p, out=q)
         self._work = owner.sum_async(self._q_sum)
 
     def wait(self) -> None:
@@ -125,20 +139,23 @@ class PowerSGDAllReduceHandle:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        q_all = self._q_sum.div_(owner.world)
-        at = 0
-        for (position, matrix), p in zip(self._compressed, self._factors):
-            i = self._indices[position]
-            q = q_all[at:at + owner.q[i].numel()].view_as(owner.q[i])
-            at += q.numel()
-            average = p @ q.t()
-            if owner.error_feedback:
-                torch.sub(matrix, average, out=owner.residuals[i].view_as(matrix))
+        self._q_sum.div_(owner.world)
+        for (position, i, matrix), p, q in zip(self._compressed, self._factors, self._q_parts):
             grad = self._grads[position]
-            grad.copy_(average.view(grad.shape))
-            owner.q[i].copy_(q)
-        for i in self._indices:
-            owner.averages[i] += 1
+            if grad.dtype == torch.float32 and grad.is_contiguous():
+                average = torch.mm(p, q.t(), out=grad.view(matrix.shape))
+            else:
+                average = p @ q.t()
+                grad.copy_(average.view(grad.shape))
+            if owner.error_feedback:
+                torch.sub(matrix, average, out=owner.residual_matrices[i])
+        if self._compressed:
+            torch._foreach_copy_([owner.q[i] for _, i, _ in self._compressed], self._q_parts)
+        if len(self._indices) == len(owner.names):
+            owner.averages.add_(1)
+        else:
+            owner.averages.index_add_(0, torch.tensor(self._indices),
+                                      torch.ones(len(self._indices), dtype=torch.int64))
         self._done = True
 
 
@@ -180,10 +197,13 @@ class PowerSGDAllReduce(CompressedAllReduce):
         self.residuals: Dict[int, torch.Tensor] = {}
         self.q: Dict[int, torch.Tensor] = {}
         self.averages = torch.zeros(len(self.names), dtype=torch.int64)
+        # The residuals viewed [n, m], made once (views of the state: a load keeps them).
+        self.residual_matrices: Dict[int, torch.Tensor] = {}
         for i, p in enumerate(self.parameters):
             if self.factor_rank[i]:
                 self.residuals[i] = torch.zeros(p.numel(), dtype=torch.float32,
                                                 device=self.device)
+                self.residual_matrices[i] = self.residuals[i].view(_matrix_shape(p))
                 self.q[i] = self._first_q(i, seed)
         # The buckets of this backward held back by start_bucket: (parameters, gradients).
         self._held: List[Tuple[list, list]] = []
@@ -259,19 +279,35 @@ class PowerSGDAllReduce(CompressedAllReduce):
         order = sorted(range(len(indices)), key=lambda k: indices[k])
         indices = [indices[k] for k in order]
         grads = [grads[k] for k in order]
-        whole, compressed, factors = [], [], []
+        averages = self.averages.tolist()  # one read, not one per parameter
+        whole, compressed = [], []
         for position, (i, g) in enumerate(zip(indices, grads)):
-            if not self.factor_rank[i] or int(self.averages[i]) < self.start_step:
+            if not self.factor_rank[i] or averages[i] < self.start_step:
                 whole.append(g.reshape(-1))
-                continue
-            matrix = g.reshape(_matrix_shape(g)).float()
-            matrix = matrix + self.residuals[i].view_as(matrix) if self.error_feedback \
+            else:
+                compressed.append((position, i, g))
+        orthonormalize_columns([self.q[i] for _, i, _ in compressed])
+        whole_numel = sum(g.numel() for g in whole)
+        factor_sizes = [self.residual_matrices[i].shape[0] * self.factor_rank[i]
+                        for _, i, _ in compressed]
+        buffer = torch.empty(whole_numel + sum(factor_sizes), dtype=torch.float32,
+                             device=self.device)
+        pieces = torch.split(buffer, [whole_numel] + factor_sizes)
+        if whole:
+            torch.cat([g.float() if g.dtype != torch.float32 else g for g in whole],
+                      out=pieces[0])
+        matrices, factors = [], []
+        for (position, i, g), piece in zip(compressed, pieces[1:]):
+            matrix = g.reshape(self.residual_matrices[i].shape)
+            matrix = matrix.float() if matrix.dtype != torch.float32 else matrix
+            matrix = matrix + self.residual_matrices[i] if self.error_feedback \
                 else matrix.clone()
-            compressed.append((position, matrix))
-            factors.append((matrix @ orthonormalize_columns(self.q[i])).reshape(-1))
-        buffer = torch.cat([t.float() for t in whole] + factors)
+            matrices.append((position, i, matrix))
+            factors.append(torch.mm(matrix, self.q[i],
+                                    out=piece.view(matrix.shape[0], self.factor_rank[i])))
         work = self.sum_async(buffer)
-        return PowerSGDAllReduceHandle(self, indices, grads, compressed, buffer, work)
+        return PowerSGDAllReduceHandle(self, indices, grads, whole, matrices, factors, buffer,
+                                       work)
 
     def drop_pending(self) -> None:
         super().drop_pending()
