@@ -106,8 +106,6 @@ def test_files_that_do_not_fit_are_rejected(capsys, tmp_path, seed):
 def test_loader_options_are_checked(capsys, monkeypatch, written):
     path, _ = written
     assert "--loader applies to --data" in _parse_error(capsys, ["--loader", "ray"])
-    assert "--loader-workers applies to --data" in _parse_error(
-        capsys, ["--loader-workers", "2"])
     base = ["--profile", "small", "--batch-size", "64", "--data", path, "--loader", "ray"]
     assert "--loader-workers 0 applies to --loader local" in _parse_error(
         capsys, [*base, "--loader-workers", "0"])

@@ -8,6 +8,9 @@ Synthetic data:
 - `criteo_kaggle_profile`: the default layout, 26 sparse features with the Criteo Kaggle table
   sizes, split into user-side and item-side features (see `recxla.data.profiles`).
 - `embedding_bag_configs`: the matching TorchRec EmbeddingBagConfig tables.
+- `synthetic_batches(dataset, indices, num_workers)` (recxla.data.synthetic_loader): the same
+  batches made ahead by worker processes (the trainer's --loader-workers with the synthetic
+  logs: a GPU rank's host thread then only launches the step).
 
 Pipeline (files, loaders, wire format):
 - `write_parquet(batches, path, sort_by=None, compression="zstd")`: Parquet with CSR (list)

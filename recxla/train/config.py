@@ -286,10 +286,13 @@ class TrainConfig:
         "none with --profile (the synthetic held-out split)")
     loader: str = option("local", "--data: read in worker processes on this machine, or in "
                          "Ray Data tasks (pip install 'recxla[ray]')", group=_D, choices=LOADERS)
-    loader_workers: int = option(
-        1, "--data: reader processes or Ray tasks per rank (0 with --loader local: read in "
-        "the rank's own process, in a background thread)", group=_D, parse=at_least(0),
-        metavar="N")
+    loader_workers: Optional[int] = option(
+        None, "processes per rank that read --data (or Ray tasks; 0 with --loader local: read "
+        "in the rank's own process, in a background thread), or that make the synthetic logs' "
+        "batches ahead (0: the rank's own thread makes each when the step asks for it)",
+        group=_D, parse=at_least(0), metavar="N",
+        default_text="1 with --data; with the synthetic logs 1 on a GPU (--device cuda), 0 on "
+        "a CPU, whose cores the ranks' training already uses")
     shuffle_rows: int = option(
         SHUFFLE_ROWS, "--data: rows are read in a seeded random order within windows of whole "
         "row groups of at most N rows (memory: about one window per reader); 0 reads them as "

@@ -413,12 +413,17 @@ class TrainData:
         every rank, and a checkpoint's fingerprint check (checkpoint.check_compatible) makes
         sure it is a position in the same files.
         """
+        self.close()
         if self.files is None:
-            return (to_torchrec(self.dataset.batch(step % self.config.train_batches))
-                    for step in range(start_step, end_step))
+            from recxla.data.synthetic_loader import synthetic_batches
+
+            it = self._iter = synthetic_batches(
+                self.dataset, [step % self.config.train_batches
+                               for step in range(start_step, end_step)],
+                self.config.loader_workers)
+            return (to_torchrec(batch) for batch in it)
         from recxla.data import make_loader
 
-        self.close()
         self._loader = make_loader(
             self.source, self.config.batch_size, self.rank, self.world_size,
             self.config.seed, loader=self.config.loader, num_workers=self.config.loader_workers,
