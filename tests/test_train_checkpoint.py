@@ -102,6 +102,48 @@ def test_resume_equals_uninterrupted(tmp_path, schedule):
     assert int(end_a["train.steps_done"]) == 8 and int(at4["train.steps_done"]) == 4
 
 
+@pytest.mark.parametrize("sync", [["gradients"], ["weights", "--sync-every", "3"]])
+def test_2d_resume_equals_uninterrupted(tmp_path, sync):
+    """2 nodes x 2 ranks, each node a whole copy of the tables: the checkpoint holds one copy
+    (DCP writes a shard that two nodes hold once), and a resumed run ends where the
+    uninterrupted one ends. With --replica-sync weights the copies differ between syncs (every
+    3 steps here; the checkpoint after 4 is not at one): the checkpoint averages them first, in
+    the uninterrupted run too, so both runs train on from the same copies."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    args = [*FP32, "--topology", "2d", "--ranks-per-node", "2", "--replica-sync", *sync]
+    launch_ranks([*args, "--steps", "8", "--checkpoint-every", "4", "--checkpoint-dir", str(a)],
+                 tmp_path, world_size=4, ranks_per_node=2)
+    b.mkdir()
+    shutil.copytree(checkpoint.checkpoint_path(str(a), 4), checkpoint.checkpoint_path(str(b), 4))
+    ranks = launch_ranks([*args, "--steps", "8", "--checkpoint-dir", str(b), "--resume"],
+                         tmp_path, world_size=4, ranks_per_node=2)
+    assert "steps 4..8" in ranks[0].output()
+    at4 = _load(checkpoint.checkpoint_path(str(a), 4), tmp_path, "a4")
+    end_a = _load(checkpoint.checkpoint_path(str(a), 8), tmp_path, "a8")
+    end_b = _load(checkpoint.checkpoint_path(str(b), 8), tmp_path, "b8")
+    assert end_a.keys() == end_b.keys()
+    tables = [k for k in end_a if k.startswith("model.") and "embedding_bags" in k]
+    assert len(tables) == 26
+    for k, config in zip(sorted(tables), sorted(_small_tables(), key=lambda c: c.name)):
+        assert end_a[k].shape == (config.num_embeddings, config.embedding_dim), k
+    for k in end_a:
+        if torch.is_tensor(end_a[k]):
+            assert torch.equal(end_a[k], end_b[k]), k
+    for k in tables:
+        assert not torch.equal(at4[k], end_a[k]), k
+    # One copy of the tables on disk: about the 1D layout's bytes, not two nodes' worth.
+    table_bytes = sum(end_a[k].numel() * end_a[k].element_size() for k in tables)
+    written = sum(os.path.getsize(os.path.join(checkpoint.checkpoint_path(str(a), 8), f))
+                  for f in os.listdir(checkpoint.checkpoint_path(str(a), 8)))
+    assert table_bytes < written < 1.5 * 2 * table_bytes  # tables and their Adagrad state
+
+
+def _small_tables():
+    from recxla.train.data import TrainData
+
+    return TrainData(parse_config(FP32), 0, 1).tables()
+
+
 def test_recxla_and_torchrec_train_the_same_model(tmp_path):
     """With fp32 communication both paths apply the same updates: same initial tables, data,
     plan and optimizer (fused SGD), so after 3 steps every parameter agrees to float rounding.
@@ -157,6 +199,21 @@ def test_resume_rejects_other_options(tmp_path):
         checkpoint.check_compatible(config, 4, state)
     with pytest.raises(ValueError, match="nothing left to train"):
         checkpoint.check_compatible(parse_config([*FP32, "--steps", "4"]), 2, state)
+    two_d = ["--topology", "2d", "--ranks-per-node", "2"]
+    with pytest.raises(ValueError, match=r"--topology '1d' \(now '2d'\)"):
+        checkpoint.check_compatible(parse_config([*FP32, "--steps", "8", *two_d]), 2, state)
+    state_2d = dict(state, config=parse_config([*FP32, "--steps", "8", *two_d]).asdict())
+    checkpoint.check_compatible(parse_config([*FP32, "--steps", "8", *two_d]), 2, state_2d)
+    for other, message in ((["--ranks-per-node", "1"], r"--ranks-per-node 2 \(now 1\)"),
+                           (["--replica-sync", "weights"], r"--replica-sync 'gradients' "
+                                                           r"\(now 'weights'\)")):
+        changed = parse_config([*FP32, "--steps", "8", "--topology", "2d", "--ranks-per-node",
+                                "2", *other])
+        with pytest.raises(ValueError, match=message):
+            checkpoint.check_compatible(changed, 2, state_2d)
+    # Outside 2D the node layout is no part of the checkpoint.
+    checkpoint.check_compatible(parse_config([*FP32, "--steps", "8", "--ranks-per-node", "1"]),
+                                2, state)
 
 
 def _write_checkpoint(directory, step, *, commit=True):

@@ -253,8 +253,6 @@ def test_an_error_before_training_is_one_line_from_each_nodes_first_rank(
     (["--baseline", "torchrec", "--replica-sync", "weights"],
      "--replica-sync applies to the recxla path only"),
     (["--baseline", "torchrec", "--no-overlap"], "--overlap applies to the recxla path only"),
-    (["--topology", "2d", "--ranks-per-node", "2", "--checkpoint-dir", "/tmp"],
-     "sharded checkpoints of replicated shards"),
     (["--replica-sync", "weights", "--replica-precision", "bf16"],
      "--replica-precision bf16 applies to --replica-sync gradients"),
     (["--baseline", "torchrec", "--sharding", "row_wise"], "no row-wise sharding on CPU"),

@@ -17,6 +17,7 @@ sharded_embedding_bag.py) composes these steps for one batch; recxla's pipeline
     stage_output       the next forward returns that KeyedTensor (or calls for it)
     start_gradient     the gradient of those embeddings back to their owners
     fused_optimizer    count_step() and step_count around the lookup's backward
+    average_replicas   (2D, sync="weights") the replicas averaged now, before a checkpoint
 
 and, for DBP's early lookup (the next batch looked up before this batch's update),
 `early_lookup` (-> an EarlyLookup whose `corrected()` is that lookup after the update) and
@@ -37,6 +38,7 @@ from recxla.torchrec.early_rows import EarlyRows
 from recxla.torchrec.input_dist import LookupInput, SizesInFlight
 from recxla.torchrec.output_dist import Message
 from recxla.torchrec.replicas import ReplicatedLookup
+from recxla.torchrec.replicas import average_replicas as average_replica_tensors
 from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup
 from recxla.torchrec.sharded_parts import PooledTables, ShardedParts
 
@@ -183,6 +185,21 @@ class ShardedSteps:
     def replicas(self):
         """The module's ReplicaSync in 2D training (recxla.torchrec.replicas), else None."""
         return self.parts.replicas
+
+    def average_replicas(self) -> None:
+        """2D training with sync="weights": averages this rank's pooled shards and their fused
+        optimizer state over its replica group now, as every `sync_every` steps do (a
+        collective of the replica group: every rank calls it). A checkpoint calls it first, so
+        that it holds the one model every node then trains on. Nothing elsewhere: in 1D there
+        are no replicas, and with sync="gradients" they are the same bits already."""
+        replicas = self.parts.replicas
+        if replicas is None or replicas.sync != "weights":
+            return
+        weights = [w.detach() for w in self.parts.tables.pooled.weights]
+        _, states, _ = self.fused_step_arguments(0, len(weights))
+        states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
+        with torch.no_grad():
+            average_replica_tensors(weights, states, replicas.group)
 
     @property
     def pooled_tables(self) -> PooledTables:

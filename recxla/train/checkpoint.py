@@ -70,7 +70,11 @@ RESUME_STEP_FLAG = "--resume-step"
 COMPATIBLE = ("model", "embedding_dim", "embedding_dims", "dense_arch", "over_arch",
               "dcn_layers", "dcn_low_rank", "batch_size", "train_batches", "dense_optimizer",
               "sparse_optimizer", "seed", "profile", "max_rows", "zipf", "sharding", "table_rows", "eval_fraction",
-              "shuffle_rows", "schema", "transform", "join")
+              "shuffle_rows", "schema", "transform", "join", "topology")
+# In 2D training, also what lays the saved shards out (a node's ranks hold one copy of the
+# tables) and which state the fused optimizer saves (the step count, for --replica-sync
+# weights with --sync-every above 1).
+COMPATIBLE_2D = ("ranks_per_node", "replica_sync", "sync_every")
 
 
 def resume_checkpoint(directory: str, step: Optional[int] = None) -> Tuple[int, str]:
@@ -136,7 +140,9 @@ def check_compatible(config: TrainConfig, world_size: int, state: dict) -> None:
     """ValueError naming the options that differ from the checkpoint's run."""
     saved = state["config"]
     ours = config.asdict()
-    diff = [f"--{k.replace('_', '-')} {saved[k]!r} (now {ours[k]!r})" for k in COMPATIBLE
+    names = COMPATIBLE + (COMPATIBLE_2D if "2d" in (saved.get("topology"), ours["topology"])
+                          else ())
+    diff = [f"--{k.replace('_', '-')} {saved[k]!r} (now {ours[k]!r})" for k in names
             if k in saved and _plain(saved[k]) != _plain(ours[k])]
     if state["world_size"] != world_size:
         diff.append(f"world size {state['world_size']} (now {world_size})")

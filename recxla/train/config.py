@@ -232,7 +232,8 @@ class TrainConfig:
     replica_sync: str = option(
         "gradients", "2d: sum embedding gradients across nodes every step (exact), or average "
         "weights every --sync-every steps", group=_G, applies=RECXLA, choices=REPLICA_SYNCS)
-    sync_every: int = option(1, "2d, --replica-sync weights: steps between averages", group=_G,
+    sync_every: int = option(1, "2d, --replica-sync weights: steps between averages (a "
+                             "checkpoint averages too)", group=_G,
                              applies=RECXLA, parse=at_least(1))
     replica_precision: str = option("fp32", "2d: wire format of the gradient sync across nodes",
                                     group=_G, applies=RECXLA, choices=REPLICA_PRECISIONS)
