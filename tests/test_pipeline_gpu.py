@@ -1,7 +1,11 @@
 """recxla.pipeline on CUDA (run by `make gpu-campaign`): the pipelined run equals the plain loop
 with NCCL (2 ranks where 2 GPUs exist, else 1), and the steady-state step never synchronizes
-the host with the device (torch.cuda.set_sync_debug_mode("error") raises on any sync); with
-early rows it equals the loop too (their bookkeeping still syncs: only warned)."""
+the host with the device (torch.cuda.set_sync_debug_mode("warn") reports every sync; they are
+counted); with early rows it equals the loop too (their bookkeeping still syncs: not counted).
+The equality is checked whatever the syncs, and the failure lists both, so one GPU run says
+whether the pipeline is right on the device and where the host still waits."""
+
+import warnings
 
 import pytest
 import torch
@@ -65,12 +69,17 @@ def _gpu_body(rank, world, seed, steps, batch):
         data = iter(mine)
         pipeline.progress(data)
         pipeline.progress(data)
-        torch.cuda.set_sync_debug_mode("warn" if early_rows else "error")
+        torch.cuda.set_sync_debug_mode("warn")
         try:
-            for _ in mine[2:]:
-                pipeline.progress(data)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in mine[2:]:
+                    pipeline.progress(data)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        # Where each sync happened: the line of Python that made the synchronizing call.
+        syncs = sorted({f"{w.filename}:{w.lineno}" for w in caught
+                        if "synchroniz" in str(w.message)})
         want, got = reference.state_dict(), model.state_dict()
         error = 0.0
         for key, value in want.items():
@@ -79,7 +88,7 @@ def _gpu_body(rank, world, seed, steps, batch):
                     error = max(error, cases.relative(b.tensor.cpu(), a.tensor.cpu()))
             else:
                 error = max(error, cases.relative(got[key].cpu(), value.cpu()))
-        results[mode] = error
+        results[mode] = (error, [] if early_rows else syncs)
     return results
 
 
@@ -88,8 +97,14 @@ def test_pipeline_on_gpu_equals_the_loop_without_host_syncs(seed):
     world = min(torch.cuda.device_count(), 2)
     results = run_distributed(_gpu_body, world_size=world, args=(seed, 6, 8), backend="nccl",
                               timeout=600)
+    problems = []
     for rank, per_mode in enumerate(results):
-        for mode, error in per_mode.items():
+        for mode, (error, syncs) in per_mode.items():
             # FP8 rows quantized one by one: micro-batching changes no code, only the dense
             # gradients' float order (see test_pipeline.py).
-            assert error <= 1e-2, (rank, mode, error)
+            if error > 1e-2:
+                problems.append(f"rank {rank}, row exchange {mode}: relative error {error:.2e}")
+            if syncs:
+                problems.append(f"rank {rank}, row exchange {mode}: host syncs in steady "
+                                f"state: {syncs}")
+    assert not problems, problems
