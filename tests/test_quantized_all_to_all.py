@@ -381,10 +381,11 @@ def test_steady_loop_allocates_no_new_large_blocks(seed):
 
 
 def test_bytes_measured_on_the_emulated_link_match_row_bytes():
-    """Two emulated nodes (network namespaces joined by veths): the bytes that cross the links,
-    read from the veth counters, are the bytes computed from recxla.row_bytes plus TCP/IP
-    headers, ACKs and validate_splits' small all_gather (1.5 KB a step here), for every wire
-    format."""
+    """Two emulated nodes (network namespaces joined by veths): the payload that crosses the
+    links, read from the veth counters (bytes less the packets' TCP/IP headers), is the bytes
+    computed from recxla.row_bytes plus validate_splits' small all_gather (1.5 KB a step here)
+    and the ACKs' options, for every wire format; the bytes with their headers are at most
+    5% more (MSS-sized packets)."""
     import sys
 
     sys.path.insert(0, ROOT)  # bench/ is a folder of the repository, not of the package
@@ -402,11 +403,13 @@ def test_bytes_measured_on_the_emulated_link_match_row_bytes():
         fp32 = next(r for r in records if r["variant"] == "torch fp32")
         out = []
         for r in records:
-            for measured, computed in zip(r["link_measured_tx_per_node"],
-                                          r["link_computed_tx_per_node"]):
-                if not computed <= measured <= 1.01 * computed + 2048:
-                    out.append((r["variant"], measured, computed))
-            ratio = sum(r["link_measured_tx_per_node"]) / sum(fp32["link_measured_tx_per_node"])
+            for measured, payload, computed in zip(r["link_measured_tx_per_node"],
+                                                   r["link_payload_tx_per_node"],
+                                                   r["link_computed_tx_per_node"]):
+                if not computed <= payload <= 1.01 * computed + 2048 \
+                        or not payload < measured <= 1.05 * computed + 4096:
+                    out.append((r["variant"], measured, payload, computed))
+            ratio = sum(r["link_payload_tx_per_node"]) / sum(fp32["link_payload_tx_per_node"])
             want = recxla.row_bytes(64, r["fwd"]) / recxla.row_bytes(64, "fp32")
             if abs(ratio - want) > 0.01 * want:
                 out.append((r["variant"], ratio, want))

@@ -155,21 +155,31 @@ def make_codec(inputs: dict, backward: bool, fwd, bwd):
     return codec
 
 
+# Ethernet (14), IPv4 (20) and TCP with timestamps (32) bytes in front of every packet's
+# payload. How much payload a packet carries depends on the kernel's segmentation (a large GSO
+# packet on a quiet machine, MSS-sized ones under load: 0.1% to 4.5% headers), so the payload,
+# not the bytes, is what the all-to-all's bytes are compared with.
+PACKET_HEADER_BYTES = 14 + 20 + 32
+
+
 def _node_link_bytes() -> list:
-    """[rx, tx] bytes of this node's link so far, read by the node's local rank 0 (the others
-    give [0, 0]); [0, 0] everywhere outside netns mode."""
+    """[rx, tx, rx payload, tx payload] bytes of this node's link so far (payload: the bytes
+    less PACKET_HEADER_BYTES a packet), read by the node's local rank 0 (the others give
+    zeros); zeros everywhere outside netns mode."""
     from bench.cluster.netns import interface_bytes
 
     info = rank_info()
     if info.mode != "netns" or info.local_rank != 0:
-        return [0, 0]
+        return [0, 0, 0, 0]
     c = interface_bytes(info.iface)
-    return [c["rx_bytes"], c["tx_bytes"]]
+    return [c["rx_bytes"], c["tx_bytes"], c["rx_bytes"] - PACKET_HEADER_BYTES * c["rx_packets"],
+            c["tx_bytes"] - PACKET_HEADER_BYTES * c["tx_packets"]]
 
 
 def _link_bytes_per_step(before: list, after: list, steps: int) -> dict:
-    """{"rx", "tx": [bytes per step of node n's link for every node]} from every rank's
-    _node_link_bytes() before and after `steps` steps (an all_gather; collective)."""
+    """{"rx", "tx", "rx_payload", "tx_payload": [bytes per step of node n's link for every
+    node]} from every rank's _node_link_bytes() before and after `steps` steps (an
+    all_gather; collective)."""
     import torch
     import torch.distributed as dist
 
@@ -178,7 +188,8 @@ def _link_bytes_per_step(before: list, after: list, steps: int) -> dict:
     table = [torch.empty_like(local) for _ in range(info.world_size)]
     dist.all_gather(table, local)
     nodes = [table[n * info.local_world_size].tolist() for n in range(info.nodes)]
-    return {"rx": [r / steps for r, _ in nodes], "tx": [t / steps for _, t in nodes]}
+    return {key: [node[i] / steps for node in nodes]
+            for i, key in enumerate(("rx", "tx", "rx_payload", "tx_payload"))}
 
 
 def _timed(fn, iters: int, warmup: int) -> tuple:
@@ -237,6 +248,9 @@ def rank_main(rows_per_rank: int, dim: int, passes, iters: int, warmup: int, see
                     t - h for t, h in zip(link["tx"], harness["tx"])] if netns_mode else None,
                 "link_measured_rx_per_node": [
                     r - h for r, h in zip(link["rx"], harness["rx"])] if netns_mode else None,
+                "link_payload_tx_per_node": [
+                    t - h for t, h in zip(link["tx_payload"], harness["tx_payload"])]
+                if netns_mode else None,
                 "link_harness_tx_per_node": harness["tx"] if netns_mode else None,
                 "pass": pass_name, "variant": label, "fwd": fwd or "fp32", "bwd": bwd or "fp32",
                 "impl": "torch" if fwd is None else "recxla",
