@@ -189,6 +189,8 @@ def _dims_option(value) -> str:
 def format_summary(s: dict) -> str:
     """The end-of-run summary, as printed by rank 0."""
     t, cpu = s["step_time_s"], s["cpu_s_per_step"]
+    # The loader's worker processes (or Ray tasks) keep their CPU out of the ranks' rusage.
+    workers = s["config"].get("loader_workers") or 0
     ms = lambda x: f"{x * 1e3:.1f} ms"  # noqa: E731
     pct = lambda x: f"{100 * x / t['rank_mean']:.0f}%" if t["rank_mean"] else "-"  # noqa: E731
     lines = [
@@ -205,7 +207,8 @@ def format_summary(s: dict) -> str:
         f"  CPU time/step   {ms(cpu['p50'])} p50 ({ms(cpu['p50_max_rank'])} busiest rank), "
         f"{s['cpu_cores_per_rank']:.2f} cores per rank busy",
         f"  CPU/example     {s['cpu_us_per_example']['mean']:.1f} us "
-        f"({s['cpu_us_per_example']['max_rank']:.1f} us busiest rank; all threads)",
+        f"({s['cpu_us_per_example']['max_rank']:.1f} us busiest rank; all threads"
+        + (f"; not the loader's {workers} worker process(es) per rank)" if workers else ")"),
         f"  wire bytes/step {_si(s['wire_bytes_per_step'], 'B')} (all ranks; "
         + ", ".join(f"{k} {_si(v, 'B')}" for k, v in s["wire_bytes_per_step_by_kind"].items())
         + ")",
