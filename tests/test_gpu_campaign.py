@@ -212,3 +212,43 @@ def test_campaign_dry_run(tmp_path):
     text = (out / "gpu.md").read_text()
     assert "dry run on CPU" in text and "## Targets" in text
     assert "campaign (dry run (CPU))" in proc.stdout.splitlines()[-1]
+
+
+def test_trainer_runs_the_features_alone_only_where_pipelined_differs(tmp_path, monkeypatch):
+    """The trainer stage's comparison on made-up runs: equal runs pass with three runs; a
+    pipelined run that differs fails and runs micro-batches and DBP alone, naming which one
+    differs from the sequential run."""
+    import random
+
+    from bench.gpu_campaign import trainer
+
+    loss = random.uniform(0.4, 0.7)
+    for broken in (None, "--micro-batches 2 --no-overlap", "--dbp"):
+        made = []
+
+        def fake_run(name, args, work, nproc, timeout):
+            made.append(name)
+            line = " ".join(args)
+            pipelined = "--micro-batches 2 --overlap --dbp" in line
+            off = broken is not None and (pipelined or broken in line and (
+                broken != "--dbp" or "--micro-batches 1 --overlap --dbp" in line))
+            value = loss * (1.01 if off else 1.0)
+            return {"returncode": 0, "final_loss": value, "eval_loss": value, "auc": 0.7,
+                    "examples_per_s": 1000.0}
+
+        monkeypatch.setattr(trainer, "_run", fake_run)
+        out = tmp_path / "trainer.json"
+        code = trainer.main(["--out", str(out), "--work", str(tmp_path)])
+        with open(out) as f:
+            result = json.load(f)
+        if broken is None:
+            assert code == 0 and result["status"] == "pass" and len(made) == 3
+            assert "features_alone" not in result
+            continue
+        assert code == 1 and result["status"] == "fail"
+        assert made[3:] == list(trainer.FEATURES_ALONE)
+        alone = result["features_alone"]
+        culprit = "dbp alone" if broken == "--dbp" else "micro-batches alone"
+        assert alone[culprit] > 1e-3, alone
+        assert all(d == 0 for name, d in alone.items() if name != culprit), alone
+        assert f"{culprit} 9.9e-03" in result["summary"], result["summary"]
