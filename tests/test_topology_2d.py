@@ -95,12 +95,12 @@ def _train_2d_body(rank, world, seed, steps, batch):
                 full[key] = value
         return full
 
-    def two_d(sync, precision="fp32", every=1, fused_params=fused):
+    def two_d(sync, precision="fp32", every=1, fused_params=fused, row_exchange="off"):
         model, _ = dlrm._dlrm(seed)
         sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
             fused_params=fused_params, fwd_comm="fp32", bwd_comm="fp32",
             replicas=ReplicaSync(topology.replica_group, sync=sync, sync_every=every,
-                                 precision=precision))
+                                 precision=precision), row_exchange=row_exchange)
         constraints = {c.name: ParameterConstraints(sharding_types=["row_wise"]) for c in configs}
         planner = EmbeddingShardingPlanner(topology=Topology(world_size=2, compute_device="cpu"),
                                            constraints=constraints)
@@ -134,23 +134,43 @@ def _train_2d_body(rank, world, seed, steps, batch):
     model = two_d("gradients", precision="bf16", fused_params=sgd)
     train(model)
     results["gradients bf16"] = errors(model, reference, start=initial)
+    # Row exchange: the owners send the requested rows; their gradients are summed per row
+    # over the replicas as the pooled tables' are.
+    model = two_d("gradients", fused_params=sgd, row_exchange=["t0", "t2"])
+    train(model, pipeline_micro_batches=2)
+    results["gradients, row exchange"] = errors(model, reference)
 
-    # Weights averaged every 2 steps: equal across nodes after steps 2 and 4, not after 3.
-    model = two_d("weights", every=2)
-    optimizer = dense_optimizer(model)
-    spread = []
-    for b in mine[:4]:
-        optimizer.zero_grad()
-        loss, _ = model(b)
-        loss.backward()
-        optimizer.step()
+    def replica_spread(model):
+        """The largest difference between the replicas' copies of this rank's shards."""
         local = torch.cat([s.tensor.flatten() for v in model.state_dict().values()
                            if hasattr(v, "local_shards") for s in v.local_shards()])
         low, high = local.clone(), local.clone()
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=topology.replica_group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=topology.replica_group)
-        spread.append(float((high - low).abs().max()))
-    results["weights spread"] = spread
+        return float((high - low).abs().max())
+
+    def spread_of(model, steps):
+        """replica_spread after each of the first `steps` training steps."""
+        optimizer = dense_optimizer(model)
+        spread = []
+        for b in mine[:steps]:
+            optimizer.zero_grad()
+            loss, _ = model(b)
+            loss.backward()
+            optimizer.step()
+            spread.append(replica_spread(model))
+        return spread
+
+    # Weights averaged every 2 steps: equal across nodes after steps 2 and 4, not after 3;
+    # with row exchange the rows' tables too, and at once by average_replicas() (what a
+    # checkpoint calls).
+    results["weights spread"] = spread_of(two_d("weights", every=2), 4)
+    model = two_d("weights", every=2, row_exchange="all")
+    spread = spread_of(model, 3)
+    for module in model.modules():
+        if hasattr(module, "average_replicas"):
+            module.average_replicas()
+    results["weights spread, row exchange"] = spread + [replica_spread(model)]
     return results
 
 
@@ -165,6 +185,12 @@ def test_2d_training_equals_1d(seed):
         # gradient sums (2^-8 relative each), far from a wrong sum (O(1)).
         embedding, dense = r["gradients bf16"]
         assert embedding <= 2e-2 and dense <= 1e-5, (rank, r)
+        embedding, dense = r["gradients, row exchange"]
+        assert embedding <= 1e-5 and dense <= 1e-5, (rank, r)
         spread = r["weights spread"]
+        assert spread[1] == 0.0 and spread[3] == 0.0, (rank, spread)
+        assert spread[0] > 0.0 and spread[2] > 0.0, (rank, spread)
+        # Row exchange, synced after step 2; after step 3 apart, until average_replicas().
+        spread = r["weights spread, row exchange"]
         assert spread[1] == 0.0 and spread[3] == 0.0, (rank, spread)
         assert spread[0] > 0.0 and spread[2] > 0.0, (rank, spread)

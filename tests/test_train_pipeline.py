@@ -42,6 +42,7 @@ def test_2d_topology_trains(tmp_path):
     m = check_metrics(tmp_path / "m.json", 4, steps, warmup)
     assert m["topology"] == "2d"
     assert m["dense_allreduce_layout"] == "by node"
+    assert "row exchange for" in m["sharder"], m["sharder"]  # --row-exchange auto, in 2D too
 
 
 def test_dense_allreduce_by_node_trains_as_the_ring(tmp_path):

@@ -153,9 +153,6 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         # checkpoint planning; running it needs a module sharded onto a real device.
         on_meta = device.type == "meta"
         self._fwd_comm, self._bwd_comm = fwd_comm, bwd_comm
-        if replicas is not None and row_exchange != "off":
-            raise ValueError(f"{OWNER}: row_exchange with 2D replicas is not supported yet; "
-                             "use row_exchange='off' with replicas")
         configs = module.embedding_bag_configs()
         self._embedding_bag_configs = configs
         self._is_weighted = module.is_weighted()

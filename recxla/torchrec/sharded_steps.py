@@ -37,7 +37,7 @@ from recxla.torchrec.early_lookup import EarlyLookup
 from recxla.torchrec.early_rows import EarlyRows
 from recxla.torchrec.input_dist import LookupInput, SizesInFlight
 from recxla.torchrec.output_dist import Message
-from recxla.torchrec.replicas import ReplicatedLookup
+from recxla.torchrec.replicas import ReplicatedLookup, ReplicatedRowLookup
 from recxla.torchrec.replicas import average_replicas as average_replica_tensors
 from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup
 from recxla.torchrec.sharded_parts import PooledTables, ShardedParts
@@ -108,6 +108,9 @@ class ShardedSteps:
         tables = self.parts.tables
         if not tables.row_weights:
             return ()
+        if self.parts.replicas is not None:
+            return tuple(ReplicatedRowLookup.apply(self, tuple(lookup_input.rows.ids),
+                                                   *tables.row_weights))
         return tuple(RowLookup.apply(lambda: self.fused_step_arguments(tables.num_pooled, None),
                                      tuple(lookup_input.rows.ids), *tables.row_weights))
 
@@ -187,15 +190,16 @@ class ShardedSteps:
         return self.parts.replicas
 
     def average_replicas(self) -> None:
-        """2D training with sync="weights": averages this rank's pooled shards and their fused
-        optimizer state over its replica group now, as every `sync_every` steps do (a
-        collective of the replica group: every rank calls it). A checkpoint calls it first, so
-        that it holds the one model every node then trains on. Nothing elsewhere: in 1D there
-        are no replicas, and with sync="gradients" they are the same bits already."""
+        """2D training with sync="weights": averages this rank's shards (pooled and
+        row-exchange) and their fused optimizer state over its replica group now, as every
+        `sync_every` steps do (a collective of the replica group: every rank calls it). A
+        checkpoint calls it first, so that it holds the one model every node then trains on.
+        Nothing elsewhere: in 1D there are no replicas, and with sync="gradients" they are the
+        same bits already."""
         replicas = self.parts.replicas
         if replicas is None or replicas.sync != "weights":
             return
-        weights = [w.detach() for w in self.parts.tables.pooled.weights]
+        weights = [w.detach() for w in self.parts.tables.weights]
         _, states, _ = self.fused_step_arguments(0, len(weights))
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
         with torch.no_grad():

@@ -130,7 +130,7 @@ class TrainConfig:
     row_exchange: str = option(
         "auto", "tables whose owners send unique rows instead of pooled bags: auto (those where "
         "rows are fewer, judged on a sample batch), off, all, or comma-separated table names",
-        group=_C, applies=RECXLA, default_text="auto; off with --topology 2d")
+        group=_C, applies=RECXLA)
     dense_allreduce: Optional[str] = option(
         None, "wire format of the dense gradients' all-reduce: fp32, bf16, fp8 (e4m3 with a "
         "scale per 128 values and error feedback, recxla.distributed.FP8AllReduce; its "

@@ -102,10 +102,7 @@ def _check(err, given: dict) -> dict:
     if v["topology"] == "2d":
         if "ranks_per_node" not in given and "LOCAL_WORLD_SIZE" not in os.environ:
             err("--topology 2d needs --ranks-per-node, or torchrun's LOCAL_WORLD_SIZE")
-        if given.get("row_exchange", "off") != "off":
-            err("--row-exchange with --topology 2d is not supported yet (use off)")
         v["ranks_per_node"] = v["ranks_per_node"] or local_world_size()
-        v["row_exchange"] = "off"
     if v["ddp_bucket_mb"] is None and not v["baseline"]:
         v["ddp_bucket_mb"] = RECXLA_DDP_BUCKET_MB
     if v["dense_allreduce"] is None:
