@@ -175,6 +175,7 @@ class TrainPipeline:
         self._hold_changed_rows = True
         self._defer_dense_update = defer_dense_update
         self._early_rows = early_rows and dbp
+        self._check_replicas()
         self._dense_update_pending = False
         # The batches loaded ahead, oldest first: one with DBP; two with early rows, so that
         # the next batch's ids are decoded before this step's dense forward (early rows of it
@@ -186,6 +187,21 @@ class TrainPipeline:
         self._attached = True
         self.timeline = timeline if timeline is not None else Timeline(enabled=False)
         self._phase = phase
+
+    def _check_replicas(self) -> None:
+        """ValueError where a sharded module has 2D replicas and the schedule reads the next
+        batch before this update (dbp_lookup="early", early_rows): both hold back or correct
+        only the rows this rank's batch changes, while the replicas' sync changes the rows
+        every node's batch touched (and with sync="weights" every row at a sync)."""
+        early = [name for name, on in (("dbp_lookup='early'", self._dbp_lookup == "early"),
+                                       ("early_rows", self._early_rows)) if on]
+        replicated = [path or "the model" for path, m in self._modules
+                      if m.replicas is not None]
+        if early and replicated:
+            raise ValueError(f"{OWNER}: {' and '.join(early)} with 2D replicas "
+                             f"({replicated[0]}) is not supported: the next batch would read "
+                             "rows that the other nodes' batches change in this update; use "
+                             "dbp_lookup='after_update' and early_rows=False")
 
     def _set_model(self, model: torch.nn.Module) -> None:
         self._modules: List[Tuple[str, ShardedEmbeddingBagCollection]] = [
@@ -242,6 +258,7 @@ class TrainPipeline:
         starts no input dist at attach, so it changes nothing."""
         if model is not None and model is not self._model:
             self._set_model(model)
+            self._check_replicas()
             for batch in self._ahead:
                 batch.drop_early_rows()
             # Prepared again for the new model when their turn comes.

@@ -102,6 +102,11 @@ def _check(err, given: dict) -> dict:
     if v["topology"] == "2d":
         if "ranks_per_node" not in given and "LOCAL_WORLD_SIZE" not in os.environ:
             err("--topology 2d needs --ranks-per-node, or torchrun's LOCAL_WORLD_SIZE")
+        for flag, on in (("--early-rows", v["early_rows"]),
+                         ("--dbp-lookup early", v["dbp_lookup"] == "early")):
+            if on:
+                err(f"{flag} with --topology 2d is not supported: the next batch would read "
+                    "rows that the other nodes' batches change in this update")
         v["ranks_per_node"] = v["ranks_per_node"] or local_world_size()
     if v["ddp_bucket_mb"] is None and not v["baseline"]:
         v["ddp_bucket_mb"] = RECXLA_DDP_BUCKET_MB
