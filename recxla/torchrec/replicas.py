@@ -191,7 +191,8 @@ class ReplicatedRowLookup(torch.autograd.Function):
         module = ctx.module
         replicas: ReplicaSync = module.replicas
         weights = [w.detach() for w in ctx.weights]
-        kinds, states, hparams = module.fused_step_arguments(len(module.pooled_tables.weights), None)
+        pooled = len(module.pooled_tables.weights)  # the row tables' optimizer comes after
+        kinds, states, hparams = module.fused_step_arguments(pooled, None)
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
         grads = [g.float() if g is not None else w.new_zeros(i.numel(), w.shape[1])
                  for g, i, w in zip(grads, ctx.ids, weights)]
