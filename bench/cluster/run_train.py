@@ -36,6 +36,8 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     recxla FWP m=4       4 micro-batches, all-to-alls behind the dense compute, no DBP
     recxla FWP+DBP m=M   both, M = 2, 4, 8; "clustered": micro-batches by cluster_samples
     recxla 2D m=4        the all-to-alls inside each node, gradients summed across nodes
+                         (every table pooled at its owner); "rows": row exchange where it is
+                         smaller (--row-exchange auto), the rows' gradients summed too
 
 Each row gives examples/s, as a ratio to the fastest TorchRec variant of the same rate and run
 ("vs best TR": the headline) and to TorchRec fp32, the step's compute, the CPU time per example
@@ -115,6 +117,8 @@ VARIANTS = {
                              "--dense-allreduce", "bf16"],
     "recxla 2D m=4": ["--micro-batches", "4", "--dense-allreduce", "bf16", "--topology", "2d",
                       "--row-exchange", "off"],
+    "recxla 2D m=4 rows": ["--micro-batches", "4", "--dense-allreduce", "bf16", "--topology",
+                           "2d", "--row-exchange", "auto"],
 }
 RATES = ("1gbit", "200mbit", "50mbit")  # 50 Mbit/s: the link binds, as on GPU clusters
 # The issue's setting: batch 1024 per rank, dim 64, tables of at most 100k rows, FBGEMM's (and
