@@ -16,7 +16,7 @@ import torch
 from recxla.data.batch_iterator import BatchIterator
 from recxla.data.compact_batch import CompactBatch
 from recxla.data.epoch_plan import SHUFFLE_ROWS
-from recxla.data.loader_chunks import check_workers, encode_chunk
+from recxla.data.loader_chunks import check_workers, encode_chunk, in_worker_processes
 from recxla.data.parquet_dataset import ParquetDataset
 from recxla.data.parquet_reader import whole_batches
 from recxla.data.ray_loader import RayLoader
@@ -42,10 +42,6 @@ class _Chunks:
 
     def __iter__(self):
         return self.dataset.chunks()
-
-
-def _as_is(item):
-    return item
 
 
 class LocalLoader:
@@ -81,26 +77,14 @@ class LocalLoader:
         return self.dataset.num_batches(epoch)
 
     def _pieces(self):
-        loader = torch.utils.data.DataLoader(
-            _ChunkReader(self.dataset, self.compress), batch_size=None,
-            sampler=_Chunks(self.dataset),
-            num_workers=self.num_workers, prefetch_factor=self.prefetch_runs, collate_fn=_as_is,
-            # Without a generator of its own, DataLoader draws its workers' seed from torch's
-            # global generator: a trainer that starts its loader after restoring a checkpoint's
-            # generator state then trains on with another state than an uninterrupted run.
-            # The chunks decide every batch, so the workers need no seed of the run's.
-            generator=torch.Generator().manual_seed(0),
-        )  # fmt: skip
-        runs = iter(loader)
+        runs = in_worker_processes(_ChunkReader(self.dataset, self.compress),
+                                   _Chunks(self.dataset), self.num_workers, self.prefetch_runs)
         try:
             for epoch, pieces in runs:
                 for k, blob in pieces:
                     yield epoch, k, CompactBatch.decode(blob)
         finally:
-            # Stops the workers now rather than when the garbage collector gets to it.
-            shutdown = getattr(runs, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            runs.close()  # stops the workers
 
     def __iter__(self) -> BatchIterator:
         batches = whole_batches(self._pieces(), self.dataset.batch_size)

@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from recxla.data.loader_chunks import check_workers
+from recxla.data.loader_chunks import check_workers, in_worker_processes
 from recxla.data.synthetic import Batch, SyntheticRankingDataset
 
 # Batches each worker makes ahead of the one the trainer takes.
@@ -29,10 +29,6 @@ class _Indexed(torch.utils.data.Dataset):
         return self.dataset.batch(index)
 
 
-def _as_is(item):
-    return item
-
-
 def synthetic_batches(dataset: SyntheticRankingDataset, indices: Sequence[int],
                       num_workers: int) -> Iterator[Batch]:
     """`dataset.batch(i)` for each of `indices` (non-negative ints), in order, made by
@@ -47,24 +43,5 @@ def synthetic_batches(dataset: SyntheticRankingDataset, indices: Sequence[int],
     indices = list(indices)
     if num_workers == 0:
         return (dataset.batch(i) for i in indices)
-    return _from_workers(dataset, indices, num_workers)
-
-
-def _from_workers(dataset: SyntheticRankingDataset, indices: Sequence[int],
-                  num_workers: int) -> Iterator[Batch]:
-    loader = torch.utils.data.DataLoader(
-        _Indexed(dataset), batch_size=None, sampler=indices, num_workers=num_workers,
-        prefetch_factor=PREFETCH_PER_WORKER, collate_fn=_as_is,
-        # Without a generator of its own, DataLoader draws its workers' seed from torch's
-        # global generator, which would then differ from an inline run's; the indices decide
-        # every batch, so the workers need no seed of the run's.
-        generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
-    batches = iter(loader)
-    try:
-        yield from batches
-    finally:
-        # Stops the workers now rather than when the garbage collector gets to it.
-        shutdown = getattr(batches, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+    return in_worker_processes(_Indexed(dataset), indices, num_workers,
+                               PREFETCH_PER_WORKER)

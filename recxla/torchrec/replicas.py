@@ -169,48 +169,29 @@ class ReplicatedLookup(torch.autograd.Function):
         return (None,) * 6 + (None,) * len(weights)
 
 
-class ReplicatedRowLookup(torch.autograd.Function):
-    """The owner's gather of its row-exchange tables with their update kept in step across
-    replicas (row_exchange.RowLookup on one node).
-
-    Inputs: (module, ids per local row group (tuple, int64 [R_g], repeats allowed), *local row
-    weights) -> one [R_g, D_g] output per group. Backward per the module's ReplicaSync:
-    "gradients" sums each requested row's gradient on this rank, then over the replicas (the
-    union of the rows they touched, as the pooled tables' sum_over_replicas), and every replica
-    applies the same fused update to the same rows; "weights" updates from this node's
-    gradients and averages the row tables and their state every sync_every steps.
-    """
-
-    @staticmethod
-    def forward(ctx, module, ids, *weights):
-        ctx.module, ctx.ids, ctx.weights = module, ids, weights
-        return tuple(w.detach().index_select(0, i) for w, i in zip(weights, ids))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        module = ctx.module
-        replicas: ReplicaSync = module.replicas
-        weights = [w.detach() for w in ctx.weights]
-        pooled = len(module.pooled_tables.weights)  # the row tables' optimizer comes after
-        kinds, states, hparams = module.fused_step_arguments(pooled, None)
-        states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
-        grads = [g.float() if g is not None else w.new_zeros(i.numel(), w.shape[1])
-                 for g, i, w in zip(grads, ctx.ids, weights)]
-        with torch.no_grad():
-            if replicas.sync == "weights":
-                apply_row_gradients(weights, states, ctx.ids, grads, kinds, hparams)
-                if module.fused_optimizer.step_count % replicas.sync_every == 0:
-                    average_replicas(weights, states, replicas.group)
-            else:
-                rows, sums = [], []
-                for ids, grad in zip(ctx.ids, grads):
-                    unique, inverse = torch.unique(ids.to(torch.int64), return_inverse=True)
-                    rows.append(unique)
-                    sums.append(grad.new_zeros((unique.numel(), grad.shape[1]))
-                                .index_add_(0, inverse, grad))
-                union, summed = sum_over_replicas(rows, sums, replicas)
-                apply_row_gradients(weights, states, union, summed, kinds, hparams)
-        return (None, None) + (None,) * len(weights)
+def apply_replicated_row_gradients(module, weights: Sequence[torch.Tensor],
+                                   states: Sequence[torch.Tensor],
+                                   ids: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                                   kinds: Sequence[int], hparams: Sequence[float]) -> None:
+    """row_exchange.apply_row_gradients for a module with 2D replicas (its RowLookup's update),
+    kept in step per `module.replicas`: "gradients" sums each requested row's gradient on this
+    rank, then over the replicas (the union of the rows they touched, as the pooled tables'
+    sum_over_replicas), so every replica applies the same update to the same rows; "weights"
+    updates from this node's gradients and averages the row tables and their state every
+    sync_every steps. Arguments as apply_row_gradients's (ids int64 [R_t], repeats allowed)."""
+    replicas: ReplicaSync = module.replicas
+    if replicas.sync == "weights":
+        apply_row_gradients(weights, states, ids, grads, kinds, hparams)
+        if module.fused_optimizer.step_count % replicas.sync_every == 0:
+            average_replicas(weights, states, replicas.group)
+        return
+    rows, sums = [], []
+    for table_ids, grad in zip(ids, grads):
+        unique, inverse = torch.unique(table_ids.to(torch.int64), return_inverse=True)
+        rows.append(unique)
+        sums.append(grad.new_zeros((unique.numel(), grad.shape[1])).index_add_(0, inverse, grad))
+    union, summed = sum_over_replicas(rows, sums, replicas)
+    apply_row_gradients(weights, states, union, summed, kinds, hparams)
 
 
 def ctx_batch(offsets: torch.Tensor, module) -> int:

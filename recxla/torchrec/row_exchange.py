@@ -246,15 +246,17 @@ def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.
 
 class RowLookup(torch.autograd.Function):
     """The owner's gather of its row groups' rows: forward weight[ids] per group; backward the
-    fused update of every requested row once (apply_row_gradients).
+    fused update of every requested row once (`apply_gradients`, apply_row_gradients's
+    signature: apply_row_gradients itself, or 2D's replicas.apply_replicated_row_gradients).
 
-    Inputs: (optimizer step callback, ids per group (tuple), *weights) -> one [R_g, D_g]
-    output per group.
+    Inputs: (optimizer step callback, apply_gradients, ids per group (tuple), *weights) -> one
+    [R_g, D_g] output per group.
     """
 
     @staticmethod
-    def forward(ctx, optimizer_step, ids, *weights):
+    def forward(ctx, optimizer_step, apply_gradients, ids, *weights):
         ctx.optimizer_step = optimizer_step
+        ctx.apply_gradients = apply_gradients
         ctx.ids = ids
         ctx.weights = weights
         return tuple(w.detach().index_select(0, i) for w, i in zip(weights, ids))
@@ -267,9 +269,9 @@ class RowLookup(torch.autograd.Function):
                  for g, i, w in zip(grads, ctx.ids, weights)]
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
         with torch.no_grad():
-            apply_row_gradients(weights, states, ctx.ids, [g.float() for g in grads], kinds,
+            ctx.apply_gradients(weights, states, ctx.ids, [g.float() for g in grads], kinds,
                                 hparams)
-        return (None, None) + (None,) * len(weights)
+        return (None, None, None) + (None,) * len(weights)
 
 
 def choose_row_tables(configs, sample, num_micro_batches: int = 1,

@@ -27,6 +27,7 @@ batch's rows that this batch's update leaves as they are, sent before it.
 The steps read the module's parts (`module.parts`, sharded_parts.py) and nothing else of it.
 """
 
+import functools
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,9 +38,9 @@ from recxla.torchrec.early_lookup import EarlyLookup
 from recxla.torchrec.early_rows import EarlyRows
 from recxla.torchrec.input_dist import LookupInput, SizesInFlight
 from recxla.torchrec.output_dist import Message
-from recxla.torchrec.replicas import ReplicatedLookup, ReplicatedRowLookup
+from recxla.torchrec.replicas import ReplicatedLookup, apply_replicated_row_gradients
 from recxla.torchrec.replicas import average_replicas as average_replica_tensors
-from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup
+from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup, apply_row_gradients
 from recxla.torchrec.sharded_parts import PooledTables, ShardedParts
 
 
@@ -108,11 +109,11 @@ class ShardedSteps:
         tables = self.parts.tables
         if not tables.row_weights:
             return ()
-        if self.parts.replicas is not None:
-            return tuple(ReplicatedRowLookup.apply(self, tuple(lookup_input.rows.ids),
-                                                   *tables.row_weights))
+        apply_gradients = apply_row_gradients if self.parts.replicas is None else \
+            functools.partial(apply_replicated_row_gradients, self)
         return tuple(RowLookup.apply(lambda: self.fused_step_arguments(tables.num_pooled, None),
-                                     tuple(lookup_input.rows.ids), *tables.row_weights))
+                                     apply_gradients, tuple(lookup_input.rows.ids),
+                                     *tables.row_weights))
 
     def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
         """The owner's pooled lookup of every source's bags: lookup_input (on the module's
