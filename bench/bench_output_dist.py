@@ -8,7 +8,7 @@ in row exchange (the trainer's plan on 4 ranks), each sending the ~31% unique ro
 batch's bags read, the other 2 their pooled bags. One call is the forward pass (the module's
 output columns, every row group's bags pooled from the rows) and the backward pass (the output's
 gradient back into the message's layout, reduced per unique row). Providers:
-- recxla: `OutputDist._assemble` and `_split`: one multi-table lookup for all row groups, one
+- recxla: `PooledAssembly.assemble` and `split`: one multi-table lookup for all row groups, one
   cat per direction;
 - per group: the same arithmetic with one lookup call per row group and its bags built per
   group (how the output dist pooled before), then the same cats;
@@ -54,8 +54,8 @@ def _bags(groups: int, generator) -> RowBags:
 def _recxla(dist, bags, flat, grad_out, bag_lengths):
     message = dist.receive_layout(BATCH, RowBags(bags.counts, bags.inverse, bags.bounds,
                                                  bags.lengths, None, bags.micro))
-    out = dist._assemble(flat, message, bag_lengths)
-    return out, dist._split(grad_out, flat, message, bag_lengths)
+    out = dist.assembly.assemble(flat, message, bag_lengths)
+    return out, dist.assembly.split(grad_out, flat, message, bag_lengths)
 
 
 def _group_bags(bags: RowBags, g: int):
@@ -79,15 +79,15 @@ def _per_group(dist, bags, flat, grad_out, bag_lengths):
     pooled = [pooled_forward([r], u, b, i, o, None, [0], [SUM], BATCH)
               for r, (u, b, i, o) in zip(rows, group_bags)]
     blocks.append(torch.cat(pooled, dim=1))
-    out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in dist.gather], dim=1)
+    out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in dist.assembly.gather], dim=1)
     grad = torch.empty_like(flat)
     grad_blocks = [grad[o: o + BATCH * d].view(BATCH, d) for o, d in message.pooled]
-    grad_blocks.append(grad_out.new_empty((BATCH, dist.row_block_width)))
-    for block, copies in dist.scatter.items():
+    grad_blocks.append(grad_out.new_empty((BATCH, dist.assembly.row_block_width)))
+    for block, copies in dist.assembly.scatter.items():
         torch.cat([grad_out[:, c.dst: c.dst + c.width] for c in copies], dim=1,
                   out=grad_blocks[block])
     for (offset, _, n, c), r, (u, b, i, o), column in zip(
-            message.rows, rows, group_bags, range(0, dist.row_block_width, DIM)):
+            message.rows, rows, group_bags, range(0, dist.assembly.row_block_width, DIM)):
         row_grad = unique_grad(grad_blocks[-1][:, column: column + DIM].contiguous(), [r], u,
                                b, i, o, None, [0], [SUM], BATCH)[0]
         grad[offset: offset + n * c].view(n, c).copy_(row_grad)
@@ -111,7 +111,7 @@ def test_output_dist_assemble_and_split(benchmark, provider):
     bags = _bags(groups, generator)
     message = dist.receive_layout(BATCH, bags)
     flat = torch.randn(message.total, generator=generator)
-    grad_out = torch.randn(BATCH, dist.out_dim, generator=generator)
+    grad_out = torch.randn(BATCH, dist.assembly.out_dim, generator=generator)
     bag_lengths = torch.empty(BATCH, 0)
     benchmark.group = (f"output dist, rank 0 of {WORLD}: {TABLES} tables x dim {DIM}, "
                        f"{groups} in row exchange, batch {BATCH}, forward + backward")

@@ -72,7 +72,7 @@ def _early_rows_body(rank, world, seed, fwd, bwd, steps, batch, options):
         model, dense, _ = _build(seed, world, "table_wise", fwd, bwd, row_exchange)
         pipeline = TrainPipeline(model, dense, torch.device("cpu"), early_rows=early_rows,
                                  **options)
-        modules = [m for m in model.modules() if hasattr(m, "start_early_rows")]
+        modules = [m for m in model.modules() if hasattr(m, "steps")]
         for m in modules:
             m.comm_stats.reset()
         data, outputs = iter(mine), []

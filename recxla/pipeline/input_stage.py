@@ -51,11 +51,12 @@ class PreparedBatch:
     # bad next batch never interrupts the current step halfway.
     error: Optional[BaseException] = None
 
-    def early_lookup(self, state: ModuleInput, module) -> Optional[EarlyLookup]:
-        """The state's early lookup if the module's tables are as it expects, else None."""
+    def early_lookup(self, state: ModuleInput, steps) -> Optional[EarlyLookup]:
+        """The state's early lookup if the module's tables are as it expects, else None
+        (steps: the module's EmbeddingSteps)."""
         if state.early is None:
             return None
-        if state.early_tables != module.tables_version():
+        if state.early_tables != steps.tables_version():
             state.early = None
         return state.early
 
@@ -63,10 +64,10 @@ class PreparedBatch:
         for state in self.inputs:
             state.early = None
 
-    def early_rows(self, state: ModuleInput, module) -> Any:
+    def early_rows(self, state: ModuleInput, steps) -> Any:
         """The state's early rows; an error if the module's tables changed since they were
         sent (they hold the values of then, and the other ranks use theirs)."""
-        if state.early_rows is not None and state.early_rows_tables != module.tables_version():
+        if state.early_rows is not None and state.early_rows_tables != steps.tables_version():
             raise RuntimeError(
                 "recxla.pipeline.TrainPipeline: the tables changed between two progress calls "
                 "while the next batch's early rows were on their way; call detach() before "
@@ -85,8 +86,8 @@ class PreparedBatch:
 def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batches: int,
                   split: str, copies: CopyStream) -> PreparedBatch:
     """Splits `batch`, starts the copy of its dense fields to `copies.device` and every
-    sharded module's input dist (the sizes' all-to-all). Errors of the batch are kept in the
-    result (see PreparedBatch.error)."""
+    sharded module's input dist (the sizes' all-to-all; modules: (path, EmbeddingSteps)
+    pairs). Errors of the batch are kept in the result (see PreparedBatch.error)."""
     prepared = PreparedBatch(batch)
     try:
         micro = split_batch(batch, num_micro_batches, split)
@@ -97,12 +98,12 @@ def prepare_batch(batch: Any, modules: Sequence[Tuple[str, Any]], num_micro_batc
     if copies.device.type != "cpu":
         prepared.dense_copy = copies.start(lambda: dense_to(micro.batch, copies.device))
     prepared.micro = micro
-    for (_, module), kjt in zip(modules, features):
-        meta = module.start_input_dist(kjt, micro.sizes)
+    for (_, steps), kjt in zip(modules, features):
+        meta = steps.start_input_dist(kjt, micro.sizes)
         lengths = meta.input_lengths
         prepared.inputs.append(ModuleInput(
             meta=meta, row_bags=meta.row_bags,
-            bag_lengths=None if lengths is None else module.mean_bag_lengths(lengths)))
+            bag_lengths=None if lengths is None else steps.receive_lengths(lengths)))
     return prepared
 
 
@@ -110,7 +111,7 @@ def advance(prepared: PreparedBatch, decode: bool, modules: Sequence[Tuple[str, 
             copies: Optional[CopyStream] = None) -> None:
     """Waits for the sizes and starts the ids' all-to-all; with decode, also waits for the
     ids, decodes them at the owner and starts their copy to each module's device (`modules`:
-    the (path, module) pairs the batch was prepared for)."""
+    the (path, EmbeddingSteps) pairs the batch was prepared for)."""
     if prepared.error is not None:
         return
     try:
@@ -120,9 +121,9 @@ def advance(prepared: PreparedBatch, decode: bool, modules: Sequence[Tuple[str, 
             if decode and state.data is not None:
                 state.lookup_input, state.data = state.data.wait(), None
                 if copies is not None:
-                    module, lookup_input = modules[i][1], state.lookup_input
+                    steps, lookup_input = modules[i][1], state.lookup_input
                     state.lookup_copy = copies.start(
-                        lambda: moved(module.to_device(lookup_input)))
+                        lambda: moved(steps.to_device(lookup_input)))
     except (ValueError, TypeError, IndexError) as e:
         prepared.error = e
 

@@ -74,7 +74,7 @@ from recxla.pipeline.input_stage import (
 from recxla.pipeline.micro_batches import OWNER
 from recxla.pipeline.timeline import Timeline
 from recxla.pipeline.window import FrozenWindow
-from recxla.torchrec.sharded_embedding_bag import ShardedEmbeddingBagCollection
+from recxla.torchrec.types import EmbeddingSteps, PipelinedModule
 
 
 class TrainPipeline:
@@ -195,8 +195,8 @@ class TrainPipeline:
         every node's batch touched (and with sync="weights" every row at a sync)."""
         early = [name for name, on in (("dbp_lookup='early'", self._dbp_lookup == "early"),
                                        ("early_rows", self._early_rows)) if on]
-        replicated = [path or "the model" for path, m in self._modules
-                      if m.replicas is not None]
+        replicated = [path or "the model" for path, steps in self._modules
+                      if steps.replicas is not None]
         if early and replicated:
             raise ValueError(f"{OWNER}: {' and '.join(early)} with 2D replicas "
                              f"({replicated[0]}) is not supported: the next batch would read "
@@ -204,9 +204,10 @@ class TrainPipeline:
                              "dbp_lookup='after_update' and early_rows=False")
 
     def _set_model(self, model: torch.nn.Module) -> None:
-        self._modules: List[Tuple[str, ShardedEmbeddingBagCollection]] = [
-            (path, m) for path, m in model.named_modules()
-            if isinstance(m, ShardedEmbeddingBagCollection)]
+        # Each recxla-sharded module's steps (recxla.torchrec.types): all the pipeline calls.
+        self._modules: List[Tuple[str, EmbeddingSteps]] = [
+            (path, m.steps) for path, m in model.named_modules()
+            if isinstance(m, PipelinedModule)]
         if not self._modules:
             raise ValueError(f"{OWNER}: the model has no module sharded by "
                              "recxla.torchrec.EmbeddingBagCollectionSharder")
@@ -342,13 +343,13 @@ class TrainPipeline:
         micro = current.micro
         windows = []
         with self._span("lookup", "forward"):
-            for (_, module), state in zip(self._modules, current.inputs):
+            for (_, steps), state in zip(self._modules, current.inputs):
                 row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
-                windows.append(FrozenWindow(module, module.to_device(state.lookup_input),
+                windows.append(FrozenWindow(steps, steps.to_device(state.lookup_input),
                                             state.bag_lengths, row_bags,
-                                            current.early_lookup(state, module),
+                                            current.early_lookup(state, steps),
                                             self._correct_early_lookups,
-                                            current.early_rows(state, module)))
+                                            current.early_rows(state, steps)))
         ahead = 2 if self._overlap else 1
         for k in range(min(ahead, self._num_micro)):
             for w in windows:
@@ -373,7 +374,7 @@ class TrainPipeline:
                 self._receive_output, windows, k, training, early_rows if k == 0 else [],
                 fresh if k == 0 else []))
             for i, w in enumerate(windows):
-                w.module.stage_output(functools.partial(arrival.output, i))
+                w.steps.stage_output(functools.partial(arrival.output, i))
             if training and self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
             with self._span("dense", "backward" if training else "forward", micro_batch=k):
@@ -384,7 +385,8 @@ class TrainPipeline:
                     (loss * (micro.sizes[k] / max(micro.batch_size, 1))).backward()
             outputs.append(output)
             if training:
-                self._exchange_gradients(windows, arrival.embeddings(), k)
+                arrival.embeddings()  # received, whether the model asked for them or not
+                self._exchange_gradients(windows, k)
         if fresh:
             with self._span("next batch", "input"):
                 for batch in fresh:
@@ -399,8 +401,8 @@ class TrainPipeline:
                         if state.early is not None:
                             continue  # made at this step's start (early rows)
                         arrive_lookup(state)
-                        state.lookup_input = w.module.to_device(state.lookup_input)
-                        state.early = w.module.early_lookup(state.lookup_input, w.input)
+                        state.lookup_input = w.steps.to_device(state.lookup_input)
+                        state.early = w.steps.early_lookup(state.lookup_input, w.input)
         if training:
             with self._span("wait gradients", "backward", micro_batch=self._num_micro - 1):
                 for w in windows:
@@ -413,11 +415,11 @@ class TrainPipeline:
             if not self._defer_dense_update:
                 self.flush()
             if following is not None:
-                for (_, module), state in zip(self._modules, following.inputs):
+                for (_, steps), state in zip(self._modules, following.inputs):
                     if state.early is not None:
-                        state.early_tables = module.tables_version()
+                        state.early_tables = steps.tables_version()
                     if state.early_rows is not None:
-                        state.early_rows_tables = module.tables_version()
+                        state.early_rows_tables = steps.tables_version()
         return micro.merge(outputs)
 
     def _load_ahead(self, dataloader_iter: Iterator) -> List[PreparedBatch]:
@@ -454,9 +456,9 @@ class TrainPipeline:
         with self._span("early rows", "forward"):
             for w, state in zip(windows, following.inputs):
                 arrive_lookup(state)
-                state.lookup_input = w.module.to_device(state.lookup_input)
+                state.lookup_input = w.steps.to_device(state.lookup_input)
                 row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
-                state.early_rows = w.module.start_early_rows(
+                state.early_rows = w.steps.start_early_rows(
                     state.lookup_input, w.input, row_bags, self._hold_changed_rows)
                 if state.early_rows.early is not None:
                     state.early = state.early_rows.early
@@ -474,9 +476,10 @@ class TrainPipeline:
             for w in windows:
                 w.start_output(k + 1)
         if training and self._overlap:
-            for w, kt in zip(windows, embeddings):
-                if kt.values().requires_grad:
-                    kt.values().register_hook(functools.partial(_start_gradient, w, k))
+            for w in windows:
+                values = w.output_values(k)
+                if values.requires_grad:
+                    values.register_hook(functools.partial(_start_gradient, w, k))
         if early_rows:
             # The masks travelled with O(0): the early rows leave now, during this batch's
             # dense forward and backward.
@@ -492,14 +495,15 @@ class TrainPipeline:
                     advance(batch, decode=False)
         return embeddings
 
-    def _exchange_gradients(self, windows: List[FrozenWindow], embeddings, k: int) -> None:
+    def _exchange_gradients(self, windows: List[FrozenWindow], k: int) -> None:
         """After D(k)'s backward: G(k) sent (at once without overlap; with it, the autograd
         hook already did), and the gradients of earlier micro-batches received."""
         if not self._overlap:
             with self._span("send gradients", "backward", micro_batch=k):
-                for w, kt in zip(windows, embeddings):
-                    if kt.values().grad is not None:
-                        w.start_gradient(k, kt.values().grad)
+                for w in windows:
+                    grad = w.output_values(k).grad
+                    if grad is not None:
+                        w.start_gradient(k, grad)
         with self._span("wait gradients", "backward", micro_batch=k):
             for w in windows:
                 for j in w.pending_gradients():
@@ -520,7 +524,7 @@ def _start_gradient(window: FrozenWindow, k: int, grad: torch.Tensor) -> None:
 
 
 class _Arrival:
-    """One micro-batch's rows, received once (`receive()` -> each window's KeyedTensor) by
+    """One micro-batch's rows, received once (`receive()` -> each window's output) by
     whichever asks first: a sharded module's forward (`output(i)`, what the pipeline stages)
     or the pipeline after the model's forward and backward (`embeddings()`)."""
 

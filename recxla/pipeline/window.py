@@ -14,25 +14,25 @@ on NCCL's stream, and waits order the streams without blocking the host. The sam
 both.
 """
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recxla.torchrec.early_lookup import EarlyLookup
 from recxla.torchrec.early_rows import EarlyRows
 from recxla.torchrec.input_dist import LookupInput
 from recxla.torchrec.row_exchange import RowBags
+from recxla.torchrec.types import EmbeddingSteps
 
 
 class FrozenWindow:
     """One sharded module's state for one batch.
 
     Args:
-        module: a recxla ShardedEmbeddingBagCollection.
+        steps: the steps of a recxla sharded module (recxla.torchrec.types.EmbeddingSteps).
         lookup_input: the batch's LookupInput (micro-batches in order at the owner).
-        bag_lengths: float32 [B_local, ranges] lengths of this rank's row-sharded MEAN bags in
-            micro-batch order (None when the module has none).
+        bag_lengths: the steps' receive_lengths of this rank's batch, a row per sample in
+            micro-batch order (None when the receiver needs none).
         row_bags: this rank's bags of row-exchange tables (None when there are none).
         early: the pooled lookup when it already ran before the previous batch's update
             (DBP); None: the window looks up now.
@@ -41,19 +41,20 @@ class FrozenWindow:
             recxla.torchrec.early_rows); the exchanges then carry only the rest.
     """
 
-    def __init__(self, module, lookup_input: LookupInput, bag_lengths: Optional[torch.Tensor],
-                 row_bags: Optional[RowBags] = None, early: Optional[EarlyLookup] = None,
-                 correct: bool = True, early_rows: Optional[EarlyRows] = None):
-        self.module = module
+    def __init__(self, steps: EmbeddingSteps, lookup_input: LookupInput,
+                 bag_lengths: Optional[torch.Tensor], row_bags: Optional[RowBags] = None,
+                 early: Optional[EarlyLookup] = None, correct: bool = True,
+                 early_rows: Optional[EarlyRows] = None):
+        self.steps = steps
         self.input = lookup_input
         self.bag_lengths = bag_lengths
         self.row_bags = row_bags
-        self.my_rows = list(lookup_input.micro_batch_sizes[module.layout.rank])
+        self.my_rows = list(lookup_input.micro_batch_sizes[steps.layout.rank])
         self.num_micro = len(self.my_rows)
         # L: one lookup for every micro-batch, its autograd nodes kept for the update.
-        self.row_output = module.lookup_rows(lookup_input)
+        self.row_output = steps.lookup_rows(lookup_input)
         if early is None:
-            self.output = module.lookup_pooled(lookup_input, rows_follow=bool(self.row_output))
+            self.output = steps.lookup_pooled(lookup_input, rows_follow=bool(self.row_output))
             self.pooled = self.output.detach()
         else:
             self.output = early.output
@@ -67,11 +68,12 @@ class FrozenWindow:
         self.gradient = self.pooled.new_empty(self.pooled.shape) \
             if self._pooled_gradient and not self._message_is_gradient else None
         self.row_gradients = [r.new_empty(r.shape) for r in self.rows]
-        self._messages = [module.output_message(n, row_bags, k)
+        self._messages = [steps.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
         self.early_rows = early_rows
         self._sent = [None] * self.num_micro
         self._returning = [None] * self.num_micro
+        self._values: List[Optional[torch.Tensor]] = [None] * self.num_micro
 
     def _my_range(self, k: int):
         start = sum(self.my_rows[:k])
@@ -97,27 +99,34 @@ class FrozenWindow:
         start = self.input.micro_batch_start(k)
         sources = self.input.micro_batch_rows(k)
         pooled = self.pooled[start: start + sum(sources)]
-        self._sent[k] = self.module.start_output(pooled, sources, self._messages[k], self.rows,
-                                                 self.input.rows)
+        self._sent[k] = self.steps.start_output(pooled, sources, self._messages[k], self.rows,
+                                                self.input.rows)
 
-    def receive_output(self, k: int) -> KeyedTensor:
-        """Waits for O(k); -> this rank's micro-batch k embeddings, a leaf that requires grad
-        (its gradient is what G(k) sends back)."""
+    def receive_output(self, k: int) -> Any:
+        """Waits for O(k); -> this rank's micro-batch k embeddings as the module's forward
+        returns them, their values (`output_values(k)`) a leaf that requires grad (its
+        gradient is what G(k) sends back)."""
         self.start_output(k)
         handle, _, _ = self._sent[k]
         received = handle.wait()
         if self.early_rows is not None:
             received = self.early_rows.merge(received, self._messages[k])
-        embeddings = self.module.assemble_output(received, self._messages[k],
-                                                 self._lengths(k), self.needs_gradient)
+        lengths = self._lengths(k)
+        self._values[k] = self.steps.assemble_output(received, self._messages[k], lengths,
+                                                     self.needs_gradient)
         self._sent[k] = None
-        return embeddings
+        return self.steps.form_output(self._values[k], lengths)
+
+    def output_values(self, k: int) -> torch.Tensor:
+        """The values of micro-batch k's embeddings (receive_output)."""
+        return self._values[k]
 
     def start_gradient(self, k: int, grad: torch.Tensor) -> None:
         """G(k): the gradient of micro-batch k's embeddings back to their owners."""
-        self._returning[k] = self.module.start_gradient(
+        self._returning[k] = self.steps.start_gradient(
             grad, self.input.micro_batch_rows(k), self._messages[k], self._lengths(k),
             self.input.rows)
+        self._values[k] = None
 
     def receive_gradient(self, k: int) -> None:
         """Waits for G(k) and puts its rows into the gradient buffers (A(k))."""
@@ -153,7 +162,7 @@ class FrozenWindow:
     def update(self) -> None:
         """U: the lookup's backward on the whole batch's gradient: the fused optimizer updates
         every touched row once (tables without one get their ordinary gradient)."""
-        self.module.fused_optimizer.count_step()
+        self.steps.count_step()
         outputs, grads = [], []
         if self.gradient is not None and self.output.requires_grad:
             outputs.append(self.output)

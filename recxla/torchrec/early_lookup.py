@@ -16,7 +16,7 @@ import torch
 
 from recxla.ops.embedding_bag import MEAN
 from recxla.torchrec.input_dist import LookupInput
-from recxla.torchrec.sharded_parts import PooledTables
+from recxla.torchrec.types import PooledTables
 
 
 class EarlyLookup:

@@ -43,7 +43,7 @@ from recxla.distributed import traffic
 from recxla.torchrec.input_dist import LookupInput
 from recxla.torchrec.output_dist import Message, OutputDist
 from recxla.torchrec.row_exchange import RowBags, RowInput
-from recxla.torchrec.sharded_parts import PooledTables
+from recxla.torchrec.types import PooledTables
 
 # An owner sends pooled bags early only when at least this share of its pooled values can
 # leave before the update: the early lookup's correction of the late bags costs CPU on the

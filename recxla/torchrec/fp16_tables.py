@@ -138,15 +138,16 @@ def as_fp16(sharded: ShardedTensor, halves: Sequence[torch.Tensor]) -> ShardedTe
         process_group=sharded._process_group)
 
 
-def check_fp16_table(name: str, fused: bool, row_exchange: bool, replicas: bool) -> None:
+def check_fp16_table(name: str, fused: bool, row_exchange: bool, replicas: bool,
+                     owner: str = OWNER) -> None:
     """An FP16 table needs recxla's fused update (where its rows are rounded) on the pooled
     path: no dense gradient, no row exchange, no 2D replicas (not supported for it yet)."""
     if not fused:
-        raise ValueError(f"{OWNER}: FP16 table '{name}' needs a fused optimizer (fused_params "
+        raise ValueError(f"{owner}: FP16 table '{name}' needs a fused optimizer (fused_params "
                          "or apply_optimizer_in_backward): its float16 rows are rounded by the "
                          "fused update")
     if row_exchange:
-        raise ValueError(f"{OWNER}: FP16 table '{name}' cannot be in row_exchange (not "
+        raise ValueError(f"{owner}: FP16 table '{name}' cannot be in row_exchange (not "
                          "supported for FP16 tables yet)")
     if replicas:
-        raise ValueError(f"{OWNER}: FP16 table '{name}' with 2D replicas is not supported yet")
+        raise ValueError(f"{owner}: FP16 table '{name}' with 2D replicas is not supported yet")

@@ -72,12 +72,12 @@ DENSE_KERNEL = "dense"
 
 
 def table_update(table: str, weight: torch.Tensor, fused_params: Optional[Dict[str, Any]],
-                 compute_kernel: str = "fused") -> TableUpdate:
+                 compute_kernel: str = "fused", owner: str = OWNER) -> TableUpdate:
     """The update of one table: the optimizer attached to its unsharded weight, else none on
     the plan's "dense" compute kernel (the shard then gets an ordinary gradient), else the
     sharder's fused_params with FBGEMM's defaults (EXACT_SGD, learning rate 0.01) for what
-    they leave out."""
-    where = f"{OWNER}: table '{table}'"
+    they leave out. owner: the module's name in error messages."""
+    where = f"{owner}: table '{table}'"
     classes = getattr(weight, "_optimizer_classes", None)
     if classes:
         if len(classes) != 1:
@@ -211,12 +211,15 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         """Steps counted so far."""
         return int(self._step)
 
-    def step_arguments(self) -> Tuple[List[int], List[Optional[torch.Tensor]], List[float]]:
-        """The lookup's optimizer callback: per local table, (kind, state tensor,
-        [lr, eps, weight_decay, grad_sign]) for this step, with torch's lr_decay applied
-        (lr / (1 + (step - 1) * lr_decay))."""
+    def step_arguments(self, first: int = 0, last: Optional[int] = None
+                       ) -> Tuple[List[int], List[Optional[torch.Tensor]], List[float]]:
+        """The lookup's optimizer callback: per local table first .. last (None: every one),
+        (kind, state tensor, [lr, eps, weight_decay, grad_sign]) for this step, with torch's
+        lr_decay applied (lr / (1 + (step - 1) * lr_decay))."""
         kinds, states, hparams = [], [], []
-        for local, t in enumerate(self._local_tables):
+        last = len(self._local_tables) if last is None else last
+        for local in range(first, last):
+            t = self._local_tables[local]
             update = self._updates[t]
             kinds.append(update.kind)
             states.append(self._states[local])

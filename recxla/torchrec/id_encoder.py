@@ -25,7 +25,7 @@ from recxla.ops.route_ids import route_ids
 from recxla.torchrec import id_wire_format as wire
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.row_exchange import RowBags, RowRouting, encode_rows
-from recxla.torchrec.shard_layout import OWNER, ShardLayout
+from recxla.torchrec.shard_layout import ShardLayout
 
 
 @dataclass
@@ -56,15 +56,20 @@ class IdEncoder:
         is_weighted: batches carry per-sample weights.
         dedup: allow the deduplicated encodings (False: always raw ids).
         stats: counters this encoder adds the bytes it sends to.
+        expand_rows: the receiver expands unique rows to their ids' positions (the sequence
+            module; row_exchange.RowRouting).
+        max_bag_length: the longest bag (sequence) a batch may hold; None: no limit.
     """
 
     def __init__(self, layout: ShardLayout, device: torch.device, is_weighted: bool,
-                 dedup: bool, stats: CommStats):
+                 dedup: bool, stats: CommStats, expand_rows: bool = False,
+                 max_bag_length: Optional[int] = None):
         self.layout = layout
         self.device = device
         self.is_weighted = is_weighted
         self.dedup = dedup
         self.stats = stats
+        self.max_bag_length = max_bag_length
         # Features every batch must hold: the layout's, and those of tables looked up
         # elsewhere (data-parallel ones) that the sharded module adds.
         self.required_features: List[str] = layout.feature_names
@@ -94,7 +99,7 @@ class IdEncoder:
             first_route.append(first_route[-1] + len(r))
         self.block_first_route = torch.tensor(first_route, dtype=torch.int64, device=device)
         flat = [route for r in routes for route in r]
-        self.rows = RowRouting(layout, device)
+        self.rows = RowRouting(layout, device, expand_rows)
         # A route goes to a send slot (pooled tables) or to a global row group, never both.
         self.route_send_slot = torch.tensor(
             [self.slot_base[r.dest] + r.dest_slot if r.row_group < 0 else -1 for r in flat],
@@ -134,13 +139,14 @@ class IdEncoder:
                                           torch.tensor(i, device=lengths.device), right=True))
             table = layout.tables[layout.input_slot_table[slot]]
             raise IndexError(
-                f"{OWNER}: feature '{layout.input_slot_feature[slot]}' has id {int(values[i])} "
+                f"{self.layout.owner}: feature '{layout.input_slot_feature[slot]}' has id {int(values[i])} "
                 f"outside [0, {table.num_embeddings}) (table '{table.name}' has "
                 f"{table.num_embeddings} rows)")
         rows = None
         if self.rows.active:
             rows = encode_rows(self.rows, routed.row_group, routed.row_slot, routed.row_sample,
-                               routed.row_ids, routed.row_weights, micro, batch)
+                               routed.row_ids, routed.row_weights, micro, batch,
+                               lengths.view(num_slots_in, batch))
         total_slots = self.slot_base[-1]
         slot_counts = routed.slot_counts
         slot_ends = torch.cumsum(slot_counts, 0)
@@ -160,7 +166,7 @@ class IdEncoder:
         [S_in * B], weights float32 [N] or None, B."""
         layout = self.layout
         if not isinstance(features, KeyedJaggedTensor):
-            raise TypeError(f"{OWNER}: features must be a KeyedJaggedTensor, got "
+            raise TypeError(f"{self.layout.owner}: features must be a KeyedJaggedTensor, got "
                             f"{type(features).__name__}")
         try:
             # TorchRec's own checks of a sharded module's input (unique keys, lengths and
@@ -168,27 +174,33 @@ class IdEncoder:
             # reads the keys of each batch anew, where TorchRec checks its first batch only.
             validate_keyed_jagged_tensor(features)
         except ValueError as e:
-            raise ValueError(f"{OWNER}: invalid KeyedJaggedTensor: {e}") from None
+            raise ValueError(f"{self.layout.owner}: invalid KeyedJaggedTensor: {e}") from None
         keys = features.keys()
         position = {k: i for i, k in enumerate(keys)}
         missing = [f for f in self.required_features if f not in position]
         if missing:
-            raise ValueError(f"{OWNER}: feature '{missing[0]}' is missing from the input "
+            raise ValueError(f"{self.layout.owner}: feature '{missing[0]}' is missing from the input "
                              f"(keys: {keys}; the module reads {self.required_features})")
         values, lengths = features.values(), features.lengths()
         if values.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{OWNER}: ids must be int32 or int64, got {values.dtype}")
+            raise TypeError(f"{self.layout.owner}: ids must be int32 or int64, got {values.dtype}")
         batch = features.stride()
         if lengths.numel() != len(keys) * batch:
-            raise ValueError(f"{OWNER}: lengths has {lengths.numel()} entries, but {len(keys)} "
+            raise ValueError(f"{self.layout.owner}: lengths has {lengths.numel()} entries, but {len(keys)} "
                              f"features x batch size {batch} need {len(keys) * batch}")
         if lengths.numel() and int(lengths.min()) < 0:
             i = int(torch.nonzero(lengths < 0)[0])
-            raise ValueError(f"{OWNER}: feature '{keys[i // batch]}' has a negative length "
+            raise ValueError(f"{self.layout.owner}: feature '{keys[i // batch]}' has a negative length "
                              f"({int(lengths[i])}) at sample {i % batch}")
+        if self.max_bag_length is not None and lengths.numel() and \
+                int(lengths.max()) > self.max_bag_length:
+            i = int(torch.nonzero(lengths > self.max_bag_length)[0])
+            raise ValueError(f"{self.layout.owner}: feature '{keys[i // batch]}' has a sequence of "
+                             f"{int(lengths[i])} ids at sample {i % batch}, longer than "
+                             f"max_sequence_length={self.max_bag_length}")
         weights = features.weights_or_none()
         if self.is_weighted and weights is None:
-            raise ValueError(f"{OWNER}: the module is weighted but the input has no weights")
+            raise ValueError(f"{self.layout.owner}: the module is weighted but the input has no weights")
         order = [position[f] for f in layout.input_slot_feature]
         if order != list(range(len(keys))):
             features = features.permute(order)

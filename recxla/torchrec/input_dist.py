@@ -27,7 +27,7 @@ from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.id_decoder import IdDecoder, LookupInput
 from recxla.torchrec.id_encoder import IdEncoder, SendBlocks
 from recxla.torchrec.row_exchange import RowBags
-from recxla.torchrec.shard_layout import OWNER, ShardLayout
+from recxla.torchrec.shard_layout import ShardLayout
 from recxla.torchrec.variable_batch import expand_variable_batch
 
 __all__ = ["IdRouter", "IdsInFlight", "InputDistError", "LookupInput", "SizesInFlight"]
@@ -47,15 +47,21 @@ class IdRouter:
         is_weighted: batches carry per-sample weights.
         dedup: allow the deduplicated encodings (False: always raw ids).
         stats: counters this router adds its bytes to.
+        expand_rows: the sequence module's input dist (IdEncoder): every id's position is
+            kept, and a variable batch per feature is refused (its jagged output would change).
+        max_bag_length: the longest bag a batch may hold (None: no limit).
     """
 
     def __init__(self, layout: ShardLayout, group: Optional[dist.ProcessGroup],
-                 device: torch.device, is_weighted: bool, dedup: bool, stats: CommStats):
+                 device: torch.device, is_weighted: bool, dedup: bool, stats: CommStats,
+                 expand_rows: bool = False, max_bag_length: Optional[int] = None):
         self.layout = layout
         self.group = group
         self.device = device
         self.stats = stats
-        self.encoder = IdEncoder(layout, device, is_weighted, dedup, stats)
+        self.expand_rows = expand_rows
+        self.encoder = IdEncoder(layout, device, is_weighted, dedup, stats, expand_rows,
+                                 max_bag_length)
         self.decoder = IdDecoder(layout, self.encoder.rows, device, is_weighted)
 
     @property
@@ -80,15 +86,19 @@ class IdRouter:
         """
         try:
             if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
+                if self.expand_rows:
+                    raise ValueError(f"{self.layout.owner}: a batch with variable batch per feature is not "
+                                     "supported for sequence embeddings; give every feature "
+                                     "the same batch size")
                 if micro_batch_sizes is not None:
-                    raise ValueError(f"{OWNER}: a batch with variable batch per feature cannot "
+                    raise ValueError(f"{self.layout.owner}: a batch with variable batch per feature cannot "
                                      "be split into micro-batches; expand it first "
                                      "(recxla.torchrec.variable_batch.expand_variable_batch)")
                 features = expand_variable_batch(features)
             batch = features.stride() if isinstance(features, KeyedJaggedTensor) else 0
             micro = [batch] if micro_batch_sizes is None else [int(m) for m in micro_batch_sizes]
             if any(m < 0 for m in micro) or sum(micro) != batch:
-                raise ValueError(f"{OWNER}: micro_batch_sizes {micro} must be >= 0 and sum to "
+                raise ValueError(f"{self.layout.owner}: micro_batch_sizes {micro} must be >= 0 and sum to "
                                  f"the batch size {batch}")
             blocks = self.encoder.encode(features, micro)
             error = None
@@ -148,7 +158,7 @@ class SizesInFlight(Awaitable["IdsInFlight"]):
         failed = [r for r, row in enumerate(meta) if row[0] != wire.STATUS_OK]
         if failed:
             raise InputDistError(
-                f"{OWNER}: the batch of rank(s) {failed} failed its checks (that rank raised "
+                f"{router.layout.owner}: the batch of rank(s) {failed} failed its checks (that rank raised "
                 "the reason); no ids were exchanged")
         me = router.layout.rank
         recv_sizes = router.decoder.block_sizes(meta)

@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import get_format
@@ -108,19 +109,20 @@ class Message:
 
 
 class AssembleOutput(torch.autograd.Function):
-    """received [R, wire_row_dim] -> the module's output [batch, out_dim]; differentiable
-    w.r.t. received (see the module docstring)."""
+    """received [R, wire_row_dim] -> the module's output values [batch, out_dim] by an
+    assembly (PooledAssembly, or sequence_output.ExpandedAssembly); differentiable w.r.t.
+    received."""
 
     @staticmethod
-    def forward(ctx, received, dist, message, bag_lengths):
-        ctx.dist, ctx.message = dist, message
-        ctx.save_for_backward(received, bag_lengths)
-        return dist._assemble(received.reshape(-1), message, bag_lengths)
+    def forward(ctx, received, assembly, message, lengths):
+        ctx.assembly, ctx.message = assembly, message
+        ctx.save_for_backward(received, lengths)
+        return assembly.assemble(received.reshape(-1), message, lengths)
 
     @staticmethod
     def backward(ctx, grad_out):
-        received, bag_lengths = ctx.saved_tensors
-        return (ctx.dist._split(grad_out, received, ctx.message, bag_lengths), None, None, None)
+        received, lengths = ctx.saved_tensors
+        return (ctx.assembly.split(grad_out, received, ctx.message, lengths), None, None, None)
 
 
 class _DivideGradient(torch.autograd.Function):
@@ -167,19 +169,20 @@ class _DividedGradientHandle:
         return self._result
 
 
-class OutputDist:
-    """Sends each owner's embeddings back and assembles the receiver's output.
+class PooledAssembly:
+    """The pooled module's receiver: the received pooled blocks' columns to the output columns
+    (TorchRec's order), the receiver's pooling of its row groups' bags, the partial sums of
+    row-sharded tables added and their MEAN bags divided (see the module docstring); and the
+    output as a KeyedTensor of the module's embedding names.
 
     Args:
         layout: the module's ShardLayout.
-        group: the process group.
-        fwd, bwd: wire formats of the embeddings and of their gradients.
-        stats: counters this dist adds its bytes to.
     """
 
-    def __init__(self, layout: ShardLayout, group, fwd: str, bwd: str, stats: CommStats):
-        self.layout, self.group, self.fwd, self.bwd, self.stats = layout, group, fwd, bwd, stats
-        self.row_dim = layout.wire_row_dim
+    def __init__(self, layout: ShardLayout):
+        self.layout = layout
+        self.embedding_names = list(layout.embedding_names)
+        self.embedding_dims = list(layout.embedding_dims)
         self.owner_dims = [layout.output_dim(d) for d in range(layout.world_size)]
         self.out_dim = sum(layout.embedding_dims)
         self.copies = column_copies(layout)
@@ -192,14 +195,8 @@ class OutputDist:
         self.scatter = {}
         for c in sorted(self.copies, key=lambda c: (c.block, c.src)):
             self.scatter.setdefault(c.block, []).append(c)
-        self.fwd_row_bytes = get_format(fwd, OWNER, "fwd_comm").row_bytes(self.row_dim)
-        self.bwd_row_bytes = get_format(bwd, OWNER, "bwd_comm").row_bytes(self.row_dim)
-        world = layout.world_size
-        groups = [g for r in range(world) for g in layout.row_groups(r)]
+        groups = [g for r in range(layout.world_size) for g in layout.row_groups(r)]
         self.group_cols = [g.cols for g in groups]
-        self.group_base = [0]
-        for r in range(world):
-            self.group_base.append(self.group_base[-1] + len(layout.row_groups(r)))
         self.group_features = [len(layout.tables[g.table].feature_names) for g in groups]
         self.group_pooling = [SUM if layout.row_sharded(g.table) else
                               layout.tables[g.table].pooling for g in groups]
@@ -224,6 +221,107 @@ class OutputDist:
         # neither pass copies.
         self.pass_through = (self.copies == [ColumnCopy(0, 0, 0, self.out_dim, False)]
                              and not self.mean_ranges and not groups)
+
+    def receive_lengths(self, input_lengths: torch.Tensor,
+                        device: torch.device) -> Optional[torch.Tensor]:
+        """What the assembly needs of this rank's bag lengths (input_lengths int [input slots,
+        B]): the lengths of its row-sharded MEAN bags, whose sums arrive in parts and are
+        divided here, float32 [B, those features] clamped to >= 1 on `device`; None without
+        such bags."""
+        if not self.mean_slots:
+            return None
+        return input_lengths[self.mean_slots].t().to(torch.float32).clamp(min=1.0) \
+            .contiguous().to(device, non_blocking=True)
+
+    def form(self, values: torch.Tensor, lengths: Optional[torch.Tensor]) -> KeyedTensor:
+        """values float32 [B, sum of dims] as the KeyedTensor of the module's model-parallel
+        features (keys and dims in TorchRec's order)."""
+        return KeyedTensor(keys=self.embedding_names, length_per_key=self.embedding_dims,
+                           values=values)
+
+    def assemble(self, flat: torch.Tensor, message: Message,
+                 bag_lengths: torch.Tensor) -> torch.Tensor:
+        """The received message (flat) -> the output values [batch, out_dim]."""
+        batch = message.batch
+        blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
+        if message.rows:
+            bags = message.bags.message_bags(message.micro_batch, self.group_features)
+            blocks.append(pooled_forward(
+                _group_rows(flat, message), bags.unique_values, bags.unique_offsets,
+                bags.inverse, bags.offsets, bags.weights, bags.feature_table, self.group_pooling,
+                batch))
+        if self.gather:  # None with row-sharded sums; [] without output columns
+            out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in self.gather],
+                            dim=1)
+        else:
+            out = flat.new_empty((batch, self.out_dim))
+            for c in self.copies:
+                source = blocks[c.block][:, c.src: c.src + c.width]
+                target = out[:, c.dst: c.dst + c.width]
+                if c.add:
+                    target.add_(source)
+                else:
+                    target.copy_(source)
+        for k, (lo, hi) in enumerate(self.mean_ranges):
+            out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
+        return out
+
+    def split(self, grad_out: torch.Tensor, received: torch.Tensor, message: Message,
+              bag_lengths: torch.Tensor) -> torch.Tensor:
+        """The transpose of assemble: -> a gradient shaped like `received`."""
+        if self.pass_through:
+            return grad_out.contiguous().view(received.shape)
+        batch = message.batch
+        grad_out = grad_out.contiguous()
+        if self.mean_ranges:
+            grad_out = grad_out.clone()
+            for k, (lo, hi) in enumerate(self.mean_ranges):
+                grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
+        grad = grad_out.new_empty(received.shape)
+        flat = grad.view(-1)
+        blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
+        if message.rows:
+            blocks.append(grad_out.new_empty((batch, self.row_block_width)))
+        for block, copies in self.scatter.items():
+            torch.cat([grad_out[:, c.dst: c.dst + c.width] for c in copies], dim=1,
+                      out=blocks[block])
+        if message.rows:
+            bags = message.bags.message_bags(message.micro_batch, self.group_features)
+            rows = _group_rows(received.reshape(-1), message)
+            row_grads = unique_grad(blocks[-1], rows, bags.unique_values, bags.unique_offsets,
+                                    bags.inverse, bags.offsets, bags.weights,
+                                    bags.feature_table, self.group_pooling, batch)
+            for (offset, _, count, cols), row_grad in zip(message.rows, row_grads):
+                if count:
+                    flat[offset: offset + count * cols].view(count, cols).copy_(row_grad)
+        return grad
+
+
+class OutputDist:
+    """Sends each owner's embeddings back and assembles the receiver's output.
+
+    Args:
+        layout: the module's ShardLayout.
+        group: the process group.
+        fwd, bwd: wire formats of the embeddings and of their gradients.
+        stats: counters this dist adds its bytes to.
+        assembly: the receiver's side: PooledAssembly (default) or
+            sequence_output.ExpandedAssembly.
+    """
+
+    def __init__(self, layout: ShardLayout, group, fwd: str, bwd: str, stats: CommStats,
+                 assembly=None):
+        self.layout, self.group, self.fwd, self.bwd, self.stats = layout, group, fwd, bwd, stats
+        self.assembly = assembly if assembly is not None else PooledAssembly(layout)
+        self.row_dim = layout.wire_row_dim
+        self.owner_dims = [layout.output_dim(d) for d in range(layout.world_size)]
+        self.fwd_row_bytes = get_format(fwd, layout.owner, "fwd_comm").row_bytes(self.row_dim)
+        self.bwd_row_bytes = get_format(bwd, layout.owner, "bwd_comm").row_bytes(self.row_dim)
+        world = layout.world_size
+        self.group_cols = [g.cols for r in range(world) for g in layout.row_groups(r)]
+        self.group_base = [0]
+        for r in range(world):
+            self.group_base.append(self.group_base[-1] + len(layout.row_groups(r)))
 
     # -------------------------------------------------------------- gradient division
 
@@ -309,13 +407,14 @@ class OutputDist:
 
     def assemble(self, received: torch.Tensor, message: Message,
                  bag_lengths: Optional[torch.Tensor]) -> torch.Tensor:
-        """received rows -> [batch, sum of embedding dims], the module's output columns;
-        differentiable."""
-        if self.pass_through and not received.requires_grad:
-            return received.view(message.batch, self.out_dim)  # the pipeline's path: no copy
+        """received rows -> the output values [batch, assembly.out_dim]; differentiable.
+        bag_lengths: this exchange's rows of the assembly's receive_lengths (or None)."""
+        assembly = self.assembly
+        if assembly.pass_through and not received.requires_grad:
+            return received.view(message.batch, assembly.out_dim)  # the pipeline's path: no copy
         if bag_lengths is None:
             bag_lengths = received.new_empty((message.batch, 0))
-        return AssembleOutput.apply(received, self, message, bag_lengths)
+        return AssembleOutput.apply(received, assembly, message, bag_lengths)
 
     def finish(self, handle, sent: List[int], message: Message,
                bag_lengths: Optional[torch.Tensor], on_backward) -> torch.Tensor:
@@ -345,7 +444,7 @@ class OutputDist:
         if bag_lengths is None:
             bag_lengths = grad_out.new_empty((message.batch, 0))
         template = grad_out.new_empty((message.total,))
-        grad = self._split(grad_out, template, message, bag_lengths)
+        grad = self.assembly.split(grad_out, template, message, bag_lengths)
         to_owners = _owner_totals(message)
         from_sources = self.send_sizes(source_batches, rows, message.micro_batch)
         self._count(to_owners, from_sources, forward=False)
@@ -361,64 +460,6 @@ class OutputDist:
         return quantized_all_to_all(rows, [n // self.row_dim for n in recv],
                                     [n // self.row_dim for n in send], group=self.group,
                                     fwd=wire, bwd=self.bwd, async_op=True, validate_splits=False)
-
-    # -------------------------------------------------------------- the two passes
-
-    def _assemble(self, flat: torch.Tensor, message: Message,
-                  bag_lengths: torch.Tensor) -> torch.Tensor:
-        batch = message.batch
-        blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
-        if message.rows:
-            bags = message.bags.message_bags(message.micro_batch, self.group_features)
-            blocks.append(pooled_forward(
-                _group_rows(flat, message), bags.unique_values, bags.unique_offsets,
-                bags.inverse, bags.offsets, bags.weights, bags.feature_table, self.group_pooling,
-                batch))
-        if self.gather:  # None with row-sharded sums; [] without output columns
-            out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in self.gather],
-                            dim=1)
-        else:
-            out = flat.new_empty((batch, self.out_dim))
-            for c in self.copies:
-                source = blocks[c.block][:, c.src: c.src + c.width]
-                target = out[:, c.dst: c.dst + c.width]
-                if c.add:
-                    target.add_(source)
-                else:
-                    target.copy_(source)
-        for k, (lo, hi) in enumerate(self.mean_ranges):
-            out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
-        return out
-
-    def _split(self, grad_out: torch.Tensor, received: torch.Tensor, message: Message,
-               bag_lengths: torch.Tensor) -> torch.Tensor:
-        """The transpose of _assemble: -> a gradient shaped like `received`."""
-        if self.pass_through:
-            return grad_out.contiguous().view(received.shape)
-        batch = message.batch
-        grad_out = grad_out.contiguous()
-        if self.mean_ranges:
-            grad_out = grad_out.clone()
-            for k, (lo, hi) in enumerate(self.mean_ranges):
-                grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
-        grad = grad_out.new_empty(received.shape)
-        flat = grad.view(-1)
-        blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
-        if message.rows:
-            blocks.append(grad_out.new_empty((batch, self.row_block_width)))
-        for block, copies in self.scatter.items():
-            torch.cat([grad_out[:, c.dst: c.dst + c.width] for c in copies], dim=1,
-                      out=blocks[block])
-        if message.rows:
-            bags = message.bags.message_bags(message.micro_batch, self.group_features)
-            rows = _group_rows(received.reshape(-1), message)
-            row_grads = unique_grad(blocks[-1], rows, bags.unique_values, bags.unique_offsets,
-                                    bags.inverse, bags.offsets, bags.weights,
-                                    bags.feature_table, self.group_pooling, batch)
-            for (offset, _, count, cols), row_grad in zip(message.rows, row_grads):
-                if count:
-                    flat[offset: offset + count * cols].view(count, cols).copy_(row_grad)
-        return grad
 
 
 def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:

@@ -41,6 +41,7 @@ from recxla.torchrec.choices import REPLICA_PRECISIONS as PRECISIONS
 from recxla.torchrec.choices import REPLICA_SYNCS as SYNCS
 from recxla.torchrec.row_exchange import apply_row_gradients
 from recxla.torchrec.shard_layout import OWNER
+from recxla.torchrec.types import PooledTables
 
 
 def group_layout(world_size: int, ranks_per_node: int) -> Tuple[List[List[int]], List[List[int]]]:
@@ -125,36 +126,37 @@ class ReplicaSync:
 class ReplicatedLookup(torch.autograd.Function):
     """The owner's lookup with its update kept in step across replicas.
 
-    Inputs: (module, lookup tensors..., *local weights); forward pools as FusedPooledLookup;
-    backward updates the rows per the module's ReplicaSync (tables need a fused optimizer).
+    Inputs: (tables: PooledTables, replicas: ReplicaSync, optim: the module's
+    ShardedFusedOptimizer, lookup tensors..., *local weights); forward pools as
+    FusedPooledLookup; backward updates the rows per `replicas` (tables need a fused
+    optimizer).
     """
 
     @staticmethod
-    def forward(ctx, module, unique_values, unique_offsets, inverse, offsets, psw, *weights):
-        ctx.module = module
+    def forward(ctx, tables, replicas, optim, unique_values, unique_offsets, inverse, offsets, psw,
+                *weights):
+        ctx.tables, ctx.replicas, ctx.optim = tables, replicas, optim
         ctx.weights = weights
         ctx.save_for_backward(unique_values, unique_offsets, inverse, offsets, psw)
-        tables = module.pooled_tables
         return pooled_forward(weights, unique_values, unique_offsets, inverse, offsets, psw,
                               list(tables.slot_table), list(tables.pooling),
-                              ctx_batch(offsets, module))
+                              owner_batch(offsets, tables))
 
     @staticmethod
     def backward(ctx, grad_output):
-        module = ctx.module
-        replicas: ReplicaSync = module.replicas
+        replicas: ReplicaSync = ctx.replicas
+        tables = ctx.tables
         weights = [w.detach() for w in ctx.weights]
         lookup = ctx.saved_tensors
-        batch = ctx_batch(lookup[3], module)
+        batch = owner_batch(lookup[3], tables)
         grad_output = grad_output.contiguous().float()
-        kinds, states, hparams = module.fused_step_arguments(0, len(weights))
+        kinds, states, hparams = ctx.optim.step_arguments(0, len(weights))
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
-        tables = module.pooled_tables
         common = (list(tables.slot_table), list(tables.pooling), batch)
         with torch.no_grad():
             if replicas.sync == "weights":
                 backward_update(grad_output, weights, states, *lookup, *common, kinds, hparams)
-                if module.fused_optimizer.step_count % replicas.sync_every == 0:
+                if ctx.optim.step_count % replicas.sync_every == 0:
                     average_replicas(weights, states, replicas.group)
             else:
                 rows = unique_grad(grad_output, weights, *lookup, *common)
@@ -166,23 +168,24 @@ class ReplicatedLookup(torch.autograd.Function):
                                      "optimizer on every table (fused_params or "
                                      "apply_optimizer_in_backward)")
                 apply_row_gradients(weights, states, union, summed, kinds, hparams)
-        return (None,) * 6 + (None,) * len(weights)
+        return (None,) * 8 + (None,) * len(weights)
 
 
-def apply_replicated_row_gradients(module, weights: Sequence[torch.Tensor],
+def apply_replicated_row_gradients(replicas: ReplicaSync, optim,
+                                   weights: Sequence[torch.Tensor],
                                    states: Sequence[torch.Tensor],
                                    ids: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                                    kinds: Sequence[int], hparams: Sequence[float]) -> None:
-    """row_exchange.apply_row_gradients for a module with 2D replicas (its RowLookup's update),
-    kept in step per `module.replicas`: "gradients" sums each requested row's gradient on this
-    rank, then over the replicas (the union of the rows they touched, as the pooled tables'
-    sum_over_replicas), so every replica applies the same update to the same rows; "weights"
-    updates from this node's gradients and averages the row tables and their state every
-    sync_every steps. Arguments as apply_row_gradients's (ids int64 [R_t], repeats allowed)."""
-    replicas: ReplicaSync = module.replicas
+    """row_exchange.apply_row_gradients for a module with 2D replicas (its RowLookup's update,
+    with `replicas` and `optim`, the module's ShardedFusedOptimizer, bound), kept in step per
+    `replicas`: "gradients" sums each requested row's gradient on this rank, then over the
+    replicas (the union of the rows they touched, as the pooled tables' sum_over_replicas), so
+    every replica applies the same update to the same rows; "weights" updates from this node's
+    gradients and averages the row tables and their state every sync_every steps. The other
+    arguments as apply_row_gradients's (ids int64 [R_t], repeats allowed)."""
     if replicas.sync == "weights":
         apply_row_gradients(weights, states, ids, grads, kinds, hparams)
-        if module.fused_optimizer.step_count % replicas.sync_every == 0:
+        if optim.step_count % replicas.sync_every == 0:
             average_replicas(weights, states, replicas.group)
         return
     rows, sums = [], []
@@ -194,9 +197,9 @@ def apply_replicated_row_gradients(module, weights: Sequence[torch.Tensor],
     apply_row_gradients(weights, states, union, summed, kinds, hparams)
 
 
-def ctx_batch(offsets: torch.Tensor, module) -> int:
+def owner_batch(offsets: torch.Tensor, tables: PooledTables) -> int:
     """The owner's batch size from its bag offsets ([slots * B + 1])."""
-    slots = len(module.pooled_tables.slot_table)
+    slots = len(tables.slot_table)
     return (offsets.numel() - 1) // slots if slots else 0
 
 

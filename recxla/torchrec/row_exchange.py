@@ -18,7 +18,7 @@ micro-batch and rank by rank: the rows to gather and send, and where their gradi
 
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,10 +29,13 @@ from recxla.torchrec.shard_layout import ShardLayout
 
 
 class RowRouting:
-    """Static tables of the row groups, from the layout (every rank's view is the same)."""
+    """Static tables of the row groups, from the layout (every rank's view is the same).
+    expand: the receiver expands each unique row to the positions of its ids (the sequence
+    module) instead of pooling bags: the sender then also records each id's position."""
 
-    def __init__(self, layout: ShardLayout, device: torch.device):
+    def __init__(self, layout: ShardLayout, device: torch.device, expand: bool = False):
         world = layout.world_size
+        self.expand = expand
         self.groups_per_rank = [len(layout.row_groups(r)) for r in range(world)]
         self.group_base = [sum(self.groups_per_rank[:r]) for r in range(world + 1)]
         self.total = self.group_base[-1]
@@ -50,6 +53,16 @@ class RowRouting:
             [layout.tables[t].feature_names.index(f)
              for t, f in zip(layout.input_slot_table, layout.input_slot_feature)],
             dtype=torch.int64, device=device)
+        # Per input slot: the routes of each of its ids (route_ids writes an id's routes one
+        # after another): the column shards of its row block, the same for every block of a
+        # table that TorchRec's plans make (one block with column shards, or row blocks of one
+        # shard each).
+        routes = [{len(r) for r in block_routes} for block_routes in layout.block_routes]
+        if expand and any(len(r) != 1 for r in routes):
+            raise ValueError(f"{layout.owner}: expanded rows need every row block of a table cut into "
+                             "the same column shards")
+        self.routes_per_slot = torch.tensor([min(r) for r in routes] if expand else [],
+                                            dtype=torch.int64, device=device)
 
     @property
     def active(self) -> bool:
@@ -64,7 +77,9 @@ class RowBags:
     each id's index into its (group, micro-batch)'s unique rows, ids ordered by (group,
     micro-batch, feature, sample); bounds: P-offsets of the (group, micro-batch) runs
     ([G * M + 1] ints); lengths: int64 [G, max features, B] bag lengths (samples in
-    micro-batch order); weights: float32 [P] or None; micro: the M micro-batch sizes.
+    micro-batch order); weights: float32 [P] or None; micro: the M micro-batch sizes;
+    positions: int64 [P] (expanded rows only, else None) each id's position in its
+    micro-batch's output (input slot by input slot, sample by sample, in bag order).
     """
 
     counts: torch.Tensor
@@ -73,6 +88,7 @@ class RowBags:
     lengths: torch.Tensor
     weights: Optional[torch.Tensor]
     micro: List[int]
+    positions: Optional[torch.Tensor] = None
     # message_bags() per micro-batch: the forward pass (pooling) and the backward (gradients
     # per unique row) each ask for the same ones.
     _message_bags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -84,7 +100,7 @@ class RowBags:
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return RowBags(self.counts, move(self.inverse), self.bounds, move(self.lengths),
-                       move(self.weights), self.micro)
+                       move(self.weights), self.micro, move(self.positions))
 
     def ids_to(self, dest: int, routing: "RowRouting") -> int:
         """Id occurrences (before dedup) this rank routes to dest's row groups."""
@@ -96,17 +112,43 @@ class RowBags:
         """Every row group's bags of micro-batch k as one multi-table lookup over the rows that
         micro-batch's message brings (group after group); features: per global row group, its
         feature count."""
-        if k not in self._message_bags:
-            self._message_bags[k] = self._make_message_bags(k, features)
-        return self._message_bags[k]
+        return self.cached(k, lambda: self._make_message_bags(k, features))
+
+    def cached(self, key, make):
+        """make() once per key for these bags (what a receiver derives from them per
+        micro-batch: the forward and the backward of an exchange each ask for it)."""
+        if key not in self._message_bags:
+            self._message_bags[key] = make()
+        return self._message_bags[key]
+
+    def on_device(self, values) -> torch.Tensor:
+        """Host ints as an int64 tensor where the bags are, without a synchronizing copy (the
+        small index tables are built on the host, where counts and bounds live)."""
+        return torch.as_tensor(values, dtype=torch.int64).to(self.inverse.device,
+                                                              non_blocking=True)
+
+    def micro_batch_ids(self, k: int) -> Tuple[Callable[[torch.Tensor], torch.Tensor],
+                                               List[int]]:
+        """The ids of micro-batch k, group after group: (take: a per-id tensor [P] -> its
+        entries of micro-batch k's runs (g, k), g = 0 .. G-1, in order; the ids of each
+        group)."""
+        num_micro, groups = len(self.micro), self.counts.shape[0]
+        # The ids of run (g, k) for every g: one slice with one micro-batch, else a gather.
+        first = self.bounds[k::num_micro][:groups]
+        ids = [self.bounds[g * num_micro + k + 1] - first[g] for g in range(groups)]
+        if num_micro == 1:
+            return (lambda x: x[self.bounds[0]: self.bounds[groups]]), ids
+        total = sum(ids)
+        before = accumulate(ids, initial=0)
+        shift = self.on_device([f - b for f, b in zip(first, before)])
+        index = torch.arange(total, device=self.inverse.device) + torch.repeat_interleave(
+            shift, self.on_device(ids), output_size=total)
+        return (lambda x: x.index_select(0, index)), ids
 
     def _make_message_bags(self, k: int, features: Sequence[int]) -> "MessageBags":
-        num_micro, groups = len(self.micro), self.counts.shape[0]
+        groups = self.counts.shape[0]
         device = self.inverse.device
-        # The small index tables are built on the host (counts and bounds live there) and
-        # moved without a synchronizing copy (as `to`).
-        on_device = lambda values: torch.as_tensor(  # noqa: E731
-            values, dtype=torch.int64).to(device, non_blocking=True)
+        on_device = self.on_device
         counts = self.counts[:, k]
         unique_rows = int(counts.sum())
         # Each group's rows are numbered from 0 in its own table.
@@ -114,19 +156,9 @@ class RowBags:
         unique_values = torch.arange(unique_rows, dtype=torch.int64, device=device) - \
             torch.repeat_interleave(unique_offsets[:-1], on_device(counts),
                                     output_size=unique_rows)
-        # The ids of run (g, k) for every g: one slice with one micro-batch, else a gather.
-        first = self.bounds[k::num_micro][:groups]
-        ids = [self.bounds[g * num_micro + k + 1] - first[g] for g in range(groups)]
+        take, ids = self.micro_batch_ids(k)
         total = sum(ids)
         ids_per_group = on_device(ids)
-        if num_micro == 1:
-            take = lambda x: x[self.bounds[0]: self.bounds[groups]]  # noqa: E731
-        else:
-            before = accumulate(ids, initial=0)
-            shift = on_device([f - b for f, b in zip(first, before)])
-            index = torch.arange(total, device=device) + torch.repeat_interleave(
-                shift, ids_per_group, output_size=total)
-            take = lambda x: x.index_select(0, index)  # noqa: E731
         # Each id's index into its group's rows -> into the message's rows.
         inverse = take(self.inverse) + torch.repeat_interleave(
             unique_offsets[:-1], ids_per_group, output_size=total)
@@ -164,11 +196,15 @@ class MessageBags:
 
 def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
                 sample: torch.Tensor, local_ids: torch.Tensor, weights: Optional[torch.Tensor],
-                micro: Sequence[int], batch: int) -> Tuple[RowBags, torch.Tensor, List[int]]:
+                micro: Sequence[int], batch: int,
+                input_lengths: Optional[torch.Tensor] = None
+                ) -> Tuple[RowBags, torch.Tensor, List[int]]:
     """The sender's half for the ids routed to row groups.
 
-    group, slot, sample, local_ids: int64 [P], per id (one entry per route of an id): its
-    global row group, input slot, sample (micro-batch order) and row local to the owner.
+    group, slot, sample, local_ids: int64 [P], per id (one entry per route of an id, in input
+    order): its global row group, input slot, sample (micro-batch order) and row local to the
+    owner. input_lengths: int [input slots, B], the batch's bag lengths (needed with
+    routing.expand: every id's route is then a row group).
     -> (RowBags, unique ids int64 [sum of counts] in (group, micro-batch) order,
         unique counts per (group, micro-batch) as G * M ints).
     """
@@ -192,9 +228,42 @@ def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
                              minlength=routing.total * fmax * batch).view(routing.total, fmax,
                                                                           batch)
     counts = unique_offsets.diff().view(routing.total, num_micro)
+    positions = None
+    if routing.expand:
+        positions = output_positions(routing, slot, k, input_lengths, micro).index_select(0, order)
     bags = RowBags(counts, inverse - starts, bounds.tolist(), lengths,
-                   None if weights is None else weights.index_select(0, order), list(micro))
+                   None if weights is None else weights.index_select(0, order), list(micro),
+                   positions)
     return bags, unique, counts.flatten().tolist()
+
+
+def output_positions(routing: RowRouting, slot: torch.Tensor, k: torch.Tensor,
+                     input_lengths: torch.Tensor, micro: Sequence[int]) -> torch.Tensor:
+    """Each routed id's position in its micro-batch's output (the sequence module's jagged
+    values: input slot by input slot, then sample by sample, in bag order).
+
+    slot, k: int64 [P] each route's input slot and micro-batch, routes in input order (an id's
+    routes.routes_per_slot routes one after another); input_lengths: int [S, B] (samples in
+    micro-batch order). -> int64 [P]."""
+    lengths = input_lengths.to(torch.int64)
+    device = lengths.device
+    per_slot = routing.routes_per_slot
+    slot_ids = lengths.sum(1)
+    slot_first_id = torch.cumsum(slot_ids, 0) - slot_ids
+    slot_routes = slot_ids * per_slot
+    slot_first_route = torch.cumsum(slot_routes, 0) - slot_routes
+    route = torch.arange(slot.numel(), device=device)
+    id_index = slot_first_id.index_select(0, slot) + torch.div(
+        route - slot_first_route.index_select(0, slot), per_slot.index_select(0, slot),
+        rounding_mode="floor")
+    # ids per (slot, micro-batch): the lengths' running sum at the micro-batches' edges
+    edges = torch.tensor(list(accumulate(micro, initial=0)), device=device)
+    running = torch.nn.functional.pad(torch.cumsum(lengths, 1), (1, 0))
+    per_micro = running.index_select(1, edges).diff(dim=1)  # [S, M]
+    earlier_micro = torch.cumsum(per_micro, 1) - per_micro
+    earlier_slots = torch.cumsum(per_micro, 0) - per_micro
+    shift = (earlier_slots - earlier_micro - slot_first_id.unsqueeze(1)).flatten()
+    return id_index + shift.index_select(0, slot * len(micro) + k)
 
 
 @dataclass

@@ -118,6 +118,8 @@ class ShardLayout:
     block_routes: List[List[List[Route]]] = field(default_factory=list)
     # Width of one row of the output all-to-all: divides every shard's width.
     wire_row_dim: int = 0
+    # The module's name, for the messages of the parts built on this layout.
+    owner: str = OWNER
 
     @property
     def feature_names(self) -> List[str]:
@@ -143,12 +145,13 @@ class ShardLayout:
     @staticmethod
     def build(tables: Sequence[TableInfo], shards: Sequence[Sequence[Shard]], rank: int,
               world_size: int, max_wire_row_dim: Optional[int] = None,
-              row_tables: Iterable[int] = ()) -> "ShardLayout":
-        """row_tables: indices of the tables exchanged as rows (the others are pooled)."""
-        _check_shards(tables, shards, world_size)
+              row_tables: Iterable[int] = (), owner: str = OWNER) -> "ShardLayout":
+        """row_tables: indices of the tables exchanged as rows (the others are pooled); owner:
+        the module's name in error messages."""
+        _check_shards(tables, shards, world_size, owner)
         row_tables = frozenset(row_tables)
         if not row_tables <= set(range(len(tables))):
-            raise ValueError(f"{OWNER}: row_tables {sorted(row_tables)} must index the "
+            raise ValueError(f"{owner}: row_tables {sorted(row_tables)} must index the "
                              f"{len(tables)} tables")
         local_tables: List[List[LocalTable]] = [[] for _ in range(world_size)]
         for rows_pass in (False, True):
@@ -165,7 +168,7 @@ class ShardLayout:
             for r in range(world_size)
         ]
         layout = ShardLayout(rank, world_size, list(tables), [list(s) for s in shards],
-                             local_tables, num_pooled, slots, row_tables)
+                             local_tables, num_pooled, slots, row_tables, owner=owner)
         layout._build_inputs()
         widths = [s.cols for table_shards in shards for s in table_shards]
         layout.wire_row_dim = math.gcd(*widths) if widths else 1
@@ -245,23 +248,23 @@ class ShardLayout:
 
 
 def _check_shards(tables: Sequence[TableInfo], shards: Sequence[Sequence[Shard]],
-                  world_size: int) -> None:
+                  world_size: int, owner: str) -> None:
     """Each table must be covered exactly once by its shards, on ranks of the group."""
     for t, table in enumerate(tables):
         covered = 0
         for s in shards[t]:
             if not 0 <= s.rank < world_size:
-                raise ValueError(f"{OWNER}: a shard of table '{table.name}' is placed on rank "
+                raise ValueError(f"{owner}: a shard of table '{table.name}' is placed on rank "
                                  f"{s.rank}, outside the group of {world_size} ranks")
             if (s.row_offset < 0 or s.col_offset < 0 or s.rows < 0 or s.cols < 0
                     or s.row_offset + s.rows > table.num_embeddings
                     or s.col_offset + s.cols > table.embedding_dim):
                 raise ValueError(
-                    f"{OWNER}: a shard of table '{table.name}' ({table.num_embeddings} x "
+                    f"{owner}: a shard of table '{table.name}' ({table.num_embeddings} x "
                     f"{table.embedding_dim}) covers rows {s.row_offset}+{s.rows}, columns "
                     f"{s.col_offset}+{s.cols}: outside the table"
                 )
             covered += s.rows * s.cols
         if covered != table.num_embeddings * table.embedding_dim:
-            raise ValueError(f"{OWNER}: the shards of table '{table.name}' cover {covered} of its "
+            raise ValueError(f"{owner}: the shards of table '{table.name}' cover {covered} of its "
                              f"{table.num_embeddings * table.embedding_dim} values")

@@ -51,13 +51,15 @@ def check_table_config(config, weighted: bool) -> None:
                          "got MEAN")
 
 
-def plan_shards(t: int, name: str, sharding: ParameterSharding) -> List[Shard]:
-    """The shards of table t (`name`) in its plan entry, in the plan's order."""
-    if sharding.sharding_type not in SUPPORTED_SHARDING_TYPES:
-        raise ValueError(f"{OWNER}: table '{name}' is planned {sharding.sharding_type}; recxla "
-                         f"shards {SUPPORTED_SHARDING_TYPES}")
+def plan_shards(t: int, name: str, sharding: ParameterSharding,
+                supported: List[str] = SUPPORTED_SHARDING_TYPES, owner: str = OWNER) -> List[Shard]:
+    """The shards of table t (`name`) in its plan entry, in the plan's order; supported: the
+    sharding types the module shards, owner: its name in error messages."""
+    if sharding.sharding_type not in supported:
+        raise ValueError(f"{owner}: table '{name}' is planned {sharding.sharding_type}; recxla "
+                         f"shards {supported}")
     if sharding.sharding_spec is None:
-        raise ValueError(f"{OWNER}: the plan for table '{name}' has no sharding_spec")
+        raise ValueError(f"{owner}: the plan for table '{name}' has no sharding_spec")
     return [Shard(t, k, md.placement.rank(), md.shard_offsets[0], md.shard_sizes[0],
                   md.shard_offsets[1], md.shard_sizes[1])
             for k, md in enumerate(sharding.sharding_spec.shards)]

@@ -16,24 +16,22 @@ itself (data_parallel.py). The output is the unsharded module's: the same KeyedT
 order and columns. Batches with a variable batch per feature are expanded to the regular
 batch they stand for (variable_batch.py).
 
-The steps these compose are public (sharded_steps.py): recxla.pipeline calls them one by one
-(docs/architecture.md). What the constructor accepts is checked in sharded_config.py.
+The module is a thin TorchRec face over its parts (sharded_builder.py makes them) and its steps
+(`self.steps`, sharded_steps.py: recxla.pipeline calls them one by one, docs/architecture.md);
+recxla's sequence module (sharded_embedding.py) is the same parts and steps with another
+receiver. What the constructor accepts is checked in sharded_config.py.
 
-Weights: each rank holds, per table, its shards merged into one float32 [rows, cols] Parameter
-`embedding_bags.<table>.weight` (an empty one where it holds none). They start as copies of the
-unsharded module's weights when those exist (a module built on CPU), else from each table's
-init_fn; on the meta device they are shapes only. FP16 tables hold float16 values in their
-float32 shards (fp16_tables.py). state_dict gives one ShardedTensor per table (TorchRec's
-layout and dtype), and load_state_dict takes ShardedTensors or full unsharded tensors
+Weights: each rank holds, per table, one float32 Parameter per local shard under
+`embedding_bags.<table>` (an empty one where it holds none; sharded_builder.py); state_dict
+gives one ShardedTensor `embedding_bags.<table>.weight` per table (TorchRec's layout and
+dtype), and load_state_dict takes ShardedTensors or full unsharded tensors
 (sharded_state_dict.py).
 """
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
@@ -46,36 +44,26 @@ from torchrec.distributed.types import (
     ParameterSharding,
     ShardingEnv,
 )
-from torchrec.modules.embedding_configs import DataType, PoolingType
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
-from recxla.ops.embedding_bag import ADAGRAD, MEAN, NONE, ROWWISE_ADAGRAD, SUM
-from recxla.torchrec.comm_stats import CommStats
+from recxla.ops.embedding_bag import MEAN, SUM
 from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_data_parallel
-from recxla.torchrec.fp16_tables import (Float16Copies, RoundUpdatedRows, as_fp16,
-                                          check_fp16_table)
-from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer, table_update
-from recxla.torchrec.input_dist import IdRouter, LookupInput
-from recxla.torchrec.output_dist import Message, OutputDist
+from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer
+from recxla.torchrec.input_dist import LookupInput
+from recxla.torchrec.output_dist import Message
 from recxla.torchrec.replicas import ReplicaSync
 from recxla.torchrec.row_exchange import RowBags, RowInput
 from recxla.torchrec.shard_layout import OWNER, ShardLayout, TableInfo
+from recxla.torchrec.sharded_builder import build_sharded_parts
 from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_TYPES: public here)
     SUPPORTED_SHARDING_TYPES,
     check_table_config,
-    plan_shards,
     row_exchange_tables,
 )
-from recxla.torchrec.sharded_parts import Fp16Parts, LocalTables, PooledTables, ShardedParts
-from recxla.torchrec.sharded_state_dict import (
-    ShardedStateDict,
-    global_rank,
-    initial_weight,
-    sharded_tensor,
-    weight_name,
-)
+from recxla.torchrec.sharded_state_dict import TableStateDict, reset_local_shards, weight_name
 from recxla.torchrec.sharded_steps import ShardedSteps
 
 _SHARDING_NAME = "recxla"
@@ -101,8 +89,7 @@ class ShardedEmbeddingBagContext(Multistreamable):
             self.bag_lengths.record_stream(stream)
 
 
-class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
-                                    TorchRecShardedEmbeddingBagCollection):
+class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
     """EmbeddingBagCollection sharded by recxla (see the module docstring).
 
     Args:
@@ -151,164 +138,61 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         # On the meta device (DistributedModelParallel(device="meta"), as with TorchRec's
         # sharder) the shards have shapes and no values: enough for state_dict layouts and
         # checkpoint planning; running it needs a module sharded onto a real device.
-        on_meta = device.type == "meta"
         self._fwd_comm, self._bwd_comm = fwd_comm, bwd_comm
+        plan = table_name_to_parameter_sharding
         configs = module.embedding_bag_configs()
         self._embedding_bag_configs = configs
         self._is_weighted = module.is_weighted()
         self._sharding_types = [_SHARDING_NAME]
-        self.module_sharding_plan = {}
         for config in configs:
             check_table_config(config, self._is_weighted)
-            if config.name not in table_name_to_parameter_sharding:
+            if config.name not in plan:
                 raise ValueError(f"{OWNER}: the plan has no entry for table '{config.name}'")
         # Data-parallel tables are TorchRec's (data_parallel.py); from here on `configs` are
         # the tables recxla shards, and table indices count those.
-        data_parallel = [c.name for c in configs
-                         if is_data_parallel(table_name_to_parameter_sharding[c.name])]
+        data_parallel = [c.name for c in configs if is_data_parallel(plan[c.name])]
         self._data_parallel: Optional[DataParallelTables] = None
         self._output_merge: Optional[OutputMerge] = None
         if data_parallel:
-            self._data_parallel = DataParallelTables(module, data_parallel,
-                                                     table_name_to_parameter_sharding, env,
-                                                     device, fused_params)
+            self._data_parallel = DataParallelTables(module, data_parallel, plan, env, device,
+                                                     fused_params)
             self._output_merge = OutputMerge(
                 configs, [c.name for c in configs if c.name not in data_parallel])
             configs = [c for c in configs if c.name not in data_parallel]
-        self._sharded_configs = configs
-        table_names = [c.name for c in configs]
-        tables, shards = [], []
-        for t, config in enumerate(configs):
-            sharding = table_name_to_parameter_sharding[config.name]
-            self.module_sharding_plan[config.name] = sharding
-            tables.append(TableInfo(config.name, config.num_embeddings, config.embedding_dim,
-                                    list(config.feature_names),
-                                    MEAN if config.pooling == PoolingType.MEAN else SUM))
-            shards.append(plan_shards(t, config.name, sharding))
-        group = env.process_group
-        row_tables = row_exchange_tables(row_exchange, table_names)
-        layout = ShardLayout.build(tables, shards, env.rank, env.world_size,
-                                   row_tables=row_tables)
-        self.comm_stats = CommStats()
-
-        unsharded = {c.name: module.embedding_bags[c.name].weight for c in configs}
-        updates = [table_update(c.name, unsharded[c.name], fused_params,
-                                self.module_sharding_plan[c.name].compute_kernel)
-                   for c in configs]
-        for t in row_tables:
-            if updates[t].kind == NONE:
-                raise ValueError(f"{OWNER}: table '{table_names[t]}' is in row_exchange, "
-                                 "which needs a fused optimizer (fused_params or "
-                                 "apply_optimizer_in_backward)")
-        # FP16 tables: float16 values in float32 shards (fp16_tables.py).
-        fp16 = Fp16Parts([t for t, c in enumerate(configs) if c.data_type == DataType.FP16])
-        for t in fp16.tables:
-            check_fp16_table(table_names[t], updates[t].kind != NONE, t in row_tables,
-                             replicas is not None)
-        me = env.rank
-        local_tables = layout.local_tables[me]
-        of_table: Dict[int, List[int]] = {}
-        for lt, local in enumerate(local_tables):
-            of_table.setdefault(local.table, []).append(lt)
+        self.module_sharding_plan = {c.name: plan[c.name] for c in configs}
+        tables = [TableInfo(c.name, c.num_embeddings, c.embedding_dim, list(c.feature_names),
+                            MEAN if c.pooling == PoolingType.MEAN else SUM) for c in configs]
+        self.parts = build_sharded_parts(
+            tables, configs, {c.name: module.embedding_bags[c.name].weight for c in configs},
+            self.module_sharding_plan, env, fused_params=fused_params, device=device,
+            fwd_comm=fwd_comm, bwd_comm=bwd_comm, dedup_ids=dedup_ids,
+            is_weighted=self._is_weighted, weight_prefix="embedding_bags",
+            row_tables=row_exchange_tables(row_exchange, [c.name for c in configs]),
+            replicas=replicas)
+        self.steps = ShardedSteps(self.parts)
+        self.comm_stats = self.parts.stats
         # Per table one Parameter per local shard: `weight`, then `weight_1`, ... (state_dict
         # shows them as the one ShardedTensor `weight`).
         self.embedding_bags = nn.ModuleDict()
-        local_weights: List[nn.Parameter] = [None] * len(local_tables)
-        states: List[Optional[torch.Tensor]] = [None] * len(local_tables)
-        for t, config in enumerate(configs):
+        for config, params in zip(configs, self.parts.tables.parameters):
             holder = nn.Module()
-            mine = of_table.get(t, [])
-            if not mine:
-                holder.register_parameter("weight", nn.Parameter(torch.empty(0, device=device)))
-            for k, lt in enumerate(mine):
-                shard = local_tables[lt].shard
-                weight = nn.Parameter(initial_weight(shard, unsharded[config.name], config,
-                                                     device, on_meta))
-                holder.register_parameter(weight_name(k), weight)
-                local_weights[lt] = weight
-                kind, hyper = updates[t].kind, updates[t].hyperparameters
-                if kind in (ADAGRAD, ROWWISE_ADAGRAD):
-                    shape = (shard.rows, shard.cols) if kind == ADAGRAD else (shard.rows,)
-                    states[lt] = torch.full(shape, float(hyper["initial_accumulator_value"]),
-                                            device=device)
+            for k, param in enumerate(params):
+                holder.register_parameter(weight_name(k), param)
             self.embedding_bags[config.name] = holder
         if self._data_parallel is not None:
             # TorchRec's replicated weights, under their usual names, in the module's order.
             for name, weight in self._data_parallel.weights.items():
-                self.module_sharding_plan[name] = table_name_to_parameter_sharding[name]
+                self.module_sharding_plan[name] = plan[name]
                 holder = nn.Module()
                 holder.register_parameter("weight", weight)
                 self.embedding_bags[name] = holder
             self.embedding_bags = nn.ModuleDict(
                 {c.name: self.embedding_bags[c.name] for c in self._embedding_bag_configs})
-        num_pooled = layout.num_pooled[me]
-        local = LocalTables(table_names, local_weights, of_table, num_pooled)
-        local.pooled = PooledTables(tuple(local_weights[:num_pooled]),
-                                    tuple(lt for lt, _ in layout.slots[me]),
-                                    tuple(layout.owner_pooling(me)[:num_pooled]))
-
-        # ShardedTensor views of the weights and optimizer states (same memory).
-        view = functools.partial(sharded_tensor, layout, env, device, self.module_sharding_plan)
-        sharded_states = []
-        for t, config in enumerate(configs):
-            mine = of_table.get(t, [])
-            local.sharded_weights.append(view(
-                t, [(local_tables[lt].shard, local_weights[lt].detach()) for lt in mine],
-                rowwise_state=False))
-            kind = updates[t].kind
-            if kind in (ADAGRAD, ROWWISE_ADAGRAD):
-                sharded_states.append(view(
-                    t, [(local_tables[lt].shard, states[lt]) for lt in mine],
-                    rowwise_state=kind == ROWWISE_ADAGRAD))
-            else:
-                sharded_states.append(None)
-        # FP16 tables: state_dict shows live float16 copies of their shards (fp16_tables.py).
-        fp16_local = {lt: local_weights[lt] for t in fp16.tables for lt in of_table.get(t, [])}
-        if fp16_local:
-            fp16.copies = Float16Copies(fp16_local)
-            # FP16 shards are all pooled (check_fp16_table): local indices = lookup indices.
-            fp16.round_rows = RoundUpdatedRows(fp16.copies)
-        fp16.weights = {
-            t: as_fp16(local.sharded_weights[t], [fp16.copies.halves[lt]
-                                                  for lt in of_table.get(t, [])])
-            for t in fp16.tables}
-        optim = ShardedFusedOptimizer(
-            [f"embedding_bags.{c.name}.weight" for c in configs], local.sharded_weights, updates,
-            [lt.table for lt in local_tables], states, sharded_states,
-            save_step=replicas is not None and replicas.sync == "weights"
-            and replicas.sync_every > 1)
-        for t, config in enumerate(configs):
-            if updates[t].kind != NONE:
-                # TorchRec's in_backward_optimizer_filter keeps these out of dense optimizers.
-                for param in self.embedding_bags[config.name].parameters():
-                    param._in_backward_optimizers = [optim]
-        local.has_fused_update = any(updates[lt.table].kind != NONE for lt in local_tables)
-
-        # On GPU the ids go through the CPU (they come from the loader there): a gloo group
-        # carries them, and only the owner's decoded lookup input is copied to the device. No
-        # size ever has to come back from the GPU, so the hot path has no host sync.
-        id_group = group
-        if device.type == "cuda" and group is not None:
-            ranks = [global_rank(env, r) for r in range(env.world_size)]
-            id_group = dist.new_group(ranks=ranks, backend="gloo")
-        router = IdRouter(layout, id_group, torch.device("cpu")
-                          if device.type in ("cuda", "meta") else device,
-                          self._is_weighted, dedup_ids, self.comm_stats)
-        if self._data_parallel is not None:
             # Checked on every rank before any id moves, like the router's own features.
+            router = self.parts.router
             router.required_features = list(dict.fromkeys(
                 router.required_features + self._data_parallel.feature_names))
-        self.parts = ShardedParts(
-            layout=layout, env=env, device=device, on_meta=on_meta, tables=local, fp16=fp16,
-            optim=optim, router=router,
-            output=OutputDist(layout, group, fwd_comm, bwd_comm, self.comm_stats),
-            replicas=replicas, embedding_names=list(layout.embedding_names),
-            embedding_dims=list(layout.embedding_dims))
-        # Unbound: torch passes the module as self (sharded_state_dict.py).
-        self._register_state_dict_hook(ShardedStateDict._state_dict_hook)
-        self._register_load_state_dict_pre_hook(self._load_state_dict_pre_hook)
-        self.register_load_state_dict_post_hook(ShardedStateDict._round_fp16_tables)
-
+        TableStateDict(self.parts, "embedding_bags").install(self)
 
     # ------------------------------------------------------------------ TorchRec interface
 
@@ -322,7 +206,7 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
             raise ValueError(f"{OWNER}: this module was sharded on the meta device: its shards "
                              "have no values; shard the model onto a real device (e.g. "
                              "DistributedModelParallel(..., device=torch.device('cpu'))) to run it")
-        awaitable = self.start_input_dist(features)
+        awaitable = self.steps.start_input_dist(features)
         if self._data_parallel is not None and awaitable.input_lengths is not None:
             # The router checked the batch (the data-parallel features included) and
             # expanded a variable batch per feature (variable_batch.py).
@@ -330,7 +214,7 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         lengths = awaitable.input_lengths
         if lengths is not None:
             ctx.batch_size = lengths.shape[1]
-            ctx.bag_lengths = self.mean_bag_lengths(lengths)
+            ctx.bag_lengths = self.steps.receive_lengths(lengths)
             ctx.row_bags = awaitable.row_bags
         return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
 
@@ -353,9 +237,8 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
             if self._data_parallel is not None:
                 # The staged output holds the model-parallel tables; the data-parallel ones
                 # are looked up here, on this micro-batch's features.
-                output = self._output_merge.merge(
-                    output.values(), self.parts.embedding_names, self.parts.embedding_dims,
-                    self._data_parallel.lookup(self._data_parallel.select(features)))
+                output = self._merge_data_parallel(output.values(),
+                                                   self._data_parallel.select(features))
             return output
         return super().forward(*input, **kwargs)
 
@@ -363,20 +246,20 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
     def compute(self, ctx: ShardedEmbeddingBagContext, dist_input: KJTList):
         """The owner's lookup. -> (pooled float32 [sum of the sources' batches, D_owner],
         per row group its gathered rows [R_g, cols_g])."""
-        lookup_input: LookupInput = self.to_device(dist_input[0])
+        lookup_input: LookupInput = self.steps.to_device(dist_input[0])
         ctx.source_batches = lookup_input.batch_sizes
         ctx.rows = lookup_input.rows
         if ctx.row_bags is not None:
             ctx.row_bags = ctx.row_bags.to(self.parts.device)
-        return self.lookup(lookup_input)
+        return self.steps.lookup(lookup_input)
 
 
     def output_dist(self, ctx: ShardedEmbeddingBagContext, output) -> LazyAwaitable[KeyedTensor]:
         """Starts the embeddings' all-to-all. -> LazyAwaitable[KeyedTensor]."""
         pooled, row_outputs = output
-        message = self.output_message(ctx.batch_size, ctx.row_bags)
-        handle, send, _ = self.start_output(pooled, ctx.source_batches, message, row_outputs,
-                                            ctx.rows)
+        message = self.steps.output_message(ctx.batch_size, ctx.row_bags)
+        handle, send, _ = self.steps.start_output(pooled, ctx.source_batches, message,
+                                                  row_outputs, ctx.rows)
         return _PooledEmbeddingsAwaitable(self, handle, send, message, ctx)
 
     def finish_output(self, handle, sent: List[int], message: Message,
@@ -385,12 +268,19 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
         """output_dist's end (autograd path): waits for the rows, assembles this rank's
         KeyedTensor (the data-parallel tables' lookup merged in) whose backward sends the
         gradient back and counts a fused optimizer step."""
-        values = self.parts.output.finish(handle, sent, message, bag_lengths, self.parts.optim.count_step)
+        values = self.parts.output.finish(handle, sent, message, bag_lengths,
+                                          self.steps.count_step)
         if self._data_parallel is not None:
-            return self._output_merge.merge(
-                values, self.parts.embedding_names, self.parts.embedding_dims,
-                self._data_parallel.lookup(data_parallel_features))
-        return self.keyed_output(values)
+            return self._merge_data_parallel(values, data_parallel_features)
+        return self.steps.form_output(values, bag_lengths)
+
+    def _merge_data_parallel(self, values: torch.Tensor,
+                             features: KeyedJaggedTensor) -> KeyedTensor:
+        """The model-parallel values joined with the data-parallel tables' lookup of
+        `features`, in the unsharded module's key order."""
+        layout = self.parts.layout
+        return self._output_merge.merge(values, layout.embedding_names, layout.embedding_dims,
+                                        self._data_parallel.lookup(features))
 
     def compute_and_output_dist(self, ctx: ShardedEmbeddingBagContext,
                                 input: KJTList) -> LazyAwaitable[KeyedTensor]:
@@ -404,13 +294,18 @@ class ShardedEmbeddingBagCollection(ShardedSteps, ShardedStateDict,
     def layout(self) -> ShardLayout:
         return self.parts.layout
 
+    @property
+    def replicas(self) -> Optional[ReplicaSync]:
+        """The module's ReplicaSync in 2D training (recxla.torchrec.replicas), else None."""
+        return self.parts.replicas
+
+    def average_replicas(self) -> None:
+        """2D training with sync="weights": the replicas averaged now (ShardedSteps)."""
+        self.steps.average_replicas()
+
     def reset_parameters(self) -> None:
         """Re-initializes every local shard with its table's init_fn."""
-        with torch.no_grad():
-            for local, weight in zip(self.parts.layout.local_tables[self.parts.layout.rank],
-                                     self.parts.tables.weights):
-                self._sharded_configs[local.table].init_fn(weight)
-        self._round_fp16_tables()
+        reset_local_shards(self.parts)
 
     def update_shards(self, *args, **kwargs) -> None:
         raise NotImplementedError(f"{OWNER}: resharding a live module is not supported; "

@@ -1,10 +1,11 @@
-"""The sharded module's weights as TorchRec lays them out: ShardedTensor views of the local
-shards, state_dict and load_state_dict hooks, and the shards' initial values.
+"""A sharded module's weights as TorchRec lays them out: ShardedTensor views of the local
+shards, state_dict and load_state_dict hooks (`TableStateDict`), and the shards' initial values.
 
 Each rank holds, per table, one Parameter per local shard (`weight`, `weight_1`, ...);
-state_dict shows them as one ShardedTensor `embedding_bags.<table>.weight` in TorchRec's
-layout and dtype (FP16 tables as float16: their live float16 copies, fp16_tables.py), and
-load_state_dict takes ShardedTensors saved with the same plan or full unsharded tensors.
+state_dict shows them as one ShardedTensor `<prefix>.<table>.weight` (`embedding_bags` for the
+pooled module, `embeddings` for the sequence one, as TorchRec's) in TorchRec's layout and dtype
+(FP16 tables as float16: their live float16 copies, fp16_tables.py), and load_state_dict takes
+ShardedTensors saved with the same plan or full unsharded tensors.
 """
 
 from typing import Dict
@@ -20,7 +21,7 @@ from torchrec.modules.embedding_configs import DataType
 
 from recxla.torchrec.fp16_tables import round_to_fp16_
 from recxla.torchrec.fused_optimizer import rowwise_state_layout
-from recxla.torchrec.shard_layout import OWNER, Shard, ShardLayout
+from recxla.torchrec.shard_layout import Shard, ShardLayout
 from recxla.torchrec.sharded_parts import ShardedParts
 
 
@@ -68,7 +69,7 @@ def sharded_tensor(layout: ShardLayout, env: ShardingEnv, device: torch.device,
     all_shards = layout.shards[t]
     if rowwise_state:
         size, order = rowwise_state_layout(all_shards, table.num_embeddings,
-                                           table.embedding_dim, OWNER)
+                                           table.embedding_dim, layout.owner)
         size = [size]
         all_shards = [s for s, _ in order]
         offsets = [[offset] for _, offset in order]
@@ -102,47 +103,56 @@ def sharded_tensor(layout: ShardLayout, env: ShardingEnv, device: torch.device,
         process_group=env.process_group)
 
 
-class ShardedStateDict:
-    """The state_dict side of `ShardedEmbeddingBagCollection`. A mixin: it reads the module's
-    parts (`parts`, sharded_parts.py) and its `embedding_bags`."""
+class TableStateDict:
+    """A sharded module's tables in its state_dict, as TorchRec lays them out: one ShardedTensor
+    `<prefix>.<table>.weight` per table (see the module docstring). An object over the
+    module's parts, its hooks installed on the module by `install`.
 
-    parts: ShardedParts
+    Args:
+        parts: the module's ShardedParts.
+        prefix: the attribute the module keeps its tables under ("embedding_bags" or
+            "embeddings").
+    """
 
-    def _state_dict_hook(self, destination, prefix, local_metadata) -> None:
-        """state_dict hook (registered unbound: torch passes the module as self)."""
+    def __init__(self, parts: ShardedParts, prefix: str):
+        self.parts, self.prefix = parts, prefix
+
+    def install(self, module: torch.nn.Module) -> None:
+        """Registers the state_dict hook and the load_state_dict hooks on `module`."""
+        module._register_state_dict_hook(self.state_dict_hook)
+        module._register_load_state_dict_pre_hook(self.load_state_dict_pre_hook)
+        module.register_load_state_dict_post_hook(self.round_fp16_tables)
+
+    def state_dict_hook(self, module, destination, prefix, local_metadata) -> None:
+        """The tables' ShardedTensors in place of their local shards' Parameters."""
+        tables = self.parts.tables
         if self.parts.fp16.copies is not None:
             self.parts.fp16.copies.sync()
-        for t, (name, sharded) in enumerate(zip(self.parts.tables.names, self.parts.tables.sharded_weights)):
-            destination[f"{prefix}embedding_bags.{name}.weight"] = \
+        for t, (name, sharded) in enumerate(zip(tables.names, tables.sharded_weights)):
+            destination[f"{prefix}{self.prefix}.{name}.weight"] = \
                 self.parts.fp16.weights.get(t, sharded)
-            for k in range(1, len(self.parts.tables.of_table.get(t, []))):
-                destination.pop(f"{prefix}embedding_bags.{name}.{weight_name(k)}", None)
+            for k in range(1, len(tables.of_table.get(t, []))):
+                destination.pop(f"{prefix}{self.prefix}.{name}.{weight_name(k)}", None)
 
-    def _round_fp16_tables(self, incompatible_keys=None) -> None:
-        """FP16 tables hold float16 values, whatever was loaded or initialized (also a
-        load_state_dict post hook, registered unbound)."""
-        if self.parts.on_meta:
-            return
-        for local, weight in zip(self.parts.layout.local_tables[self.parts.layout.rank],
-                                 self.parts.tables.weights):
-            if local.table in self.parts.fp16.tables:
-                round_to_fp16_(weight)
-        if self.parts.fp16.copies is not None:
-            self.parts.fp16.copies.refresh()
+    def round_fp16_tables(self, module, incompatible_keys) -> None:
+        """The load_state_dict post hook: round_fp16_tables."""
+        round_fp16_tables(self.parts)
 
-    def _load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
-                                  missing_keys, unexpected_keys, error_msgs) -> None:
+    def load_state_dict_pre_hook(self, state_dict, prefix, local_metadata, strict,
+                                 missing_keys, unexpected_keys, error_msgs) -> None:
+        """Each table's ShardedTensor or full tensor cut into this rank's local shards."""
+        tables = self.parts.tables
         local_tables = self.parts.layout.local_tables[self.parts.layout.rank]
-        for t, name in enumerate(self.parts.tables.names):
-            key = f"{prefix}embedding_bags.{name}.weight"
+        for t, name in enumerate(tables.names):
+            key = f"{prefix}{self.prefix}.{name}.weight"
             if key not in state_dict:
                 continue
             value = state_dict[key]
-            mine = self.parts.tables.of_table.get(t, [])
+            mine = tables.of_table.get(t, [])
             if not mine:
-                state_dict[key] = self.embedding_bags[name].weight.detach()
+                state_dict[key] = tables.parameters[t][0].detach()
             for k, lt in enumerate(mine):
-                state_dict[f"{prefix}embedding_bags.{name}.{weight_name(k)}"] = \
+                state_dict[f"{prefix}{self.prefix}.{name}.{weight_name(k)}"] = \
                     self._local_value(key, value, local_tables[lt].shard)
 
     def _local_value(self, key: str, value, shard: Shard) -> torch.Tensor:
@@ -153,7 +163,7 @@ class ShardedStateDict:
                 if list(local.metadata.shard_offsets) == [shard.row_offset, shard.col_offset] \
                         and list(local.metadata.shard_sizes) == [shard.rows, shard.cols]:
                     return local.tensor
-            raise ValueError(f"{OWNER}: {key} holds no shard at rows {shard.row_offset}+"
+            raise ValueError(f"{self.parts.layout.owner}: {key} holds no shard at rows {shard.row_offset}+"
                              f"{shard.rows}, columns {shard.col_offset}+{shard.cols} on rank "
                              f"{self.parts.layout.rank}: it was saved with another plan")
         if isinstance(value, torch.Tensor) and \
@@ -161,5 +171,25 @@ class ShardedStateDict:
             return value[shard.row_offset: shard.row_offset + shard.rows,
                          shard.col_offset: shard.col_offset + shard.cols]
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"{OWNER}: {key} must be a ShardedTensor or a full "
+        raise ValueError(f"{self.parts.layout.owner}: {key} must be a ShardedTensor or a full "
                          f"[{table.num_embeddings}, {table.embedding_dim}] tensor, got {shape}")
+
+
+def round_fp16_tables(parts: ShardedParts) -> None:
+    """FP16 tables hold float16 values, whatever was loaded or initialized."""
+    if parts.on_meta:
+        return
+    for local, weight in zip(parts.layout.local_tables[parts.layout.rank], parts.tables.weights):
+        if local.table in parts.fp16.tables:
+            round_to_fp16_(weight)
+    if parts.fp16.copies is not None:
+        parts.fp16.copies.refresh()
+
+
+def reset_local_shards(parts: ShardedParts) -> None:
+    """Re-initializes every local shard with its table's init_fn (FP16 tables rounded)."""
+    with torch.no_grad():
+        for local, weight in zip(parts.layout.local_tables[parts.layout.rank],
+                                 parts.tables.weights):
+            parts.configs[local.table].init_fn(weight)
+    round_fp16_tables(parts)

@@ -1,22 +1,23 @@
-"""The sharded module's public steps: the contract between `ShardedEmbeddingBagCollection` and
-the code that drives it.
+"""The steps of a recxla sharded module: `ShardedSteps`, one object over the module's parts,
+the same for the pooled and the sequence module (recxla/torchrec/types.py: `EmbeddingSteps`).
 
 TorchRec's interface (`input_dist`, `compute_and_output_dist`, the awaitables; see
-sharded_embedding_bag.py) composes these steps for one batch; recxla's pipeline
-(recxla.pipeline) calls them one by one, placing each where its schedule wants it
-(docs/architecture.md maps them to the schedule). In the order one step calls them:
+sharded_embedding_bag.py and sharded_embedding.py) composes these steps for one batch;
+recxla's pipeline (recxla.pipeline) calls them one by one, placing each where its schedule
+wants it (docs/architecture.md maps them to the schedule). In the order one step calls them:
 
     start_input_dist   ids to their owners (two all-to-alls, awaited in two steps)
-    mean_bag_lengths   this rank's lengths of row-sharded MEAN bags
+    receive_lengths    what the receiver needs of this rank's bag lengths
     to_device          the decoded LookupInput on the module's device
     lookup_rows        the owner gathers its row-exchange tables' requested rows
     lookup_pooled      the owner's pooled lookup (fused optimizer in its backward)
     output_message     what this rank receives in one exchange (a micro-batch)
     start_output       the owner's rows to the ranks whose samples they are
-    assemble_output    the received rows as this rank's KeyedTensor
-    stage_output       the next forward returns that KeyedTensor (or calls for it)
-    start_gradient     the gradient of those embeddings back to their owners
-    fused_optimizer    count_step() and step_count around the lookup's backward
+    assemble_output    the received rows as this rank's output values
+    form_output        those values as the module's output (KeyedTensor or jagged tensors)
+    stage_output       the next forward returns that output (or calls for it)
+    start_gradient     the gradient of those values back to their owners
+    count_step         one fused optimizer step counted, before the lookup's backward
     average_replicas   (2D, sync="weights") the replicas averaged now, before a checkpoint
 
 and, for DBP's early lookup (the next batch looked up before this batch's update),
@@ -24,14 +25,14 @@ and, for DBP's early lookup (the next batch looked up before this batch's update
 `tables_version` (what changes when the tables change); and `start_early_rows`, the next
 batch's rows that this batch's update leaves as they are, sent before it.
 
-The steps read the module's parts (`module.parts`, sharded_parts.py) and nothing else of it.
+The steps read the parts (sharded_parts.py) and nothing else of the module.
 """
 
 import functools
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recxla.ops.embedding_bag import FusedPooledLookup, LookupPlan
 from recxla.torchrec.early_lookup import EarlyLookup
@@ -41,14 +42,20 @@ from recxla.torchrec.output_dist import Message
 from recxla.torchrec.replicas import ReplicatedLookup, apply_replicated_row_gradients
 from recxla.torchrec.replicas import average_replicas as average_replica_tensors
 from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup, apply_row_gradients
-from recxla.torchrec.sharded_parts import PooledTables, ShardedParts
+from recxla.torchrec.shard_layout import ShardLayout
+from recxla.torchrec.sharded_parts import ShardedParts
+from recxla.torchrec.types import PooledTables
 
 
 class ShardedSteps:
-    """The public steps of `ShardedEmbeddingBagCollection` (see the module docstring). A mixin:
-    the module's constructor builds `parts`, the one thing the steps read."""
+    """The steps of one sharded module (see the module docstring), over its parts."""
 
-    parts: ShardedParts
+    def __init__(self, parts: ShardedParts):
+        self.parts = parts
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self.parts.layout
 
     # ------------------------------------------------------------------ input dist
 
@@ -63,7 +70,7 @@ class ShardedSteps:
         whose wait() gives the owner's LookupInput, on the router's device). A bad batch on
         any rank raises on every rank at the first wait()."""
         awaitable = self.parts.router.start(self.ids_on_router(features), micro_batch_sizes)
-        self.comm_stats.steps += 1
+        self.parts.stats.steps += 1
         return awaitable
 
     def ids_on_router(self, features):
@@ -77,21 +84,20 @@ class ShardedSteps:
         """The decoded input on the module's device (non-blocking from pinned CPU memory)."""
         return lookup_input.to(self.parts.device)
 
-    def mean_bag_lengths(self, input_lengths: torch.Tensor) -> Optional[torch.Tensor]:
-        """The lengths of this rank's bags of row-sharded MEAN features (their sums arrive in
-        parts and are divided at the receiver): input_lengths [input slots, B] -> float32
-        [B, those features] clamped to >= 1, or None when there are none."""
-        if not self.parts.output.mean_slots:
-            return None
-        return input_lengths[self.parts.output.mean_slots].t().to(torch.float32).clamp(min=1.0) \
-            .contiguous().to(self.parts.device, non_blocking=True)
+    def receive_lengths(self, input_lengths: torch.Tensor) -> Optional[torch.Tensor]:
+        """What the receiver needs of this rank's bag lengths, one row per sample (so that a
+        micro-batch's rows are a slice): input_lengths int [input slots, B] (start_input_dist's
+        `.input_lengths`) -> pooled: float32 [B, F] the lengths of its row-sharded MEAN bags
+        (their sums arrive in parts and are divided at the receiver), None when there are
+        none; sequence: int64 [B, input slots], every bag's length (the jagged output's)."""
+        return self.parts.output.assembly.receive_lengths(input_lengths, self.parts.device)
 
-    def stage_output(self, output: Union[KeyedTensor, Callable[[], KeyedTensor]]) -> None:
-        """The next forward returns `output` (assemble_output's KeyedTensor for the
-        micro-batch the model passes; data-parallel tables are merged in there) instead of
-        running the input dist, lookup and output dist (recxla.pipeline's FWP). A callable is
-        called by that forward for the KeyedTensor: the pipeline waits for the rows only when
-        the model asks for them."""
+    def stage_output(self, output: Union[Any, Callable[[], Any]]) -> None:
+        """The next forward returns `output` (form_output's output for the micro-batch the
+        model passes; data-parallel tables are merged in there) instead of running the input
+        dist, lookup and output dist (recxla.pipeline's FWP). A callable is called by that
+        forward for the output: the pipeline waits for the rows only when the model asks for
+        them."""
         self.parts.staged_outputs.append(output)
 
     # ------------------------------------------------------------------ lookup
@@ -110,8 +116,10 @@ class ShardedSteps:
         if not tables.row_weights:
             return ()
         apply_gradients = apply_row_gradients if self.parts.replicas is None else \
-            functools.partial(apply_replicated_row_gradients, self)
-        return tuple(RowLookup.apply(lambda: self.fused_step_arguments(tables.num_pooled, None),
+            functools.partial(apply_replicated_row_gradients, self.parts.replicas,
+                              self.parts.optim)
+        optim = self.parts.optim
+        return tuple(RowLookup.apply(lambda: optim.step_arguments(tables.num_pooled),
                                      apply_gradients, tuple(lookup_input.rows.ids),
                                      *tables.row_weights))
 
@@ -130,15 +138,17 @@ class ShardedSteps:
                                  requires_grad=torch.is_grad_enabled() and not rows_follow)
         elif self.parts.replicas is not None:
             pooled = ReplicatedLookup.apply(
-                self, lookup_input.unique_values, lookup_input.unique_offsets,
+                self.parts.tables.pooled, self.parts.replicas, self.parts.optim,
+                lookup_input.unique_values, lookup_input.unique_offsets,
                 lookup_input.inverse, lookup_input.offsets, lookup_input.per_sample_weights,
                 *pooled_weights)
         else:
+            optim, num_pooled = self.parts.optim, self.parts.tables.num_pooled
             plan = LookupPlan(
                 feature_table=self.parts.tables.pooled.slot_table,
                 pooling=self.parts.tables.pooled.pooling,
                 batch_size=lookup_input.batch_size,
-                optimizer_step=(lambda: self.fused_step_arguments(0, self.parts.tables.num_pooled))
+                optimizer_step=(lambda: optim.step_arguments(0, num_pooled))
                 if self.parts.tables.has_fused_update else None,
                 after_update=self.parts.fp16.round_rows,
                 checked_upstream=True,  # ids checked by the input dist's sender (id_encoder)
@@ -179,12 +189,6 @@ class ShardedSteps:
                          self.parts.tables.row_weights, next_input, current_input, row_bags,
                          hold_changed)
 
-    def fused_step_arguments(self, first: int, last: Optional[int]):
-        """The fused optimizer's (kinds, states, hparams) of local tables first .. last."""
-        kinds, states, hparams = self.parts.optim.step_arguments()
-        last = len(kinds) if last is None else last
-        return kinds[first:last], states[first:last], hparams[4 * first: 4 * last]
-
     @property
     def replicas(self):
         """The module's ReplicaSync in 2D training (recxla.torchrec.replicas), else None."""
@@ -201,7 +205,7 @@ class ShardedSteps:
         if replicas is None or replicas.sync != "weights":
             return
         weights = [w.detach() for w in self.parts.tables.weights]
-        _, states, _ = self.fused_step_arguments(0, len(weights))
+        _, states, _ = self.parts.optim.step_arguments()
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
         with torch.no_grad():
             average_replica_tensors(weights, states, replicas.group)
@@ -216,12 +220,18 @@ class ShardedSteps:
         """This rank owns row-exchange tables (lookup_rows returns their rows)."""
         return bool(self.parts.tables.row_weights)
 
+    def count_step(self) -> None:
+        """One fused optimizer step counted (every rank, once per backward through the
+        module, before the lookup's backward applies it)."""
+        self.parts.optim.count_step()
+
     def tables_version(self) -> Tuple[int, List[int]]:
         """What changes when the tables change: the fused optimizer's step count (every
-        backward through the module counts one) and the parameters' in-place update counters.
-        Equal versions: the tables hold the same values."""
+        backward through the module counts one) and the local shards' in-place update
+        counters. Equal versions: the tables hold the same values."""
         fp16 = self.parts.fp16.copies.versions() if self.parts.fp16.copies is not None else []
-        return self.parts.optim.step_count, [p._version for p in self.parameters()] + fp16
+        return self.parts.optim.step_count, \
+            [w._version for w in self.parts.tables.weights] + fp16
 
     # ------------------------------------------------------------------ output dist
 
@@ -243,28 +253,28 @@ class ShardedSteps:
         return self.parts.output.start(pooled, source_batches, message, row_outputs, rows)
 
     def assemble_output(self, received: torch.Tensor, message: Message,
-                        bag_lengths: Optional[torch.Tensor],
-                        requires_grad: bool = False) -> KeyedTensor:
-        """The received rows (start_output's handle.wait()) as this rank's embeddings: a
-        KeyedTensor of the module's keys (its model-parallel tables), values float32
-        [message.batch, sum of dims]; bag_lengths: this exchange's rows of mean_bag_lengths.
-        requires_grad: make the values a leaf that requires grad (its .grad is what
-        start_gradient sends back)."""
-        values = self.parts.output.assemble(received, message, bag_lengths)
+                        lengths: Optional[torch.Tensor],
+                        requires_grad: bool = False) -> torch.Tensor:
+        """The received rows (start_output's handle.wait()) as this rank's output values:
+        pooled float32 [message.batch, sum of dims] (the model-parallel tables' columns);
+        sequence float32 [ids of the exchange's samples, dim]. lengths: this exchange's rows
+        of receive_lengths. requires_grad: make the values a leaf that requires grad (its
+        .grad is what start_gradient sends back)."""
+        values = self.parts.output.assemble(received, message, lengths)
         values.requires_grad_(requires_grad)
-        return self.keyed_output(values)
+        return values
 
-    def keyed_output(self, values: torch.Tensor) -> KeyedTensor:
-        """values float32 [B, sum of dims] as the KeyedTensor of the module's model-parallel
-        features (keys and dims in TorchRec's order)."""
-        return KeyedTensor(keys=self.parts.embedding_names, length_per_key=self.parts.embedding_dims,
-                           values=values)
+    def form_output(self, values: torch.Tensor, lengths: Optional[torch.Tensor]):
+        """assemble_output's values as the module's output: a KeyedTensor of the module's
+        model-parallel features (pooled), or per feature a JaggedTensor (sequence; lengths:
+        the exchange's rows of receive_lengths)."""
+        return self.parts.output.assembly.form(values, lengths)
 
     def start_gradient(self, grad: torch.Tensor, source_batches: List[int], message: Message,
-                       bag_lengths: Optional[torch.Tensor], rows: Optional[RowInput]):
-        """Starts the gradient all-to-all of one exchange (no autograd): grad float32
-        [message.batch, sum of dims], the gradient of assemble_output's values. -> (handle
+                       lengths: Optional[torch.Tensor], rows: Optional[RowInput]):
+        """Starts the gradient all-to-all of one exchange (no autograd): grad, the gradient of
+        assemble_output's values. -> (handle
         whose wait() gives the owner's gradient message, flat float32, divided as TorchRec's
         gradient division divides it; the values it holds per source rank: per source its
         pooled rows [samples, D_owner] then its row groups' rows [count, cols])."""
-        return self.parts.output.start_gradient(grad, source_batches, message, bag_lengths, rows)
+        return self.parts.output.start_gradient(grad, source_batches, message, lengths, rows)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from recxla.pipeline import Timeline, TrainPipeline
 from recxla.torchrec.replicas import ReplicaSync, make_topology_2d
-from recxla.torchrec.sharded_embedding_bag import ShardedEmbeddingBagCollection
+from recxla.torchrec.types import PipelinedModule
 from recxla.train import checkpoint
 from recxla.train.data import TrainData, current_snapshots, is_raw_table
 from recxla.train.kernel_trace import KernelTrace
@@ -280,8 +280,8 @@ class _Checkpoints:
             # syncs: the checkpoint holds their average, which every node then trains on (one
             # copy written, as with --replica-sync gradients, whose copies are the same bits).
             for module in self.sharded.dmp.modules():
-                if isinstance(module, ShardedEmbeddingBagCollection):
-                    module.average_replicas()
+                if isinstance(module, PipelinedModule):
+                    module.steps.average_replicas()
         with self.meter.phase("checkpoint"):
             checkpoint.save(config.checkpoint_dir, done, self.sharded.dmp,
                             self.sharded.optimizer, config, self.world, self.data.fingerprint,
