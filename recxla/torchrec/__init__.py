@@ -1,10 +1,14 @@
 """TorchRec integration.
 
-- `EmbeddingBagCollectionSharder` (and `sharders`): shards TorchRec's (and recxla.nn's)
-  EmbeddingBagCollection onto recxla's kernels: deduplicated input dist, recxla's lookup with a
-  fused optimizer, FP8 quantized output all-to-all, every sharding type including row-wise on
-  CPU. Its sharded module is `ShardedEmbeddingBagCollection`; `CommStats` counts its bytes;
-  `choose_row_tables` picks the tables worth exchanging as unique rows (row_exchange=...).
+- `EmbeddingBagCollectionSharder`: shards TorchRec's (and recxla.nn's) EmbeddingBagCollection
+  onto recxla's kernels: deduplicated input dist, recxla's lookup with a fused optimizer, FP8
+  quantized output all-to-all, every sharding type including row-wise on CPU. Its sharded
+  module is `ShardedEmbeddingBagCollection`; `CommStats` counts its bytes; `choose_row_tables`
+  picks the tables worth exchanging as unique rows (row_exchange=...).
+- `EmbeddingCollectionSharder`: shards TorchRec's EmbeddingCollection (sequence embeddings):
+  each row a rank's batch needs sent once, FP8 row-wise, expanded to the ids' positions by the
+  receiver. Its sharded module is `ShardedEmbeddingCollection`.
+- `sharders`: one sharder per module type recxla shards, with the same arguments.
 - `make_topology_2d`, `ReplicaSync`, `WorldDataParallelWrapper`: 2D parallelism (shard groups
   inside a node, replica groups across nodes).
 - `qcomm_codecs_registry`: recxla's row codec as a QComms registry for TorchRec's own sharders.
@@ -22,8 +26,10 @@ from recxla.torchrec.qcomm_codec import (
 _LAZY = {
     "CommStats": "recxla.torchrec.comm_stats",
     "EmbeddingBagCollectionSharder": "recxla.torchrec.sharder",
+    "EmbeddingCollectionSharder": "recxla.torchrec.sharder",
     "sharders": "recxla.torchrec.sharder",
     "ShardedEmbeddingBagCollection": "recxla.torchrec.sharded_embedding_bag",
+    "ShardedEmbeddingCollection": "recxla.torchrec.sharded_embedding",
     "choose_row_tables": "recxla.torchrec.row_exchange",
     "ReplicaSync": "recxla.torchrec.replicas",
     "make_topology_2d": "recxla.torchrec.replicas",

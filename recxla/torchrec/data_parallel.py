@@ -1,4 +1,5 @@
-"""Data-parallel tables of recxla's sharded EmbeddingBagCollection, delegated to TorchRec.
+"""Data-parallel tables of recxla's sharded modules: the pooled module's delegated to TorchRec,
+the sequence module's replicated by recxla (`SequenceDataParallelTables`).
 
 TorchRec's planner may plan a small table `data_parallel`: every rank holds the whole table,
 looks its own batch up locally (no all-to-all), and the table's gradient is averaged over the
@@ -22,10 +23,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recxla.torchrec.shard_layout import OWNER
 
@@ -162,3 +165,91 @@ class OutputMerge:
             first = offsets[part][self._part_names[part][slot]]
             columns.extend(range(first, first + dim))
         return torch.tensor(columns, dtype=torch.int64, device=device)
+
+
+class _SequenceLookup(nn.Module):
+    """The data-parallel sequence tables' lookup: per (table, feature) the rows of its ids."""
+
+    def __init__(self, weights: Dict[str, nn.Parameter], slots: Sequence[Tuple[str, str, str]]):
+        super().__init__()
+        self.weights = nn.ParameterDict(weights)
+        self.slots = list(slots)  # (output key, table, feature)
+
+    def forward(self, values: List[torch.Tensor]) -> List[torch.Tensor]:
+        return [nn.functional.embedding(ids, self.weights[table])
+                for ids, (_, table, _) in zip(values, self.slots)]
+
+
+class SequenceDataParallelTables:
+    """The data-parallel tables of a sharded EmbeddingCollection, as TorchRec trains them:
+    every rank holds the whole table and looks its own batch up (no all-to-all), and
+    DistributedDataParallel averages the tables' gradients over the group in backward, for the
+    user's dense optimizer (TorchRec's dense kernel; no fused optimizer). recxla does this
+    itself: TorchRec 1.9.2's data-parallel sequence sharding raises on CPU.
+
+    Args:
+        module: the unsharded EmbeddingCollection (its weights are copied when it is not on
+            the meta device, else each table's init_fn runs; rank 0's copy wins).
+        names: the data-parallel tables, in the module's table order.
+        env: the ShardingEnv of the sharded module (DDP's process group).
+        device: where the replicas live.
+        output_keys: the module's output keys, table by table (the unsharded module's names).
+        owner: the sharded module's name in error messages.
+    Not an nn.Module child of the sharded module: its parameters appear once, under the
+    sharded module's `embeddings.<table>.weight`.
+    """
+
+    def __init__(self, module, names: Sequence[str], env: ShardingEnv, device: torch.device,
+                 output_keys: Sequence[str], owner: str) -> None:
+        configs = module.embedding_configs()
+        keys = iter(output_keys)
+        slots = []
+        for c in configs:
+            for f in c.feature_names:
+                key = next(keys)
+                if c.name in names:
+                    slots.append((key, c.name, f))
+        self.owner = owner
+        self.weights: Dict[str, nn.Parameter] = {}
+        for c in configs:
+            if c.name not in names:
+                continue
+            source = module.embeddings[c.name].weight
+            weight = torch.empty(source.shape, dtype=torch.float32, device=device)
+            if device.type != "meta":
+                with torch.no_grad():
+                    if source.device.type != "meta":
+                        weight.copy_(source)
+                    else:
+                        c.init_fn(weight)
+            self.weights[c.name] = nn.Parameter(weight)
+        if device.type != "meta" and env.world_size > 1:
+            group = env.process_group
+            src = 0 if group is None or group is dist.group.WORLD else \
+                dist.get_global_rank(group, 0)
+            with torch.no_grad():
+                for weight in self.weights.values():
+                    dist.broadcast(weight.data, src=src, group=group)
+        self.feature_names = list(dict.fromkeys(f for _, _, f in slots))
+        self._slots = slots
+        lookup = _SequenceLookup(self.weights, slots)
+        self._lookup = lookup
+        if device.type != "meta" and env.world_size > 1:
+            # As TorchRec's data-parallel sharding: the gradients averaged over the group.
+            self._lookup = DistributedDataParallel(
+                lookup, process_group=env.process_group, gradient_as_bucket_view=True,
+                broadcast_buffers=False, static_graph=True)
+
+    def lookup(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        """The tables' rows for this rank's batch: per output key its JaggedTensor (values
+        float32 [ids, dim], the feature's lengths)."""
+        by_key = features.to_dict()
+        missing = [f for f in self.feature_names if f not in by_key]
+        if missing:
+            raise ValueError(f"{self.owner}: feature '{missing[0]}' is missing from the input "
+                             f"(keys: {features.keys()}; the data-parallel tables read "
+                             f"{self.feature_names})")
+        jagged = [by_key[f] for _, _, f in self._slots]
+        rows = self._lookup([j.values() for j in jagged])
+        return {key: JaggedTensor(values=r, lengths=j.lengths())
+                for (key, _, _), r, j in zip(self._slots, rows, jagged)}

@@ -28,22 +28,15 @@ dtype), and load_state_dict takes ShardedTensors or full unsharded tensors
 (sharded_state_dict.py).
 """
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torchrec.distributed.embedding_sharding import KJTListSplitsAwaitable
 from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
 from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection as TorchRecShardedEmbeddingBagCollection,
 )
-from torchrec.distributed.types import (
-    LazyAwaitable,
-    Multistreamable,
-    ParameterSharding,
-    ShardingEnv,
-)
+from torchrec.distributed.types import LazyAwaitable, ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -52,10 +45,7 @@ from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
 from recxla.ops.embedding_bag import MEAN, SUM
 from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_data_parallel
 from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer
-from recxla.torchrec.input_dist import LookupInput
-from recxla.torchrec.output_dist import Message
 from recxla.torchrec.replicas import ReplicaSync
-from recxla.torchrec.row_exchange import RowBags, RowInput
 from recxla.torchrec.shard_layout import OWNER, ShardLayout, TableInfo
 from recxla.torchrec.sharded_builder import build_sharded_parts
 from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_TYPES: public here)
@@ -65,29 +55,7 @@ from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_
 )
 from recxla.torchrec.sharded_state_dict import TableStateDict, reset_local_shards, weight_name
 from recxla.torchrec.sharded_steps import ShardedSteps
-
-_SHARDING_NAME = "recxla"
-
-
-@dataclass
-class ShardedEmbeddingBagContext(Multistreamable):
-    """Per-batch state between input_dist and the output: this rank's batch size, the
-    sources' batch sizes at the owner, and the bag lengths of row-sharded MEAN features."""
-
-    batch_size: int = 0
-    source_batches: List[int] = field(default_factory=list)
-    bag_lengths: Optional[torch.Tensor] = None
-    row_bags: Optional[RowBags] = None  # this rank's bags of row tables (row_exchange.py)
-    rows: Optional[RowInput] = None  # the owner's requested rows
-    # The data-parallel tables' features (data_parallel.py), looked up with the output.
-    data_parallel_features: Optional[KeyedJaggedTensor] = None
-    # TorchRec's input-dist awaitables look for per-sharding contexts; recxla keeps none.
-    sharding_contexts: List[Any] = field(default_factory=list)
-
-    def record_stream(self, stream) -> None:
-        if self.bag_lengths is not None and self.bag_lengths.is_cuda:
-            self.bag_lengths.record_stream(stream)
-
+from recxla.torchrec.torchrec_interface import SHARDING_NAME, ShardedContext, TorchRecFace
 
 class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
     """EmbeddingBagCollection sharded by recxla (see the module docstring).
@@ -133,17 +101,15 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         ShardedEmbeddingModule.__init__(self, qcomm_codecs_registry=None)
         get_format(fwd_comm, OWNER, "fwd_comm")
         get_format(bwd_comm, OWNER, "bwd_comm")
-        self._module_fqn = module_fqn
         device = torch.device(device) if device is not None else torch.device("cpu")
         # On the meta device (DistributedModelParallel(device="meta"), as with TorchRec's
         # sharder) the shards have shapes and no values: enough for state_dict layouts and
         # checkpoint planning; running it needs a module sharded onto a real device.
-        self._fwd_comm, self._bwd_comm = fwd_comm, bwd_comm
         plan = table_name_to_parameter_sharding
         configs = module.embedding_bag_configs()
         self._embedding_bag_configs = configs
         self._is_weighted = module.is_weighted()
-        self._sharding_types = [_SHARDING_NAME]
+        self._sharding_types = [SHARDING_NAME]  # read by TorchRec's code
         for config in configs:
             check_table_config(config, self._is_weighted)
             if config.name not in plan:
@@ -170,6 +136,8 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
             row_tables=row_exchange_tables(row_exchange, [c.name for c in configs]),
             replicas=replicas)
         self.steps = ShardedSteps(self.parts)
+        self._face = TorchRecFace(self.steps, module_fqn, self._complete,
+                                  lambda output: output.values().shape[0])
         self.comm_stats = self.parts.stats
         # Per table one Parameter per local shard: `weight`, then `weight_1`, ... (state_dict
         # shows them as the one ShardedTensor `weight`).
@@ -196,95 +164,42 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
 
     # ------------------------------------------------------------------ TorchRec interface
 
-    def create_context(self) -> ShardedEmbeddingBagContext:
-        return ShardedEmbeddingBagContext()
+    def create_context(self) -> ShardedContext:
+        return ShardedContext()
 
-    def input_dist(self, ctx: ShardedEmbeddingBagContext, features: KeyedJaggedTensor):
-        """Checks the batch and starts the id all-to-alls. -> Awaitable[Awaitable[KJTList]]
-        whose KJTList holds one LookupInput (TorchRec's pipelines wait on it in two steps)."""
-        if self.parts.on_meta:
-            raise ValueError(f"{OWNER}: this module was sharded on the meta device: its shards "
-                             "have no values; shard the model onto a real device (e.g. "
-                             "DistributedModelParallel(..., device=torch.device('cpu'))) to run it")
-        awaitable = self.steps.start_input_dist(features)
-        if self._data_parallel is not None and awaitable.input_lengths is not None:
-            # The router checked the batch (the data-parallel features included) and
-            # expanded a variable batch per feature (variable_batch.py).
-            ctx.data_parallel_features = self._data_parallel.select(awaitable.features)
-        lengths = awaitable.input_lengths
-        if lengths is not None:
-            ctx.batch_size = lengths.shape[1]
-            ctx.bag_lengths = self.steps.receive_lengths(lengths)
-            ctx.row_bags = awaitable.row_bags
-        return KJTListSplitsAwaitable([awaitable], ctx, self._module_fqn, self._sharding_types)
-
+    def input_dist(self, ctx: ShardedContext, features: KeyedJaggedTensor):
+        """Checks the batch and starts the id all-to-alls (torchrec_interface.py)."""
+        return self._face.input_dist(ctx, features)
 
     def forward(self, *input, **kwargs):
         """TorchRec's forward (input dist, lookup, output dist), unless a pipeline staged this
-        step's output (`stage_output`): then that output, for the same batch size."""
+        step's output (`steps.stage_output`): then that output, for the same batch size."""
         if self.parts.staged_outputs:
-            output = self.parts.staged_outputs.popleft()
-            if callable(output):
-                output = output()
-            features = input[0] if input else kwargs.get("features")
-            if isinstance(features, KeyedJaggedTensor) and \
-                    features.stride() != output.values().shape[0]:
-                self.parts.staged_outputs.clear()
-                raise ValueError(f"{OWNER}: the pipeline staged embeddings of "
-                                 f"{output.values().shape[0]} samples, but the model passed "
-                                 f"{features.stride()}; the model must give this module the "
-                                 "micro-batch's sparse features")
-            if self._data_parallel is not None:
-                # The staged output holds the model-parallel tables; the data-parallel ones
-                # are looked up here, on this micro-batch's features.
-                output = self._merge_data_parallel(output.values(),
-                                                   self._data_parallel.select(features))
-            return output
+            return self._face.staged_output(input[0] if input else kwargs.get("features"))
         return super().forward(*input, **kwargs)
 
+    def compute(self, ctx: ShardedContext, dist_input: KJTList):
+        """The owner's lookup (torchrec_interface.py)."""
+        return self._face.compute(ctx, dist_input)
 
-    def compute(self, ctx: ShardedEmbeddingBagContext, dist_input: KJTList):
-        """The owner's lookup. -> (pooled float32 [sum of the sources' batches, D_owner],
-        per row group its gathered rows [R_g, cols_g])."""
-        lookup_input: LookupInput = self.steps.to_device(dist_input[0])
-        ctx.source_batches = lookup_input.batch_sizes
-        ctx.rows = lookup_input.rows
-        if ctx.row_bags is not None:
-            ctx.row_bags = ctx.row_bags.to(self.parts.device)
-        return self.steps.lookup(lookup_input)
-
-
-    def output_dist(self, ctx: ShardedEmbeddingBagContext, output) -> LazyAwaitable[KeyedTensor]:
+    def output_dist(self, ctx: ShardedContext, output) -> LazyAwaitable[KeyedTensor]:
         """Starts the embeddings' all-to-all. -> LazyAwaitable[KeyedTensor]."""
-        pooled, row_outputs = output
-        message = self.steps.output_message(ctx.batch_size, ctx.row_bags)
-        handle, send, _ = self.steps.start_output(pooled, ctx.source_batches, message,
-                                                  row_outputs, ctx.rows)
-        return _PooledEmbeddingsAwaitable(self, handle, send, message, ctx)
+        return self._face.output_dist(ctx, output)
 
-    def finish_output(self, handle, sent: List[int], message: Message,
-                      bag_lengths: Optional[torch.Tensor],
-                      data_parallel_features: Optional[KeyedJaggedTensor]) -> KeyedTensor:
-        """output_dist's end (autograd path): waits for the rows, assembles this rank's
-        KeyedTensor (the data-parallel tables' lookup merged in) whose backward sends the
-        gradient back and counts a fused optimizer step."""
-        values = self.parts.output.finish(handle, sent, message, bag_lengths,
-                                          self.steps.count_step)
-        if self._data_parallel is not None:
-            return self._merge_data_parallel(values, data_parallel_features)
-        return self.steps.form_output(values, bag_lengths)
-
-    def _merge_data_parallel(self, values: torch.Tensor,
-                             features: KeyedJaggedTensor) -> KeyedTensor:
-        """The model-parallel values joined with the data-parallel tables' lookup of
-        `features`, in the unsharded module's key order."""
-        layout = self.parts.layout
-        return self._output_merge.merge(values, layout.embedding_names, layout.embedding_dims,
-                                        self._data_parallel.lookup(features))
-
-    def compute_and_output_dist(self, ctx: ShardedEmbeddingBagContext,
+    def compute_and_output_dist(self, ctx: ShardedContext,
                                 input: KJTList) -> LazyAwaitable[KeyedTensor]:
         return self.output_dist(ctx, self.compute(ctx, input))
+
+    def _complete(self, output: KeyedTensor,
+                  features: Optional[KeyedJaggedTensor]) -> KeyedTensor:
+        """The model-parallel output joined with the data-parallel tables' lookup of
+        `features`, in the unsharded module's key order (no data-parallel tables: as it is)."""
+        if self._data_parallel is None:
+            return output
+        layout = self.parts.layout
+        return self._output_merge.merge(
+            output.values(), layout.embedding_names, layout.embedding_dims,
+            self._data_parallel.lookup(self._data_parallel.select(features)))
 
     @property
     def fused_optimizer(self) -> ShardedFusedOptimizer:
@@ -312,22 +227,4 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
                                   "save a checkpoint and load it into a module sharded the new way")
 
     def extra_repr(self) -> str:
-        return (f"tables={self.parts.tables.names}, fwd_comm={self._fwd_comm!r}, "
-                f"bwd_comm={self._bwd_comm!r}, local tables="
-                f"{[self.parts.tables.names[lt.table] for lt in self.parts.layout.local_tables[self.parts.layout.rank]]}")
-
-
-
-class _PooledEmbeddingsAwaitable(LazyAwaitable[KeyedTensor]):
-    def __init__(self, module: ShardedEmbeddingBagCollection, handle, send, message,
-                 ctx: ShardedEmbeddingBagContext):
-        super().__init__()
-        self._module, self._handle, self._send, self._message, self._ctx = \
-            module, handle, send, message, ctx
-
-    def _wait_impl(self) -> KeyedTensor:
-        handle, self._handle = self._handle, None
-        return self._module.finish_output(handle, self._send, self._message,
-                                          self._ctx.bag_lengths,
-                                          self._ctx.data_parallel_features)
-
+        return self.parts.describe()

@@ -1,39 +1,67 @@
-"""recxla's sharder: the one line that moves a TorchRec model's embeddings onto recxla.
+"""recxla's sharders: the one line that moves a TorchRec model's embeddings onto recxla.
 
-    sharder = recxla.torchrec.EmbeddingBagCollectionSharder(
+    sharders = recxla.torchrec.sharders(
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.05},
         fwd_comm="e4m3", bwd_comm="bf16")
-    plan = EmbeddingShardingPlanner(topology).collective_plan(model, [sharder], pg)
-    model = DistributedModelParallel(model, env, device, sharders=[sharder], plan=plan)
+    plan = EmbeddingShardingPlanner(topology).collective_plan(model, sharders, pg)
+    model = DistributedModelParallel(model, env, device, sharders=sharders, plan=plan)
 
-It is TorchRec's EmbeddingBagCollectionSharder with recxla's sharded module
-(`recxla.torchrec.ShardedEmbeddingBagCollection`), and it offers row-wise sharding on CPU as
-well (TorchRec's CPU sharder cannot: gloo has no reduce-scatter). Tables the plan makes
-data_parallel are sharded by TorchRec's own sharder inside the module (data_parallel.py).
-DistributedModelParallel picks
-a sharder by the module's exact type, so one sharder serves one module type: TorchRec's
+`EmbeddingBagCollectionSharder` is TorchRec's EmbeddingBagCollectionSharder with recxla's
+pooled module (`recxla.torchrec.ShardedEmbeddingBagCollection`); `EmbeddingCollectionSharder`
+is TorchRec's EmbeddingCollectionSharder with recxla's sequence module
+(`recxla.torchrec.ShardedEmbeddingCollection`). Both offer row-wise sharding on CPU as well
+(TorchRec's CPU sharders cannot: gloo has no reduce-scatter). Tables the plan makes
+data_parallel are replicated, as TorchRec does (data_parallel.py). DistributedModelParallel
+picks a sharder by the module's exact type, so one sharder serves one module type: TorchRec's
 EmbeddingBagCollection by default, `recxla.nn.EmbeddingBagCollection` with
-`module_type=recxla.nn.EmbeddingBagCollection`; `sharders(...)` returns both.
+`module_type=recxla.nn.EmbeddingBagCollection`, TorchRec's EmbeddingCollection;
+`sharders(...)` returns all three. DistributedModelParallel leaves a module no given sharder
+handles unsharded; `recxla.torchrec.unsharded_embedding_modules` names such modules.
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Type, Union
 
 import torch
+from torchrec.distributed.embedding import (
+    EmbeddingCollectionSharder as TorchRecEmbeddingCollectionSharder,
+)
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder as TorchRecEmbeddingBagCollectionSharder,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
 from recxla.torchrec.replicas import ReplicaSync
+from recxla.torchrec.sharded_embedding import SEQUENCE_SHARDING_TYPES, ShardedEmbeddingCollection
 from recxla.torchrec.sharded_embedding_bag import (
     SUPPORTED_SHARDING_TYPES,
     ShardedEmbeddingBagCollection,
 )
 
 NAME = "recxla.torchrec.EmbeddingBagCollectionSharder"
+SEQUENCE_NAME = "recxla.torchrec.EmbeddingCollectionSharder"
+
+
+def _check_options(name: str, fwd_comm: str, bwd_comm: str, dedup_ids: bool,
+                   replicas: Optional[ReplicaSync]) -> None:
+    """The options both sharders take (TypeError/ValueError naming the sharder)."""
+    get_format(fwd_comm, name, "fwd_comm")
+    get_format(bwd_comm, name, "bwd_comm")
+    if not isinstance(dedup_ids, bool):
+        raise TypeError(f"{name}: dedup_ids must be a bool, got {dedup_ids!r}")
+    if replicas is not None and not isinstance(replicas, ReplicaSync):
+        raise TypeError(f"{name}: replicas must be a recxla.torchrec.replicas.ReplicaSync, "
+                        f"got {type(replicas).__name__}")
+
+
+def _compute_kernels(sharding_type: str) -> List[str]:
+    if sharding_type == ShardingType.DATA_PARALLEL.value:
+        # Data-parallel tables get ordinary gradients (TorchRec's dense kernel).
+        return [EmbeddingComputeKernel.DENSE.value]
+    # recxla's lookup (the planner's estimates treat it as TorchRec's fused kernel).
+    return [EmbeddingComputeKernel.FUSED.value]
 
 
 class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
@@ -67,19 +95,13 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
                  replicas: Optional[ReplicaSync] = None,
                  row_exchange: Union[str, Sequence[str]] = "off") -> None:
         super().__init__(fused_params=fused_params)
-        get_format(fwd_comm, NAME, "fwd_comm")
-        get_format(bwd_comm, NAME, "bwd_comm")
-        if not isinstance(dedup_ids, bool):
-            raise TypeError(f"{NAME}: dedup_ids must be a bool, got {dedup_ids!r}")
+        _check_options(NAME, fwd_comm, bwd_comm, dedup_ids, replicas)
         module_type = EmbeddingBagCollection if module_type is None else module_type
         if not (isinstance(module_type, type) and issubclass(module_type, EmbeddingBagCollection)):
             raise TypeError(f"{NAME}: module_type must be torchrec's EmbeddingBagCollection or a "
                             f"subclass, got {module_type!r}")
         self._fwd_comm, self._bwd_comm, self._dedup_ids = fwd_comm, bwd_comm, dedup_ids
         self._module_type = module_type
-        if replicas is not None and not isinstance(replicas, ReplicaSync):
-            raise TypeError(f"{NAME}: replicas must be a recxla.torchrec.replicas.ReplicaSync, "
-                            f"got {type(replicas).__name__}")
         self._replicas = replicas
         self._row_exchange = row_exchange
 
@@ -95,11 +117,7 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
         return list(SUPPORTED_SHARDING_TYPES)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        if sharding_type == ShardingType.DATA_PARALLEL.value:
-            # Data-parallel tables are TorchRec's (recxla/torchrec/data_parallel.py).
-            return [EmbeddingComputeKernel.DENSE.value]
-        # recxla's lookup (the planner's estimates treat it as TorchRec's fused kernel).
-        return [EmbeddingComputeKernel.FUSED.value]
+        return _compute_kernels(sharding_type)
 
     def reshard(self, *args, **kwargs):
         raise NotImplementedError(f"{NAME}: resharding a live module is not supported; save a "
@@ -114,10 +132,77 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
         return ShardedEmbeddingBagCollection
 
 
-def sharders(**kwargs) -> List[EmbeddingBagCollectionSharder]:
-    """One recxla sharder for torchrec's EmbeddingBagCollection and one for
-    recxla.nn.EmbeddingBagCollection, with the same arguments (those of the sharder)."""
+class EmbeddingCollectionSharder(TorchRecEmbeddingCollectionSharder):
+    """Shards EmbeddingCollections (sequence embeddings) onto recxla: each row a rank needs
+    sent once, FP8 row-wise by default (recxla.torchrec.ShardedEmbeddingCollection).
+
+    Args:
+        fused_params: as for TorchRec's sharder (see EmbeddingBagCollectionSharder); every
+            model-parallel table gets the fused optimizer (an optimizer attached with
+            `apply_optimizer_in_backward` takes precedence).
+        fwd_comm: wire format of the rows: "e4m3" (default), "e5m2", "bf16", "fp16" or "fp32".
+        bwd_comm: wire format of their gradients (default "e5m2", recxla.formats).
+        dedup_ids: as for EmbeddingBagCollectionSharder (the rows' ids always travel
+            deduplicated).
+        replicas: 2D training: a recxla.torchrec.replicas.ReplicaSync for the replica group.
+        max_sequence_length: the longest sequence a batch may hold (None: no limit); a
+            longer one raises a ValueError naming the feature on every rank.
+    """
+
+    def __init__(self, fused_params: Optional[Dict[str, Any]] = None,
+                 fwd_comm: str = DEFAULT_FWD_COMM, bwd_comm: str = DEFAULT_BWD_COMM,
+                 dedup_ids: bool = True, replicas: Optional[ReplicaSync] = None,
+                 max_sequence_length: Optional[int] = None) -> None:
+        super().__init__(fused_params=fused_params)
+        _check_options(SEQUENCE_NAME, fwd_comm, bwd_comm, dedup_ids, replicas)
+        if max_sequence_length is not None and (
+                not isinstance(max_sequence_length, int) or isinstance(max_sequence_length, bool)
+                or max_sequence_length < 1):
+            raise ValueError(f"{SEQUENCE_NAME}: max_sequence_length must be None or an int "
+                             f">= 1, got {max_sequence_length!r}")
+        self._fwd_comm, self._bwd_comm, self._dedup_ids = fwd_comm, bwd_comm, dedup_ids
+        self._replicas = replicas
+        self._max_sequence_length = max_sequence_length
+
+    def shard(self, module: EmbeddingCollection, params: Dict[str, ParameterSharding],
+              env: ShardingEnv, device: Optional[torch.device] = None,
+              module_fqn: Optional[str] = None) -> ShardedEmbeddingCollection:
+        return ShardedEmbeddingCollection(
+            module, params, env, fused_params=self.fused_params, device=device,
+            fwd_comm=self._fwd_comm, bwd_comm=self._bwd_comm, dedup_ids=self._dedup_ids,
+            module_fqn=module_fqn, replicas=self._replicas,
+            max_sequence_length=self._max_sequence_length)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(SEQUENCE_SHARDING_TYPES)
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        return _compute_kernels(sharding_type)
+
+    def reshard(self, *args, **kwargs):
+        raise NotImplementedError(f"{SEQUENCE_NAME}: resharding a live module is not "
+                                  "supported; save a checkpoint and load it into a module "
+                                  "sharded the new way")
+
+    @property
+    def module_type(self) -> Type[EmbeddingCollection]:
+        return EmbeddingCollection
+
+    @property
+    def sharded_module_type(self) -> Type[ShardedEmbeddingCollection]:
+        return ShardedEmbeddingCollection
+
+
+def sharders(max_sequence_length: Optional[int] = None,
+             **kwargs) -> List[Union[EmbeddingBagCollectionSharder, EmbeddingCollectionSharder]]:
+    """recxla's sharders for every module type it shards, with the same arguments: one for
+    torchrec's EmbeddingBagCollection and one for recxla.nn.EmbeddingBagCollection (the
+    arguments of EmbeddingBagCollectionSharder), and one for torchrec's EmbeddingCollection
+    (fused_params, fwd_comm, bwd_comm, dedup_ids, replicas, and max_sequence_length)."""
     from recxla.nn import EmbeddingBagCollection as RecxlaEmbeddingBagCollection
 
+    sequence = {k: v for k, v in kwargs.items()
+                if k in ("fused_params", "fwd_comm", "bwd_comm", "dedup_ids", "replicas")}
     return [EmbeddingBagCollectionSharder(**kwargs),
-            EmbeddingBagCollectionSharder(module_type=RecxlaEmbeddingBagCollection, **kwargs)]
+            EmbeddingBagCollectionSharder(module_type=RecxlaEmbeddingBagCollection, **kwargs),
+            EmbeddingCollectionSharder(max_sequence_length=max_sequence_length, **sequence)]
