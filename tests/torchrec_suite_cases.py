@@ -37,6 +37,9 @@ TW, CW, TWCW, RW, TWRW, DP = ("table_wise", "column_wise", "table_column_wise", 
                               "table_row_wise", "data_parallel")
 FP32, FP16_BF16 = "fp32", "fp16-bf16"  # comms: none (fp32), or fp16 forward / bf16 backward
 OIB = {"embedding_bags": ("SGD", {"lr": 0.01}), "embeddings": ("SGD", {"lr": 0.2})}
+# The harness's per-rank body on its mixed pooled + sequence model (no test method of the
+# wheel's classes runs that model on gloo; the body and the model are the wheel's).
+MIXED = "sharding_single_rank_test(TestMixedEmbeddingSparseArch)"
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,12 @@ def cases() -> List[Case]:
         out += [Case(f"StateDict.{test}", v, params, ranks=1) for v in (RECXLA, TORCHREC)]
     for test in ("test_sharding_ebc_as_top_level", "test_sharding_ebc_input_validation_enabled"):
         out += [Case(f"SparseOnly.{test}", v, (), ranks=1) for v in (RECXLA, TORCHREC)]
+    # The harness's model with pooled and sequence tables (TestMixedEmbeddingSparseArch: an
+    # EmbeddingBagCollection and an EmbeddingCollection) through its per-rank body, recxla's
+    # sharders for both module types; TorchRec's own where its CPU sharders run the plan.
+    for st in (TW, CW, RW, TWRW, DP):
+        variants = (RECXLA, TORCHREC) if st in (TW, CW) else (RECXLA,)
+        out += [Case(MIXED, v, (("sharding_type", st),)) for v in variants]
     return out
 
 
@@ -132,6 +141,17 @@ NOT_APPLICABLE: Dict[str, str] = {
     "SparseOnly.test_initialize_torch_state_error_includes_table_name":
         "patches TorchRec's ShardedEmbeddingBagCollection._initialize_torch_state, a private "
         "method recxla's module does not use",
+    f"{MIXED}[torchrec: row_wise, table_row_wise]":
+        "control only for table-wise and column-wise: TorchRec's CPU sharder of the pooled "
+        "tables offers no row-wise; recxla runs them",
+    f"{MIXED}[torchrec: data_parallel]":
+        "control only for table-wise and column-wise: TorchRec 1.9.2's data-parallel sequence "
+        "sharding raises on CPU (split_with_sizes in its output dist); recxla runs it",
+    "TorchRec's sequence-model tests (test_sequence_model_parallel.py)":
+        "not in the torchrec wheel (they live in its repository's tests/ folder, with the "
+        "TestSequenceSparseNN model they need); the wheel's mixed pooled + sequence model runs "
+        f"instead ({MIXED}), and tests/test_sharded_embedding.py compares recxla's sequence "
+        "module with TorchRec's EC sharder directly",
     "StateDict.test_parameter_init":
         "a plain module with no embeddings: no sharder is involved",
     "EmbeddingBagCollectionTest (recxla.nn)": "see EBC_NOT_APPLICABLE in test_torchrec_suite.py",
@@ -352,6 +372,46 @@ def _classes():
     return ModelParallelTestGloo, ModelParallelStateDictTestGloo, ModelParallelSparseOnlyTestGloo
 
 
+def _mixed_case(case: Case, pg) -> None:
+    """The harness's per-rank body (one train step of the sharded model against the unsharded
+    one, TorchRec's tolerances) on TestMixedEmbeddingSparseArch: two pooled tables of two dims
+    and two sequence tables, every table planned `sharding_type`."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import ParameterConstraints
+    from torchrec.distributed.test_utils.test_model import TestMixedEmbeddingSparseArch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+
+    _, _, ts = _harness()
+    sharding_type = dict(case.params)["sharding_type"]
+    tables = [EmbeddingBagConfig(num_embeddings=(i + 1) * 10, embedding_dim=(i + 2) * 8,
+                                 name=f"table_{i}", feature_names=[f"feature_{i}"])
+              for i in range(2)]
+    tables += [EmbeddingConfig(num_embeddings=(i + 1) * 11, embedding_dim=16,
+                               name=f"ec_table_{i}", feature_names=[f"ec_feature_{i}"])
+               for i in range(2)]
+    fused = {"learning_rate": 0.1}
+    if case.variant == RECXLA:
+        import recxla.torchrec
+
+        sharders = [recxla.torchrec.EmbeddingBagCollectionSharder(fused_params=fused,
+                                                                  fwd_comm="fp32",
+                                                                  bwd_comm="fp32"),
+                    recxla.torchrec.EmbeddingCollectionSharder(fused_params=fused,
+                                                               fwd_comm="fp32", bwd_comm="fp32")]
+    else:
+        sharders = [EmbeddingBagCollectionSharder(fused_params=fused),
+                    EmbeddingCollectionSharder(fused_params=fused)]
+    kernel = "dense" if sharding_type == DP else "fused"
+    constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type],
+                                                compute_kernels=[kernel]) for t in tables}
+    ts.sharding_single_rank_test_single_process(
+        pg=pg, device=torch.device("cpu"), rank=dist.get_rank(pg), world_size=2,
+        model_class=TestMixedEmbeddingSparseArch, embedding_groups={}, tables=tables,
+        sharders=sharders, optim=EmbOptimType.EXACT_SGD, constraints=constraints)
+
+
 def _sharding_case(case: Case, pg) -> None:
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.planner import ParameterConstraints
@@ -489,7 +549,8 @@ def run_cases(rank: int, world: int, ids: List[str]) -> Dict[str, Tuple[str, str
     timeout = datetime.timedelta(seconds=CASE_TIMEOUT_S)
     for i, case in enumerate(c for c in selected if c.ranks == 2):
         pg = dist.new_group(backend="gloo", timeout=timeout)
-        results[case.id] = _run(case, lambda: _sharding_case(case, pg))
+        run = _mixed_case if case.test == MIXED else _sharding_case
+        results[case.id] = _run(case, lambda: run(case, pg))
         _align(store, f"case{i}", rank, world)
         dist.destroy_process_group(pg)
     _align(store, "single-rank", rank, world)

@@ -109,6 +109,8 @@ class ExpandedAssembly:
         slots] (host) -> per embedding name (TorchRec's: a feature, or feature@table where
         several tables read it) its JaggedTensor: values [ids of the feature, dim], lengths
         [B], on the values' device."""
+        if not self.embedding_names:
+            return {}
         counts = lengths.sum(0).tolist()
         on_device = lengths.to(values.device, non_blocking=True)
         return {name: JaggedTensor(values=part, lengths=on_device[:, s])
@@ -118,6 +120,10 @@ class ExpandedAssembly:
     def plan(self, message) -> ExpandPlan:
         """The ExpandPlan of exchange `message` (once per message: forward and backward)."""
         bags = message.bags
+        if bags is None:  # no model-parallel table anywhere: nothing to expand
+            empty = torch.zeros(0, dtype=torch.int64)
+            return ExpandPlan(empty, torch.zeros(2, dtype=torch.int64), empty,
+                              torch.zeros(1, dtype=torch.int64))
         return bags.cached(("expand", message.micro_batch),
                            lambda: self._make_plan(message))
 
