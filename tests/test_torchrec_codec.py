@@ -473,6 +473,71 @@ def test_the_sequence_all_to_all_gets_a_row_dim_it_can_split_by():
     assert reg[A2A].forward.create_context().row_dim == -1
 
 
+def test_sequence_backward_picks_a_row_that_divides_the_gradients_dim():
+    """TorchRec's sequence backward encodes the gradient [ids, dim]: with the default row of
+    32 and a dim of 48, each row of it becomes 2 FP8 rows of 24 (not an error telling the
+    user to flatten a tensor TorchRec passes), and calc_quantized_size agrees with the wire."""
+    seq = qcomm_codecs_registry("e4m3", "e5m2")[CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.name]
+    grad = torch.randn(7, 48)
+    ctx = seq.backward.create_context()
+    wire = seq.backward.encode(grad, ctx)
+    assert ctx.row_dim == 24 and wire.shape == (7, 2 * (24 + 4))
+    assert seq.backward.calc_quantized_size(5 * 48, ctx) == 5 * 2 * 28
+    back = seq.backward.decode(wire.reshape(-1), ctx).view(7, 48)
+    assert float((back - grad).abs().max()) <= 0.25 * float(grad.abs().max())
+
+
+def test_sequence_forward_names_the_dim_its_row_must_divide():
+    """Its forward encodes a flat tensor and cannot see the dim: a split of ids x 48 values
+    that rows of 32 do not cut raises, saying what to pass."""
+    seq = qcomm_codecs_registry("e4m3", "e5m2")[CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.name]
+    ctx = seq.forward.create_context()
+    seq.forward.encode(torch.randn(4 * 48), ctx)
+    with pytest.raises(ValueError, match="sequence all-to-all gives the codec no embedding dim.*"
+                                         r"row_dim=\.\.\."):
+        seq.forward.calc_quantized_size(48, ctx)
+
+
+def _sequence_body(rank, world, seed):
+    """TorchRec's own EC sharder on recxla's registry (row_dim=16), dim 48, FP8 both ways ->
+    (first step's largest relative error against the unsharded module, steps run)."""
+    import torch.distributed as dist
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    import sequence_cases
+    import sharded_cases
+
+    torch.manual_seed(seed)
+    configs = sequence_cases.tables(dim=48)
+    module = EmbeddingCollection(configs)
+    reference = EmbeddingCollection(configs)
+    reference.load_state_dict(module.state_dict())
+    sharder = EmbeddingCollectionSharder(
+        fused_params={"learning_rate": 0.1},
+        qcomm_codecs_registry=qcomm_codecs_registry("e4m3", "e5m2", row_dim=16))
+    sharded = sharder.shard(module, sequence_cases.plan(configs, "table_wise", world),
+                            ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
+    generator = torch.Generator().manual_seed(seed + 1)
+    errors = []
+    for _ in range(2):
+        batch = sequence_cases.batch(configs, 8, generator, max_len=6)
+        mine = sharded_cases.sample_slice(batch, 4 * rank, 4 * rank + 4)
+        out, want = sharded(mine).wait(), reference(mine)
+        errors.append(max(sharded_cases.relative(out[k].values().detach(),
+                                                 want[k].values().detach()) for k in want))
+        sum(j.values().sum() for j in out.values()).backward()
+    return errors[0], len(errors)
+
+
+@pytest.mark.distributed
+def test_torchrecs_ec_sharder_runs_fp8_on_recxla_codecs_at_dim_48(seed):
+    for rank, (error, steps) in enumerate(run_distributed(_sequence_body, world_size=2,
+                                                          args=(seed,))):
+        assert steps == 2 and 0 < error <= 0.07, (rank, error)
+
+
 def _reduce_scatter_body(rank, world, seed):
     from torchrec.distributed import comm_ops
     from torchrec.distributed.fbgemm_qcomm_codec import (

@@ -39,7 +39,11 @@ and 96 gets rows of 32. The backward codec of the same registry entry is not sho
 dim sum its forward partner has seen, which every rank has seen alike since the all-to-alls are
 collective. An all-to-all that gives no dims (TorchRec's sequence and variable-batch all-to-alls)
 needs a configured row_dim: the registry gives its sequence codecs row_dim 32 when none is named,
-and calc_quantized_size raises a ValueError that says so where a row is still unset. With
+and calc_quantized_size raises a ValueError that says so where a row is still unset. The
+sequence all-to-all's splits are ids x the EmbeddingCollection's dim: its forward encodes a flat
+tensor, so the row must divide that dim (32 serves every multiple of 32; other dims need
+row_dim=, which the error says); its backward encodes the gradient [ids, dim], and with
+auto_row_dim a row that does not divide dim becomes the largest divisor of dim up to it. With
 auto_row_dim=False every call uses the configured row_dim, and a dim sum it does not divide raises
 ValueError naming row_dim, before any data moves. Smaller rows scale more finely and cost 4 bytes
 of scale each (rows of 8: 1.5 bytes a value; of 4: 2 bytes, no less than bf16, which is logged).
@@ -139,6 +143,7 @@ class RecxlaQuantizedCommCodec:
         auto_row_dim: bool = True,
         widths: Optional[SplitWidths] = None,
         backward: bool = False,
+        sequence: bool = False,
     ):
         self.fmt = fmt
         self._format = get_format(fmt, NAME)
@@ -148,7 +153,8 @@ class RecxlaQuantizedCommCodec:
         if output_dtype not in FLOAT_DTYPES:
             raise TypeError(f"{NAME}: output_dtype must be float32, bfloat16 or float16, got "
                             f"{output_dtype}")
-        for name, flag in (("auto_row_dim", auto_row_dim), ("backward", backward)):
+        for name, flag in (("auto_row_dim", auto_row_dim), ("backward", backward),
+                           ("sequence", sequence)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{NAME}: {name} must be a bool, got {flag!r}")
         if not auto_row_dim and row_dim is None:
@@ -158,6 +164,7 @@ class RecxlaQuantizedCommCodec:
         self.output_dtype = output_dtype
         self.auto_row_dim = auto_row_dim
         self.backward = backward
+        self.sequence = sequence
         self.widths = widths if widths is not None else SplitWidths()
         self.stats = CodecStats()
         self._warned_row_dims: Set[int] = set()
@@ -216,6 +223,11 @@ class RecxlaQuantizedCommCodec:
 
     def _check_rows(self, n: int, row_dim: int, what: str, why: Optional[str] = None) -> None:
         if n % row_dim:
+            if why is None and self.sequence:
+                why = ("TorchRec's sequence all-to-all gives the codec no embedding dim, and "
+                       "its splits are ids x dim: row_dim must divide the EmbeddingCollection's "
+                       "dim; pass qcomm_codecs_registry(row_dim=...) with one that does (32 "
+                       "serves dims that are multiples of 32)")
             if why is None:
                 why = (f"with {self.fmt} every split (batch x embedding-dim sum) must be whole "
                        "rows; " + ("pass a row_dim that divides every table's embedding "
@@ -286,6 +298,12 @@ class RecxlaQuantizedCommCodec:
                 row_dim = dim
             elif x.dim() == 1:
                 self._check_rows(dim, row_dim, "the tensor to encode")
+            elif self.sequence and self.auto_row_dim and dim % row_dim:
+                # TorchRec's sequence backward encodes the gradient [ids, dim], and its splits
+                # are whole rows of it: a row that divides dim fits every split.
+                row_dim = largest_divisor_up_to(dim, row_dim)
+                if ctx is not None:
+                    ctx.row_dim = row_dim
             else:
                 self._check_rows(
                     dim, row_dim, f"the last dimension of the tensor to encode {tuple(x.shape)}",
@@ -361,7 +379,8 @@ def qcomm_codecs_registry(
             tensor's last dimension, as in TorchRec's own codec test); without, the row of
             every call, which must then divide every rank's embedding-dim sum (see the module
             docstring). The sequence all-to-all gives no dims: its codecs use row_dim, 32 for
-            None. Ignored by the casts.
+            None, which must divide the EmbeddingCollection's dim in forward (its backward
+            picks a divisor of the dim itself). Ignored by the casts.
         row_dim_bwd: the same for backward; None: row_dim.
         auto_row_dim: each call picks its FP8 row_dim from the embedding-dim sums per rank (the
             largest divisor of all of them up to row_dim); False: row_dim as given (an int).
@@ -398,7 +417,8 @@ def qcomm_codecs_registry(
                         NAME, direction, fmt, formats[direction],
                     )
         rows = {"fwd": row_dim, "bwd": row_dim if row_dim_bwd is None else row_dim_bwd}
-        if op == CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL:
+        sequence = op == CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL
+        if sequence:
             # TorchRec's sequence all-to-all calls no padded_size: its splits (ids x dim) need a
             # row set from the start.
             rows = {d: DEFAULT_ROW_DIM if r is None else r for d, r in rows.items()}
@@ -406,9 +426,10 @@ def qcomm_codecs_registry(
         widths = SplitWidths()
         registry[op.name] = QuantizedCommCodecs(
             forward=RecxlaQuantizedCommCodec(
-                formats["fwd"], rows["fwd"], output_dtype, auto_row_dim, widths),
+                formats["fwd"], rows["fwd"], output_dtype, auto_row_dim, widths,
+                sequence=sequence),
             backward=RecxlaQuantizedCommCodec(
                 formats["bwd"], rows["bwd"], output_dtype, auto_row_dim, widths,
-                backward=True),
+                backward=True, sequence=sequence),
         )
     return registry
