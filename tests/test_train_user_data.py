@@ -238,7 +238,7 @@ def _sharded_equals_unsharded(rank, world, dataset, steps):
     from recxla.pipeline import TrainPipeline
     from recxla.train.models import build_model, init_embedding_tables, table_init
     from recxla.train.sharding import (
-        build_optimizer, build_sharder, embedding_tables, plan_sharding, shard_model)
+        build_optimizer, build_sharders, embedding_tables, plan_sharding, shard_model)
 
     errors = {}
     for path in ([], ["--baseline", "torchrec"]):
@@ -259,7 +259,7 @@ def _sharded_equals_unsharded(rank, world, dataset, steps):
             for i, t in enumerate(tables):
                 ebc.embedding_bags[t.name].weight.copy_(table_init(t, i, config.seed))
         plan = plan_sharding(model, config, tables, world, world, device)
-        dmp = shard_model(model, build_sharder(config), plan, device, config)
+        dmp = shard_model(model, build_sharders(config), plan, device, config)
         init_embedding_tables(embedding_tables(dmp), tables, config.seed)
         optimizer = build_optimizer(dmp, config)
         pipeline = (TrainPipelineSparseDist(dmp, optimizer, device) if config.baseline

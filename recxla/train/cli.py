@@ -136,7 +136,8 @@ def _train(config, conn, watchdog, meter) -> dict:
     data = stages.open_data(config, place)
     tables = data.tables()
     stages.report_embedding_dims(config, place, data)
-    model = build_model(config, tables, data.num_dense, device, data.weighted)
+    model = build_model(config, tables, data.num_dense, device, data.weighted,
+                        data.history_features() if config.model == "history" else None)
     with meter.phase("setup"):
         sharded = stages.plan_and_shard(config, place, device, watchdog, data, tables, model)
         start = stages.resume(config, watchdog, sharded)

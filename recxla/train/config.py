@@ -42,7 +42,9 @@ SHARDINGS = ("auto", "table_wise", "column_wise", "table_column_wise", "row_wise
 # TorchRec's own sharders offer these on CPU (gloo lacks the reduce-scatter row-wise needs).
 TORCHREC_CPU_SHARDINGS = ("table_wise", "column_wise", "table_column_wise")
 PROFILES = ("criteo", "small")
-MODELS = ("dlrm", "dcn")
+MODELS = ("dlrm", "dcn", "history")
+# --model history: the synthetic histories' (min, max) lengths (mean 110 with criteo).
+HISTORY_LENGTHS = {"criteo": (20, 200), "small": (4, 20)}
 DENSE_OPTIMIZERS = ("adagrad", "sgd")
 SPARSE_OPTIMIZERS = ("rowwise_adagrad", "sgd")
 LOADERS = ("local", "ray")
@@ -71,8 +73,12 @@ class TrainConfig:
     default depends on other options (steps, max_rows, threads, ...) hold the resolved value
     after `recxla.train.parse.parse_config`."""
 
-    model: str = option("dlrm", "dlrm: torchrec.models.dlrm.DLRM; dcn: DLRM_DCN", group=_M,
-                        choices=MODELS)
+    model: str = option(
+        "dlrm", "dlrm: torchrec.models.dlrm.DLRM; dcn: DLRM_DCN; history: DLRM with target "
+        "attention over the user's history (recxla.train.sequence_model.HistoryDLRM): the "
+        "history feature's ids through an EmbeddingCollection, one row each, the candidate "
+        "item attending over them (synthetic logs: histories of 20-200 items, 4-20 with "
+        "--profile small)", group=_M, choices=MODELS)
     embedding_dim: Optional[int] = option(
         None, "columns of every table (overrides the dataset's dims)", group=_M,
         parse=at_least(1), default_text=f"the dataset's, else {FALLBACK_EMBEDDING_DIM}")
@@ -90,6 +96,11 @@ class TrainConfig:
     over_arch: Tuple[int, ...] = option(
         (512, 256), "top MLP hidden sizes; the output size 1 is appended", group=_M,
         parse=options.layer_sizes)
+    history_length: int = option(
+        200, "--model history: the ids of a history the attention reads (its first ones)",
+        group=_M, parse=at_least(1))
+    attention_heads: int = option(2, "--model history: attention heads (divide the embedding "
+                                  "dim)", group=_M, parse=at_least(1))
     dcn_layers: int = option(3, "--model dcn: cross layers", group=_M, parse=at_least(1))
     dcn_low_rank: int = option(64, "--model dcn: low-rank dim", group=_M, parse=at_least(1))
 

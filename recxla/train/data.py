@@ -31,7 +31,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 from torchrec.datasets.utils import Batch as TorchRecBatch
 
 from recxla.data import Profile, SyntheticRankingDataset, criteo_kaggle_profile
-from recxla.train.config import FALLBACK_EMBEDDING_DIM, SYNTHETIC_HELD_OUT, TrainConfig
+from recxla.train.config import (FALLBACK_EMBEDDING_DIM, HISTORY_LENGTHS, SYNTHETIC_HELD_OUT,
+                                 TrainConfig)
 
 # First batch index of the held-out split: training never reaches it (2**40 batches of even
 # one sample per rank is far beyond any run).
@@ -41,11 +42,13 @@ TIMESTAMP_COLUMN = "timestamp"
 
 def make_profile(config: TrainConfig) -> Profile:
     """The table profile of the run: Criteo Kaggle's 26 tables capped at --max-rows rows
-    ("small": also short history bags)."""
-    if config.profile == "small":
-        return criteo_kaggle_profile(zipf=config.zipf, history_pooling=(2, 10),
-                                     max_rows=config.max_rows)
-    return criteo_kaggle_profile(zipf=config.zipf, max_rows=config.max_rows)
+    ("small": also short history bags; --model history: the histories a sequence model
+    reads, HISTORY_LENGTHS)."""
+    history = (2, 10) if config.profile == "small" else (10, 100)
+    if config.model == "history":
+        history = HISTORY_LENGTHS[config.profile]
+    return criteo_kaggle_profile(zipf=config.zipf, history_pooling=history,
+                                 max_rows=config.max_rows)
 
 
 def to_torchrec(batch) -> TorchRecBatch:
@@ -336,6 +339,18 @@ class TrainData:
             tables = [dataclasses.replace(t, embedding_dim=dims.get(t.name, t.embedding_dim))
                       for t in tables]
         return tables
+
+    def history_features(self) -> Tuple[str, str]:
+        """--model history: (the history feature, the candidate item's id feature) of the
+        synthetic profile (its "history" and item-side "id" roles); ValueError with --data,
+        whose datasets name no history yet."""
+        if self.profile is None:
+            raise ValueError("--model history: trains on the synthetic logs' user histories "
+                             "(or --data with --profile); a dataset's own sequence features "
+                             "are not read as histories yet")
+        history = [f.name for f in self.profile.features if f.role == "history"]
+        candidate = [f.name for f in self.profile.features if f.role == "id" and f.side == "item"]
+        return history[0], candidate[0]
 
     def table_dims(self, tables) -> Dict[str, int]:
         """{table: dim} of --embedding-dims over `tables` (at the run's one dim): the named

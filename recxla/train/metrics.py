@@ -223,6 +223,12 @@ def format_summary(s: dict) -> str:
                                                                       reverse=True))
             + (f" (--embedding-dims {_dims_option(s['config']['embedding_dims'])})"))
     stats = s.get("sharder_comm_stats_per_step") or {}
+    if "sequence_embedding_bytes_sent" in stats:
+        lines.append(
+            f"    sequence    {_si(stats['sequence_id_bytes_sent'], 'B')} ids, "
+            f"{_si(stats['sequence_embedding_bytes_sent'], 'B')} rows, "
+            f"{_si(stats['sequence_gradient_bytes_sent'], 'B')} gradients (the history's "
+            "EmbeddingCollection, counted by recxla's module)")
     early, late = stats.get("rows_sent_early", 0), stats.get("rows_sent_late", 0)
     if early + late:
         lines.append(f"  early rows      {early / (early + late):.0%} of the embedding rows "

@@ -1,4 +1,6 @@
-"""The models the trainer trains: TorchRec's own DLRM and DLRM_DCN, unchanged, with a BCE loss.
+"""The models the trainer trains: TorchRec's own DLRM and DLRM_DCN, unchanged, with a BCE loss,
+and DLRM with target attention over the user's history (`--model history`,
+recxla/train/sequence_model.py).
 
 The model code is TorchRec's (`torchrec.models.dlrm`): recxla changes only the sharder passed
 to DMP, and with tables of several dims (--embedding-dims) the sparse arch, whose pooled rows
@@ -10,12 +12,12 @@ whatever the plan, and the same for the recxla path and for the TorchRec baselin
 
 import dataclasses
 import functools
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.data import hashing
@@ -25,11 +27,15 @@ _TAG_INIT = 0x1A17
 
 
 def build_model(config: TrainConfig, tables: List[EmbeddingBagConfig],
-                num_dense: int, device: torch.device, weighted: bool = False) -> DLRMTrain:
-    """DLRMTrain(DLRM or DLRM_DCN) on `tables` (meta-device embeddings, all of one dim, dense
-    layers on `device`); `weighted`: the batches' KJTs carry per-id weights. forward(torchrec
-    Batch of B samples, dense float32 [B, num_dense]) -> (loss scalar, (loss, logits [B],
-    labels [B]))."""
+                num_dense: int, device: torch.device, weighted: bool = False,
+                history: Optional[Tuple[str, str]] = None) -> DLRMTrain:
+    """DLRMTrain(DLRM, DLRM_DCN or HistoryDLRM) on `tables` (meta-device embeddings, all of
+    one dim, dense layers on `device`); `weighted`: the batches' KJTs carry per-id weights;
+    history: --model history's (history feature, candidate feature): the history's table
+    becomes the EmbeddingCollection's. forward(torchrec Batch of B samples, dense float32
+    [B, num_dense]) -> (loss scalar, (loss, logits [B], labels [B]))."""
+    if config.model == "history":
+        return _history_model(config, tables, num_dense, device, history)
     dims = sorted({t.embedding_dim for t in tables})
     # DLRM's interaction needs one dim: with per-table dims (--embedding-dims), every table's
     # pooled rows are padded to the run's dim, after they crossed the wire at their own.
@@ -58,6 +64,36 @@ def build_model(config: TrainConfig, tables: List[EmbeddingBagConfig],
         model = DLRM(uniform, num_dense, dense_arch, over_arch, dense_device=device)
     if uniform is not ebc:
         model.sparse_arch = PaddedSparseArch(ebc, dim)
+    return DLRMTrain(model)
+
+
+def _history_model(config: TrainConfig, tables: List[EmbeddingBagConfig], num_dense: int,
+                   device: torch.device, history: Tuple[str, str]) -> DLRMTrain:
+    """--model history: HistoryDLRM with the history feature's table as an
+    EmbeddingCollection (one row per id) and the others pooled."""
+    from recxla.train.sequence_model import HistoryDLRM
+
+    if config.dense_floor or len({t.embedding_dim for t in tables}) > 1:
+        raise ValueError("recxla-train: --model history takes tables of one dim, not "
+                         "--embedding-dims or --dense-floor")
+    feature, candidate = history
+    dim = tables[0].embedding_dim
+    if dim % config.attention_heads:
+        raise ValueError(f"recxla-train: --attention-heads {config.attention_heads} must "
+                         f"divide the embedding dim {dim}")
+    sequence = [t for t in tables if feature in t.feature_names]
+    pooled = [t for t in tables if feature not in t.feature_names]
+    torch.manual_seed(config.seed)
+    meta = torch.device("meta")
+    model = HistoryDLRM(
+        EmbeddingBagCollection(tables=pooled, device=meta),
+        EmbeddingCollection(tables=[EmbeddingConfig(num_embeddings=t.num_embeddings,
+                                                    embedding_dim=t.embedding_dim, name=t.name,
+                                                    feature_names=list(t.feature_names))
+                                    for t in sequence], device=meta),
+        feature, candidate, num_dense, list(config.dense_arch) + [dim],
+        list(config.over_arch) + [1], config.history_length, config.attention_heads,
+        dense_device=device)
     return DLRMTrain(model)
 
 

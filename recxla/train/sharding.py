@@ -25,6 +25,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torchrec.distributed.comm_ops import set_gradient_division
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs
 from torchrec.distributed.model_parallel import DefaultDataParallelWrapper, DistributedModelParallel
@@ -59,15 +60,17 @@ def fused_params(config: TrainConfig) -> dict:
 
 
 def _baseline_codecs(comms: str) -> Optional[dict]:
-    """TorchRec's own QComms codecs (FBGEMM's) in `comms` both ways; None for fp32. Built per
-    op with get_qcomm_codecs: TorchRec's registry helper would turn bf16 into fp16 on CPU,
-    while gloo carries bf16 all-to-alls fine."""
+    """TorchRec's own QComms codecs (FBGEMM's) in `comms` both ways, for the pooled and the
+    sequence all-to-all; None for fp32. Built per op with get_qcomm_codecs: TorchRec's
+    registry helper would turn bf16 into fp16 on CPU, while gloo carries bf16 all-to-alls
+    fine."""
     if comms == "fp32":
         return None
     precision = CommType(comms)
     codecs = get_qcomm_codecs(QCommsConfig(forward_precision=precision,
                                            backward_precision=precision))
-    return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs}
+    return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs,
+            CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.name: codecs}
 
 
 def build_sharder(config: TrainConfig, row_tables=None, replicas=None):
@@ -84,6 +87,26 @@ def build_sharder(config: TrainConfig, row_tables=None, replicas=None):
     return RecxlaSharder(fused_params=fused_params(config), fwd_comm=config.fwd_comm,
                          bwd_comm=config.bwd_comm, dedup_ids=config.dedup_ids,
                          row_exchange=row_tables if row_tables else "off", replicas=replicas)
+
+
+def build_sharders(config: TrainConfig, row_tables=None, replicas=None) -> list:
+    """Every sharder of this run's path, for DMP and the planner: build_sharder's, and the
+    EmbeddingCollection sharder (TorchRec's with the baseline's codecs, or recxla's) that
+    --model history's sequence tables need."""
+    sharders = [build_sharder(config, row_tables, replicas)]
+    if config.model != "history":
+        return sharders
+    if config.baseline:
+        sharders.append(EmbeddingCollectionSharder(
+            fused_params=fused_params(config),
+            qcomm_codecs_registry=_baseline_codecs(config.baseline_comms)))
+    else:
+        from recxla.torchrec import EmbeddingCollectionSharder as RecxlaSequenceSharder
+
+        sharders.append(RecxlaSequenceSharder(
+            fused_params=fused_params(config), fwd_comm=config.fwd_comm,
+            bwd_comm=config.bwd_comm, dedup_ids=config.dedup_ids, replicas=replicas))
+    return sharders
 
 
 def resolve_row_exchange(config: TrainConfig, tables, sample, shard_world: int) -> List[str]:
@@ -112,12 +135,15 @@ def sharder_description(config: TrainConfig, row_tables=()) -> str:
         plan = "" if config.sharding != "auto" else (
             ", TorchRec's own plan" if config.baseline_plan == "torchrec"
             else ", the recxla path's plan")
-        return f"torchrec EmbeddingBagCollectionSharder, {config.baseline_comms} comms{plan}"
+        sequence = " and EmbeddingCollectionSharder" if config.model == "history" else ""
+        return (f"torchrec EmbeddingBagCollectionSharder{sequence}, {config.baseline_comms} "
+                f"comms{plan}")
     dedup = "dedup'd ids" if config.dedup_ids else "ids not dedup'd"
     rows = f", row exchange for {len(row_tables)} tables" if row_tables else ""
     plan = ", TorchRec's own plan" if config.data_parallel_tables else ""
-    return (f"recxla EmbeddingBagCollectionSharder, {config.fwd_comm}/{config.bwd_comm} comms, "
-            f"{dedup}{rows}{plan}")
+    sequence = " and EmbeddingCollectionSharder" if config.model == "history" else ""
+    return (f"recxla EmbeddingBagCollectionSharder{sequence}, {config.fwd_comm}/"
+            f"{config.bwd_comm} comms, {dedup}{rows}{plan}")
 
 
 def gradient_division_description() -> str:
@@ -142,7 +168,7 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
             topology=Topology(world_size=world_size, compute_device=device.type,
                               local_world_size=local_world_size),
             batch_size=config.batch_size)
-        return planner.collective_plan(model, [build_sharder(config)],
+        return planner.collective_plan(model, build_sharders(config),
                                        group or dist.GroupMember.WORLD)
     if config.sharding == "auto":
         # Model-parallel tables only, unless asked: recxla's lookup, dedup and wire formats
@@ -163,10 +189,12 @@ def plan_sharding(model: torch.nn.Module, config: TrainConfig, tables, world_siz
                           local_world_size=local_world_size),
         batch_size=config.batch_size, constraints=constraints)
     if config.sharding == "row_wise" and device.type == "cpu":
-        sharder = build_sharder(config)  # only recxla's offers it
+        sharders = build_sharders(config)  # only recxla's offers it for pooled tables
     else:
-        sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(config))
-    return planner.collective_plan(model, [sharder], group or dist.GroupMember.WORLD)
+        sharders = [EmbeddingBagCollectionSharder(fused_params=fused_params(config))]
+        if config.model == "history":
+            sharders.append(EmbeddingCollectionSharder(fused_params=fused_params(config)))
+    return planner.collective_plan(model, sharders, group or dist.GroupMember.WORLD)
 
 
 def data_parallel_tables(plan: ShardingPlan) -> List[str]:
@@ -185,9 +213,10 @@ def plan_summary(plan: ShardingPlan) -> Dict[str, dict]:
     return out
 
 
-def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan, device: torch.device,
-                config: Optional[TrainConfig] = None, topology=None) -> DistributedModelParallel:
-    """DMP of `model` with `sharder` and `plan`. The dense part's gradient all-reduce goes
+def shard_model(model: torch.nn.Module, sharders: list, plan: ShardingPlan,
+                device: torch.device, config: Optional[TrainConfig] = None,
+                topology=None) -> DistributedModelParallel:
+    """DMP of `model` with `sharders` (build_sharders) and `plan`. The dense part's gradient all-reduce goes
     through torch's Python all-reduce hook (the same math as DDP's built-in one), so that the
     communication meter sees it.
 
@@ -212,7 +241,7 @@ def shard_model(model: torch.nn.Module, sharder, plan: ShardingPlan, device: tor
         options["data_parallel_wrapper"] = WorldDataParallelWrapper(**ddp_options)
     elif ddp_options:
         options["data_parallel_wrapper"] = DefaultDataParallelWrapper(**ddp_options)
-    dmp = DistributedModelParallel(model, env=env, device=device, sharders=[sharder],
+    dmp = DistributedModelParallel(model, env=env, device=device, sharders=list(sharders),
                                    plan=plan, **options)
     ddp = dmp._dmp_wrapped_module
     if isinstance(ddp, torch.nn.parallel.DistributedDataParallel) and \

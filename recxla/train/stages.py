@@ -35,7 +35,7 @@ from recxla.train.metrics import (
     format_summary, iface_bytes, local_figures, machine, summarize, write_metrics)
 from recxla.train.models import init_embedding_tables
 from recxla.train.sharding import (
-    build_optimizer, build_sharder, data_parallel_tables, dense_allreduce_state, embedding_tables,
+    build_optimizer, build_sharders, data_parallel_tables, dense_allreduce_state, embedding_tables,
     gradient_division_description, plan_sharding, plan_summary, resolve_row_exchange,
     shard_model, sharder_description)
 
@@ -111,7 +111,7 @@ def plan_and_shard(config, place, device, watchdog, data, tables, model) -> Shar
     row_tables = _row_tables(config, data, tables, plan,
                              topology.ranks_per_node if topology else place.world_size)
     watchdog.progress("sharding")
-    dmp = shard_model(model, build_sharder(config, row_tables, replicas), plan, device, config,
+    dmp = shard_model(model, build_sharders(config, row_tables, replicas), plan, device, config,
                       topology)
     init_embedding_tables(embedding_tables(dmp), tables, config.seed)
     return Sharded(tables, plan, row_tables, dense_nodes, dmp, build_optimizer(dmp, config),
@@ -148,10 +148,14 @@ def _dense_nodes(config, place, topology):
 
 
 def _row_tables(config, data, tables, plan, ranks: int) -> List[str]:
-    """The tables exchanged as unique rows, judged by every rank on the same batch (rank 0's
-    first); data-parallel tables have no owner to send rows from."""
+    """The pooled tables exchanged as unique rows, judged by every rank on the same batch
+    (rank 0's first); data-parallel tables have no owner to send rows from, and --model
+    history's sequence table is exchanged as rows by its own module."""
     sample = data.sample().sparse_features
     replicated = set(data_parallel_tables(plan))
+    if config.model == "history":
+        history, _ = data.history_features()
+        replicated |= {t.name for t in tables if history in t.feature_names}
     return resolve_row_exchange(config, [t for t in tables if t.name not in replicated],
                                 sample, ranks)
 
@@ -341,15 +345,20 @@ def report(config, rank: int, summary: dict) -> None:
 
 
 def _comm_stats(modules) -> dict:
-    """The sharded modules' own counters (recxla's sharder keeps them), summed."""
+    """The sharded modules' own counters (recxla's sharders keep them), summed; those of the
+    sequence modules (ShardedEmbeddingCollection) also on their own, as `sequence_<name>`."""
+    from recxla.torchrec.sharded_embedding import ShardedEmbeddingCollection
+
     out = {}
     for m in modules:
         stats = m.comm_stats
+        prefixes = [""] + (["sequence_"] if isinstance(m, ShardedEmbeddingCollection) else [])
         for name in ("id_bytes_sent", "id_bytes_received", "id_bytes_without_dedup",
                      "embedding_bytes_sent", "embedding_bytes_received", "gradient_bytes_sent",
                      "gradient_bytes_received", "rows_sent_early", "rows_sent_late"):
             if hasattr(stats, name):
-                out[name] = out.get(name, 0) + int(getattr(stats, name))
+                for prefix in prefixes:
+                    out[prefix + name] = out.get(prefix + name, 0) + int(getattr(stats, name))
     return out
 
 
