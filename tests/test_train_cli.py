@@ -206,6 +206,34 @@ def test_recxla_and_baseline_end_to_end(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_history_model_end_to_end(tmp_path):
+    """--model history on both paths, one plan: recxla's sequence module counts its bytes by
+    kind, and sends fewer row bytes than TorchRec's bf16 sequence all-to-all (each row once a
+    rank, 1 + 4/dim bytes a value, against one row per id at 2 bytes a value)."""
+    steps, warmup = 5, 1
+    common = [*SMALL, "--model", "history", "--steps", str(steps), "--warmup-steps",
+              str(warmup), "--sharding", "table_wise"]
+    launch_ranks([*common, "--row-exchange", "off", "--metrics", str(tmp_path / "recxla.json")],
+                 tmp_path)
+    launch_ranks([*common, "--baseline", "torchrec", "--baseline-comms", "bf16",
+                  "--metrics", str(tmp_path / "torchrec.json")], tmp_path)
+    rx = check_metrics(tmp_path / "recxla.json", 2, steps, warmup)
+    tr = check_metrics(tmp_path / "torchrec.json", 2, steps, warmup)
+    assert rx["plan"] == tr["plan"] and "t_cat_11" in rx["plan"]
+    dim, history = rx["config"]["embedding_dim"], "t_cat_11"
+    pooled = {t: p for t, p in rx["plan"].items() if t != history}
+    pooled_rows = crossing_rows({"config": rx["config"], "plan": pooled})
+    stats = rx["sharder_comm_stats_per_step"]
+    # recxla: the pooled tables' e4m3 rows, and the sequence module's own count on top
+    assert rx["wire_bytes_per_step_by_kind"]["embeddings_fwd"] == pytest.approx(
+        pooled_rows * (dim + 4) + stats["sequence_embedding_bytes_sent"])
+    torchrec_sequence = tr["wire_bytes_per_step_by_kind"]["embeddings_fwd"] - \
+        pooled_rows * dim * 2
+    assert 0 < stats["sequence_embedding_bytes_sent"] < 0.75 * torchrec_sequence, (
+        stats, torchrec_sequence)
+    assert stats["sequence_gradient_bytes_sent"] > 0
+
+
 @pytest.mark.gpu
 def test_trainer_on_one_gpu(tmp_path):
     """The whole trainer on a GPU (`make gpu-campaign`): NCCL, the CUDA kernels, the pipeline's
