@@ -21,6 +21,44 @@ pytestmark = pytest.mark.distributed
 DIM, NUM_DENSE, HISTORY, MAX_LENGTH = 8, 5, "h", 10
 
 
+@pytest.mark.parametrize("heads,max_length", [(1, 5), (2, 5), (4, 3)])
+def test_history_attention_is_multihead_attention_on_the_padded_history(seed, heads,
+                                                                          max_length):
+    """recxla.train.sequence_model.attend on the jagged history equals torch's
+    MultiheadAttention (the same module's parameters, biases included) on the padded history
+    with the candidate's own key, forward and every gradient: empty histories, histories cut
+    at max_length."""
+    from torch import nn
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    from recxla.train.sequence_model import attend
+
+    generator = torch.Generator().manual_seed(seed)
+    batch, dim = 9, 16
+    attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    lengths = torch.randint(0, 2 * max_length, (batch,), generator=generator)
+    lengths[0] = 0
+    values = torch.randn(int(lengths.sum()), dim, generator=generator, requires_grad=True)
+    candidate = torch.randn(batch, dim, generator=generator, requires_grad=True)
+    got = attend(attention, candidate, values, lengths, max_length)
+    padded = JaggedTensor(values=values, lengths=lengths).to_padded_dense(
+        desired_length=max_length)
+    keys = torch.cat([padded, candidate.unsqueeze(1)], dim=1)
+    position = torch.arange(max_length + 1)
+    padding = (position < max_length) & (position >= lengths.clamp(max=max_length).unsqueeze(1))
+    want = attention(candidate.unsqueeze(1), keys, keys, key_padding_mask=padding,
+                     need_weights=False)[0].squeeze(1)
+    assert sharded_cases.relative(got.detach(), want.detach()) <= 1e-5
+    coef = torch.randn(batch, dim, generator=generator)
+    inputs = [values, candidate, *attention.parameters()]
+    for g, w in zip(torch.autograd.grad((got * coef).sum(), inputs),
+                    torch.autograd.grad((want * coef).sum(), inputs)):
+        assert sharded_cases.relative(g, w) <= 1e-5
+
+
 def _model(seed):
     from torchrec.models.dlrm import DLRMTrain
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig

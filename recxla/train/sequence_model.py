@@ -5,12 +5,13 @@ target attention, as one torch MultiheadAttention).
     pooled features   EmbeddingBagCollection (one id or a bag each)      -> [B, F, D]
     history           EmbeddingCollection: one row per id of the user's history (unpooled)
     target attention  query: the candidate item's pooled row; keys and values: the history's
-                      rows (its first `max_length`, padding masked) and the candidate's own
-                      (an empty history attends to the candidate alone)   -> [B, D]
+                      rows (its first `max_length`) and the candidate's own (an empty history
+                      attends to the candidate alone), torch MultiheadAttention's function on
+                      the jagged rows                                      -> [B, D]
     interaction       DLRM's, over the F pooled features and the attention's output
 
-Built from TorchRec and torch modules only: DLRM's arches, an EmbeddingCollection and
-torch.nn.MultiheadAttention. Each sample attends over its own history, so no layer mixes
+Built from TorchRec and torch modules only: DLRM's arches, an EmbeddingCollection and the
+parameters of a torch.nn.MultiheadAttention. Each sample attends over its own history, so no layer mixes
 samples (recxla.pipeline's micro-batches keep the step exact), and the loss is DLRMTrain's
 mean BCE over the samples.
 """
@@ -25,7 +26,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 class HistoryAttention(nn.Module):
-    """The candidate item's attention over the user's history.
+    """The candidate item's attention over the user's history: torch.nn.MultiheadAttention's
+    parameters and result, computed on the jagged history (no padding).
+
+    Query: the candidate's row; keys and values: the history's rows (its first `max_length`)
+    and the candidate's own row, so that an empty history attends to the candidate alone. The
+    same function as `attention(candidate, keys, keys, key_padding_mask=...)` on the padded
+    history (tests/test_sequence_model.py checks it), in O(ids x dim^2): each history row is
+    projected once, per key and value, where the padded call also projects every padding row,
+    and the key bias, which adds one constant to all of a query's scores, drops out of the
+    softmax.
 
     Args:
         embedding_collection: the history's EmbeddingCollection (sharded by DMP in training).
@@ -42,19 +52,48 @@ class HistoryAttention(nn.Module):
         self.embedding_collection = embedding_collection
         self.feature = feature
         self.max_length = max_length
+        self.heads = heads
         self.attention = nn.MultiheadAttention(dim, heads, batch_first=True, device=device)
 
     def forward(self, features: KeyedJaggedTensor, candidate: torch.Tensor) -> torch.Tensor:
         history = self.embedding_collection(features)[self.feature]
-        length = self.max_length
-        rows = history.to_padded_dense(desired_length=length)  # [B, L, D], zeros after the ids
-        keys = torch.cat([rows, candidate.unsqueeze(1)], dim=1)
-        position = torch.arange(length + 1, device=keys.device)
-        lengths = history.lengths().to(keys.device).clamp(max=length).unsqueeze(1)
-        padding = (position < length) & (position >= lengths)  # the candidate's key stays
-        out, _ = self.attention(candidate.unsqueeze(1), keys, keys, key_padding_mask=padding,
-                                need_weights=False)
-        return out.squeeze(1)
+        return attend(self.attention, candidate, history.values(),
+                      history.lengths().to(candidate.device), self.max_length)
+
+
+def attend(attention: nn.MultiheadAttention, candidate: torch.Tensor, values: torch.Tensor,
+           lengths: torch.Tensor, max_length: int) -> torch.Tensor:
+    """`attention`'s output for the query `candidate` float32 [B, D] over each sample's keys
+    and values: its history rows (values float32 [N, D], sample by sample, lengths int [B]; the
+    first max_length of each) and its own row. -> float32 [B, D]."""
+    batch, dim = candidate.shape
+    heads = attention.num_heads
+    head_dim = dim // heads
+    w_q, w_k, w_v = attention.in_proj_weight.chunk(3)
+    b_q, _, b_v = attention.in_proj_bias.chunk(3)
+    q = nn.functional.linear(candidate, w_q, b_q).view(batch, heads, head_dim) * head_dim ** -0.5
+    ids = values.shape[0]
+    sample = torch.repeat_interleave(torch.arange(batch, device=values.device), lengths,
+                                     output_size=ids)
+    first = torch.cumsum(lengths, 0) - lengths
+    kept = (torch.arange(ids, device=values.device) - first.index_select(0, sample)) < max_length
+    keys = nn.functional.linear(values, w_k).view(ids, heads, head_dim)
+    scores = (keys * q.index_select(0, sample)).sum(-1).masked_fill(~kept.unsqueeze(1),
+                                                                     float("-inf"))  # [N, H]
+    own_key = nn.functional.linear(candidate, w_k).view(batch, heads, head_dim)
+    own = (own_key * q).sum(-1)  # [B, H]
+    # A softmax per sample over its ids and its own key; the largest score, subtracted for
+    # range only, carries no gradient.
+    top = own.detach().scatter_reduce(0, sample.unsqueeze(1).expand(ids, heads),
+                                      scores.detach(), "amax")
+    weight = torch.exp(scores - top.index_select(0, sample))
+    own_weight = torch.exp(own - top)
+    total = own_weight.index_add(0, sample, weight)  # [B, H]
+    spread = lambda w: w.repeat_interleave(head_dim, dim=1)  # noqa: E731  [., H] -> [., D]
+    pooled = (spread(own_weight) * nn.functional.linear(candidate, w_v)).index_add(
+        0, sample, spread(weight) * nn.functional.linear(values, w_v))
+    # The value bias once: the weights of a softmax sum to 1.
+    return attention.out_proj(pooled / spread(total) + b_v)
 
 
 class HistoryDLRM(DLRM):
