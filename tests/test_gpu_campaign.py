@@ -215,9 +215,9 @@ def test_campaign_dry_run(tmp_path):
 
 
 def test_trainer_runs_the_features_alone_only_where_pipelined_differs(tmp_path, monkeypatch):
-    """The trainer stage's comparison on made-up runs: equal runs pass with three runs; a
-    pipelined run that differs fails and runs micro-batches and DBP alone, naming which one
-    differs from the sequential run."""
+    """The trainer stage's comparison on made-up runs: equal runs pass with five runs (three of
+    DLRM, two of the sequence model); a pipelined run that differs fails and runs
+    micro-batches and DBP alone, naming which one differs from the sequential run."""
     import random
 
     from bench.gpu_campaign import trainer
@@ -242,11 +242,11 @@ def test_trainer_runs_the_features_alone_only_where_pipelined_differs(tmp_path, 
         with open(out) as f:
             result = json.load(f)
         if broken is None:
-            assert code == 0 and result["status"] == "pass" and len(made) == 3
+            assert code == 0 and result["status"] == "pass" and len(made) == 5
             assert "features_alone" not in result
             continue
         assert code == 1 and result["status"] == "fail"
-        assert made[3:] == list(trainer.FEATURES_ALONE)
+        assert made[5:] == list(trainer.FEATURES_ALONE)
         alone = result["features_alone"]
         culprit = "dbp alone" if broken == "--dbp" else "micro-batches alone"
         assert alone[culprit] > 1e-3, alone

@@ -305,3 +305,63 @@ def test_checkpoint_moves_between_recxla_and_torchrec(seed):
         for rank, (to_torchrec, to_recxla) in enumerate(results):
             assert to_torchrec == 0.0 and to_recxla == 0.0, (rank, kind, to_torchrec,
                                                               to_recxla)
+
+
+def _gpu_body(rank, world, seed, steps, size):
+    """The history model on CUDA (NCCL), recxla's sharders with fp32 wires: recxla's pipeline
+    (DBP, 2 micro-batches) against the plain loop -> max relative state difference."""
+    from recxla.pipeline import TrainPipeline
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+
+    def run(pipelined):
+        dmp, dense, configs = _dmp_on(seed, world, device)
+        batches = [_slice(b, rank * size, (rank + 1) * size)
+                   for b in _batches(seed, world, configs, steps, size)]
+        if not pipelined:
+            _loop(dmp, dense, [b.to(device) for b in batches])
+            return test_pipeline._state(dmp)
+        pipeline = TrainPipeline(dmp, dense, device, num_micro_batches=2)
+        data = iter(batches)
+        while True:
+            try:
+                pipeline.progress(data)
+            except StopIteration:
+                break
+        return test_pipeline._state(dmp)
+
+    want, got = run(False), run(True)
+    return max(sharded_cases.relative(g.cpu(), w.cpu()) for key in want
+               for g, w in zip(got[key], want[key]))
+
+
+def _dmp_on(seed, world, device):
+    """_dmp's recxla model (fp32 wires, planner's choice of sharding) on `device`."""
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    model, configs = _model(seed)
+    sharders = _sharders("recxla")
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world,
+                                                         compute_device=device.type))
+    plan = planner.collective_plan(model, sharders, dist.group.WORLD)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=device, sharders=sharders, plan=plan)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.1))
+    return dmp, dense, configs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_history_model_on_gpu_pipelined_equals_the_loop(seed):
+    world = min(torch.cuda.device_count(), 2)
+    for rank, error in enumerate(run_distributed(_gpu_body, world_size=world,
+                                                 args=(seed, 5, 8), backend="nccl",
+                                                 timeout=600)):
+        assert error <= 1e-5, (rank, error)

@@ -122,7 +122,59 @@ def test_fused_optimizer_from_fused_params_and_attached_optimizers():
                                  register_hook=False)
     update = table_update("t", attached, {"optimizer": EmbOptimType.EXACT_SGD})
     assert update.kind == ADAGRAD and update.hyperparameters["lr"] == 0.2
-    assert update.hyperparameters["eps"] == 1e-10  # torch's Adagrad default, not FBGEMM's
+    # TorchRec hands FBGEMM only the kwargs given: FBGEMM's eps, not torch's Adagrad's 1e-10.
+    assert update.hyperparameters["eps"] == 1e-8
+
+
+def test_fused_optimizer_follows_torchrecs_merge_and_fbgemms_semantics():
+    """What TorchRec's sharder builds FBGEMM's update from: the sharder's fused_params under
+    the attached optimizer's kwargs, also in the spelling TorchRec rewrites them to;
+    torchrec.optim's SGD and Adagrad; FBGEMM's weight decay (none for SGD and Adagrad, none in
+    row-wise Adagrad's default mode, L2 in mode L2); gradient clipping and decoupled decay
+    refused by name."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torchrec import optim as trec_optim
+
+    from recxla.torchrec.fused_optimizer import table_update
+
+    def attached(cls, kwargs):
+        weight = torch.nn.Parameter(torch.randn(4, 2))
+        _apply_optimizer_in_backward(cls, [weight], kwargs, register_hook=False)
+        return weight
+
+    rowwise = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.3}
+    # The sharder's eps and weight decay reach an attached optimizer's table (merged).
+    update = table_update("t", attached(trec_optim.RowWiseAdagrad, {"lr": 0.05}),
+                          {**rowwise, "eps": 1e-3, "weight_decay": 0.5,
+                           "weight_decay_mode": WeightDecayMode.L2})
+    assert update.kind == ROWWISE_ADAGRAD
+    assert (update.hyperparameters["lr"], update.hyperparameters["eps"],
+            update.hyperparameters["weight_decay"]) == (0.05, 1e-3, 0.5)
+    # Kwargs as TorchRec's planner leaves them: "optimizer" added, "lr" renamed.
+    weight = attached(trec_optim.RowWiseAdagrad, {"lr": 0.05})
+    weight._optimizer_kwargs[0].update(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                       learning_rate=weight._optimizer_kwargs[0].pop("lr"))
+    assert table_update("t", weight, None).hyperparameters["lr"] == 0.05
+    for cls, kind in ((trec_optim.SGD, SGD), (trec_optim.Adagrad, ADAGRAD)):
+        assert table_update("t", attached(cls, {"lr": 0.1}), None).kind == kind
+    # FBGEMM's weight decay: none without mode L2, none at all for SGD and Adagrad.
+    plain = torch.nn.Parameter(torch.randn(4, 2))
+    for fused in ({**rowwise, "weight_decay": 0.5},
+                  {"optimizer": EmbOptimType.EXACT_SGD, "weight_decay": 0.5,
+                   "weight_decay_mode": WeightDecayMode.L2},
+                  {"optimizer": EmbOptimType.EXACT_ADAGRAD, "weight_decay": 0.5}):
+        assert table_update("t", plain, fused).hyperparameters["weight_decay"] == 0.0, fused
+    with pytest.raises(ValueError, match="table 't': gradient_clipping=True .*max_gradient=0.01"):
+        table_update("t", plain, {**rowwise, "gradient_clipping": True, "max_gradient": 0.01})
+    with pytest.raises(ValueError, match="weight_decay_mode .*DECOUPLE.* is not supported"):
+        table_update("t", plain, {**rowwise, "weight_decay": 0.1,
+                                  "weight_decay_mode": WeightDecayMode.DECOUPLE})
+    with pytest.raises(ValueError, match="^recxla.torchrec.ShardedEmbeddingCollection: table "
+                                         "'t': the attached optimizer Adam is not supported"):
+        table_update("t", attached(torch.optim.Adam, {"lr": 0.1}), None,
+                     owner="recxla.torchrec.ShardedEmbeddingCollection")
 
 
 def test_choose_row_tables_against_counts():

@@ -73,6 +73,7 @@ from bench.cluster.train_report import median as _median
 # The recxla path runs recxla's pipeline; "sequential" waits for every exchange at once (no
 # overlap, no double buffering) and pools every table at its owner: the sharder alone.
 _SEQ = ["--no-overlap", "--no-dbp", "--row-exchange", "off"]
+_HISTORY = ["--model", "history"]
 VARIANTS = {
     "torchrec fp32": ["--baseline", "torchrec"],
     "torchrec bf16": ["--baseline", "torchrec", "--baseline-comms", "bf16"],
@@ -119,6 +120,16 @@ VARIANTS = {
                       "--row-exchange", "off"],
     "recxla 2D m=4 rows": ["--micro-batches", "4", "--dense-allreduce", "bf16", "--topology",
                            "2d", "--row-exchange", "auto"],
+    # The sequence model (--model history): the users' histories through an
+    # EmbeddingCollection; run these in a sitting of their own, whose fastest TorchRec variant
+    # is then one of them (bench/results/sequence.md).
+    "torchrec fp32 history": ["--baseline", "torchrec", *_HISTORY],
+    "torchrec bf16+AR history": ["--baseline", "torchrec", "--baseline-comms", "bf16",
+                                 "--dense-allreduce", "bf16", *_HISTORY],
+    "torchrec bf16+PowerSGD history": ["--baseline", "torchrec", "--baseline-comms", "bf16",
+                                       "--dense-allreduce", "powersgd", *_HISTORY],
+    "recxla DBP history": ["--dense-allreduce", "bf16", *_HISTORY],
+    "recxla DBP powersgd AR history": ["--dense-allreduce", "powersgd", *_HISTORY],
 }
 RATES = ("1gbit", "200mbit", "50mbit")  # 50 Mbit/s: the link binds, as on GPU clusters
 # The issue's setting: batch 1024 per rank, dim 64, tables of at most 100k rows, FBGEMM's (and

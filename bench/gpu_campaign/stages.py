@@ -9,7 +9,7 @@ On a GPU machine (recorded in docs/gpu.md as it was planned: about 8 minutes in 
 | tests-cuda, tests-triton | 170 each | `pytest -m gpu` with RECXLA_BACKEND=cuda / triton, 90 s per test | the GPU tests are collected |
 | memcheck, racecheck | 150 each | compute-sanitizer over small calls of every CUDA kernel and variant (sanitize_cases.py) | the same calls on CPU tensors |
 | kernels | 4 x 50 | each family's variants checked, then timed against plain PyTorch, torch.compile and a device copy; the winner per family | the same code on CPU, small sizes, Triton interpreted |
-| trainer | 180 | the trainer on one GPU, pipelined against sequential and against its batches made inline (where pipelined and sequential differ, each of pipelined's features alone too), a torch.profiler trace and its stream overlap | the same on CPU, 2 ranks of gloo, a few steps |
+| trainer | 240 | the trainer on one GPU, pipelined against sequential and against its batches made inline (where pipelined and sequential differ, each of pipelined's features alone too), a torch.profiler trace and its stream overlap; the sequence model (`--model history`) pipelined against sequential | the same on CPU, 2 ranks of gloo, a few steps |
 
 The tests and sanitizer stages only check, so they run at once; the timing stages run alone.
 """
@@ -295,7 +295,7 @@ def trainer(c: Campaign) -> StageResult:
     out = c.path("trainer.json")
     argv = [c.python, "-m", "bench.gpu_campaign.trainer", "--out", out, "--work", c.work]
     cmd = c.command(argv + (["--dry-run"] if c.dry_run else []), "trainer.log",
-                    DRY_RUN_BUDGET_S if c.dry_run else 180)
+                    DRY_RUN_BUDGET_S if c.dry_run else 240)
     if not os.path.exists(out):
         return StageResult("timeout" if cmd.timed_out else "fail",
                            f"no result (trainer.log): {c.tail('trainer.log', 2).strip()[-200:]}")

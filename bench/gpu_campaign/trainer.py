@@ -8,7 +8,9 @@ Three runs of `python -m recxla.train` (torchrun, one rank, the same seed, data 
 - sequential: one micro-batch, no overlap, no DBP;
 - pipelined, batches inline: the pipelined run with the synthetic batches made on the rank's
   own thread (--loader-workers 0) instead of by a worker process (the GPU's default): the
-  examples/s it loses is what making a batch costs the host's critical path.
+  examples/s it loses is what making a batch costs the host's critical path;
+- the sequence model (--model history: the users' histories through recxla's
+  EmbeddingCollection sharder), pipelined and sequential.
 All send every wire in fp32 and train with SGD (EXACT: why below), and they must agree to
 float rounding (training loss over the last steps, held-out loss and AUC: relative differences
 below EQUAL_RTOL); the trace gives the share of the copy and communication streams' busy time
@@ -44,10 +46,14 @@ GPU_ARGS = ["--device", "cuda", "--batch-size", "4096", "--steps", "24", "--warm
 CPU_ARGS = ["--device", "cpu", "--profile", "small", "--batch-size", "64", "--steps", "5",
             "--warmup-steps", "1", "--eval-batches", "1", "--threads", "1"]
 PIPELINED = ["--micro-batches", "2", "--overlap", "--dbp"]
+SEQUENTIAL = ["--micro-batches", "1", "--no-overlap", "--no-dbp"]
+HISTORY = ["--model", "history"]
 RUNS = {
     "pipelined": PIPELINED,
-    "sequential": ["--micro-batches", "1", "--no-overlap", "--no-dbp"],
+    "sequential": SEQUENTIAL,
     "pipelined, batches inline": PIPELINED + ["--loader-workers", "0"],
+    "history pipelined": PIPELINED + HISTORY,
+    "history sequential": SEQUENTIAL + HISTORY,
 }
 # Run only where the pipelined run differs from the sequential one (two more runs).
 FEATURES_ALONE = {
@@ -118,7 +124,9 @@ def main(argv=None) -> int:
         a, b, inline = runs["pipelined"], runs["sequential"], runs["pipelined, batches inline"]
         diffs = {k: max(_relative(a[k], b[k]), _relative(a[k], inline[k])) for k in COMPARED}
         result["relative_differences"] = diffs
-        equal = all(d <= EQUAL_RTOL for d in diffs.values())
+        history = _difference(runs["history pipelined"], runs["history sequential"])
+        result["history_relative_difference"] = history
+        equal = all(d <= EQUAL_RTOL for d in diffs.values()) and history <= EQUAL_RTOL
         alone = ""
         if _difference(a, b) > EQUAL_RTOL:
             result["features_alone"] = {}
@@ -140,7 +148,10 @@ def main(argv=None) -> int:
             f"pipelined {'equals' if equal else 'DIFFERS FROM'} sequential and inline batches "
             f"(max relative difference {max(diffs.values()):.1e}); {a['examples_per_s']:.0f} vs "
             f"{b['examples_per_s']:.0f} ex/s ({inline['examples_per_s']:.0f} with the batches "
-            f"made inline); {share}{alone}")
+            f"made inline); {share}{alone}; the history model: pipelined "
+            f"{'equals' if history <= EQUAL_RTOL else 'DIFFERS FROM'} sequential ({history:.1e}), "
+            f"{runs['history pipelined']['examples_per_s']:.0f} vs "
+            f"{runs['history sequential']['examples_per_s']:.0f} ex/s")
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)
     print(result["summary"], flush=True)

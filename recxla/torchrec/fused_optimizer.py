@@ -1,10 +1,11 @@
 """The fused sparse optimizer of recxla's sharded EmbeddingBagCollection.
 
 Which optimizer a table gets follows TorchRec: the sharder's `fused_params`
-({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.05, ...}), overridden per table by an
-optimizer attached to the unsharded weight with `torchrec.optim.apply_optimizer_in_backward`
-(or given to `recxla.nn.EmbeddingBagCollection`). Supported: SGD, Adagrad and row-wise Adagrad,
-with the exact sparse semantics of recxla's lookup (csrc/include/recxla/embedding_bag.h).
+({"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.05, ...}) with the kwargs of an
+optimizer attached to the unsharded weight (`torchrec.optim.apply_optimizer_in_backward`, or
+recxla.nn.EmbeddingBagCollection's) merged over them, FBGEMM's defaults for the rest and
+FBGEMM's weight decay (`table_update`; docs/drop-in.md). Supported: SGD, Adagrad and row-wise
+Adagrad, with the exact sparse semantics of recxla's lookup (csrc/include/recxla/embedding_bag.h).
 As with TorchRec's sharder, fused_params that name no optimizer (None included) give FBGEMM's
 default, EXACT_SGD at learning rate 0.01 (TorchRec's fused kernel builds FBGEMM's
 SplitTableBatchedEmbeddingBagsCodegen with them), and a table the plan puts on the "dense"
@@ -25,14 +26,13 @@ update depends on it (lr_decay != 0, which FBGEMM's Adagrad does not have) does 
 hold `<table>.step`, so that a checkpoint restores it.
 """
 
-import inspect
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torchrec.optim.keyed import KeyedOptimizer
 
-from recxla.nn.optimizers import check_hyperparameters, resolve_optimizer
+from recxla.nn.optimizers import check_hyperparameters
 from recxla.ops.embedding_bag import ADAGRAD, NONE, ROWWISE_ADAGRAD, SGD
 from recxla.torchrec.shard_layout import OWNER
 
@@ -49,8 +49,7 @@ _FUSED_PARAM_NAMES = {"learning_rate": "lr", "eps": "eps", "weight_decay": "weig
 # fused_params keys that tune FBGEMM's kernels or storage and do not change the update.
 _FUSED_PARAM_IGNORED = {"cache_load_factor", "cache_precision", "prefetch_pipeline",
                         "output_dtype", "stochastic_rounding", "bounds_check_mode",
-                        "gradient_clipping", "max_gradient", "weights_precision",
-                        "enforce_hbm", "cache_algorithm"}
+                        "weights_precision", "enforce_hbm", "cache_algorithm"}
 # FBGEMM's defaults for what fused_params leaves out (SplitTableBatchedEmbeddingBagsCodegen).
 _FBGEMM_DEFAULT_OPTIMIZER = "exact_sgd"
 _FBGEMM_DEFAULTS = {"lr": 0.01, "eps": 1.0e-8, "weight_decay": 0.0, "lr_decay": 0.0,
@@ -73,45 +72,117 @@ DENSE_KERNEL = "dense"
 
 def table_update(table: str, weight: torch.Tensor, fused_params: Optional[Dict[str, Any]],
                  compute_kernel: str = "fused", owner: str = OWNER) -> TableUpdate:
-    """The update of one table: the optimizer attached to its unsharded weight, else none on
-    the plan's "dense" compute kernel (the shard then gets an ordinary gradient), else the
-    sharder's fused_params with FBGEMM's defaults (EXACT_SGD, learning rate 0.01) for what
-    they leave out. owner: the module's name in error messages."""
+    """The update of one table as TorchRec's sharder builds FBGEMM's: the sharder's
+    fused_params, with an optimizer attached to the unsharded weight
+    (apply_optimizer_in_backward) merged over them (its class names the optimizer, its kwargs
+    win: TorchRec's merge_fused_params); none on the plan's "dense" compute kernel (the shard
+    then gets an ordinary gradient); FBGEMM's defaults (EXACT_SGD, learning rate 0.01, eps 1e-8,
+    no weight decay) for what they leave out. owner: the module's name in error messages."""
     where = f"{owner}: table '{table}'"
     classes = getattr(weight, "_optimizer_classes", None)
+    params = dict(fused_params or {})
     if classes:
         if len(classes) != 1:
             raise ValueError(f"{where} has {len(classes)} optimizers attached; the fused update "
                              "applies exactly one")
-        kind, cls = resolve_optimizer(classes[0])
+        kind = _ATTACHED_KINDS.get(classes[0])
+        if kind is None:
+            raise ValueError(f"{where}: the attached optimizer {classes[0].__name__} is not "
+                             "supported by recxla's fused update (supported: "
+                             f"{sorted(c.__module__ + '.' + c.__name__ for c in _ATTACHED_KINDS)})")
         kwargs = dict(getattr(weight, "_optimizer_kwargs", [{}])[0])
-        check_hyperparameters(kind, kwargs, where)
-        defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
-                    if p.default is not inspect.Parameter.empty}
-        hyper = {name: kwargs.get(name, defaults.get(name, _FBGEMM_DEFAULTS[name]))
-                 for name in _FBGEMM_DEFAULTS}
-        return TableUpdate(kind, hyper)
-    if str(getattr(compute_kernel, "value", compute_kernel)) == DENSE_KERNEL:
+        # TorchRec's sharder rewrites these kwargs in place (lr -> learning_rate, and the
+        # class's EmbOptimType as "optimizer"), so a module it planned carries either spelling.
+        if "lr" in kwargs:
+            kwargs["learning_rate"] = kwargs.pop("lr")
+        named = kwargs.pop("optimizer", None)
+        if named is not None and _emb_optim_kind(named, where) != kind:
+            raise ValueError(f"{where}: the attached {classes[0].__name__} disagrees with its "
+                             f"kwargs' optimizer {named!r}")
+        for key in _TORCH_ONLY:
+            if key in kwargs:  # torch's names with no FBGEMM argument behind them
+                params[key] = kwargs.pop(key)
+        params.update(kwargs)
+    elif str(getattr(compute_kernel, "value", compute_kernel)) == DENSE_KERNEL:
         return TableUpdate(NONE, {})
-    fused_params = fused_params or {}
-    optimizer = fused_params.get("optimizer")
-    optimizer = _FBGEMM_DEFAULT_OPTIMIZER if optimizer is None else optimizer
+    else:
+        optimizer = params.get("optimizer")
+        kind = _emb_optim_kind(_FBGEMM_DEFAULT_OPTIMIZER if optimizer is None else optimizer,
+                               where)
+    params.pop("optimizer", None)
+    return TableUpdate(kind, _hyperparameters(kind, params, where))
+
+
+# Optimizer classes TorchRec's sharder accepts from apply_optimizer_in_backward, by kind
+# (torchrec.distributed.utils._OPTIMIZER_CLASS_TO_EMB_OPT_TYPE, those recxla's update runs).
+_ATTACHED_KINDS = {torch.optim.SGD: SGD, torch.optim.Adagrad: ADAGRAD}
+try:
+    from torchrec import optim as _torchrec_optim
+
+    _ATTACHED_KINDS.update({_torchrec_optim.SGD: SGD, _torchrec_optim.Adagrad: ADAGRAD,
+                            _torchrec_optim.RowWiseAdagrad: ROWWISE_ADAGRAD})
+except ImportError:  # pragma: no cover - torchrec is a dependency of this package
+    pass
+# torch's Adagrad hyperparameters that FBGEMM's update has no argument for: recxla honours
+# them (a torch user's lr_decay and accumulator start), so they pass to the update as given.
+_TORCH_ONLY = ("lr_decay", "initial_accumulator_value", "maximize")
+# FBGEMM's WeightDecayMode (fbgemm_gpu.split_embedding_configs): how row-wise Adagrad applies
+# weight_decay. NONE (FBGEMM's default) ignores it; L2 adds it to the gradient; DECOUPLE (and
+# its global variant) shrink the weight by lr x weight_decay, which recxla's update has no
+# form for yet. SGD and Adagrad have no weight decay in FBGEMM at all.
+_WEIGHT_DECAY_MODES = {"none": 0, "l2": 1, "decouple": 2, "counter": 3, "cowclip": 4,
+                       "decouple_global": 5}
+
+
+def _emb_optim_kind(optimizer, where: str) -> int:
     name = str(getattr(optimizer, "value", optimizer)).lower()
     if name not in _EMB_OPTIM_KINDS:
         raise ValueError(f"{where}: fused_params optimizer {optimizer!r} is not "
                          f"supported (supported: {sorted(_EMB_OPTIM_KINDS)})")
-    kind = _EMB_OPTIM_KINDS[name]
+    return _EMB_OPTIM_KINDS[name]
+
+
+def _weight_decay_mode(value, where: str) -> int:
+    """FBGEMM's WeightDecayMode (the enum, its name or value) -> its value."""
+    name = getattr(value, "name", value)
+    if isinstance(name, str) and name.lower() in _WEIGHT_DECAY_MODES:
+        return _WEIGHT_DECAY_MODES[name.lower()]
+    if isinstance(value, int) and not isinstance(value, bool) and \
+            value in _WEIGHT_DECAY_MODES.values():
+        return value
+    raise ValueError(f"{where}: weight_decay_mode {value!r} is not one of FBGEMM's "
+                     f"WeightDecayMode ({sorted(_WEIGHT_DECAY_MODES)})")
+
+
+def _hyperparameters(kind: int, params: Dict[str, Any], where: str) -> Dict[str, Any]:
+    """fused_params (FBGEMM's names; torch's lr_decay, initial_accumulator_value, maximize)
+    -> the update's hyperparameters in torch's names, FBGEMM's defaults for the rest and its
+    weight-decay semantics (_WEIGHT_DECAY_MODES)."""
     given = {}
-    for key, value in fused_params.items():
-        if key == "optimizer" or key in _FUSED_PARAM_IGNORED or \
+    mode = _weight_decay_mode(params.get("weight_decay_mode", 0), where)
+    if params.get("gradient_clipping", False):
+        raise ValueError(f"{where}: gradient_clipping=True (FBGEMM clips each row's gradient to "
+                         f"+-max_gradient={params.get('max_gradient', 1.0)}) is not supported by "
+                         "recxla's fused update; leave it unset or False")
+    for key, value in params.items():
+        if key in _FUSED_PARAM_IGNORED or key in ("weight_decay_mode", "gradient_clipping",
+                                                  "max_gradient") or \
                 (kind == SGD and key == "eps"):  # FBGEMM takes eps with any optimizer
             continue
-        if key not in _FUSED_PARAM_NAMES:
+        if key not in _FUSED_PARAM_NAMES and key not in _TORCH_ONLY:
             raise ValueError(f"{where}: fused_params key {key!r} is not supported by the fused "
                              f"update (supported: {sorted(_FUSED_PARAM_NAMES)})")
-        given[_FUSED_PARAM_NAMES[key]] = value
+        given[_FUSED_PARAM_NAMES.get(key, key)] = value
+    decay = given.pop("weight_decay", 0.0)
+    if kind == ROWWISE_ADAGRAD and mode == _WEIGHT_DECAY_MODES["l2"]:
+        given["weight_decay"] = decay
+    elif kind == ROWWISE_ADAGRAD and mode not in (0, _WEIGHT_DECAY_MODES["l2"]) and decay:
+        raise ValueError(f"{where}: weight_decay_mode {params['weight_decay_mode']!r} is not "
+                         "supported by recxla's fused row-wise Adagrad (NONE and L2 are)")
+    # Otherwise FBGEMM applies no weight decay: SGD and Adagrad have none, row-wise Adagrad's
+    # default mode (NONE) ignores it.
     check_hyperparameters(kind, given, where)
-    return TableUpdate(kind, {**_FBGEMM_DEFAULTS, **given})
+    return {**_FBGEMM_DEFAULTS, **given}
 
 
 def rowwise_state_layout(shards: Sequence[Any], num_embeddings: int, embedding_dim: int,
