@@ -365,3 +365,33 @@ def test_history_model_on_gpu_pipelined_equals_the_loop(seed):
                                                  args=(seed, 5, 8), backend="nccl",
                                                  timeout=600)):
         assert error <= 1e-5, (rank, error)
+
+
+def _unsharded_body(rank, world, seed):
+    """The history model with only recxla's pooled sharder: DMP leaves the EmbeddingCollection
+    as it is -> the warnings TrainPipeline gives."""
+    import warnings
+
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    import recxla.torchrec
+    from recxla.pipeline import TrainPipeline
+
+    model, _ = _model(seed)
+    sharder = recxla.torchrec.EmbeddingBagCollectionSharder(fwd_comm="fp32", bwd_comm="fp32")
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), sharders=[sharder])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        TrainPipeline(dmp, torch.optim.SGD(dmp.parameters(), lr=0.1), torch.device("cpu"))
+    return [str(w.message) for w in caught if "is not sharded" in str(w.message)]
+
+
+def test_pipeline_says_which_embedding_module_was_left_unsharded(seed):
+    [messages] = run_distributed(_unsharded_body, world_size=1, args=(seed,))
+    assert len(messages) == 1, messages
+    assert "EmbeddingCollection '_dmp_wrapped_module.module.model.history_arch." \
+        "embedding_collection' is not sharded" in messages[0] and \
+        "recxla.torchrec.sharders" in messages[0]

@@ -56,6 +56,7 @@ detach() hands the model back for use on its own, attach() (or the next progress
 import collections
 import contextlib
 import functools
+import warnings
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 import torch
@@ -212,6 +213,7 @@ class TrainPipeline:
             raise ValueError(f"{OWNER}: the model has no module sharded by "
                              "recxla.torchrec.EmbeddingBagCollectionSharder")
         self._model = model
+        _warn_unsharded(model)
         ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
         self._gradient_sync = MicroBatchGradientSync.for_ddp(ddp) if ddp is not None else None
         if ddp is not None:
@@ -509,6 +511,23 @@ class TrainPipeline:
                 for j in w.pending_gradients():
                     if j < k or not self._overlap:
                         w.receive_gradient(j)
+
+
+def _warn_unsharded(model: torch.nn.Module) -> None:
+    """One warning per embedding module DistributedModelParallel left unsharded (it had no
+    sharder for its type): every rank then holds a full copy, trained by the dense optimizer
+    through DDP, and an optimizer attached to it with apply_optimizer_in_backward never runs."""
+    from torchrec.modules.embedding_modules import (EmbeddingBagCollection,
+                                                    EmbeddingCollection)
+
+    for path, m in model.named_modules():
+        if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection)):
+            warnings.warn(
+                f"{OWNER}: {type(m).__name__} '{path}' is not sharded: DistributedModelParallel "
+                "had no sharder for its type, so every rank holds a full copy trained by the "
+                "dense optimizer (an optimizer attached with apply_optimizer_in_backward does "
+                "not run); pass recxla.torchrec.sharders(...) to the planner and to "
+                "DistributedModelParallel", stacklevel=3)
 
 
 def _decoded(batch: PreparedBatch) -> bool:
