@@ -302,3 +302,125 @@ def test_step_gathers_by_index_select(seed):
     for rank, per_config in enumerate(results):
         for name, found in per_config.items():
             assert not found, (rank, name, found)
+
+
+def _vbe_body(rank, world, seed):
+    """Batches with variable batch per feature (their inverse_indices give each sample's
+    bag) through the pipeline with one micro-batch and through the plain loop -> (max state
+    difference, the error a split into 2 micro-batches raises)."""
+    from torchrec.datasets.utils import Batch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recxla.pipeline import TrainPipeline
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    _, _, configs = _build(seed, world, "table_wise", "fp32", "fp32")
+    keys = [f for c in configs for f in c.feature_names]
+    batch = 6
+
+    def vbe_batch():
+        strides = [int(torch.randint(1, batch + 1, (1,), generator=generator)) for _ in keys]
+        lengths = torch.randint(0, 3, (sum(strides),), generator=generator)
+        rows = min(c.num_embeddings for c in configs)
+        inverse = torch.stack([torch.randint(0, s, (batch,), generator=generator)
+                               for s in strides])
+        sparse = KeyedJaggedTensor(
+            keys=keys, lengths=lengths,
+            values=torch.randint(0, rows, (int(lengths.sum()),), generator=generator),
+            stride_per_key_per_rank=[[s] for s in strides], inverse_indices=(keys, inverse))
+        return Batch(dense_features=torch.randn(batch, dlrm.NUM_DENSE, generator=generator),
+                     sparse_features=sparse,
+                     labels=torch.randint(0, 2, (batch,), generator=generator).float())
+
+    batches = [vbe_batch() for _ in range(4)]
+    model, dense, _ = _build(seed, world, "table_wise", "fp32", "fp32")
+    for b in batches:
+        dense.zero_grad()
+        model(b)[0].backward()
+        dense.step()
+    want = _state(model)
+    model, dense, _ = _build(seed, world, "table_wise", "fp32", "fp32")
+    pipeline = TrainPipeline(model, dense, torch.device("cpu"))
+    data = iter(batches)
+    for _ in batches:
+        pipeline.progress(data)
+    got = _state(model)
+    error = max(cases.relative(g, w) for key in want for g, w in zip(got[key], want[key]))
+    model, dense, _ = _build(seed, world, "table_wise", "fp32", "fp32")
+    try:
+        TrainPipeline(model, dense, torch.device("cpu"), num_micro_batches=2).progress(
+            iter(batches))
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return error, refused
+
+
+def test_variable_batch_trains_with_one_micro_batch(seed):
+    for rank, (error, refused) in enumerate(run_distributed(_vbe_body, world_size=2,
+                                                            args=(seed,), timeout=300)):
+        assert error <= 1e-5, (rank, error)
+        assert "variable batch per feature cannot be split into micro-batches" in refused
+
+
+def _calls_body(rank, world, seed, calls):
+    """A model whose sparse arch calls the sharded module `calls` times a forward (0: it
+    uses a fixed tensor instead) -> the error the pipeline's first step raises."""
+    from recxla.pipeline import TrainPipeline
+
+    model, dense, configs = _build(seed, world, "table_wise", "fp32", "fp32")
+    sparse_arch = model.module.model.sparse_arch
+    forward = sparse_arch.forward
+
+    def called(features):
+        if calls == 0:
+            return torch.zeros(features.stride(), len(configs), dlrm.DIM)
+        return sum(forward(features) for _ in range(calls))
+
+    sparse_arch.forward = called
+    generator = torch.Generator().manual_seed(seed + 1)
+    batches = [dlrm._slice(dlrm._batch(configs, world * 6, generator), rank * 6, rank * 6 + 6)
+               for _ in range(2)]
+    try:
+        TrainPipeline(model, dense, torch.device("cpu")).progress(iter(batches))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("calls,message", [
+    (2, "called this sharded module more than once in one forward"),
+    (0, "the model's forward did not call the sharded module")])
+def test_a_model_calls_each_sharded_module_once_a_forward(seed, calls, message):
+    for rank, error in enumerate(run_distributed(_calls_body, world_size=2,
+                                                 args=(seed, calls), timeout=120)):
+        assert error is not None and message in error, (rank, error)
+
+
+def test_micro_batches_say_which_losses_they_keep_exact():
+    """num_micro_batches > 1 weights each part's loss by its share of the batch: said once
+    where the pipeline cannot tell the loss is a mean over samples, refused where the user says
+    it is not, silent where the user says it is; a loss that mixes samples (an in-batch
+    softmax) shows why: per-micro-batch parts do not add up to the batch's."""
+    import warnings
+
+    from recxla.pipeline import TrainPipeline
+
+    scores = torch.randn(8, 8)
+    whole = torch.nn.functional.cross_entropy(scores, torch.arange(8))
+    halves = sum(0.5 * torch.nn.functional.cross_entropy(scores[i:i + 4, i:i + 4],
+                                                         torch.arange(4)) for i in (0, 4))
+    assert abs(float(whole - halves)) > 1e-3  # the case the warning is about
+    with pytest.raises(TypeError, match="loss_is_sample_mean must be None or a bool"):
+        TrainPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"), num_micro_batches=2,
+                      loss_is_sample_mean="yes")
+    with pytest.raises(ValueError, match="num_micro_batches=2 with loss_is_sample_mean=False"):
+        TrainPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"), num_micro_batches=2,
+                      loss_is_sample_mean=False)
+    for flag, warned in ((None, True), (True, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ValueError, match="the model has no module sharded"):
+                TrainPipeline(torch.nn.Linear(1, 1), None, torch.device("cpu"),
+                              num_micro_batches=2, loss_is_sample_mean=flag)
+        assert any("mean of per-sample terms" in str(w.message) for w in caught) == warned

@@ -395,3 +395,40 @@ def test_pipeline_says_which_embedding_module_was_left_unsharded(seed):
     assert "EmbeddingCollection '_dmp_wrapped_module.module.model.history_arch." \
         "embedding_collection' is not sharded" in messages[0] and \
         "recxla.torchrec.sharders" in messages[0]
+
+
+def _foreign_body(rank, world, seed):
+    """The history model with recxla's pooled sharder and TorchRec's own EC sharder -> (the
+    error num_micro_batches=2 raises, whether one micro-batch trains)."""
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    import recxla.torchrec
+    from recxla.pipeline import TrainPipeline
+
+    model, configs = _model(seed)
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    sharders = [recxla.torchrec.EmbeddingBagCollectionSharder(fused_params=fused),
+                EmbeddingCollectionSharder(fused_params=fused)]
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), sharders=sharders)
+    dense = torch.optim.SGD(dmp.parameters(), lr=0.1)
+    try:
+        TrainPipeline(dmp, dense, torch.device("cpu"), num_micro_batches=2,
+                      loss_is_sample_mean=True)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    batches = [_slice(b, rank * 4, rank * 4 + 4) for b in _batches(seed, world, configs, 2, 4)]
+    TrainPipeline(dmp, dense, torch.device("cpu")).progress(iter(batches))
+    return error
+
+
+def test_micro_batches_refuse_a_module_another_sharder_updates(seed):
+    for rank, error in enumerate(run_distributed(_foreign_body, world_size=2, args=(seed,))):
+        assert error is not None and "num_micro_batches=2 with " \
+            "'_dmp_wrapped_module.module.model.history_arch.embedding_collection' sharded by " \
+            "another sharder (torchrec.distributed.embedding.ShardedEmbeddingCollection)" in error

@@ -132,6 +132,12 @@ class TrainPipeline:
         timeline: a Timeline to record spans into (None: none recorded).
         phase: a context-manager factory told which phase each part of the step is in
             ("input", "forward", "backward", "optimizer"; e.g. recxla-train's CommMeter.phase).
+        loss_is_sample_mean: the model's loss is a mean over the samples of per-sample terms
+            (DLRMTrain's BCE is), which is what makes micro-batches exact: each micro-batch's
+            loss is weighted by its share of the batch. An in-batch softmax, a batch norm, any
+            loss that mixes samples is not, and micro-batches change it. None: the pipeline
+            cannot tell, and with num_micro_batches > 1 warns once; True: no warning; False:
+            num_micro_batches > 1 is refused.
     """
 
     DBP_LOOKUPS = DBP_LOOKUPS  # recxla.pipeline.choices
@@ -142,7 +148,8 @@ class TrainPipeline:
                  dense_allreduce: str = "fp32", dense_allreduce_nodes=None,
                  defer_dense_update: bool = False, early_rows: bool = False,
                  timeline: Optional[Timeline] = None,
-                 phase: Optional[Callable[[str], Any]] = None) -> None:
+                 phase: Optional[Callable[[str], Any]] = None,
+                 loss_is_sample_mean: Optional[bool] = None) -> None:
         if not isinstance(num_micro_batches, int) or isinstance(num_micro_batches, bool) \
                 or num_micro_batches < 1:
             raise ValueError(f"{OWNER}: num_micro_batches must be an int >= 1, got "
@@ -152,6 +159,21 @@ class TrainPipeline:
                            ("early_rows", early_rows)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{OWNER}: {name} must be a bool, got {flag!r}")
+        if loss_is_sample_mean not in (None, True, False):
+            raise TypeError(f"{OWNER}: loss_is_sample_mean must be None or a bool, got "
+                            f"{loss_is_sample_mean!r}")
+        if num_micro_batches > 1 and loss_is_sample_mean is False:
+            raise ValueError(f"{OWNER}: num_micro_batches={num_micro_batches} with "
+                             "loss_is_sample_mean=False: micro-batches weight each part's loss "
+                             "by its share of the batch, which is the whole batch's loss only "
+                             "for a mean of per-sample terms; use num_micro_batches=1")
+        if num_micro_batches > 1 and loss_is_sample_mean is None:
+            warnings.warn(f"{OWNER}: num_micro_batches={num_micro_batches} weights each "
+                          "micro-batch's loss by its share of the batch: the step is the whole "
+                          "batch's only for a loss that is a mean of per-sample terms "
+                          "(DLRMTrain's BCE); an in-batch softmax, a batch norm or any loss "
+                          "that mixes samples changes. Pass loss_is_sample_mean=True to say "
+                          "yours is, or False to refuse micro-batches", stacklevel=2)
         if split not in SPLITS:
             raise ValueError(f"{OWNER}: split must be one of {SPLITS}, got {split!r}")
         if dbp_lookup not in self.DBP_LOOKUPS:
@@ -177,6 +199,7 @@ class TrainPipeline:
         self._defer_dense_update = defer_dense_update
         self._early_rows = early_rows and dbp
         self._check_replicas()
+        self._check_foreign_modules()
         self._dense_update_pending = False
         # The batches loaded ahead, oldest first: one with DBP; two with early rows, so that
         # the next batch's ids are decoded before this step's dense forward (early rows of it
@@ -203,6 +226,26 @@ class TrainPipeline:
                              f"({replicated[0]}) is not supported: the next batch would read "
                              "rows that the other nodes' batches change in this update; use "
                              "dbp_lookup='after_update' and early_rows=False")
+
+    def _check_foreign_modules(self) -> None:
+        """ValueError where micro-batches would update a sharded module the pipeline does not
+        drive (one TorchRec's own sharder sharded) once per micro-batch: its fused optimizer
+        runs in every backward."""
+        if self._num_micro == 1:
+            return
+        from torchrec.distributed.embedding_types import ShardedEmbeddingModule
+
+        foreign = [(path or "the model", m) for path, m in self._model.named_modules()
+                   if isinstance(m, ShardedEmbeddingModule)
+                   and not isinstance(m, PipelinedModule)]
+        if foreign:
+            path, module = foreign[0]
+            raise ValueError(f"{OWNER}: num_micro_batches={self._num_micro} with '{path}' "
+                             f"sharded by another sharder ({type(module).__module__}."
+                             f"{type(module).__name__}): its fused optimizer updates its tables "
+                             "in every backward, so micro-batches would update them once per "
+                             "micro-batch; shard it with recxla.torchrec.sharders(...) or use "
+                             "num_micro_batches=1")
 
     def _set_model(self, model: torch.nn.Module) -> None:
         # Each recxla-sharded module's steps (recxla.torchrec.types): all the pipeline calls.
@@ -262,6 +305,7 @@ class TrainPipeline:
         if model is not None and model is not self._model:
             self._set_model(model)
             self._check_replicas()
+            self._check_foreign_modules()
             for batch in self._ahead:
                 batch.drop_early_rows()
             # Prepared again for the new model when their turn comes.
@@ -380,7 +424,16 @@ class TrainPipeline:
             if training and self._gradient_sync is not None:
                 self._gradient_sync.sync = k + 1 == self._num_micro
             with self._span("dense", "backward" if training else "forward", micro_batch=k):
-                loss, output = self._model(micro.micro_batch(k))
+                try:
+                    loss, output = self._model(micro.micro_batch(k))
+                finally:
+                    uncalled = [path for (path, _), w in zip(self._modules, windows)
+                                if not w.steps.end_staging()]
+                if uncalled:
+                    raise ValueError(f"{OWNER}: the model's forward did not call the sharded "
+                                     f"module(s) {uncalled}; the pipeline sends every sharded "
+                                     "module's rows for each micro-batch, so a model calls each "
+                                     "one exactly once per forward")
                 if training:
                     # An empty micro-batch (a batch smaller than M) still runs, so that every
                     # rank joins each micro-batch's collectives; its weight is 0.

@@ -90,11 +90,12 @@ class IdRouter:
                     raise ValueError(f"{self.layout.owner}: a batch with variable batch per feature is not "
                                      "supported for sequence embeddings; give every feature "
                                      "the same batch size")
-                if micro_batch_sizes is not None:
-                    raise ValueError(f"{self.layout.owner}: a batch with variable batch per feature cannot "
-                                     "be split into micro-batches; expand it first "
-                                     "(recxla.torchrec.variable_batch.expand_variable_batch)")
                 features = expand_variable_batch(features)
+                if micro_batch_sizes is not None and len(micro_batch_sizes) > 1:
+                    raise ValueError(f"{self.layout.owner}: a batch with variable batch per "
+                                     "feature cannot be split into micro-batches; expand it "
+                                     "first (recxla.torchrec.variable_batch."
+                                     "expand_variable_batch) or use one micro-batch")
             batch = features.stride() if isinstance(features, KeyedJaggedTensor) else 0
             micro = [batch] if micro_batch_sizes is None else [int(m) for m in micro_batch_sizes]
             if any(m < 0 for m in micro) or sum(micro) != batch:

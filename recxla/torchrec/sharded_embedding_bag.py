@@ -176,6 +176,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         step's output (`steps.stage_output`): then that output, for the same batch size."""
         if self.parts.staged_outputs:
             return self._face.staged_output(input[0] if input else kwargs.get("features"))
+        self._face.check_not_staging()
         return super().forward(*input, **kwargs)
 
     def compute(self, ctx: ShardedContext, dist_input: KJTList):

@@ -78,7 +78,7 @@ class ShardedParts:
     fused optimizer of every local shard; router: the input dist; output: the output dist (its
     `assembly` makes the module's output: pooled or expanded); replicas: 2D training's
     ReplicaSync, else None; stats: the bytes the dists move; staged_outputs: what the next
-    forwards return (stage_output).
+    forwards return (stage_output); staging: a pipeline's forward with a staged output runs.
     """
 
     configs: List[Any]
@@ -94,6 +94,9 @@ class ShardedParts:
     replicas: Optional[ReplicaSync]
     stats: CommStats
     staged_outputs: Deque[Union[Any, Callable[[], Any]]] = field(default_factory=deque)
+    # A pipeline's forward is running, for which one output was staged (stage_output): a
+    # second call of the module in it is an error, not a forward of its own.
+    staging: bool = False
 
     def describe(self) -> str:
         """The module's extra_repr: its tables, wire formats and this rank's shards."""

@@ -16,6 +16,7 @@ wants it (docs/architecture.md maps them to the schedule). In the order one step
     assemble_output    the received rows as this rank's output values
     form_output        those values as the module's output (KeyedTensor or jagged tensors)
     stage_output       the next forward returns that output (or calls for it)
+    end_staging        after that forward: did it call the module (once)?
     start_gradient     the gradient of those values back to their owners
     count_step         one fused optimizer step counted, before the lookup's backward
     average_replicas   (2D, sync="weights") the replicas averaged now, before a checkpoint
@@ -97,8 +98,17 @@ class ShardedSteps:
         model passes; data-parallel tables are merged in there) instead of running the input
         dist, lookup and output dist (recxla.pipeline's FWP). A callable is called by that
         forward for the output: the pipeline waits for the rows only when the model asks for
-        them."""
+        them. Every stage_output is closed by end_staging once the model's forward ran."""
         self.parts.staged_outputs.append(output)
+        self.parts.staging = True
+
+    def end_staging(self) -> bool:
+        """After the model's forward for which stage_output staged an output: -> whether the
+        forward took it (False: it never called the module; the output is dropped)."""
+        taken = not self.parts.staged_outputs
+        self.parts.staged_outputs.clear()
+        self.parts.staging = False
+        return taken
 
     # ------------------------------------------------------------------ lookup
 

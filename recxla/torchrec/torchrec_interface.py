@@ -119,6 +119,17 @@ class TorchRecFace:
                                                 self.steps.count_step)
         return self.complete(self.steps.form_output(values, ctx.lengths), ctx.features)
 
+    def check_not_staging(self) -> None:
+        """Before the module's own forward: ValueError where a pipeline's forward runs whose
+        staged output this module already gave (the model calls it more than once in one
+        forward)."""
+        parts = self.steps.parts
+        if parts.staging and not parts.staged_outputs:
+            raise ValueError(f"{parts.layout.owner}: the model called this sharded module "
+                             "more than once in one forward; recxla.pipeline stages one output "
+                             "per sharded module and micro-batch, so a model calls each one "
+                             "exactly once per forward, on the micro-batch's sparse features")
+
     def staged_output(self, features: Optional[KeyedJaggedTensor]) -> Any:
         """The output a pipeline staged for this forward (ShardedSteps.stage_output; a callable
         is called for it), completed on the micro-batch's `features`; ValueError when the model

@@ -97,6 +97,9 @@ class EmbeddingSteps(Protocol):
     def stage_output(self, output: Union[Any, Callable[[], Any]]) -> None:
         ...
 
+    def end_staging(self) -> bool:
+        ...
+
     def count_step(self) -> None:
         ...
 

@@ -182,7 +182,9 @@ def make_pipeline(config, device, meter, sharded: Sharded) -> Tuple[object, Opti
                          dbp_lookup=config.dbp_lookup, dense_allreduce=config.dense_allreduce,
                          dense_allreduce_nodes=sharded.dense_nodes,
                          defer_dense_update=config.defer_dense_update,
-                         early_rows=config.early_rows, timeline=timeline, phase=meter.phase), timeline
+                         early_rows=config.early_rows, timeline=timeline, phase=meter.phase,
+                         # The trainer's models: DLRMTrain's BCE, a mean over the samples.
+                         loss_is_sample_mean=True), timeline
 
 
 def train_loop(config, conn, watchdog, meter, data, sharded, pipeline, start) -> Measured:
