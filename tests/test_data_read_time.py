@@ -1046,3 +1046,21 @@ def test_key_index_finds_what_index_in_finds(kind, seed, monkeypatch):
     want = pc.index_in(lf, value_set=r, skip_nulls=True)
     assert got.to_pylist() == want.to_pylist()
     assert got.null_count > nulls.sum()  # some keys are missing, beyond the null ones
+
+
+def test_transforms_see_plain_string_and_list_types():
+    """Iceberg's readers give large_string / large_list columns, Parquet's string / list: a
+    transform is given string and list either way (nested lists too), the values unchanged."""
+    from recxla.data.transforms import as_batch
+
+    large = pa.table({"zip": pa.array(["02139", None], pa.large_string()),
+                      "items": pa.array([[1, 2], []], pa.large_list(pa.int64())),
+                      "tags": pa.array([[["a"]], [[]]], pa.large_list(pa.large_list(
+                          pa.large_string())))})
+    batch = as_batch(large)
+    assert batch.schema.field("zip").type == pa.string()
+    assert batch.schema.field("items").type == pa.list_(pa.int64())
+    assert batch.schema.field("tags").type == pa.list_(pa.list_(pa.string()))
+    assert batch.to_pydict() == large.to_pydict()
+    plain = pa.table({"zip": pa.array(["02139"], pa.string())})
+    assert as_batch(plain).schema == plain.schema

@@ -4,7 +4,8 @@ feature tables are joined and before ids are mapped to rows.
 
 A transform is named "module:function" (an importable module, e.g. one next to the job's
 working folder) or "path/to/file.py:function". It is called as `function(batch)` with a
-`pyarrow.RecordBatch` of every column (the table's and the joined ones) and returns a
+`pyarrow.RecordBatch` of every column (the table's and the joined ones; strings as `string`,
+lists as `list`, from Parquet and Iceberg alike) and returns a
 `pyarrow.RecordBatch` or `pyarrow.Table`: the same columns with some derived (bucketize a float
 into an id, hash-cross two ids, truncate a sequence), columns dropped, rows filtered out. Several
 are applied in the order given. The columns it returns take their roles (label, dense, sparse
@@ -133,8 +134,27 @@ def load_transforms(names: Sequence[str]) -> List[Transform]:
     return [Transform(n) for n in names]
 
 
+def plain_type(t: pa.DataType) -> pa.DataType:
+    """An Arrow type with its 64-bit-offset forms made plain: large_string -> string,
+    large_binary -> binary, large_list<x> -> list<x> (inside lists too)."""
+    if pa.types.is_large_string(t):
+        return pa.string()
+    if pa.types.is_large_binary(t):
+        return pa.binary()
+    if pa.types.is_large_list(t) or pa.types.is_list(t):
+        return pa.list_(plain_type(t.value_type))
+    return t
+
+
 def as_batch(table: pa.Table) -> pa.RecordBatch:
-    """A table's rows as one RecordBatch (what a transform is given)."""
+    """A table's rows as one RecordBatch (what a transform is given), its columns in one set
+    of types whatever the source: Iceberg's readers give large_string and large_list where
+    Parquet's give string and list, and a transform written against one would fail on the
+    other (plain_type)."""
+    schema = pa.schema([f.with_type(plain_type(f.type)) for f in table.schema],
+                       metadata=table.schema.metadata)
+    if schema != table.schema:
+        table = table.cast(schema)
     table = table.combine_chunks()
     batches = table.to_batches()
     if not batches:
