@@ -471,3 +471,14 @@ def test_dense_optimizer_runs_where_torch_has_its_kernel():
                 p.grad = grad.clone()
                 opt.step()
             torch.testing.assert_close(fast, plain)
+
+
+def test_checkpoint_dir_may_name_folders_not_made_yet(tmp_path):
+    """--checkpoint-dir is made with its parents when the first checkpoint is written (a file
+    option still needs its folder)."""
+    from recxla.train.parse import parse_config
+
+    nested = tmp_path / "runs" / "today" / "ck"
+    assert parse_config(["--checkpoint-dir", str(nested)]).checkpoint_dir == str(nested)
+    with pytest.raises(SystemExit):
+        parse_config(["--metrics", str(tmp_path / "missing" / "m.json")])

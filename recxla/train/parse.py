@@ -228,8 +228,9 @@ def _check_paths(err, f: dict) -> None:
             resume_checkpoint(f["checkpoint_dir"], f["resume_step"])
         except ValueError as e:
             err(str(e))
-    for flag, path in (("--metrics", f["metrics"]), ("--checkpoint-dir", f["checkpoint_dir"]),
-                       ("--trace", f["trace"]), ("--kernel-trace", f["kernel_trace"])):
+    # Files need their folder; the checkpoint folder is made with its parents when written.
+    for flag, path in (("--metrics", f["metrics"]), ("--trace", f["trace"]),
+                       ("--kernel-trace", f["kernel_trace"])):
         parent = os.path.dirname(os.path.abspath(path)) if path else None
         if parent and not os.path.isdir(parent):
             err(f"{flag} {path!r}: the folder {parent!r} does not exist")
