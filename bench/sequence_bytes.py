@@ -73,7 +73,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
                           timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     config = TrainConfig(model="history", batch_size=args.batch, max_rows=args.max_rows,
-                         seed=args.seed)
+                         seed=args.seed, loader_workers=0)
     data = TrainData(config, rank, world)
     history, _ = data.history_features()
     table = next(t for t in data.tables(args.dim) if history in t.feature_names)
@@ -104,9 +104,9 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
                     with meter.phase("input"):
                         dist_input = sharded.input_dist(ctx, kjt).wait().wait()
                     with meter.phase("forward"):
-                        out = sharded.compute_and_output_dist(ctx, dist_input).wait()
+                        rows = sharded.compute_and_output_dist(ctx, dist_input).wait()
                     loss = sum((j.values() * torch.randn(j.values().shape, generator=generator)
-                                ).sum() for j in out.values())
+                                ).sum() for j in rows.values())
                     with meter.phase("backward"):
                         loss.backward()
                     meter.end_step()

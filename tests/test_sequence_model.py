@@ -172,6 +172,16 @@ def _difference(a, b) -> float:
                default=0.0)
 
 
+def _progress_all(pipeline, batches) -> None:
+    """pipeline.progress over `batches` until the epoch ends."""
+    data = iter(batches)
+    while True:
+        try:
+            pipeline.progress(data)
+        except StopIteration:
+            return
+
+
 def _loop(dmp, dense, batches):
     losses = []
     for b in batches:
@@ -241,13 +251,7 @@ def _pipeline_body(rank, world, seed, kind, steps, size, fwd, bwd):
         dmp, dense, configs = _dmp(seed, world, "recxla", kind, fwd, bwd)
         batches = [_slice(b, rank * size, (rank + 1) * size)
                    for b in _batches(seed, world, configs, steps, size)]
-        pipeline = TrainPipeline(dmp, dense, torch.device("cpu"), **options)
-        data = iter(batches)
-        while True:
-            try:
-                pipeline.progress(data)
-            except StopIteration:
-                break
+        _progress_all(TrainPipeline(dmp, dense, torch.device("cpu"), **options), batches)
         return test_pipeline._state(dmp)
 
     want = run(dict(num_micro_batches=1, overlap=False, dbp=False))
@@ -322,13 +326,8 @@ def _gpu_body(rank, world, seed, steps, size):
         if not pipelined:
             _loop(dmp, dense, [b.to(device) for b in batches])
             return test_pipeline._state(dmp)
-        pipeline = TrainPipeline(dmp, dense, device, num_micro_batches=2)
-        data = iter(batches)
-        while True:
-            try:
-                pipeline.progress(data)
-            except StopIteration:
-                break
+        _progress_all(TrainPipeline(dmp, dense, device, num_micro_batches=2,
+                                    loss_is_sample_mean=True), batches)
         return test_pipeline._state(dmp)
 
     want, got = run(False), run(True)

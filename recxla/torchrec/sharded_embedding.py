@@ -36,8 +36,8 @@ from torch import nn
 from torchrec.distributed.embedding import (
     ShardedEmbeddingCollection as TorchRecShardedEmbeddingCollection,
 )
-from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
-from torchrec.distributed.types import LazyAwaitable, ParameterSharding, ShardingEnv
+from torchrec.distributed.embedding_types import ShardedEmbeddingModule
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingCollection, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
@@ -45,14 +45,13 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
 from recxla.ops.embedding_bag import SUM
 from recxla.torchrec.data_parallel import SequenceDataParallelTables, is_data_parallel
-from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer
 from recxla.torchrec.replicas import ReplicaSync
-from recxla.torchrec.shard_layout import ShardLayout, TableInfo
+from recxla.torchrec.shard_layout import TableInfo
 from recxla.torchrec.sharded_builder import build_sharded_parts
 from recxla.torchrec.sharded_config import SUPPORTED_SHARDING_TYPES
-from recxla.torchrec.sharded_state_dict import TableStateDict, reset_local_shards, weight_name
+from recxla.torchrec.sharded_state_dict import TableStateDict, weight_name
 from recxla.torchrec.sharded_steps import ShardedSteps
-from recxla.torchrec.torchrec_interface import SHARDING_NAME, ShardedContext, TorchRecFace
+from recxla.torchrec.torchrec_interface import SHARDING_NAME, TorchRecFace, TorchRecMethods
 
 OWNER = "recxla.torchrec.ShardedEmbeddingCollection"
 # TorchRec's EmbeddingCollectionSharder offers data-parallel, table-, column- and row-wise;
@@ -77,7 +76,7 @@ def check_sequence_configs(configs, plan: Dict[str, ParameterSharding]) -> None:
                              f"{config.embedding_dim}, the tables have {sorted(dims)}")
 
 
-class ShardedEmbeddingCollection(TorchRecShardedEmbeddingCollection):
+class ShardedEmbeddingCollection(TorchRecMethods, TorchRecShardedEmbeddingCollection):
     """EmbeddingCollection sharded by recxla (see the module docstring).
 
     Args:
@@ -186,34 +185,7 @@ class ShardedEmbeddingCollection(TorchRecShardedEmbeddingCollection):
         TableStateDict(self.parts, "embeddings").install(self)
 
     # ------------------------------------------------------------------ TorchRec interface
-
-    def create_context(self) -> ShardedContext:
-        return ShardedContext()
-
-    def input_dist(self, ctx: ShardedContext, features: KeyedJaggedTensor):
-        """Checks the batch and starts the id all-to-alls (torchrec_interface.py)."""
-        return self._face.input_dist(ctx, features)
-
-    def forward(self, *input, **kwargs):
-        """TorchRec's forward (input dist, lookup, output dist), unless a pipeline staged this
-        step's output (`steps.stage_output`): then that output, for the same batch size."""
-        if self.parts.staged_outputs:
-            return self._face.staged_output(input[0] if input else kwargs.get("features"))
-        self._face.check_not_staging()
-        return super().forward(*input, **kwargs)
-
-    def compute(self, ctx: ShardedContext, dist_input: KJTList):
-        """The owner's gather of the requested rows (torchrec_interface.py)."""
-        return self._face.compute(ctx, dist_input)
-
-    def output_dist(self, ctx: ShardedContext,
-                    output) -> LazyAwaitable[Dict[str, JaggedTensor]]:
-        """Starts the rows' all-to-all. -> LazyAwaitable[Dict[str, JaggedTensor]]."""
-        return self._face.output_dist(ctx, output)
-
-    def compute_and_output_dist(self, ctx: ShardedContext,
-                                input: KJTList) -> LazyAwaitable[Dict[str, JaggedTensor]]:
-        return self.output_dist(ctx, self.compute(ctx, input))
+    # (TorchRecMethods: input_dist, compute, output_dist, forward, ... delegated to the parts)
 
     def _complete(self, output: Dict[str, JaggedTensor],
                   features: Optional[KeyedJaggedTensor]) -> Dict[str, JaggedTensor]:
@@ -234,39 +206,11 @@ class ShardedEmbeddingCollection(TorchRecShardedEmbeddingCollection):
 
     # ------------------------------------------------------------------ the rest
 
-    @property
-    def fused_optimizer(self) -> ShardedFusedOptimizer:
-        return self.parts.optim
-
-    @property
-    def layout(self) -> ShardLayout:
-        return self.parts.layout
-
-    @property
-    def replicas(self) -> Optional[ReplicaSync]:
-        """The module's ReplicaSync in 2D training (recxla.torchrec.replicas), else None."""
-        return self.parts.replicas
-
-    def average_replicas(self) -> None:
-        """2D training with sync="weights": the replicas averaged now (ShardedSteps)."""
-        self.steps.average_replicas()
-
     def embedding_dim(self) -> int:
         return self._embedding_dim
 
     def embedding_names(self) -> List[str]:
         return list(self._output_keys)
-
-    def reset_parameters(self) -> None:
-        """Re-initializes every local shard with its table's init_fn."""
-        reset_local_shards(self.parts)
-
-    def update_shards(self, *args, **kwargs) -> None:
-        raise NotImplementedError(f"{OWNER}: resharding a live module is not supported; "
-                                  "save a checkpoint and load it into a module sharded the new way")
-
-    def extra_repr(self) -> str:
-        return self.parts.describe()
 
 
 def _samples(output: Dict[str, JaggedTensor]) -> Optional[int]:

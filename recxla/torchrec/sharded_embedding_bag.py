@@ -32,11 +32,11 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torchrec.distributed.embedding_types import KJTList, ShardedEmbeddingModule
+from torchrec.distributed.embedding_types import ShardedEmbeddingModule
 from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection as TorchRecShardedEmbeddingBagCollection,
 )
-from torchrec.distributed.types import LazyAwaitable, ParameterSharding, ShardingEnv
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -44,20 +44,19 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
 from recxla.ops.embedding_bag import MEAN, SUM
 from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_data_parallel
-from recxla.torchrec.fused_optimizer import ShardedFusedOptimizer
 from recxla.torchrec.replicas import ReplicaSync
-from recxla.torchrec.shard_layout import OWNER, ShardLayout, TableInfo
+from recxla.torchrec.shard_layout import OWNER, TableInfo
 from recxla.torchrec.sharded_builder import build_sharded_parts
 from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_TYPES: public here)
     SUPPORTED_SHARDING_TYPES,
     check_table_config,
     row_exchange_tables,
 )
-from recxla.torchrec.sharded_state_dict import TableStateDict, reset_local_shards, weight_name
+from recxla.torchrec.sharded_state_dict import TableStateDict, weight_name
 from recxla.torchrec.sharded_steps import ShardedSteps
-from recxla.torchrec.torchrec_interface import SHARDING_NAME, ShardedContext, TorchRecFace
+from recxla.torchrec.torchrec_interface import SHARDING_NAME, TorchRecFace, TorchRecMethods
 
-class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
+class ShardedEmbeddingBagCollection(TorchRecMethods, TorchRecShardedEmbeddingBagCollection):
     """EmbeddingBagCollection sharded by recxla (see the module docstring).
 
     Args:
@@ -163,33 +162,7 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         TableStateDict(self.parts, "embedding_bags").install(self)
 
     # ------------------------------------------------------------------ TorchRec interface
-
-    def create_context(self) -> ShardedContext:
-        return ShardedContext()
-
-    def input_dist(self, ctx: ShardedContext, features: KeyedJaggedTensor):
-        """Checks the batch and starts the id all-to-alls (torchrec_interface.py)."""
-        return self._face.input_dist(ctx, features)
-
-    def forward(self, *input, **kwargs):
-        """TorchRec's forward (input dist, lookup, output dist), unless a pipeline staged this
-        step's output (`steps.stage_output`): then that output, for the same batch size."""
-        if self.parts.staged_outputs:
-            return self._face.staged_output(input[0] if input else kwargs.get("features"))
-        self._face.check_not_staging()
-        return super().forward(*input, **kwargs)
-
-    def compute(self, ctx: ShardedContext, dist_input: KJTList):
-        """The owner's lookup (torchrec_interface.py)."""
-        return self._face.compute(ctx, dist_input)
-
-    def output_dist(self, ctx: ShardedContext, output) -> LazyAwaitable[KeyedTensor]:
-        """Starts the embeddings' all-to-all. -> LazyAwaitable[KeyedTensor]."""
-        return self._face.output_dist(ctx, output)
-
-    def compute_and_output_dist(self, ctx: ShardedContext,
-                                input: KJTList) -> LazyAwaitable[KeyedTensor]:
-        return self.output_dist(ctx, self.compute(ctx, input))
+    # (TorchRecMethods: input_dist, compute, output_dist, forward, ... delegated to the parts)
 
     def _complete(self, output: KeyedTensor,
                   features: Optional[KeyedJaggedTensor]) -> KeyedTensor:
@@ -201,31 +174,3 @@ class ShardedEmbeddingBagCollection(TorchRecShardedEmbeddingBagCollection):
         return self._output_merge.merge(
             output.values(), layout.embedding_names, layout.embedding_dims,
             self._data_parallel.lookup(self._data_parallel.select(features)))
-
-    @property
-    def fused_optimizer(self) -> ShardedFusedOptimizer:
-        return self.parts.optim
-
-    @property
-    def layout(self) -> ShardLayout:
-        return self.parts.layout
-
-    @property
-    def replicas(self) -> Optional[ReplicaSync]:
-        """The module's ReplicaSync in 2D training (recxla.torchrec.replicas), else None."""
-        return self.parts.replicas
-
-    def average_replicas(self) -> None:
-        """2D training with sync="weights": the replicas averaged now (ShardedSteps)."""
-        self.steps.average_replicas()
-
-    def reset_parameters(self) -> None:
-        """Re-initializes every local shard with its table's init_fn."""
-        reset_local_shards(self.parts)
-
-    def update_shards(self, *args, **kwargs) -> None:
-        raise NotImplementedError(f"{OWNER}: resharding a live module is not supported; "
-                                  "save a checkpoint and load it into a module sharded the new way")
-
-    def extra_repr(self) -> str:
-        return self.parts.describe()

@@ -15,6 +15,10 @@ gives those from the module's `ShardedSteps`, with the batch's state in a `Shard
 What each module adds to an output it formed (the data-parallel tables, looked up on the
 batch's features outside recxla's dists; a sequence module's indices) is its `complete`
 callable, used both here and on the outputs a recxla pipeline staged (`staged_output`).
+
+TorchRec calls these as methods of the module, under TorchRec's names: `TorchRecMethods` gives
+both modules those methods, each a one-line delegation to the module's `_face`, `steps` and
+`parts` (the machinery itself is composed, not inherited).
 """
 
 from dataclasses import dataclass, field
@@ -29,6 +33,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recxla.torchrec.input_dist import LookupInput
 from recxla.torchrec.output_dist import Message
 from recxla.torchrec.row_exchange import RowBags, RowInput
+from recxla.torchrec.sharded_parts import ShardedParts
+from recxla.torchrec.sharded_state_dict import reset_local_shards
 from recxla.torchrec.sharded_steps import ShardedSteps
 
 # The one "sharding type" TorchRec's input-dist awaitables are told about: recxla's dists serve
@@ -158,3 +164,70 @@ class _OutputAwaitable(LazyAwaitable[Any]):
     def _wait_impl(self) -> Any:
         handle, self._handle = self._handle, None
         return self._face.finish_output(handle, self._send, self._message, self._ctx)
+
+
+class TorchRecMethods:
+    """TorchRec's methods of a recxla sharded module, delegated to its composed parts: the
+    module sets `parts` (ShardedParts), `steps` (ShardedSteps) and `_face` (TorchRecFace). Put
+    first among the module's bases, so that they replace the TorchRec class's own."""
+
+    parts: ShardedParts
+    steps: ShardedSteps
+    _face: TorchRecFace
+
+    def create_context(self) -> ShardedContext:
+        return ShardedContext()
+
+    def input_dist(self, ctx: ShardedContext, features: KeyedJaggedTensor):
+        """Checks the batch and starts the id all-to-alls (TorchRecFace.input_dist)."""
+        return self._face.input_dist(ctx, features)
+
+    def forward(self, *input, **kwargs):
+        """TorchRec's forward (input dist, lookup, output dist), unless a pipeline staged this
+        step's output (`steps.stage_output`): then that output, for the same batch size."""
+        if self.parts.staged_outputs:
+            return self._face.staged_output(input[0] if input else kwargs.get("features"))
+        self._face.check_not_staging()
+        return super().forward(*input, **kwargs)
+
+    def compute(self, ctx: ShardedContext, dist_input: KJTList):
+        """The owner's lookup (TorchRecFace.compute)."""
+        return self._face.compute(ctx, dist_input)
+
+    def output_dist(self, ctx: ShardedContext, output) -> LazyAwaitable:
+        """Starts the embeddings' all-to-all -> LazyAwaitable of the module's output."""
+        return self._face.output_dist(ctx, output)
+
+    def compute_and_output_dist(self, ctx: ShardedContext, input: KJTList) -> LazyAwaitable:
+        return self.output_dist(ctx, self.compute(ctx, input))
+
+    @property
+    def fused_optimizer(self):
+        """The ShardedFusedOptimizer of this rank's shards."""
+        return self.parts.optim
+
+    @property
+    def layout(self):
+        """The module's ShardLayout."""
+        return self.parts.layout
+
+    @property
+    def replicas(self):
+        """The module's ReplicaSync in 2D training (recxla.torchrec.replicas), else None."""
+        return self.parts.replicas
+
+    def average_replicas(self) -> None:
+        """2D training with sync="weights": the replicas averaged now (ShardedSteps)."""
+        self.steps.average_replicas()
+
+    def reset_parameters(self) -> None:
+        """Re-initializes every local shard with its table's init_fn."""
+        reset_local_shards(self.parts)
+
+    def update_shards(self, *args, **kwargs) -> None:
+        raise NotImplementedError(f"{self.parts.layout.owner}: resharding a live module is not "
+                                  "supported; save a checkpoint and load it into a module "
+                                  "sharded the new way")
+
+    def extra_repr(self) -> str:
+        return self.parts.describe()
