@@ -168,9 +168,13 @@ def main(argv=None) -> int:
                   f"{ratio:>30.4f}")
         figures[sharding] = totals
     if args.json:
+        from bench.cluster.history import run_commit, utc_now
+        from bench.cluster.run_a2a import _machine
+
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(["python", "-m", "bench.sequence_bytes"]
                                            + (argv or sys.argv[1:])),
+                       "commit": run_commit(), "date": utc_now(), "machine": _machine(),
                        "ids_per_step": ids, "bytes_per_step": figures}, f, indent=1)
     return 0
 
