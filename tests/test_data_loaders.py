@@ -1,9 +1,16 @@
 """make_loader and the local multi-process loader: the same batches as ParquetDataset, in the
-same order, resumable across loaders; the CLI; the prefetching iterator."""
+same order, resumable across loaders; workers that end with the process that started them;
+the CLI; the prefetching iterator."""
 
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import threading
+import time
+import uuid
 
 import pytest
 from data_pipeline_cases import assert_batches_equal, random_batches, write
@@ -60,6 +67,56 @@ def test_positions_resume_across_loaders(dataset_path, shuffle_rows):
         assert len(rest) == len(want) - cut
         for g, w in zip(rest, want[cut:]):
             assert_batches_equal(g, w)
+
+
+CONSUMER = """
+import multiprocessing, sys, time
+multiprocessing.set_start_method(sys.argv[2])  # what the workers are started with
+from recxla.data import LocalLoader, ParquetDataset
+loader = iter(LocalLoader(ParquetDataset(sys.argv[1], 4, num_epochs=None), num_workers=2))
+next(loader)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _marked(mark: str) -> list:
+    """The pids of the processes whose environment holds `mark`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:  # ended meanwhile, or not ours to read
+            pass
+    return found
+
+
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_workers_end_when_the_consumer_is_killed(dataset_path, start_method):
+    """kill -9 of the process reading the loader ends its worker processes (and a forkserver
+    that started them) within seconds: nothing outlives a killed rank, holding its sockets
+    open. Forked workers are children of the consumer; a forkserver's are not, and torch's own
+    parent check never sees the consumer go."""
+    mark = f"RECXLA_LOADER_TEST={uuid.uuid4().hex}"
+    env = dict(os.environ, RECXLA_LOADER_TEST_MARK=mark)
+    consumer = subprocess.Popen([sys.executable, "-c", CONSUMER, str(dataset_path), start_method],
+                                env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert consumer.stdout.readline().strip() == "ready"
+        workers = [p for p in _marked(mark) if p != consumer.pid]
+        assert len(workers) >= 2, workers  # 2 workers (and the forkserver)
+    finally:
+        consumer.send_signal(signal.SIGKILL)
+        consumer.wait()
+    deadline = time.monotonic() + 30
+    while _marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _marked(mark)
+    for pid in left:  # leave nothing behind, then fail
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} process(es) outlived the killed consumer"
 
 
 def test_endless_loader_runs_past_one_epoch(dataset_path):

@@ -6,6 +6,11 @@ loader's worker count; and the worker processes of the local loaders (`in_worker
 `recxla.data.synthetic_loader` build on it.
 """
 
+import functools
+import os
+import select
+import threading
+import time
 from typing import Iterable, Iterator
 
 import torch
@@ -33,12 +38,60 @@ def _as_is(item):
     return item
 
 
+# How often a worker without pidfds (Linux < 5.3) looks for its consumer.
+CONSUMER_POLL_S = 0.2
+
+
+def _consumer_exited(pid: int) -> None:
+    """Returns once process `pid` has ended (exited or killed, reaped or not)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    except (AttributeError, OSError):  # no pidfds here: look every CONSUMER_POLL_S
+        while _running(pid):
+            time.sleep(CONSUMER_POLL_S)
+        return
+    select.select([fd], [], [])  # a pidfd reads ready when its process ends
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: signal 0 tells whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _end_with_consumer(consumer: int, worker_id: int) -> None:
+    """A worker's init: a thread that ends the worker at once when the consumer process ends.
+
+    torch's own check compares the worker's parent pid with the one it started under, every
+    5 s and only between items: a worker whose parent is a forkserver (not the consumer) never
+    sees the consumer go, and one that sees it then waits forever to flush the batches queued
+    for it. Either leaves a process behind a killed rank that holds the rank's sockets (the
+    store's port among them) open, so its peers never learn that it is gone. os._exit leaves
+    at once, whatever the worker is doing."""
+    def watch():
+        _consumer_exited(consumer)
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"recxla-loader-{worker_id}-watch", daemon=True).start()
+
+
 def in_worker_processes(dataset: torch.utils.data.Dataset, items: Iterable,
                         num_workers: int, prefetch: int) -> Iterator:
     """dataset[item] for each of `items`, in order, made by `num_workers` worker processes
     (torch's DataLoader: items go to the workers round-robin, `prefetch` ahead each, and come
     back in order; a worker's exception is raised here, naming it). A generator: `close()` (or
-    running to the end) stops the workers at once."""
+    running to the end) stops the workers at once; a worker ends as soon as the process that
+    started it ends, however that ends (`_end_with_consumer`)."""
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=None, sampler=items, num_workers=num_workers,
         prefetch_factor=prefetch, collate_fn=_as_is,
@@ -47,6 +100,7 @@ def in_worker_processes(dataset: torch.utils.data.Dataset, items: Iterable,
         # generator state then trains on with another state than an uninterrupted run. The
         # items decide every result, so the workers need no seed of the run's.
         generator=torch.Generator().manual_seed(0),
+        worker_init_fn=functools.partial(_end_with_consumer, os.getpid()),
     )  # fmt: skip
     results = iter(loader)
     try:
