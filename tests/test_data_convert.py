@@ -150,6 +150,31 @@ def test_csv_files_in_parallel_match_the_reference(tmp_path, seed):
         assert got["label"][i] == float(r[4])
 
 
+def test_a_history_column_keeps_its_ids_and_is_named_in_the_spec(tmp_path, seed):
+    """`history_of` marks a list column as a user history of another feature's items: the
+    spec pairs them (DatasetSpec.histories), the ids become rows of the history's own table as
+    any bag's do, in their order, and the other columns keep their inferred roles."""
+    rng = np.random.default_rng(seed)
+    n = 300
+    lengths = rng.integers(0, 9, n)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    seen = pa.ListArray.from_arrays(pa.array(offsets), pa.array(rng.integers(0, 40, offsets[-1])))
+    pq.write_table(pa.table({"user": rng.integers(0, 30, n), "item": rng.integers(0, 40, n),
+                             "seen": seen, "label": rng.integers(0, 2, n)}),
+                   tmp_path / "log.parquet")
+    (tmp_path / "schema.toml").write_text('[sparse.seen]\nhistory_of = "item"\n')
+    spec = convert(tmp_path / "log.parquet", tmp_path / "data", tmp_path / "schema.toml",
+                   sort_by=None, rows_per_group=64, progress=False)
+    assert spec.histories == (("seen", "item"),)
+    assert read_dataset_spec(tmp_path / "data") == spec
+    assert set(spec.sparse_features) == {"user", "item", "seen"}
+    assert spec.table_of("seen").features == ("seen",)
+    mapper = IdMapper.from_dataset(tmp_path / "data")
+    got = read_converted(tmp_path / "data")
+    for i, ids in enumerate(seen.to_pylist()):
+        assert got["sparse:seen"][i] == mapper.map("seen", ids).tolist()
+
+
 def test_criteo_tsv_matches_torchrec_row_mapper(tmp_path, seed):
     rng = random.Random(seed)
     lines = criteo_lines(400, rng)

@@ -127,6 +127,7 @@ def test_existing_output_is_kept_without_overwrite(tmp_path):
      r"no sparse feature reads table\(s\) \['unused'\]"),
     ("[sparse.a]\nrows = 0\n", r"\[sparse.a\]: rows must be >= 1, got 0"),
     ("label = \n", "not valid TOML"),
+    ("[sparse.a]\nhistory_of = 3\n", r"\[sparse.a\]: history_of must be a str, got 3"),
 ])
 def test_schema_file_errors_name_the_file_and_key(tmp_path, text, match):
     (tmp_path / "s.toml").write_text(text)
@@ -391,3 +392,24 @@ def test_id_mapper_reads_vocabularies_only_inside_the_dataset(tmp_path):
     with pytest.raises(DataFormatError, match=r"vocabulary 'vocab/../../in.parquet' is not a "
                        "file in the dataset's vocab/ folder"):
         IdMapper.from_dataset(out)
+
+
+@pytest.mark.parametrize("schema, match", [
+    ('[sparse.seen]\nhistory_of = "items"\n',
+     r"\[sparse.seen\] history_of = 'items': not another sparse feature; the sparse features "
+     r"are \["),
+    ('[sparse.seen]\nhistory_of = "seen"\n', r"history_of = 'seen': not another sparse"),
+    ('[sparse.item]\ntable = "items"\n[sparse.seen]\ntable = "items"\nhistory_of = "item"\n'
+     '[tables.items]\n',
+     r"\[sparse.seen\]: history 'seen' reads table items \(features \['item', 'seen'\], "
+     r"weighted False\): a history needs an unweighted table of its own"),
+    ('[sparse.seen]\nhistory_of = "item"\nweights = "w"\n',
+     r"history 'seen' reads table t_seen \(features \['seen'\], weighted True\)"),
+])
+def test_a_history_that_cannot_be_one_names_the_feature(tmp_path, schema, match):
+    """A history's candidate is another sparse feature; its table is its own and unweighted
+    (an EmbeddingCollection reads it unpooled): refused before any id is counted."""
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"item": [1, 2, 3], "seen": [[1, 2], [], [3]],
+                             "w": [[0.5, 1.0], [], [2.0]], "label": [0, 1, 0]}), src)
+    _convert_fails(tmp_path, src, match, schema=schema)

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from recxla.data import ParquetDataset, ReadTimeTable
+from recxla.data import ParquetDataset, ReadTimeTable, load_schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,6 +91,29 @@ def test_prepared_tables_train_as_the_docs_say(tmp_path, seed):
     assert parquet.spec == iceberg.spec
     assert len(rows_parquet) == 3000  # batches of 100 take every row of one stream
     assert rows_parquet == rows_iceberg
+
+
+def test_histories_hold_each_users_earlier_movies_latest_first(seed):
+    """prepare.py --history N: each rating's `watched` is its user's movies at strictly
+    earlier timestamps (many ratings share a second), the latest first, at most N; the
+    history schema reads it as a history of movie_id, and the printed commands name it."""
+    rng = np.random.default_rng(seed)
+    n, length = 400, 5
+    ratings = pa.table({"user_id": rng.integers(1, 9, n), "movie_id": rng.integers(1, 60, n),
+                        "rating": rng.integers(1, 6, n), "timestamp": rng.integers(0, 40, n)})
+    out = prepare.with_histories(ratings, length)
+    rows = out.to_pylist()
+    without = sorted(str({k: v for k, v in r.items() if k != "watched"}) for r in rows)
+    assert without == sorted(str(r) for r in ratings.to_pylist())  # the same ratings
+    for i, r in enumerate(rows):
+        earlier = [(q["timestamp"], j, q["movie_id"]) for j, q in enumerate(rows)
+                   if q["user_id"] == r["user_id"] and q["timestamp"] < r["timestamp"]]
+        assert r["watched"] == [m for _, _, m in sorted(earlier, reverse=True)][:length], i
+    assert [len(r["watched"]) for r in rows].count(length) > 0
+    schema = load_schema(prepare.HISTORY_SCHEMA)
+    assert dict(schema.sparse)[prepare.HISTORY_COLUMN].history_of == "movie_id"
+    assert "--model history --schema" in prepare.commands("r", "u", "i", history=True)
+    assert "--model" not in prepare.commands("r", "u", "i")
 
 
 def test_read_time_benchmark_dry_run(tmp_path):

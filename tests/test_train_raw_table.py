@@ -365,6 +365,10 @@ ERRORS = [
      lambda raw: [f"join of the training table {raw.log} with the feature table "
                   f"{raw.users} on 'item_id': the feature table {raw.users} has no column "
                   "'item_id'"]),
+    ("--model history on a table that names no history",
+     lambda raw: [*raw.args, "--model", "history"],
+     lambda raw: [f"--model history: reads one user history; --data {raw.log} names none",
+                  "history_of"]),
     ("--max-rows with a raw table",
      lambda raw: [*raw.args, "--max-rows", "1000"],
      lambda raw: [f"--data: {raw.log}: a raw table gives its own model",
@@ -427,3 +431,33 @@ def test_torchrec_baseline_trains_the_raw_table(raw, tmp_path):
     assert m["config"]["join"] == [f"user_id={raw.users}"]
     assert m["config"]["transform"] == [raw.transform]
     _check_model_of_the_table(m)
+
+
+@pytest.mark.distributed
+def test_history_model_trains_a_tables_list_column(raw, tmp_path):
+    """--model history on a raw table whose list column the schema marks `history_of`: the
+    column becomes the EmbeddingCollection's table (recxla's module counts its bytes), the
+    other columns keep their inferred roles, and TorchRec's baseline trains the same model."""
+    rng = raw.rng
+    lengths = rng.integers(0, 13, raw.table.num_rows)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    recent = pa.ListArray.from_arrays(pa.array(offsets),
+                                      pa.array(rng.integers(0, ITEMS, offsets[-1])))
+    pq.write_table(raw.table.append_column("recent", recent), raw.root / "histories.parquet")
+    write_buckets(raw.root / "histories.parquet", "user_id", BUCKETS, raw.root / "histories",
+                  rows_per_group=ROWS_PER_GROUP)
+    schema = raw.root / "history.toml"
+    schema.write_text('[sparse.recent]\nhistory_of = "item_id"\n')
+    args = [*MODEL, "--data", str(raw.root / "histories"), "--join", f"user_id={raw.users}",
+            "--schema", str(schema), "--model", "history", "--steps", "4"]
+    launch_ranks([*args, "--metrics", str(tmp_path / "recxla.json")], _logs(tmp_path, "rx"))
+    launch_ranks([*args, "--baseline", "torchrec", "--metrics", str(tmp_path / "torchrec.json")],
+                 _logs(tmp_path, "tr"))
+    rx, tr = _metrics(tmp_path / "recxla.json"), _metrics(tmp_path / "torchrec.json")
+    for m in (rx, tr):  # the same tables: the list column's among them
+        assert set(m["plan"]) == {"t_user_id", "t_item_id", "t_country", "t_segment",
+                                  "t_recent"}, m["plan"]
+    stats = rx["sharder_comm_stats_per_step"]
+    assert stats["sequence_id_bytes_sent"] > 0 and stats["sequence_embedding_bytes_sent"] > 0
+    for m in (rx, tr):
+        assert m["eval_examples"] == HELD_OUT_EXAMPLES and 0.2 < m["eval_loss"] < 2.0

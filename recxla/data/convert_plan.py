@@ -35,6 +35,7 @@ from recxla.data.schema import (
     Schema,
     SparseSchema,
     TableSchema,
+    history_table_problem,
 )
 
 OP = "recxla.data.convert"
@@ -71,6 +72,7 @@ class FeaturePlan:
     weights: Optional[str]
     is_list: bool
     separator: Optional[str] = None
+    history_of: Optional[str] = None  # a user history of this candidate feature's items
 
 
 @dataclasses.dataclass
@@ -227,8 +229,9 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
         if not _is_id(inner):
             raise ValueError(f"{where}: column {s.column!r} holds {t}: a sparse feature needs "
                              "integer or string ids (or lists of them)")
-        roles[s.column].append(f"sparse feature {feature} (table {s.table}): the schema's "
-                               f"[sparse.{feature}]")
+        history = "" if s.history_of is None else f", a history of {s.history_of}'s items"
+        roles[s.column].append(f"sparse feature {feature} (table {s.table}{history}): the "
+                               f"schema's [sparse.{feature}]")
         if s.weights is not None:
             wt = need(s.weights, f"weights of {feature}")
             w_inner = wt.value_type if _is_list(wt) else wt
@@ -283,10 +286,15 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
             roles[name].append(f"left out: {t} is neither ids nor a number")
     features = [FeaturePlan(f, s.column, s.table, s.weights,
                             _is_list(_base(types[s.column])) or s.separator is not None,
-                            s.separator) for f, s in sparse]
+                            s.separator, s.history_of) for f, s in sparse]
     if not features:
         raise ValueError(f"{where}: no sparse features: the schema names none and no column "
                          f"holds integer or string ids (columns: {list(types)})")
+    names = [f.name for f in features]
+    for f in features:
+        if f.history_of is not None and (f.history_of not in names or f.history_of == f.name):
+            raise ValueError(f"{where}: [sparse.{f.name}] history_of = {f.history_of!r}: not "
+                             f"another sparse feature; the sparse features are {names}")
     plans: Dict[str, TablePlan] = {}
     for name, ts in tables.items():
         fs = [f for f in features if f.table == name]
@@ -299,6 +307,12 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
         plans[name] = TablePlan(name, tuple(f.name for f in fs), ts,
                                 "string" if strings else "int",
                                 any(f.weights is not None for f in fs))
+    for f in features:
+        table = plans[f.table]
+        problem = f.history_of and history_table_problem(f.name, f.table, table.features,
+                                                         table.weighted)
+        if problem:
+            raise ValueError(f"{where}: [sparse.{f.name}]: {problem}")
     lines = [f"column {n!r}: " + ("; ".join(r) if r else "left out") for n, r in roles.items()]
     return Plan(features, plans, dense, tuple(schema.dense_log1p), label, schema.label_kind,
                 timestamp, left_out, types, lines, schema.vocab_limit, schema.default_rows)

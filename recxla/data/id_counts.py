@@ -106,6 +106,7 @@ def dataset_spec(plan: Plan, specs: Dict[str, TableSpec], where: str) -> Dataset
         sparse_features=tuple(f.name for f in plan.features),
         dense_features=tuple(plan.dense), label=plan.label,
         tables=tuple(specs[n] for n in plan.tables if specs[n].features),
-        timestamp=plan.timestamp, label_kind=plan.label_kind)
+        timestamp=plan.timestamp, label_kind=plan.label_kind,
+        histories=tuple((f.name, f.history_of) for f in plan.features if f.history_of))
     spec.check(where)
     return spec

@@ -25,6 +25,8 @@ The schema file, every key optional (docs/your-data.md has the full description)
     table = "users"              #   the table it reads (default: its own, "t_<feature>")
     weights = "w"                #   a float (or list<float>) column of per-id weights
     separator = "|"              #   a string column holding a bag: "3|17|4" (CSV lists)
+    history_of = "item"          #   a user's history of the items of feature "item": one row
+                                 #   per id, unpooled (--model history), in a table of its own
     rows, dim, pooling, mapping, min_count   # table keys, for a feature with its own table
     [tables.<name>]              # a table shared by the features that name it
     rows = 100000                #   rows (vocab: a cap; hash/modulo: the modulus)
@@ -89,7 +91,9 @@ class DatasetSpec:
     this order. label: the source's label column (stored as float32 "label"). tables: the
     embedding tables; every sparse feature is read by exactly one. timestamp: the source's
     timestamp column (stored as int64 "timestamp"), or None. label_kind: "binary" (0/1 labels:
-    a click task) or "float" (regression targets).
+    a click task) or "float" (regression targets). histories: (history feature, candidate
+    feature) pairs: the history feature holds a user's history of the items the candidate
+    feature names, read one row per id (an EmbeddingCollection: `--model history`), not pooled.
     """
 
     sparse_features: Tuple[str, ...]
@@ -98,6 +102,7 @@ class DatasetSpec:
     tables: Tuple[TableSpec, ...]
     timestamp: Optional[str]
     label_kind: str = "binary"
+    histories: Tuple[Tuple[str, str], ...] = ()
 
     def table_of(self, feature: str) -> TableSpec:
         """The table that `feature` reads; KeyError naming the features if none does."""
@@ -121,7 +126,8 @@ class DatasetSpec:
                            for t in d.pop("tables"))
             spec = DatasetSpec(**{**d, "tables": tables,
                                   "sparse_features": tuple(d["sparse_features"]),
-                                  "dense_features": tuple(d["dense_features"])})
+                                  "dense_features": tuple(d["dense_features"]),
+                                  "histories": tuple(tuple(h) for h in d.get("histories", ()))})
         except (ValueError, KeyError, TypeError) as e:
             raise DataFormatError(f"{where}: unreadable dataset spec metadata ({e})") from e
         spec.check(where)
@@ -143,6 +149,40 @@ class DatasetSpec:
         if set(seen) != set(self.sparse_features):
             raise DataFormatError(f"{where}: the tables read {sorted(seen)}, the sparse "
                                   f"features are {sorted(self.sparse_features)}")
+        self._check_histories(where)
+
+    def _check_histories(self, where: str) -> None:
+        """A history feature and its candidate are two sparse features; the history reads a
+        table of its own (TorchRec's EmbeddingCollection owns its tables: no pooled feature
+        can read them), unweighted (an EmbeddingCollection takes no per-id weights)."""
+        for history, candidate in self.histories:
+            for name in (history, candidate):
+                if name not in self.sparse_features:
+                    raise DataFormatError(
+                        f"{where}: history {history!r} (history_of = {candidate!r}): no sparse "
+                        f"feature {name!r}; the sparse features are "
+                        f"{list(self.sparse_features)}")
+            if history == candidate:
+                raise DataFormatError(f"{where}: feature {history!r} is its own history_of")
+            table = self.table_of(history)
+            problem = history_table_problem(history, table.name, table.features, table.weighted)
+            if problem:
+                raise DataFormatError(f"{where}: {problem}")
+        names = [h for h, _ in self.histories]
+        if len(set(names)) != len(names):
+            raise DataFormatError(f"{where}: a feature is a history twice: {names}")
+
+
+def history_table_problem(history: str, table: str, features: Tuple[str, ...],
+                          weighted: bool) -> Optional[str]:
+    """Why the table a history feature reads cannot hold a history, or None: its rows are read
+    unpooled by an EmbeddingCollection, which owns its tables (no pooled feature may read
+    them) and takes no per-id weights."""
+    if tuple(features) == (history,) and not weighted:
+        return None
+    return (f"history {history!r} reads table {table} (features {list(features)}, weighted "
+            f"{weighted}): a history needs an unweighted table of its own, its rows read "
+            "unpooled by an EmbeddingCollection")
 
 
 def read_dataset_spec(path) -> DatasetSpec:
@@ -240,13 +280,15 @@ class TableSchema:
 @dataclasses.dataclass(frozen=True)
 class SparseSchema:
     """A sparse feature's keys: its column, its table's name (None: a table of its own), the
-    column of its per-id weights (None: unweighted), and the separator of ids in a string
-    column that holds a bag (None: one id per row, or a list column)."""
+    column of its per-id weights (None: unweighted), the separator of ids in a string
+    column that holds a bag (None: one id per row, or a list column), and for a user history
+    the feature of the items it holds (None: a pooled feature)."""
 
     column: str
     table: Optional[str] = None
     weights: Optional[str] = None
     separator: Optional[str] = None
+    history_of: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,7 +321,7 @@ class Schema:
 _TOP = {"label", "label_kind", "timestamp", "dense", "dense_log1p", "ignore", "infer",
         "vocab_limit", "default_rows", "sparse", "tables"}
 _TABLE_KEYS = {"rows", "dim", "pooling", "mapping", "min_count"}
-_SPARSE_KEYS = {"column", "table", "weights", "separator"}
+_SPARSE_KEYS = {"column", "table", "weights", "separator", "history_of"}
 
 
 def _get(d: dict, key: str, kind, where: str, default=None, lo=None):
@@ -338,7 +380,8 @@ def parse_schema(d: dict, where: str) -> Schema:
                              f"{sorted(_SPARSE_KEYS | _TABLE_KEYS)}, got {sd!r}")
         s = SparseSchema(column=_get(sd, "column", str, w, feature),
                          table=_get(sd, "table", str, w), weights=_get(sd, "weights", str, w),
-                         separator=_get(sd, "separator", str, w))
+                         separator=_get(sd, "separator", str, w),
+                         history_of=_get(sd, "history_of", str, w))
         if s.separator == "":
             raise ValueError(f"{w}: separator must not be empty")
         own = {k: v for k, v in sd.items() if k in _TABLE_KEYS}

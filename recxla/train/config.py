@@ -78,7 +78,8 @@ class TrainConfig:
         "attention over the user's history (recxla.train.sequence_model.HistoryDLRM): the "
         "history feature's ids through an EmbeddingCollection, one row each, the candidate "
         "item attending over them (synthetic logs: histories of 20-200 items, 4-20 with "
-        "--profile small)", group=_M, choices=MODELS)
+        "--profile small; --data: the list column its schema marks history_of)", group=_M,
+        choices=MODELS)
     embedding_dim: Optional[int] = option(
         None, "columns of every table (overrides the dataset's dims)", group=_M,
         parse=at_least(1), default_text=f"the dataset's, else {FALLBACK_EMBEDDING_DIM}")

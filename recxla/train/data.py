@@ -341,16 +341,23 @@ class TrainData:
         return tables
 
     def history_features(self) -> Tuple[str, str]:
-        """--model history: (the history feature, the candidate item's id feature) of the
-        synthetic profile (its "history" and item-side "id" roles); ValueError with --data,
-        whose datasets name no history yet."""
-        if self.profile is None:
-            raise ValueError("--model history: trains on the synthetic logs' user histories "
-                             "(or --data with --profile); a dataset's own sequence features "
-                             "are not read as histories yet")
-        history = [f.name for f in self.profile.features if f.role == "history"]
-        candidate = [f.name for f in self.profile.features if f.role == "id" and f.side == "item"]
-        return history[0], candidate[0]
+        """--model history: (the history feature, the candidate item's id feature): the
+        synthetic profile's "history" and item-side "id" roles, or the dataset's one history
+        (a schema's `history_of`, DatasetSpec.histories). ValueError when a dataset names no
+        history or several."""
+        if self.profile is not None:
+            history = [f.name for f in self.profile.features if f.role == "history"]
+            candidate = [f.name for f in self.profile.features
+                         if f.role == "id" and f.side == "item"]
+            return history[0], candidate[0]
+        histories = self.spec.histories
+        if len(histories) != 1:
+            named = "names none" if not histories else f"names {len(histories)}: {histories}"
+            raise ValueError(
+                f"--model history: reads one user history; --data {self.config.data} {named} "
+                "(mark the list column of a user's items with history_of = \"<the item's "
+                "feature>\" in its [sparse.<feature>] of --schema; docs/your-data.md)")
+        return histories[0]
 
     def table_dims(self, tables) -> Dict[str, int]:
         """{table: dim} of --embedding-dims over `tables` (at the run's one dim): the named

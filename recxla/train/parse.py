@@ -249,6 +249,8 @@ def _check_data(err, fields: dict) -> dict:
     world = world_size()
     try:
         data = TrainData(config, 0, world, resumed_snapshots(config))
+        if config.model == "history":
+            data.history_features()
     except (FileNotFoundError, ValueError) as e:  # DataFormatError is a ValueError
         err(str(e))
     fields = dict(fields, embedding_dim=data.embedding_dim)
