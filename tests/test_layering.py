@@ -341,3 +341,22 @@ def test_no_import_cycles(graph):
     cycles = import_cycles(graph)
     listed = "".join(f"\n  {cycle}" for cycle in cycles)
     assert not cycles, f"{len(cycles)} import cycle(s) between recxla's modules:{listed}"
+
+
+# The modules of recxla that the kernels may import: leaves that import nothing of recxla.
+KERNEL_LEAVES = ("recxla.formats", "recxla.cluster_hash")
+
+
+def test_kernels_are_leaves():
+    """triton_kernels/ (recxla.triton_kernels) imports nothing of recxla but each other and
+    KERNEL_LEAVES (the wire formats, the clustering hash), which import nothing of recxla: the
+    ops call the kernels, never the other way round."""
+    graph = import_graph(find_modules())
+    offenders = {name: [(i.line, i.target) for i in imports
+                        if not i.target.startswith("recxla.triton_kernels")
+                        and i.target not in KERNEL_LEAVES]
+                 for name, imports in graph.items() if name.startswith("recxla.triton_kernels")}
+    offenders = {name: found for name, found in offenders.items() if found}
+    assert not offenders, f"kernels import more of recxla than its leaves: {offenders}"
+    for leaf in KERNEL_LEAVES:
+        assert not graph[leaf], f"{leaf} is a leaf and imports {graph[leaf]}"

@@ -1,6 +1,6 @@
 """Key-centric sample clustering: the two passes over every key in Triton (the GPU path when
-RECXLA_BACKEND=triton; contracts of the ops in csrc/cluster.cpp, constants in
-recxla/ops/cluster_steps.py, reference in recxla/reference/cluster.py).
+RECXLA_BACKEND=triton; contracts of the ops in csrc/cluster.cpp, the hash's constants in
+recxla/cluster_hash.py, reference in recxla/reference/cluster.py).
 
 - `feature_gains`: per feature, one kernel hashes every key and counts the sampled ones in the
   feature's table (atomics), a second turns each slot's count into keys saved; a torch sum per
@@ -20,8 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from recxla.ops.cluster_steps import HASH_MULTIPLIER, HASH_SALT, MIX_MULTIPLIER, sample_bits
-from recxla.ops.cluster_steps import table_bits
+from recxla.cluster_hash import (
+    HASH_MULTIPLIER,
+    HASH_SALT,
+    MIX_MULTIPLIER,
+    sample_bits,
+    table_bits,
+)
 
 BLOCK = 1024
 BAG_BLOCK = 128

@@ -8,8 +8,8 @@
 - The tests' oracle, recxla/reference/cluster.py, composes every step here (the key passes
   too: `key_hash`, `feature_gains`, `bag_min_hash`, `bag_fingerprints`) into the whole order,
   as the C++ kernel (csrc/cpu/cluster*.cpp) computes it bit for bit.
-The constants are the contract that csrc/include/recxla/cluster.h, triton_kernels/cluster.py
-and the reference share.
+The hash and the table sizes are the contract that csrc/include/recxla/cluster.h,
+triton_kernels/cluster.py and the reference share: they live in the leaf recxla.cluster_hash.
 
 Algorithm (hashes, scans and sorts: O(N log N) for N keys):
 1. Score each feature by what clustering can save on it (`feature_gains`): a key held by c
@@ -33,11 +33,13 @@ from typing import Callable, List, NamedTuple, Sequence
 
 import torch
 
+from recxla.cluster_hash import (
+    HASH_MULTIPLIER, HASH_SALT, MIX_MULTIPLIER, sample_bits, table_bits,
+)
+
 # Features whose signatures form the sort key; later ones only order samples that tie on the
 # earlier ones, so more cost time and gain little.
 SORT_FEATURES = 2
-# Features are scored on a hash sample of their keys of about this many values.
-SAMPLE_VALUES = 8192
 # Rounds of moving whole groups between micro-batches (`refine_bins`), and how far above
 # ceil(B / M) a micro-batch may grow meanwhile: B / (M * BALANCE_SLACK) samples.
 REFINE_ROUNDS = 4
@@ -48,11 +50,6 @@ REFINE_FEATURES = 6
 # Bytes per key become integers with this largest value, so gains sum exactly.
 WEIGHT_SCALE = 1 << 20
 EMPTY_SIGNATURE = torch.iinfo(torch.int64).max
-# The constants below are also in csrc/include/recxla/cluster.h (triton_kernels/cluster.py and
-# the reference import them from here).
-HASH_SALT = 0x5EED_C1A5_D1CE_F00D
-HASH_MULTIPLIER = 0x2545F4914F6CDD1D  # odd: multiplication by it is a bijection mod 2**64
-MIX_MULTIPLIER = -0x61C8864680B583EB  # 0x9E3779B97F4A7C15 as an int64, odd
 _LOW32 = (1 << 32) - 1
 
 
@@ -78,14 +75,6 @@ def fingerprint_mix(hashes: torch.Tensor) -> torch.Tensor:
     return mixed.bitwise_xor_(mixed >> 32)
 
 
-def sample_bits(num_values: int) -> int:
-    """log2 of the key sampling rate R of a feature with N values: R >= N / SAMPLE_VALUES."""
-    return (max(num_values - 1, 0) // SAMPLE_VALUES).bit_length()
-
-
-def table_bits(num_values: int) -> int:
-    """log2 of a counting table for N values: the power of two in [N, 2N) (at least 2 slots)."""
-    return max(1, (num_values - 1).bit_length())
 
 
 def feature_slices(values: torch.Tensor, lengths: torch.Tensor, batch: int):
