@@ -247,6 +247,24 @@ def test_write_buckets_folder_of_files_and_empty_buckets(tmp_path, seed):
     assert sum(r == 0 for r in result["rows_per_bucket"]) >= 997
 
 
+def test_default_row_groups_let_a_tenth_be_held_out(tmp_path, seed):
+    """Without rows_per_group, a bucket's row groups are a conversion's size for the source
+    (about 64 in all): the trainer's split by row group can hold out a tenth of the rows, not
+    a whole bucket."""
+    from recxla.data.parquet_layout import default_rows_per_group
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(4000, 9000))
+    source = random_table(rng, n, "user", string_key=False)
+    pq.write_table(source, tmp_path / "s.parquet")
+    result = write_buckets(tmp_path / "s.parquet", "user", 4, tmp_path / "out")
+    check_round_trip(source, tmp_path / "out", "user", 4, result)
+    groups = [md.row_group(g).num_rows for f in sorted((tmp_path / "out").rglob("*.parquet"))
+              for md in [pq.read_metadata(f)] for g in range(md.num_row_groups)]
+    assert max(groups) <= default_rows_per_group(n) < n // 10
+    assert len(groups) >= 16
+
+
 def test_dictionary_key_column(tmp_path, seed):
     rng = np.random.default_rng(seed)
     source = random_table(rng, 1200, "user", string_key=True)

@@ -256,7 +256,7 @@ def test_conversion_memory_is_bounded_on_an_input_larger_than_the_limit(tmp_path
                          timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert got["arrow_peak"] < limit, (got, size)
+    assert got["arrow_peak"] <= limit, (got, size)
     # Bounded: after an input already larger than the buffers, one three times larger (107 MB
     # more) takes no more memory. The peak RSS of a first conversion is left to the allocators
     # (40 to 86 MB over the same input, run to run), so the claim is its growth: measured 0 to

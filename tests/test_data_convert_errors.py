@@ -413,3 +413,20 @@ def test_a_history_that_cannot_be_one_names_the_feature(tmp_path, schema, match)
     pq.write_table(pa.table({"item": [1, 2, 3], "seen": [[1, 2], [], [3]],
                              "w": [[0.5, 1.0], [], [2.0]], "label": [0, 1, 0]}), src)
     _convert_fails(tmp_path, src, match, schema=schema)
+
+
+def test_a_table_name_with_a_leading_dot_maps_ids(tmp_path):
+    """A table named ".hidden" gets a vocabulary file that is not hidden: the dataset it
+    converts into maps ids with IdMapper, as the conversion did."""
+    from recxla.data import IdMapper, read_dataset_spec
+
+    src = _parquet(tmp_path / "in.parquet")
+    (tmp_path / "s.toml").write_text('[sparse.user]\ntable = ".hidden"\n[tables.".hidden"]\n'
+                                     'mapping = "vocab"\n')
+    convert(src, tmp_path / "out", tmp_path / "s.toml", progress=False)
+    vocabulary = read_dataset_spec(tmp_path / "out").table_of("user").vocabulary
+    assert not os.path.basename(vocabulary).startswith(".")
+    rows = IdMapper.from_dataset(tmp_path / "out").map("user", ["u0", "u3", "nobody"])
+    # The vocabulary: most frequent first (u0: 8 of the 50 rows, u1..u6: 7 each, smaller
+    # first), from row 1; row 0 for ids not in it.
+    assert rows.tolist() == [1, 4, 0]

@@ -1064,3 +1064,85 @@ def test_transforms_see_plain_string_and_list_types():
     assert batch.to_pydict() == large.to_pydict()
     plain = pa.table({"zip": pa.array(["02139"], pa.string())})
     assert as_batch(plain).schema == plain.schema
+
+
+def test_a_transforms_digest_covers_the_helper_modules_it_uses(tmp_path, monkeypatch):
+    """Editing a module that the transform's file imports (directly or through another of the
+    job's modules) changes the transform's digest, so a resume on other features is refused;
+    installed packages (pyarrow) are not the job's and are left out."""
+    from recxla.data.transforms import Transform
+
+    (tmp_path / "rt_helper_inner.py").write_text("SHIFT = 1\n")
+    (tmp_path / "rt_helper.py").write_text(
+        "import rt_helper_inner\n\ndef level(x):\n    return x + rt_helper_inner.SHIFT\n")
+    (tmp_path / "rt_uses_helper.py").write_text(
+        "import pyarrow as pa\nfrom rt_helper import level\n\n"
+        "def derive(batch):\n    return batch\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    names = ("rt_helper_inner", "rt_helper", "rt_uses_helper")
+
+    def digest() -> str:
+        for name in names:
+            sys.modules.pop(name, None)
+        try:
+            return Transform("rt_uses_helper:derive").digest
+        finally:
+            for name in names:
+                sys.modules.pop(name, None)
+
+    first = digest()
+    assert digest() == first  # nothing edited, the same digest
+    (tmp_path / "rt_helper_inner.py").write_text("SHIFT = 2\n")
+    edited_inner = digest()
+    (tmp_path / "rt_helper.py").write_text(
+        "import rt_helper_inner\n\ndef level(x):\n    return x - rt_helper_inner.SHIFT\n")
+    assert len({first, edited_inner, digest()}) == 3
+
+
+@pytest.mark.parametrize("where", ["at import", "on a batch"])
+def test_a_transform_calling_sys_exit_is_an_error_naming_it(tmp_path, where):
+    """sys.exit in a transform never ends the job quietly: it is a TransformError naming it."""
+    from recxla.data.transforms import Transform, TransformError
+
+    body = "import sys\nsys.exit(0)\n" if where == "at import" else ""
+    (tmp_path / "exits.py").write_text(body + "import sys\n\ndef derive(batch):\n"
+                                       "    sys.exit(0)\n")
+    name = f"{tmp_path / 'exits.py'}:derive"
+    with pytest.raises(TransformError, match=r"exits.py.*raised SystemExit|raised on unit 3: "
+                       r"SystemExit"):
+        Transform(name)(pa.record_batch({"a": [1]}), "unit 3")
+
+
+def test_an_iceberg_table_naming_code_is_refused_and_nothing_runs(tmp_path, seed, monkeypatch):
+    """A table whose metadata names a FileIO class (pyiceberg's py-io-impl) is refused, naming
+    the property, and the module it names is never imported; damaged metadata is one error
+    naming the table, not pyiceberg's traceback."""
+    from recxla.data.table_source import open_table
+
+    catalog, prefix = iceberg_catalog(tmp_path)
+    table = iceberg_table(catalog, "log", click_log(np.random.default_rng(seed), 40))
+    marker = tmp_path / "ran"
+    (tmp_path / "rt_table_code.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n\nclass IO:\n    def __init__(self, p):\n"
+        "        pass\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    # Written into the metadata file as another writer would (pyiceberg's own commit would
+    # load the class itself).
+    path = table.metadata_location.removeprefix("file://")
+    with open(path) as f:
+        metadata = json.load(f)
+    metadata["properties"]["py-io-impl"] = "rt_table_code.IO"
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    with pytest.raises(DataFormatError, match=r"its metadata names a Python class to load "
+                       r"\(py-io-impl = 'rt_table_code.IO'\); recxla runs no code"):
+        open_table(prefix + "log")
+    assert not marker.exists() and "rt_table_code" not in sys.modules
+
+    damaged = iceberg_table(catalog, "damaged", click_log(np.random.default_rng(seed), 40))
+    path = damaged.metadata_location.removeprefix("file://")
+    with open(path, "w") as f:
+        f.write('{"format-version": 2, "table-uuid": ')
+    with pytest.raises(DataFormatError, match=r"db.damaged: unreadable table metadata") as e:
+        open_table(prefix + "damaged")
+    assert "\n" not in str(e.value)

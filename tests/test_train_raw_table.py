@@ -274,6 +274,8 @@ def test_iceberg_resume_reads_the_pinned_snapshot(raw, tmp_path, capsys, monkeyp
     ranks = launch_ranks([*run, "--checkpoint-dir", str(b), "--resume", "--metrics",
                           str(tmp_path / "b.json")], _logs(tmp_path, "resumed"))
     assert "steps 3..6" in ranks[0].output()
+    assert (f"--resume reads what the checkpoint pinned: --data {ice.ref} at snapshot "
+            f"{ice.snapshot}\n") in ranks[0].output()
     assert _marker(b, 6)["data_snapshots"] == [ice.snapshot, None]
     _check_same_training(*(_load(checkpoint.checkpoint_path(str(d), step), tmp_path, name)
                            for d, step, name in ((a, 3, "a3"), (a, 6, "a6"), (b, 6, "b6"))))
@@ -424,8 +426,11 @@ def test_torchrec_baseline_trains_the_raw_table(raw, tmp_path):
     """--baseline torchrec reads the same joined and transformed table, and reports its
     held-out AUC."""
     path = tmp_path / "torchrec.json"
-    launch_ranks([*MODEL, *raw.args, "--baseline", "torchrec", "--steps", "4", "--metrics",
-                  str(path)], _logs(tmp_path, "torchrec"))
+    ranks = launch_ranks([*MODEL, *raw.args, "--baseline", "torchrec", "--steps", "4",
+                          "--metrics", str(path)], _logs(tmp_path, "torchrec"))
+    # Rank 0 says which role each column took, as a conversion does.
+    assert f"column '{DERIVED}': sparse feature {DERIVED}" in ranks[0].output()
+    assert "column 'price': dense 0" in ranks[0].output()
     m = _metrics(path)
     assert m["path"] == "torchrec" and m["world_size"] == 2
     assert m["config"]["join"] == [f"user_id={raw.users}"]
@@ -461,3 +466,38 @@ def test_history_model_trains_a_tables_list_column(raw, tmp_path):
     assert stats["sequence_id_bytes_sent"] > 0 and stats["sequence_embedding_bytes_sent"] > 0
     for m in (rx, tr):
         assert m["eval_examples"] == HELD_OUT_EXAMPLES and 0.2 < m["eval_loss"] < 2.0
+
+
+def test_info_tells_what_a_raw_table_becomes(raw, capsys):
+    """`python -m recxla.data info` on a bucketed raw folder (no .parquet directly in it),
+    with the trainer's --join and --transform: the rows, each column's role and the spec."""
+    from recxla.data.__main__ import main as data_main
+
+    assert data_main(["info", raw.log, "--join", f"user_id={raw.users}", "--transform",
+                      raw.transform]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["raw_table"] == raw.log and info["rows"] == raw.table.num_rows
+    assert info["row_groups"] == BUCKETS * ROWS_PER_BUCKET // ROWS_PER_GROUP
+    assert any(line.startswith(f"column '{DERIVED}': sparse feature") for line in info["roles"])
+    assert set(info["spec"]["sparse_features"]) == {"user_id", "item_id", "country", "segment",
+                                                    DERIVED}
+
+
+def test_a_split_of_whole_buckets_says_what_it_holds_out(raw, monkeypatch):
+    """--eval-fraction holds out whole row groups: on a log bucketed into one row group a bucket
+    it holds out half the rows, and says so, with the advice; on the fixture's small groups it
+    holds out about what was asked, and says nothing."""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    coarse = raw.root / "coarse"
+    write_buckets(raw.root / "log.parquet", "user_id", BUCKETS, coarse,
+                  rows_per_group=ROWS_PER_BUCKET)
+    data = TrainData(parse_config([*MODEL, "--data", str(coarse), "--steps", "4"]), 0, 1)
+    warning = data.split_warning()
+    assert warning.startswith(f"--eval-fraction 0.1 holds out 50.0% of the rows: 1 whole row "
+                              f"groups of up to {ROWS_PER_BUCKET:,} rows"), warning
+    assert "--rows-per-group" in warning
+    assert "50.0% of the rows" in data.held_out_description
+    fine = TrainData(parse_config([*MODEL, "--data", raw.log, "--steps", "4"]), 0, 1)
+    assert fine.split_warning() is None
+    assert "12.5% of the rows" in fine.held_out_description

@@ -44,7 +44,7 @@ import json
 import sys
 import time
 
-from recxla.data.buckets import ROWS_PER_GROUP as BUCKET_ROWS_PER_GROUP
+from recxla.data.parquet_layout import MAX_GROUP_ROWS
 from recxla.data.errors import DataFormatError
 
 # recxla.train's default --max-rows (not imported: recxla.data does not depend on the trainer).
@@ -81,11 +81,23 @@ def _write(args) -> int:
 def _info(args) -> int:
     import dataclasses
 
-    from recxla.data.parquet_layout import DatasetInfo
+    from recxla.data.parquet_layout import DatasetInfo, is_recxla_layout
     from recxla.data.schema import read_dataset_spec
+    from recxla.data.table_source import is_table_ref
 
-    summary = DatasetInfo(args.path, "python -m recxla.data info").summary()
-    summary["spec"] = dataclasses.asdict(read_dataset_spec(args.path))
+    raw = args.schema is not None or args.transform or args.join
+    if raw or is_table_ref(args.path) or not is_recxla_layout(args.path):
+        # A raw table (a bucketed folder, other Parquet files, an Iceberg table): what the
+        # trainer would make of it, read as it is (recxla.data.read_time).
+        from recxla.data.read_time import ReadTimeTable
+
+        table = ReadTimeTable(args.path, args.schema, args.transform, args.join)
+        summary = {"raw_table": args.path, "rows": table.info.num_rows,
+                   "row_groups": len(table.info.unit_of), "roles": table.plan.roles,
+                   "spec": dataclasses.asdict(table.spec)}
+    else:
+        summary = DatasetInfo(args.path, "python -m recxla.data info").summary()
+        summary["spec"] = dataclasses.asdict(read_dataset_spec(args.path))
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -153,8 +165,14 @@ def main(argv=None) -> int:
     w.add_argument("--rows-per-file", type=int, default=None, help="folders: rows per file")
     w.add_argument("--overwrite", action="store_true",
                    help="replace the .parquet files recxla wrote there (never anything else)")
-    i = sub.add_parser("info", help="print a dataset's metadata")
+    i = sub.add_parser("info", help="print a dataset's metadata, or what a raw table's "
+                       "columns become (their roles, the tables)")
     i.add_argument("path")
+    i.add_argument("--schema", default=None, help="a raw table: the schema file (TOML)")
+    i.add_argument("--transform", action="append", default=[],
+                   help="a raw table: a transform, module:function or file.py:function")
+    i.add_argument("--join", action="append", default=[],
+                   help="a raw table: KEY=TABLE, a feature table joined on KEY")
     c = sub.add_parser("convert", help="convert Parquet, CSV or Criteo TSV into a dataset")
     c.add_argument("src", help="a file, or a folder of files of one format, or an Iceberg "
                    "table (iceberg:CATALOG#NAMESPACE.TABLE)")
@@ -182,9 +200,9 @@ def main(argv=None) -> int:
     b.add_argument("--key", required=True, help="the column to bucket by (integers or strings)")
     b.add_argument("--buckets", type=int, required=True, help="N, in [1, 2**31 - 1]")
     b.add_argument("--out", required=True, help="the folder to create (absent or empty)")
-    b.add_argument("--rows-per-group", type=int, default=BUCKET_ROWS_PER_GROUP,
-                   help="rows read per block and per output row group (default "
-                   f"{BUCKET_ROWS_PER_GROUP:,})")
+    b.add_argument("--rows-per-group", type=int, default=None,
+                   help="rows read per block and per output row group (default: as a "
+                   f"conversion's, about 1/64 of the rows, at most {MAX_GROUP_ROWS:,})")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command == "write" and args.batches < 1:

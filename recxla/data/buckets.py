@@ -52,11 +52,11 @@ from recxla.data.convert_output import OutputError, install, is_within, temp_fol
 from recxla.data.convert_source import format_of
 from recxla.data.errors import DataFormatError
 from recxla.data.id_mapping import string_bytes
+from recxla.data.parquet_layout import default_rows_per_group
 
 OP = "recxla.data.buckets.write_buckets"
 MAX_BUCKETS = 2**31 - 1  # Iceberg's bucket count is a Java int
 PART_FILE = "part-00000.parquet"
-ROWS_PER_GROUP = 65536  # write_buckets' default block and row group
 # Rows waiting for a full row group hold the blocks they were sliced from; past this many bytes
 # of blocks every bucket's pending rows are written (smaller row groups, bounded memory).
 BUFFER_BYTES = 256 << 20
@@ -405,7 +405,7 @@ def _blocks(path: str, schema: pa.Schema, rows_per_group: int):
         raise DataFormatError(f"{OP}: {path}: unreadable Parquet: {e}") from None
 
 
-def write_buckets(src, key: str, num_buckets: int, out, *, rows_per_group: int = ROWS_PER_GROUP,
+def write_buckets(src, key: str, num_buckets: int, out, *, rows_per_group: Optional[int] = None,
                   progress: bool = False) -> Dict:
     """Split a Parquet file, or a folder of them, into `num_buckets` buckets by
     `bucket_of(key column)`: out/<key>_bucket=<i>/part-00000.parquet for i in 0..N-1.
@@ -418,7 +418,11 @@ def write_buckets(src, key: str, num_buckets: int, out, *, rows_per_group: int =
             open: one file per bucket; the soft limit is raised to the hard one if needed).
         out: the folder to create: absent or an empty folder, not inside the source folder.
         rows_per_group: rows read per block and rows per output row group (a bucket's rows are
-            held until it has a full group, or until BUFFER_BYTES of blocks are held).
+            held until it has a full group, or until BUFFER_BYTES of blocks are held). None:
+            a conversion's default for the source's rows (default_rows_per_group: about 64
+            groups in all, at most 65,536 rows), so that the trainer's held-out split
+            (whole row groups, the latest by time) can hold out a tenth of the rows, not
+            whole buckets.
         progress: show a progress bar (tqdm) of rows on stderr.
     Returns {"rows": total rows, "buckets": N, "rows_per_bucket": [rows of bucket i]}.
     Streaming: memory is a block, the rows pending a row group (at most about BUFFER_BYTES of
@@ -435,13 +439,15 @@ def write_buckets(src, key: str, num_buckets: int, out, *, rows_per_group: int =
     """
     out = os.fspath(out)
     num_buckets = _check_num_buckets(num_buckets, OP)
-    if not isinstance(rows_per_group, numbers.Integral) or isinstance(rows_per_group, bool) or \
-            rows_per_group < 1:
+    if rows_per_group is not None and (not isinstance(rows_per_group, numbers.Integral) or
+                                       isinstance(rows_per_group, bool) or rows_per_group < 1):
         raise ValueError(f"{OP}: rows_per_group must be an int >= 1, got {rows_per_group!r}")
     if not isinstance(key, str) or not key:
         raise ValueError(f"{OP}: key must be a column name (a non-empty str), got {key!r}")
     files = _sources(src)
-    schema = _schema(files, key)
+    schema = _schema(files, key)  # every footer readable
+    if rows_per_group is None:
+        rows_per_group = default_rows_per_group(sum(pq.read_metadata(f).num_rows for f in files))
     _check_out(out, src, files)
     _allow_open_files(num_buckets)
     tmp = temp_folder(out)

@@ -57,15 +57,12 @@ from recxla.data.convert_source import list_sources, read_source, source_sample,
 from recxla.data.errors import DataFormatError
 from recxla.data.id_counts import IdCounter, dataset_spec, merge_results, table_specs
 from recxla.data.parquet_layout import SPEC_KEY
+from recxla.data.parquet_layout import MAX_GROUP_ROWS, default_rows_per_group
 from recxla.data.parquet_writer import _FileSink, choose_sort
 from recxla.data.schema import DatasetSpec, Schema, load_schema
 from recxla.data.table_source import is_table_ref
 
 OP = "recxla.data.convert"
-TARGET_ROW_GROUPS = 64
-MIN_ROW_GROUPS = 16
-MIN_GROUP_ROWS = 1024  # the trainer's default --batch-size: a held-out group fills a batch
-MAX_GROUP_ROWS = 65536
 _TRIAL_ROWS = 8192
 
 _JOB: dict = {}  # the running conversion, inherited by forked workers
@@ -208,16 +205,6 @@ def _run(fn, n: int, workers: int, total: Optional[int], desc: str, progress: bo
     finally:
         if bar is not None:
             bar.close()
-
-
-def default_rows_per_group(rows: int) -> int:
-    """Rows per row group for a dataset of `rows` rows: TARGET_ROW_GROUPS groups of at least
-    MIN_GROUP_ROWS rows and at most MAX_GROUP_ROWS; when that leaves fewer than MIN_ROW_GROUPS
-    groups, smaller ones, so that any log of at least 16 rows has at least 16 groups."""
-    per = -(-rows // TARGET_ROW_GROUPS)
-    if per < MIN_GROUP_ROWS:
-        per = min(MIN_GROUP_ROWS, max(1, rows // MIN_ROW_GROUPS))
-    return max(1, min(per, MAX_GROUP_ROWS))
 
 
 def _total_rows(files: List[str], fmt: str) -> Optional[int]:

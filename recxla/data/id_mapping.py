@@ -126,8 +126,8 @@ def vocab_files(tables: Iterable[str]) -> Dict[str, str]:
     <file> is the name itself when it is 1 to 100 letters, digits, "_", "-" and "." (not
     first); else (a "/" in the name, say: tables "a/b" and "a_b" once shared vocab/a_b.parquet),
     or when two names differ only in case (one file on a case-insensitive file system), the
-    name with "_" for every other character, cut at 100, then "-" and 8 hex digits of the
-    name's SHA-256. ValueError if two tables would still share a file.
+    name with "_" for a leading "." and every other character, cut at 100, then "-" and 8 hex
+    digits of the name's SHA-256. ValueError if two tables would still share a file.
     """
     names = list(dict.fromkeys(tables))
     folded: Dict[str, int] = {}
@@ -138,7 +138,9 @@ def vocab_files(tables: Iterable[str]) -> Dict[str, str]:
         if _PLAIN_NAME.fullmatch(n) and folded[n.lower()] == 1:
             return n
         digest = hashlib.sha256(n.encode()).hexdigest()[:8]
-        return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', n)[:100]}-{digest}"
+        # A leading "." would make a hidden file, which no reader of the folder lists.
+        safe = re.sub(r'[^A-Za-z0-9_.-]', '_', re.sub(r'^\.', '_', n))[:100]
+        return f"{safe}-{digest}"
 
     files = {n: f"{VOCAB_DIR}/{file(n)}.parquet" for n in names}
     seen: Dict[str, str] = {}

@@ -201,6 +201,24 @@ class FileInfo:
         return sum(self.row_group_rows)
 
 
+# Row groups of a table recxla writes (a conversion, buckets): the unit the trainer's ranks
+# share out and its held-out split takes whole.
+TARGET_ROW_GROUPS = 64
+MIN_ROW_GROUPS = 16
+MIN_GROUP_ROWS = 1024  # the trainer's default --batch-size: a held-out group fills a batch
+MAX_GROUP_ROWS = 65536
+
+
+def default_rows_per_group(rows: int) -> int:
+    """Rows per row group for a dataset of `rows` rows: TARGET_ROW_GROUPS groups of at least
+    MIN_GROUP_ROWS rows and at most MAX_GROUP_ROWS; when that leaves fewer than MIN_ROW_GROUPS
+    groups, smaller ones, so that any log of at least 16 rows has at least 16 groups."""
+    per = -(-rows // TARGET_ROW_GROUPS)
+    if per < MIN_GROUP_ROWS:
+        per = min(MIN_GROUP_ROWS, max(1, rows // MIN_ROW_GROUPS))
+    return max(1, min(per, MAX_GROUP_ROWS))
+
+
 def list_files(path: str, op: str) -> List[str]:
     """The Parquet files of a dataset path: the file itself, or a folder's *.parquet by name."""
     if os.path.isfile(path):

@@ -316,7 +316,7 @@ def _import_pyiceberg():
 def load_catalog(uri: str):
     """A pyiceberg catalog: "sqlite:///PATH[?catalog=NAME]" (SQL catalog; warehouse folder
     PATH's folder/warehouse), "http(s)://..." (REST), else a catalog named in pyiceberg's
-    configuration.
+    configuration. Its tables' metadata may not name code to run (`_refuse_table_code`).
 
     pyiceberg's SQL catalog keeps the tables of every catalog name in one database and shows
     a catalog only its own: the name is the one the database holds (its only one; "default"
@@ -331,14 +331,44 @@ def load_catalog(uri: str):
             raise FileNotFoundError(f"{OP}: Iceberg catalog {uri}: no such SQLite database")
         name = query or _sqlite_catalog_name(db, uri)
         warehouse = "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "warehouse")
-        return SqlCatalog(name, uri=uri, warehouse=warehouse)
+        return _refuse_table_code(SqlCatalog(name, uri=uri, warehouse=warehouse))
     if uri.startswith(("http://", "https://")):
         from pyiceberg.catalog.rest import RestCatalog
 
-        return RestCatalog("recxla", uri=uri)
+        return _refuse_table_code(RestCatalog("recxla", uri=uri))
     from pyiceberg.catalog import load_catalog as by_name
 
-    return by_name(uri)
+    return _refuse_table_code(by_name(uri))
+
+
+# pyiceberg imports and instantiates the class a table's metadata names under this property.
+PY_IO_IMPL = "py-io-impl"
+
+
+def _refuse_table_code(catalog):
+    """`catalog`, refusing a table whose metadata names a FileIO class (pyiceberg's
+    `py-io-impl`), which pyiceberg would import and run in every rank: a table is data, and
+    anyone who can write one must not thereby run code in the job. A class named in the
+    catalog's own configuration (the user's) stays allowed."""
+    load = catalog._load_file_io
+    own = catalog.properties.get(PY_IO_IMPL)
+
+    def load_file_io(properties=None, location=None):
+        named = (properties or {}).get(PY_IO_IMPL)
+        if named is not None and named != own:
+            raise DataFormatError(
+                f"{OP}: Iceberg table at {location}: its metadata names a Python class to load "
+                f"({PY_IO_IMPL} = {named!r}); recxla runs no code that a table names. Remove "
+                f"the table property, or set {PY_IO_IMPL} in the catalog's own configuration")
+        return load(properties or {}, location)
+
+    catalog._load_file_io = load_file_io
+    return catalog
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _sqlite_catalog_name(db: str, uri: str) -> str:
@@ -389,6 +419,11 @@ def _open_iceberg(ref: str, snapshot: Optional[int], what: str) -> TableSource:
         table = catalog.load_table(name)
     except NoSuchTableError:
         raise FileNotFoundError(f"{OP}: {what} {base_ref}: no such table in the catalog") from None
+    except DataFormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pyiceberg's many errors of damaged metadata
+        raise DataFormatError(f"{OP}: {what} {base_ref}: unreadable table metadata "
+                              f"({type(e).__name__}: {_one_line(e)})") from None
     if snapshot is None:
         snap = table.current_snapshot()
         if snap is None:
@@ -403,7 +438,11 @@ def _open_iceberg(ref: str, snapshot: Optional[int], what: str) -> TableSource:
     schema = table.schemas()[snap.schema_id] if snap.schema_id is not None else table.schema()
     arrow = schema.as_arrow().remove_metadata()
     field_names = {f.field_id: f.name for f in schema.fields}
-    tasks = list(table.scan(snapshot_id=snap.snapshot_id).plan_files())
+    try:
+        tasks = list(table.scan(snapshot_id=snap.snapshot_id).plan_files())
+    except Exception as e:  # noqa: BLE001 - a damaged manifest list or manifest
+        raise DataFormatError(f"{OP}: {what} {base_ref}: snapshot {snap.snapshot_id}: "
+                              f"unreadable manifests ({type(e).__name__}: {_one_line(e)})") from None
     specs = table.specs()
     files, units, per_file = [], [], []
     for task in tasks:

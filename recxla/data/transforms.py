@@ -16,8 +16,10 @@ A transform must be a function of its batch alone (no state kept between calls, 
 drawn from the rows, e.g. a hash of an id): the reader runs it once to plan the epoch (rows
 per unit, vocabularies) and again on every read, in whichever process reads, and a different
 result the second time is an error, not another batch. Its identity (name and a digest of its
-module's source) is part of the data's fingerprint, so a job resumed with an edited transform
-fails instead of reading other rows.
+module's source and of the job's own modules it uses at module level) is part of the data's
+fingerprint, so a job resumed with an edited transform, or an edited helper module of it, fails
+instead of reading other rows. A transform that raises, or calls sys.exit, is an error naming
+it: it never ends the job quietly.
 """
 
 import hashlib
@@ -25,6 +27,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import site
 import sys
 from typing import List, Optional, Sequence
 
@@ -50,7 +53,7 @@ class Transform:
     def __call__(self, batch: pa.RecordBatch, where: str) -> pa.Table:
         try:
             out = self.fn(batch)
-        except Exception as e:  # noqa: BLE001 - any error of user code, named and re-raised
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - user code, named and re-raised
             raise TransformError(f"{OP}: transform {self.name} raised on {where}: "
                                  f"{type(e).__name__}: {e}") from e
         if isinstance(out, pa.RecordBatch):
@@ -94,6 +97,9 @@ def _load(name: str, file: Optional[str] = None):
                                  "run from the folder that holds it, or name its file "
                                  "(path/to/file.py:function)") from e
             module = _from_file(name, file)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's module failed to load
+            raise TransformError(f"{OP}: transform {name!r}: importing {module_name} raised "
+                                 f"{type(e).__name__}: {e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"{OP}: transform {name!r}: {module_name} has no function {attr!r}")
@@ -111,21 +117,66 @@ def _from_file(name: str, path: str):
         module = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - the user's module failed to load
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's module failed to load
             raise TransformError(f"{OP}: transform {name!r}: loading {path} raised "
                                  f"{type(e).__name__}: {e}") from e
         sys.modules[key] = module
     return module
 
 
+def _installed_roots() -> List[str]:
+    """Folders of code that is not the job's own: the interpreter's library, the installed
+    packages, and recxla itself."""
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(),
+             site.getusersitepackages(),
+             os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    return [os.path.join(os.path.realpath(r), "") for r in roots if r]
+
+
+def _is_user_module(module) -> bool:
+    """A module of the job's own source (a transform's helper), not of an installed package."""
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return False
+    path = os.path.realpath(path)
+    return not any(path.startswith(root) for root in _installed_roots())
+
+
+def _helper_modules(module) -> list:
+    """The job's own modules that `module` uses at module level (`import helpers`, `from
+    helpers import f`), and theirs, by name: what else decides what a transform computes."""
+    found = {}
+    stack = [module]
+    while stack:
+        for value in list(vars(stack.pop()).values()):
+            owner = getattr(value, "__module__", None)
+            dep = value if inspect.ismodule(value) else (
+                sys.modules.get(owner) if isinstance(owner, str) else None)
+            if dep is not None and dep is not module and dep.__name__ not in found \
+                    and _is_user_module(dep):
+                found[dep.__name__] = dep
+                stack.append(dep)
+    return [found[name] for name in sorted(found)]
+
+
 def _digest(fn) -> str:
+    """sha1 of the source of `fn`'s module (or its code, where there is no source) and of the
+    job's own modules it uses (_helper_modules)."""
+    module = inspect.getmodule(fn)
+    helpers = _helper_modules(module) if module is not None else []
     try:
-        text = inspect.getsource(inspect.getmodule(fn)).encode()
+        text = inspect.getsource(module).encode()
     except (OSError, TypeError):
         code = getattr(fn, "__code__", None)
         text = code.co_code + repr(code.co_consts).encode() if code is not None else \
             repr(fn).encode()
-    return hashlib.sha1(text).hexdigest()[:16]
+    h = hashlib.sha1(text)
+    for module in helpers:
+        try:
+            h.update(module.__name__.encode() + b"\0" + inspect.getsource(module).encode())
+        except (OSError, TypeError):
+            pass  # no source to read: nothing that could be edited
+    return h.hexdigest()[:16]
 
 
 def load_transforms(names: Sequence[str]) -> List[Transform]:

@@ -148,7 +148,8 @@ def _train(config, conn, watchdog, meter) -> dict:
     watchdog.progress("evaluation")
     pipeline.detach()
     with meter.phase("eval"):
-        evaluation = evaluate(sharded.dmp, data.held_out(), device)
+        evaluation = evaluate(sharded.dmp, data.held_out(), device,
+                              lambda i: watchdog.progress(f"evaluation, batch {i}"))
         per_rank = stages.gather_figures(watchdog, meter, measured, place.world_size)
     summary = stages.run_summary(config, conn, data, sharded, pipeline, measured, evaluation,
                                  per_rank)

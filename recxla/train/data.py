@@ -266,6 +266,7 @@ class TrainData:
         self.files = self.eval_files = None
         self.train_groups: Optional[List[int]] = None
         self.eval_groups: Optional[List[int]] = None
+        self._split_info = None  # what --eval-fraction split (DatasetInfo or ReadTimeInfo)
         if config.model_from_data:
             from recxla.data import read_dataset_spec
 
@@ -297,6 +298,7 @@ class TrainData:
                 self.train_groups, self.eval_groups = _flagged(
                     "--eval-fraction", split_row_groups, info, config.eval_fraction,
                     world_size, self.spec.timestamp if self.spec else None)
+                self._split_info = info
             self.files = self._open("--data", self.source, tables, num_epochs=None,
                                     row_groups=self.train_groups,
                                     shuffle_rows=config.shuffle_rows)
@@ -464,8 +466,29 @@ class TrainData:
             by = "latest by timestamp" if self.spec is not None and self.spec.timestamp else \
                 "last in file order"
             return (f"--eval-fraction {self.config.eval_fraction} of --data: "
-                    f"{len(self.eval_groups)} row groups, {by}")
+                    f"{len(self.eval_groups)} row groups, {by}, "
+                    f"{self.held_out_share():.1%} of the rows")
         return "the synthetic held-out split"
+
+    def held_out_share(self) -> float:
+        """The share of --data's rows that --eval-fraction's split holds out."""
+        info = self._split_info
+        return sum(info.row_groups[i][2] for i in self.eval_groups) / max(1, info.num_rows)
+
+    def split_warning(self) -> Optional[str]:
+        """A line when the held-out split holds far more of the rows than --eval-fraction asks
+        (more than 1.5 times, and 2 points, more): whole row groups are held out, and a table
+        written in few large ones (one a bucket) would be split by row group, not by time."""
+        if self.eval_groups is None:
+            return None
+        asked, held, info = self.config.eval_fraction, self.held_out_share(), self._split_info
+        if held <= max(1.5 * asked, asked + 0.02):
+            return None
+        largest = max(r for _, _, r in info.row_groups)
+        return (f"--eval-fraction {asked} holds out {held:.1%} of the rows: "
+                f"{len(self.eval_groups)} whole row groups of up to {largest:,} rows, at least "
+                f"one per rank. To hold out what was asked, "
+                + _fewer_rows_per_group(info, asked, self.world_size))
 
     def held_out_batches(self) -> int:
         """Batches per rank `held_out` yields (the same on every rank: each of them runs the

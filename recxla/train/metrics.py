@@ -27,7 +27,7 @@ import math
 import os
 import platform
 import statistics
-from typing import TYPE_CHECKING, Dict, List
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,9 +53,12 @@ BYTE_KEYS = {
 
 
 @torch.no_grad()
-def evaluate(model, batches, device: torch.device) -> Dict[str, float]:
+def evaluate(model, batches, device: torch.device,
+             on_batch: Optional[Callable[[int], None]] = None) -> Dict[str, float]:
     """AUC and BCE loss of `model` (DLRMTrain, sharded) over this rank's held-out `batches`,
-    combined over all ranks. Returns {"auc", "eval_loss", "eval_examples"}."""
+    combined over all ranks. Returns {"auc", "eval_loss", "eval_examples"}. `on_batch(i)`
+    after each batch: the trainer's watchdog hears that an evaluation longer than --timeout
+    is moving, not deadlocked."""
     from torchmetrics.classification import BinaryAUROC
 
     auroc = BinaryAUROC().to(device)
@@ -64,13 +67,15 @@ def evaluate(model, batches, device: torch.device) -> Dict[str, float]:
     loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     try:
-        for batch in batches:
+        for i, batch in enumerate(batches):
             batch = batch.to(device)
             _, (_, logits, labels) = model(batch)
             auroc.update(logits.float(), labels.long())
             loss_sum[0] += torch.nn.functional.binary_cross_entropy_with_logits(
                 logits.float(), labels.float(), reduction="sum").double()
             loss_sum[1] += labels.numel()
+            if on_batch is not None:
+                on_batch(i)
         auc = float(auroc.compute())  # gathers every rank's predictions
     finally:
         model.train()

@@ -72,6 +72,8 @@ def open_data(config, place) -> TrainData:
     the ranks' fingerprints are then compared, so that Parquet files changed while they
     started are an error too, not ranks reading different rows."""
     snapshots = checkpoint.resumed_snapshots(config)
+    if snapshots is not None and place.rank == 0:
+        _announce_pinned(config, snapshots)
     if snapshots is None and is_raw_table(config):
         shared = [current_snapshots(config) if place.rank == 0 else None]
         dist.broadcast_object_list(shared, src=0)
@@ -83,7 +85,23 @@ def open_data(config, place) -> TrainData:
         if len(set(seen)) > 1:
             raise ValueError(f"--data {config.data}: the ranks planned different data "
                              f"(fingerprints {seen}): a file changed while the job started")
+        if place.rank == 0:
+            _announce_roles(config, data.raw)
+    warning = data.split_warning()
+    if warning is not None and place.rank == 0:
+        print(f"recxla-train: warning: {warning}", file=sys.stderr, flush=True)
     return data
+
+
+def _announce_roles(config, raw) -> None:
+    """The roles the raw table's columns took (inferred, or the schema's), as a conversion
+    prints them, and a word when no column became a dense feature."""
+    lines = [f"recxla-train: --data {config.data}: {len(raw.plan.roles)} columns (after the "
+             "joins and transforms):"] + [f"  {line}" for line in raw.plan.roles]
+    if not raw.spec.dense_features:
+        lines.append("  no dense features: no column is a float or bool (or the schema's "
+                     "dense); the model's dense input is empty")
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def report_embedding_dims(config, place, data) -> None:
@@ -168,6 +186,19 @@ def resume(config, watchdog, sharded: Sharded) -> int:
     watchdog.progress("loading the checkpoint")
     path = checkpoint.resume_checkpoint(config.checkpoint_dir, config.resume_step)[1]
     return checkpoint.load(path, sharded.dmp, sharded.optimizer, sharded.dense_state)
+
+
+def _announce_pinned(config, snapshots) -> None:
+    """--resume of a raw table: the Iceberg snapshots the checkpoint pinned, which the run reads
+    whatever the tables hold now."""
+    from recxla.data.joins import parse_join
+
+    refs = [("--data", config.data)] + [("--join", parse_join(j)[1]) for j in config.join]
+    pinned = [f"{flag} {ref} at snapshot {snap}" for (flag, ref), snap in zip(refs, snapshots)
+              if snap is not None]
+    if pinned:
+        print(f"recxla-train: --resume reads what the checkpoint pinned: {'; '.join(pinned)}",
+              file=sys.stderr, flush=True)
 
 
 def make_pipeline(config, device, meter, sharded: Sharded) -> Tuple[object, Optional[Timeline]]:
