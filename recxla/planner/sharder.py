@@ -24,7 +24,8 @@ class RowWiseEverywhereSharder(EmbeddingBagCollectionSharder):
 
 
 def planning_sharder():
-    """recxla's EmbeddingBagCollectionSharder (default comms: e4m3 forward, bf16 backward)."""
+    """recxla's EmbeddingBagCollectionSharder (default comms: e4m3 forward, e5m2 backward:
+    recxla.formats.DEFAULT_FWD_COMM / DEFAULT_BWD_COMM)."""
     from recxla.torchrec import EmbeddingBagCollectionSharder
 
     return EmbeddingBagCollectionSharder()
