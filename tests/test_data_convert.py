@@ -389,3 +389,31 @@ def test_a_row_group_whose_bags_are_all_empty(tmp_path):
     got = read_converted(tmp_path / "out")
     assert got["sparse:tags"][:32] == [[]] * 32
     assert sorted(r[0] for r in got["sparse:item"]) == list(range(1, n + 1))
+
+
+def test_a_string_label_with_its_positive_value(tmp_path, seed):
+    """label_positive names the label's value stored as 1 (Adult's income ">50K"), every other
+    value 0, in a string or an integer column; a string label without it is an error saying
+    so."""
+    rng = np.random.default_rng(seed)
+    n = 300
+    income = np.where(rng.random(n) < 0.3, ">50K", "<=50K")
+    grade = rng.integers(1, 6, n)
+    pq.write_table(pa.table({"income": income, "grade": grade, "age": rng.random(n),
+                             "occupation": rng.integers(0, 9, n)}), tmp_path / "adult.parquet")
+    for label, positive, other, want in (("income", '">50K"', "grade", income == ">50K"),
+                                         ("grade", "5", "income", grade == 5)):
+        (tmp_path / "s.toml").write_text(
+            f'label = "{label}"\nlabel_positive = {positive}\nignore = ["{other}"]\n')
+        out = tmp_path / f"data_{label}"
+        convert(tmp_path / "adult.parquet", out, tmp_path / "s.toml", sort_by=None,
+                progress=False)
+        assert read_converted(out)["label"] == want.astype(np.float32).tolist()
+    (tmp_path / "s.toml").write_text('label = "income"\n')
+    with pytest.raises(ValueError, match=r"column 'income': the label must be 0/1 or a float, "
+                       r"the column holds string; name the positive value with label_positive"):
+        convert(tmp_path / "adult.parquet", tmp_path / "x", tmp_path / "s.toml", progress=False)
+    (tmp_path / "s.toml").write_text('label = "age"\nlabel_positive = "yes"\n')
+    with pytest.raises(ValueError, match=r"column 'age' holds double: label_positive = 'yes' "
+                       r"compares with strings"):
+        convert(tmp_path / "adult.parquet", tmp_path / "x", tmp_path / "s.toml", progress=False)

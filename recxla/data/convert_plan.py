@@ -100,6 +100,7 @@ class Plan:
     roles: List[str] = dataclasses.field(default_factory=list)  # "column 'c': role: why"
     vocab_limit: int = DEFAULT_VOCAB_LIMIT
     default_rows: int = DEFAULT_ROWS
+    label_positive: Optional[object] = None  # the label's value stored as 1 (schema)
 
     @property
     def columns(self) -> List[str]:
@@ -210,11 +211,20 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
                          f"the columns are {list(types)}")
     else:
         lt = _base(types[label])
-    if not _is_number(lt):
+    positive = schema.label_positive
+    if positive is not None and not (_is_string(lt) if isinstance(positive, str)
+                                     else pa.types.is_integer(lt)):
+        raise ValueError(f"{where}: column {label!r} holds {lt}: label_positive = "
+                         f"{positive!r} compares with "
+                         + ("strings" if isinstance(positive, str) else "integers"))
+    if positive is None and not _is_number(lt):
         raise ValueError(f"{where}: column {label!r}: the label must be 0/1 or a float, the "
-                         f"column holds {lt}")
+                         f"column holds {lt}"
+                         + ("; name the positive value with label_positive = \"...\" in the "
+                            "schema" if _is_string(lt) else ""))
     roles[label].append("label: " + ("the schema's label" if schema.label else
-                                     f"named {label!r}"))
+                                     f"named {label!r}")
+                        + ("" if positive is None else f", 1 where it is {positive!r}, else 0"))
     timestamp, ts_why, skipped = _timestamp(schema, types, where, need)
     if timestamp is not None:
         roles[timestamp].append(f"timestamp: {ts_why}")
@@ -315,7 +325,8 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
             raise ValueError(f"{where}: [sparse.{f.name}]: {problem}")
     lines = [f"column {n!r}: " + ("; ".join(r) if r else "left out") for n, r in roles.items()]
     return Plan(features, plans, dense, tuple(schema.dense_log1p), label, schema.label_kind,
-                timestamp, left_out, types, lines, schema.vocab_limit, schema.default_rows)
+                timestamp, left_out, types, lines, schema.vocab_limit, schema.default_rows,
+                positive)
 
 
 def check_same_columns(plan: Plan, columns: pa.Schema, path: str) -> None:

@@ -130,6 +130,10 @@ def convert_rows(t: pa.Table, plan: Plan, tables: Dict, vocabs: Dict, where: str
         bad = ~label.is_valid().to_numpy(zero_copy_only=False)
         raise ValueError(f"{where}: row {_first_row(bad, row_base)}: column {plan.label!r}: "
                          "the label is missing")
+    if plan.label_positive is not None:
+        if pa.types.is_dictionary(label.type):
+            label = label.cast(label.type.value_type)
+        label = pc.equal(label, pa.scalar(plan.label_positive, label.type))
     y = pc.cast(label, pa.float64()).to_numpy()
     with np.errstate(over="ignore", invalid="ignore"):
         bad = ~np.isfinite(y.astype(np.float32)) if plan.label_kind == "float" else (

@@ -12,6 +12,8 @@ The schema file, every key optional (docs/your-data.md has the full description)
 
     label = "clicked"            # the label column (default: a column named "label")
     label_kind = "binary"        # "binary" (values 0/1) or "float"
+    label_positive = ">50K"      # binary: the label's value that is 1, every other one 0
+                                 # (a string label, or a class of an integer one)
     timestamp = "ts"             # an integer, date or timestamp column, kept as int64
                                  # "timestamp" (default: a column named "timestamp")
     dense = ["age", "price"]     # dense columns, in this order (default: the float columns)
@@ -297,6 +299,7 @@ class Schema:
 
     label: Optional[str] = None
     label_kind: str = "binary"
+    label_positive: Optional[object] = None  # str or int: the value stored as label 1
     timestamp: Optional[str] = None
     dense: Optional[Tuple[str, ...]] = None
     dense_log1p: Tuple[str, ...] = ()
@@ -318,7 +321,7 @@ class Schema:
         return cols - {None}
 
 
-_TOP = {"label", "label_kind", "timestamp", "dense", "dense_log1p", "ignore", "infer",
+_TOP = {"label", "label_kind", "label_positive", "timestamp", "dense", "dense_log1p", "ignore", "infer",
         "vocab_limit", "default_rows", "sparse", "tables"}
 _TABLE_KEYS = {"rows", "dim", "pooling", "mapping", "min_count"}
 _SPARSE_KEYS = {"column", "table", "weights", "separator", "history_of"}
@@ -401,6 +404,7 @@ def parse_schema(d: dict, where: str) -> Schema:
         sparse.append((feature, s))
     schema = Schema(
         label=_get(d, "label", str, where), label_kind=_get(d, "label_kind", str, where, "binary"),
+        label_positive=_get(d, "label_positive", (str, int), where),
         timestamp=_get(d, "timestamp", str, where), dense=_names(d, "dense", where),
         dense_log1p=_names(d, "dense_log1p", where) or (), ignore=_names(d, "ignore", where) or (),
         infer=_get(d, "infer", bool, where, True),
@@ -409,6 +413,9 @@ def parse_schema(d: dict, where: str) -> Schema:
         sparse=tuple(sparse), tables=tuple(tables.items()))
     if schema.label_kind not in LABEL_KINDS:
         raise ValueError(f"{where}: label_kind must be one of {LABEL_KINDS}, got "
+                         f"{schema.label_kind!r}")
+    if schema.label_positive is not None and schema.label_kind != "binary":
+        raise ValueError(f"{where}: label_positive makes a binary label; label_kind is "
                          f"{schema.label_kind!r}")
     unused = set(raw_tables) - {s.table for _, s in sparse}
     if unused:
