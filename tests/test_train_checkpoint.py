@@ -338,6 +338,44 @@ def test_save_and_load_restore_the_generator_and_the_state(tmp_path):
         torch.distributed.destroy_process_group()
 
 
+def test_a_full_disk_says_so_and_keeps_the_committed_checkpoints(tmp_path, monkeypatch):
+    """A write that fails for want of space (DCP and torch's zip writer say only "file write
+    failed") is an OSError ENOSPC naming the folder and the bytes; another failure is raised as
+    it was; the committed checkpoint is kept either way."""
+    import errno
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from test_train_cli import _free_port
+
+    store = torch.distributed.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(64, 32)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        config = parse_config([*FP32, "--steps", "8"])
+        committed = checkpoint.save(str(tmp_path), 2, model, optimizer, config, 1)
+
+        def write_failed(*args, **kwargs):
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 0 "
+                               "vs 8448\nPytorchStreamWriter failed writing file data/0")
+
+        monkeypatch.setattr(dcp, "save", write_failed)
+        usage = shutil.disk_usage(tmp_path)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=100))
+        with pytest.raises(OSError, match=r"checkpoint 4: writing .*step_0+4.partial failed: no "
+                           r"space left on the device \(100 bytes free, this rank's state needs "
+                           r"[\d,]+\); the committed checkpoints are as they were") as e:
+            checkpoint.save(str(tmp_path), 4, model, optimizer, config, 1)
+        assert e.value.errno == errno.ENOSPC
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=1 << 40))
+        with pytest.raises(RuntimeError, match="PytorchStreamWriter failed writing file"):
+            checkpoint.save(str(tmp_path), 4, model, optimizer, config, 1)
+        assert checkpoint.read_train_state(committed)["steps_done"] == 2
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_the_commit_is_durable_in_order(tmp_path, monkeypatch):
     """The marker reaches the disk before its name, the folder's entries before the rename that
     commits it, and the rename itself after it (fsync of the parent folder): what makes a

@@ -40,8 +40,10 @@ deleted, and a resume from an older checkpoint happens only when asked for
 (`resume_checkpoint(directory, step)`), the newer ones it passes over printed with the reason.
 """
 
+import errno
 import hashlib
 import os
+import shutil
 from typing import Optional, Tuple
 
 import torch
@@ -245,7 +247,10 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
     dist.barrier()
     state = _contents(model, optimizer, steps_done, rank, dense_state)
     writer = _Writer(partial, steps_done)
-    dcp.save(state, storage_writer=writer)
+    try:
+        dcp.save(state, storage_writer=writer)
+    except Exception as e:  # noqa: BLE001 - told apart below, re-raised either way
+        raise _save_failed(e, partial, steps_done, state) from e
     kill_point(f"checkpoint {steps_done} written")
     # Each rank hashes the files it wrote, while they are in its page cache; rank 0 hashes
     # DCP's .metadata in write_marker. A collective: also the barrier after every write.
@@ -267,6 +272,39 @@ def save(directory: str, steps_done: int, model, optimizer, config: TrainConfig,
     if rank == 0:
         files.prune(directory, steps_done, keep)
     return checkpoint_path(directory, steps_done)
+
+
+def _state_bytes(state) -> int:
+    """The bytes of this rank's tensors in a (nested) state dict: what its files need (a
+    ShardedTensor's local shards, a DTensor's local part)."""
+    if hasattr(state, "local_shards"):
+        return sum(_state_bytes(shard.tensor) for shard in state.local_shards())
+    if hasattr(state, "to_local"):
+        return _state_bytes(state.to_local())
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_state_bytes(v) for v in state)
+    return 0
+
+
+def _save_failed(e: Exception, partial: str, steps_done: int, state) -> Exception:
+    """What a failed checkpoint write raises: on a full disk (DCP and torch's zip writer say
+    only "file write failed"), an OSError ENOSPC naming the folder, the bytes it needs and the
+    bytes free; else `e` itself. The committed checkpoints are never touched by a write."""
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.normpath(partial))).free
+    except OSError:
+        return e
+    need = _state_bytes(state)
+    if free >= need:
+        return e
+    return OSError(errno.ENOSPC, f"checkpoint {steps_done}: writing {partial} failed: no space "
+                   f"left on the device ({free:,} bytes free, this rank's state needs {need:,}); "
+                   f"the committed checkpoints are as they were ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0][:200] if str(e) else ''})")
 
 
 def load(path: str, model, optimizer, dense_state=None) -> int:
