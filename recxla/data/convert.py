@@ -56,8 +56,7 @@ from recxla.data.convert_csv import CSV_BLOCK_BYTES, check_csv_columns, check_ut
 from recxla.data.convert_source import list_sources, read_source, source_sample, source_schema
 from recxla.data.errors import DataFormatError
 from recxla.data.id_counts import IdCounter, dataset_spec, merge_results, table_specs
-from recxla.data.parquet_layout import SPEC_KEY
-from recxla.data.parquet_layout import MAX_GROUP_ROWS, default_rows_per_group
+from recxla.data.parquet_layout import MAX_GROUP_ROWS, SPEC_KEY, default_rows_per_group
 from recxla.data.parquet_writer import _FileSink, choose_sort
 from recxla.data.schema import DatasetSpec, Schema, load_schema
 from recxla.data.table_source import is_table_ref

@@ -321,8 +321,8 @@ class Schema:
         return cols - {None}
 
 
-_TOP = {"label", "label_kind", "label_positive", "timestamp", "dense", "dense_log1p", "ignore", "infer",
-        "vocab_limit", "default_rows", "sparse", "tables"}
+_TOP = {"label", "label_kind", "label_positive", "timestamp", "dense", "dense_log1p", "ignore",
+        "infer", "vocab_limit", "default_rows", "sparse", "tables"}
 _TABLE_KEYS = {"rows", "dim", "pooling", "mapping", "min_count"}
 _SPARSE_KEYS = {"column", "table", "weights", "separator", "history_of"}
 

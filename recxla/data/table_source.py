@@ -441,8 +441,9 @@ def _open_iceberg(ref: str, snapshot: Optional[int], what: str) -> TableSource:
     try:
         tasks = list(table.scan(snapshot_id=snap.snapshot_id).plan_files())
     except Exception as e:  # noqa: BLE001 - a damaged manifest list or manifest
-        raise DataFormatError(f"{OP}: {what} {base_ref}: snapshot {snap.snapshot_id}: "
-                              f"unreadable manifests ({type(e).__name__}: {_one_line(e)})") from None
+        raise DataFormatError(
+            f"{OP}: {what} {base_ref}: snapshot {snap.snapshot_id}: unreadable manifests "
+            f"({type(e).__name__}: {_one_line(e)})") from None
     specs = table.specs()
     files, units, per_file = [], [], []
     for task in tasks:

@@ -75,8 +75,6 @@ def fingerprint_mix(hashes: torch.Tensor) -> torch.Tensor:
     return mixed.bitwise_xor_(mixed >> 32)
 
 
-
-
 def feature_slices(values: torch.Tensor, lengths: torch.Tensor, batch: int):
     """(lengths int64 [B], values int64 [N_f]) of each of the F = lengths.numel() / B features.
 
