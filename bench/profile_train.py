@@ -136,10 +136,21 @@ def top_entries(averages, steps: int, n: int) -> List[dict]:
             for e in rows]
 
 
+# The synthetic batches are made by recxla.data's code: in the rank's own thread on a CPU (the
+# trainer's default there, --loader-workers 0), in a worker process on a GPU.
+DATA_CODE = "recxla/data/"
+
+
 def top_lines(counts: Counter, steps: int, n: int) -> str:
-    """The n lines with the most ATen calls, as a markdown table of calls per step."""
+    """The n lines with the most ATen calls, as a markdown table of calls per step, after the
+    total and its split: the step's own calls and the synthetic batches' making. The
+    pipelines read ahead by different depths (TorchRec's two batches, DBP one), so a short
+    window holds different numbers of batches made: compare the step's own calls."""
     total = sum(counts.values())
-    lines = [f"all ATen calls: {total / steps:.0f} a step", "",
+    data = sum(c for where, c in counts.items() if where.startswith(DATA_CODE))
+    lines = [f"all ATen calls: {total / steps:.0f} a step: the step's own "
+             f"{(total - data) / steps:.0f}, the synthetic batches' making ({DATA_CODE}) "
+             f"{data / steps:.0f}", "",
              "| line | calls / step | share |", "|---|---|---|"]
     for where, calls in counts.most_common(n):
         lines.append(f"| `{where}` | {calls / steps:.1f} | {calls / total:.1%} |")

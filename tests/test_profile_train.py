@@ -1,6 +1,7 @@
 """bench.profile_train's ATen call counter (--calls-by-line): every ATen call is counted once,
 by the innermost line outside torch that made it, forward and backward; the table lists the
-lines with the most calls first."""
+lines with the most calls first, after the total split into the step's own calls and the
+synthetic batches' making."""
 
 import inspect
 
@@ -41,8 +42,11 @@ def test_calls_are_counted_by_the_line_that_made_them(seed):
 def test_table_lists_the_most_calls_first():
     from collections import Counter
 
-    table = top_lines(Counter({"a.py:1": 30, "b.py:2": 90, "c.py:3": 6}), steps=3, n=2)
+    table = top_lines(Counter({"a.py:1": 30, "b.py:2": 90, "recxla/data/world.py:3": 6}),
+                      steps=3, n=2)
     lines = table.splitlines()
-    assert lines[0] == "all ATen calls: 42 a step"
+    # The synthetic batches' making (recxla/data/) apart from the step's own calls.
+    assert lines[0] == ("all ATen calls: 42 a step: the step's own 40, the synthetic batches' "
+                        "making (recxla/data/) 2")
     assert lines[4].startswith("| `b.py:2` | 30.0 |") and lines[5].startswith("| `a.py:1` | 10.0 |")
     assert len(lines) == 6
