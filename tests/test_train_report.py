@@ -160,3 +160,36 @@ def test_run_train_refuses_a_file_that_is_not_a_history_before_running(tmp_path,
     with pytest.raises(ValueError, match="is not JSON"):
         (tmp_path / "bad.json").write_text("{")
         history.load(str(tmp_path / "bad.json"))
+
+
+def test_a_variants_shared_setup_is_kept_once(tmp_path):
+    """What every repeat of a variant shares (config, plan, command line, ...) is stored once in
+    the history's setups, named by the rate's setup; expanded() gives every summary whole
+    again, compacting twice changes nothing, and the report's tables are the same."""
+    import copy
+
+    entry = _sitting("abc1234", [1000, 1100], [2000, 2100], [3000, 3300])
+    plan = {f"t{i}": {"sharding": random.choice(["table_wise", "row_wise"])} for i in range(26)}
+    rows = entry["results"][0]["runs"]
+    for variant, summaries in rows.items():
+        for k, s in enumerate(summaries):
+            s.update(plan=plan, config={"seed": 0, "label": variant}, argv=["--label", variant],
+                     machine={"loadavg_1m": random.random()})  # not shared: stays
+    rows["recxla DBP"][1]["argv"] = ["--other"]  # differs between repeats: stays too
+    doc = {"description": "d", "runs": [copy.deepcopy(entry), copy.deepcopy(entry)]}
+    table = train_report.table("training_2x2", doc["runs"][0], "1gbit")
+    history.compact(doc)
+    assert len(doc["setups"]) == 3  # one a variant, the same in both sittings
+    rate = doc["runs"][0]["results"][0]
+    assert rate["setup"] == doc["runs"][1]["results"][0]["setup"]
+    for variant, summaries in rate["runs"].items():
+        assert all("plan" not in s and "config" not in s and "machine" in s for s in summaries)
+        assert ("argv" in summaries[0]) == (variant == "recxla DBP")
+    for e in doc["runs"]:
+        assert history.expanded(doc, e["results"][0]) == rows
+    again = copy.deepcopy(doc)
+    assert history.compact(again) == doc
+    assert train_report.table("training_2x2", doc["runs"][0], "1gbit") == table
+    path = tmp_path / "training_2x2.json"
+    history.write(str(path), doc)
+    assert history.load(str(path)) == doc

@@ -13,14 +13,18 @@ per rate: {"rate", "mode", "fallback_reason", "fastest_torchrec", "runs": {varia
 trainer's summary of each repeat]}}. The pages show these entries through train_report.py.
 
 The file keeps one trainer summary per line (everything above it indented), so a sitting adds
-a few dozen lines and a diff shows which runs it added.
+a few dozen lines and a diff shows which runs it added. What a variant's repeats share (its
+configuration, plan, table bytes, command line: SETUP_KEYS) is kept once in the history's
+"setups", which a rate's "setup" ({variant: id}) names, not in every summary (`compact`);
+`expanded` gives the summaries whole again.
 """
 
 import datetime
+import hashlib
 import json
 import os
 import subprocess
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from bench.cluster.launch import REPO_ROOT
 
@@ -38,6 +42,53 @@ DESCRIPTION = (
 # Depth (from the document) of one trainer summary: doc {runs: [entry {results: [rate {runs:
 # {variant: [summary]}}]}]}. Summaries and anything deeper are written on one line.
 _SUMMARY_DEPTH = 7
+
+
+# The parts of a trainer summary that describe the run, not what it measured: the same for every
+# repeat of a variant, mostly the same across rates and sittings, and most of a summary's bytes
+# (the plan and config of 26 tables).
+SETUP_KEYS = ("config", "plan", "table_wire", "argv", "embedding_dims", "sharder",
+              "gradient_division", "pipeline")
+
+
+def compact(doc: dict) -> dict:
+    """`doc` with the SETUP_KEYS values that all repeats of a variant share kept once: in the
+    history's "setups" ({id: setup}, id a digest of the setup), the rate's "setup" naming each
+    variant's ({variant: id}). Idempotent; nothing is lost (`expanded`)."""
+    setups = doc.setdefault("setups", {})
+    for e in doc["runs"]:
+        for rate in e["results"]:
+            named = rate.setdefault("setup", {})
+            for variant, summaries in rate["runs"].items():
+                if variant in named or not summaries:
+                    continue
+                shared = {}
+                for key in SETUP_KEYS:
+                    values = [s[key] for s in summaries if key in s]
+                    if len(values) == len(summaries) and all(v == values[0] for v in values):
+                        shared[key] = values[0]
+                if not shared:
+                    continue
+                text = json.dumps(shared, sort_keys=True, allow_nan=False)
+                sid = hashlib.sha1(text.encode()).hexdigest()[:12]
+                setups.setdefault(sid, shared)
+                named[variant] = sid
+                for s in summaries:
+                    for key in shared:
+                        del s[key]
+            if not named:
+                del rate["setup"]
+    if not setups:
+        del doc["setups"]
+    return doc
+
+
+def expanded(doc: dict, rate: dict) -> Dict[str, List[dict]]:
+    """{variant: [summary]} of one rate's results (an entry's `results` item of history `doc`)
+    with the shared setup put back in each summary: the trainer's summaries as written."""
+    setups, named = doc.get("setups", {}), rate.get("setup", {})
+    return {variant: [{**setups.get(named.get(variant), {}), **s} for s in summaries]
+            for variant, summaries in rate["runs"].items()}
 
 
 def path_for(nodes: int, ranks_per_node: int) -> str:
@@ -99,7 +150,7 @@ def append(path: str, new: dict) -> dict:
 
     doc = load(path)
     doc["runs"].append(json_safe(new))
-    write(path, doc)
+    write(path, compact(doc))
     return doc
 
 
@@ -112,9 +163,16 @@ def write(path: str, doc: dict) -> None:
 
 
 def dumps(doc: dict) -> str:
-    """The file's layout: indented down to the trainer summaries, one summary per line; key
-    order kept (a sitting's variants are listed in the order they ran)."""
-    return _dump(doc, 0) + "\n"
+    """The file's layout: indented down to the trainer summaries, one summary per line, and
+    one shared setup per line; key order kept (a sitting's variants are listed in the order
+    they ran)."""
+    setups = doc.get("setups")
+    text = _dump({k: v for k, v in doc.items() if k != "setups"}, 0)
+    if not setups:
+        return text + "\n"
+    lines = [f'  {json.dumps(sid)}: {json.dumps(setup, allow_nan=False)}'
+             for sid, setup in setups.items()]
+    return text[:-2] + ',\n "setups": {\n' + ",\n".join(lines) + "\n }\n}\n"
 
 
 def _dump(value, depth: int) -> str:
