@@ -266,3 +266,29 @@ def test_gpu_module_matches_dense_optimizer(monkeypatch, backend, optimizer):
         dense.step()
     for p, q in zip(module.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_one_table_config_check_for_both_modules():
+    """recxla.nn's module (FP32 tables) and the sharded module (FP32 or FP16) check a table
+    config with one function: the same errors, types and words, naming the module given."""
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+
+    from recxla.nn.table_config import check_table_config
+
+    def config(**kw):
+        return EmbeddingBagConfig(num_embeddings=10, embedding_dim=8, name="h",
+                                  feature_names=["f"], **kw)
+
+    sharded = (DataType.FP32, DataType.FP16)
+    check_table_config(config(data_type=DataType.FP16), False, "S", sharded)
+    with pytest.raises(TypeError, match=r"^N: table 'h' must be FP32, got FP16"):
+        check_table_config(config(data_type=DataType.FP16), False, "N")
+    with pytest.raises(TypeError, match=r"^S: table 'h' must be FP32 or FP16, got "
+                                        r"BF16"):
+        check_table_config(config(data_type=DataType.BF16), False, "S", sharded)
+    with pytest.raises(ValueError, match=r"^S: table 'h' pooling must be SUM or MEAN"):
+        check_table_config(config(pooling=PoolingType.NONE), False, "S", sharded)
+    for owner, types in (("N", (DataType.FP32,)), ("S", sharded)):
+        with pytest.raises(NotImplementedError, match=rf"^{owner}: table 'h' has MEAN pooling, "
+                                                      r"which per-sample weights"):
+            check_table_config(config(pooling=PoolingType.MEAN), True, owner, types)

@@ -29,13 +29,14 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.fx
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection as TorchRecEmbeddingBagCollection,
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.nn import optimizers
+from recxla.nn.table_config import check_table_config
 from recxla.nn.workspace import Workspace
 from recxla.ops.dedup import segmented_unique
 from recxla.ops.embedding_bag import MEAN, SUM, FusedPooledLookup, LookupPlan
@@ -93,16 +94,7 @@ class EmbeddingBagCollection(TorchRecEmbeddingBagCollection):
         **optimizer_kwargs,
     ) -> None:
         for config in tables:
-            if config.data_type != DataType.FP32:
-                raise TypeError(f"{OWNER}: table '{config.name}' must be FP32, got "
-                                f"{config.data_type}")
-            if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-                raise ValueError(f"{OWNER}: table '{config.name}' pooling must be SUM or MEAN, "
-                                 f"got {config.pooling}")
-            if is_weighted and config.pooling == PoolingType.MEAN:
-                raise NotImplementedError(
-                    f"{OWNER}: table '{config.name}' has MEAN pooling, which per-sample weights "
-                    "(is_weighted=True) do not support, as in TorchRec's EmbeddingBagCollection")
+            check_table_config(config, is_weighted, OWNER)
         if optimizer is None and optimizer_kwargs:
             raise TypeError(f"{OWNER}: optimizer keyword arguments {sorted(optimizer_kwargs)} "
                             "given without an optimizer")

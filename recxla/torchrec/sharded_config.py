@@ -1,12 +1,12 @@
-"""What `ShardedEmbeddingBagCollection` accepts: the sharding types it shards, the table
-configs it takes, the plan's shards of a table, and the tables named by `row_exchange`.
-Each check raises a ValueError/TypeError naming the module, the table and the limit.
+"""What `ShardedEmbeddingBagCollection` accepts: the sharding types it shards, the plan's
+shards of a table, and the tables named by `row_exchange` (the table configs it takes:
+recxla.nn.table_config, shared with recxla.nn's module). Each check raises a
+ValueError/TypeError naming the module, the table and the limit.
 """
 
 from typing import List
 
 from torchrec.distributed.types import ParameterSharding, ShardingType
-from torchrec.modules.embedding_configs import DataType, PoolingType
 
 from recxla.torchrec.data_parallel import DATA_PARALLEL
 from recxla.torchrec.shard_layout import OWNER, Shard
@@ -35,20 +35,6 @@ def row_exchange_tables(row_exchange, names: List[str]) -> List[int]:
         raise ValueError(f"{OWNER}: row_exchange names unknown table(s) {unknown} (tables: "
                          f"{names})")
     return [names.index(n) for n in row_exchange]
-
-
-def check_table_config(config, weighted: bool) -> None:
-    """A table config recxla shards: FP32 or FP16, SUM or MEAN pooling (SUM when weighted)."""
-    if config.data_type not in (DataType.FP32, DataType.FP16):
-        raise TypeError(f"{OWNER}: table '{config.name}' must be FP32 or FP16, got "
-                        f"{config.data_type}")
-    if config.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-        raise ValueError(f"{OWNER}: table '{config.name}' pooling must be SUM or MEAN, got "
-                         f"{config.pooling}")
-    if weighted and config.pooling == PoolingType.MEAN:
-        # As TorchRec's EmbeddingBagCollection (torch's embedding_bag raises for it).
-        raise ValueError(f"{OWNER}: table '{config.name}': per-sample weights need SUM pooling, "
-                         "got MEAN")
 
 
 def plan_shards(t: int, name: str, sharding: ParameterSharding,

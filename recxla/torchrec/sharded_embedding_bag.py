@@ -37,7 +37,7 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection as TorchRecShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import DataType, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -47,9 +47,9 @@ from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_da
 from recxla.torchrec.replicas import ReplicaSync
 from recxla.torchrec.shard_layout import OWNER, TableInfo
 from recxla.torchrec.sharded_builder import build_sharded_parts
+from recxla.nn.table_config import check_table_config
 from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_TYPES: public here)
     SUPPORTED_SHARDING_TYPES,
-    check_table_config,
     row_exchange_tables,
 )
 from recxla.torchrec.sharded_state_dict import TableStateDict, weight_name
@@ -110,7 +110,8 @@ class ShardedEmbeddingBagCollection(TorchRecMethods, TorchRecShardedEmbeddingBag
         self._is_weighted = module.is_weighted()
         self._sharding_types = [SHARDING_NAME]  # read by TorchRec's code
         for config in configs:
-            check_table_config(config, self._is_weighted)
+            check_table_config(config, self._is_weighted, OWNER,
+                               (DataType.FP32, DataType.FP16))
             if config.name not in plan:
                 raise ValueError(f"{OWNER}: the plan has no entry for table '{config.name}'")
         # Data-parallel tables are TorchRec's (data_parallel.py); from here on `configs` are
