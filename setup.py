@@ -182,7 +182,7 @@ def main():
         install_requires=["torch>=2.14", "pyarrow>=20", "zstandard>=0.22"],
         extras_require={"ray": ["ray[data]>=2.50"], "plot": ["matplotlib>=3.8"],
                         "iceberg": ["pyiceberg[sql-sqlite,pyarrow]>=0.10", "pyiceberg-core>=0.5"]},
-        entry_points={"console_scripts": ["recxla-train = recxla.train.cli:main"]},
+        entry_points={"console_scripts": ["recxla-train = recxla.train.cli:entry"]},
     )
 
 

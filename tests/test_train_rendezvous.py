@@ -75,3 +75,42 @@ def test_a_master_addr_of_another_machine_is_a_clear_error():
     place = RankPlace(0, 2, 0, 2, "192.0.2.1", rendezvous._free_port(), False, 0)
     with pytest.raises(RuntimeError, match="cannot listen on MASTER_ADDR=192.0.2.1"):
         rendezvous._store(place, datetime.timedelta(seconds=2), host=True)
+
+
+def test_the_host_leaves_after_every_rank_has():
+    """Connection.close: the rank that hosts the store returns only once every rank has counted
+    itself out (a rank's last heartbeat must not find the store gone), or after its timeout;
+    a client returns at once."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    port = rendezvous._free_port()
+    place = RankPlace(0, 2, 0, 2, "127.0.0.1", port, False, 0)
+    timeout = datetime.timedelta(seconds=10)
+    host = rendezvous._store(place, timeout, host=True)
+    client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+
+    def connection(store, hosted):
+        return rendezvous.Connection(place, torch.device("cpu"), "gloo", store,
+                                     dist.PrefixStore("run0/", store), hosted)
+
+    first, second = connection(host, host), connection(client, None)
+    closing = threading.Thread(target=first.close)
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive()  # the other rank has not left
+    start = time.monotonic()
+    second.close()
+    assert time.monotonic() - start < 2  # a client does not wait
+    closing.join(5)
+    assert not closing.is_alive()
+    # Alone (the other rank died without counting out): the host waits its timeout, no more.
+    port = rendezvous._free_port()
+    place = RankPlace(0, 2, 0, 2, "127.0.0.1", port, False, 0)
+    lonely = rendezvous._store(place, timeout, host=True)
+    start = time.monotonic()
+    connection(lonely, lonely).close(timeout_s=0.3)
+    assert 0.25 < time.monotonic() - start < 3

@@ -1,7 +1,5 @@
 """`python -m recxla.train`: see recxla.train.cli."""
 
-import sys
+from recxla.train.cli import entry
 
-from recxla.train.cli import main
-
-sys.exit(main())
+entry()

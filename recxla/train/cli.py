@@ -157,5 +157,18 @@ def _train(config, conn, watchdog, meter) -> dict:
     return summary
 
 
+def entry() -> None:
+    """The command line (`python -m recxla.train`, `recxla-train`): main(), then the process
+    ends at once with its status, output flushed. A finished run has written everything and
+    left its process group; the interpreter's own teardown would then destroy the C++ threads
+    of torch's stores and process groups in no set order, and now and then one still running
+    aborts the process ("terminate called without an active exception", SIGABRT) after a run
+    that succeeded."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

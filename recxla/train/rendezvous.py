@@ -23,6 +23,7 @@ import datetime
 import ipaddress
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -147,9 +148,22 @@ class Connection:
     watchdog_store: dist.Store
     _host: Optional[dist.TCPStore] = None
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Destroy the process group and count this rank out of the job. The rank that hosts
+        the store (rank 0 of a job started without torchrun's agent store) waits, up to
+        `timeout_s`, until every rank has counted itself out: a rank still talking to the store
+        (its watchdog's last heartbeat) would otherwise take the host's exit for a failure."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        try:
+            left = self.watchdog_store.add("left", 1)
+            deadline = time.monotonic() + timeout_s
+            while self._host is not None and left < self.place.world_size and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+                left = self.watchdog_store.add("left", 0)
+        except RuntimeError:  # the store is gone (its host left): nothing to wait for
+            pass
 
 
 def connect(place: RankPlace, device_type: str, timeout_s: float) -> Connection:
