@@ -79,7 +79,8 @@ def _per_group(dist, bags, flat, grad_out, bag_lengths):
     pooled = [pooled_forward([r], u, b, i, o, None, [0], [SUM], BATCH)
               for r, (u, b, i, o) in zip(rows, group_bags)]
     blocks.append(torch.cat(pooled, dim=1))
-    out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in dist.assembly.gather], dim=1)
+    out = torch.cat([blocks[c.block][:, c.src: c.src + c.width]
+                     for c in dist.assembly.gather], dim=1)
     grad = torch.empty_like(flat)
     grad_blocks = [grad[o: o + BATCH * d].view(BATCH, d) for o, d in message.pooled]
     grad_blocks.append(grad_out.new_empty((BATCH, dist.assembly.row_block_width)))

@@ -17,9 +17,11 @@ def tables(dim: int = 16) -> List[EmbeddingConfig]:
     """Three tables of one dim (an EmbeddingCollection's rule), a feature two tables read (f1:
     f1@t0 and f1@t2 in the output)."""
     return [
-        EmbeddingConfig(name="t0", embedding_dim=dim, num_embeddings=53, feature_names=["f0", "f1"]),
+        EmbeddingConfig(name="t0", embedding_dim=dim, num_embeddings=53,
+                        feature_names=["f0", "f1"]),
         EmbeddingConfig(name="t1", embedding_dim=dim, num_embeddings=31, feature_names=["f2"]),
-        EmbeddingConfig(name="t2", embedding_dim=dim, num_embeddings=70, feature_names=["f3", "f1"]),
+        EmbeddingConfig(name="t2", embedding_dim=dim, num_embeddings=70,
+                        feature_names=["f3", "f1"]),
     ]
 
 

@@ -239,7 +239,8 @@ def test_errors_name_the_table_feature_and_limit():
         assert "variable batch per feature is not supported for sequence" in \
             caught["variable batch"][1]
         assert caught["several dims"][0] == "ValueError" and \
-            "table 't0' has 8" in caught["several dims"][1] and "[8, 16]" in caught["several dims"][1]
+            "table 't0' has 8" in caught["several dims"][1] \
+            and "[8, 16]" in caught["several dims"][1]
         assert caught["fp16"][0] == "TypeError" and "table 'h' must be FP32" in caught["fp16"][1]
         assert "table 't1' is planned grid_shard" in caught["sharding type"][1]
         assert "ShardedEmbeddingCollection" in caught["sharding type"][1]

@@ -22,6 +22,7 @@ instead of reading other rows. A transform that raises, or calls sys.exit, is an
 it: it never ends the job quietly.
 """
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -29,7 +30,7 @@ import inspect
 import os
 import site
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import pyarrow as pa
 
@@ -124,13 +125,14 @@ def _from_file(name: str, path: str):
     return module
 
 
-def _installed_roots() -> List[str]:
+@functools.lru_cache(maxsize=1)
+def _installed_roots() -> Tuple[str, ...]:
     """Folders of code that is not the job's own: the interpreter's library, the installed
     packages, and recxla itself."""
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(),
              site.getusersitepackages(),
              os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    return [os.path.join(os.path.realpath(r), "") for r in roots if r]
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
 
 
 def _is_user_module(module) -> bool:

@@ -39,6 +39,18 @@ def is_data_parallel(sharding: ParameterSharding) -> bool:
     return sharding.sharding_type == DATA_PARALLEL
 
 
+def broadcast_from_first(weights, env: ShardingEnv) -> None:
+    """Every replica of `weights` set to the group's first rank's, so that all start equal
+    (each rank built its own from the unsharded module or the tables' init_fn)."""
+    if env.world_size <= 1:
+        return
+    group = env.process_group
+    src = 0 if group is None or group is dist.group.WORLD else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for weight in weights:
+            dist.broadcast(weight.data, src=src, group=group)
+
+
 class DataParallelTables:
     """The data-parallel tables of one sharded module, as TorchRec shards them.
 
@@ -74,13 +86,8 @@ class DataParallelTables:
             with torch.no_grad():
                 for n in names:
                     self.weights[n].copy_(module.embedding_bags[n].weight)
-        if device.type != "meta" and env.world_size > 1:
-            group = env.process_group
-            src = 0 if group is None or group is dist.group.WORLD else \
-                dist.get_global_rank(group, 0)
-            with torch.no_grad():
-                for n in names:
-                    dist.broadcast(self.weights[n].data, src=src, group=group)
+        if device.type != "meta":
+            broadcast_from_first(self.weights.values(), env)
         # The sub-collection's features, in the order its input dist expects them.
         self.feature_names = list(dict.fromkeys(f for c in configs for f in c.feature_names))
         self._selection: Dict[Tuple[str, ...], List[int]] = {}
@@ -223,13 +230,8 @@ class SequenceDataParallelTables:
                     else:
                         c.init_fn(weight)
             self.weights[c.name] = nn.Parameter(weight)
-        if device.type != "meta" and env.world_size > 1:
-            group = env.process_group
-            src = 0 if group is None or group is dist.group.WORLD else \
-                dist.get_global_rank(group, 0)
-            with torch.no_grad():
-                for weight in self.weights.values():
-                    dist.broadcast(weight.data, src=src, group=group)
+        if device.type != "meta":
+            broadcast_from_first(self.weights.values(), env)
         self.feature_names = list(dict.fromkeys(f for _, _, f in slots))
         self._slots = slots
         lookup = _SequenceLookup(self.weights, slots)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torchrec import optim as torchrec_optim
 from torchrec.optim.keyed import KeyedOptimizer
 
 from recxla.nn.optimizers import check_hyperparameters
@@ -115,14 +116,9 @@ def table_update(table: str, weight: torch.Tensor, fused_params: Optional[Dict[s
 
 # Optimizer classes TorchRec's sharder accepts from apply_optimizer_in_backward, by kind
 # (torchrec.distributed.utils._OPTIMIZER_CLASS_TO_EMB_OPT_TYPE, those recxla's update runs).
-_ATTACHED_KINDS = {torch.optim.SGD: SGD, torch.optim.Adagrad: ADAGRAD}
-try:
-    from torchrec import optim as _torchrec_optim
-
-    _ATTACHED_KINDS.update({_torchrec_optim.SGD: SGD, _torchrec_optim.Adagrad: ADAGRAD,
-                            _torchrec_optim.RowWiseAdagrad: ROWWISE_ADAGRAD})
-except ImportError:  # pragma: no cover - torchrec is a dependency of this package
-    pass
+_ATTACHED_KINDS = {torch.optim.SGD: SGD, torch.optim.Adagrad: ADAGRAD,
+                   torchrec_optim.SGD: SGD, torchrec_optim.Adagrad: ADAGRAD,
+                   torchrec_optim.RowWiseAdagrad: ROWWISE_ADAGRAD}
 # torch's Adagrad hyperparameters that FBGEMM's update has no argument for: recxla honours
 # them (a torch user's lr_decay and accumulator start), so they pass to the update as given.
 _TORCH_ONLY = ("lr_decay", "initial_accumulator_value", "maximize")

@@ -139,8 +139,8 @@ class IdEncoder:
                                           torch.tensor(i, device=lengths.device), right=True))
             table = layout.tables[layout.input_slot_table[slot]]
             raise IndexError(
-                f"{self.layout.owner}: feature '{layout.input_slot_feature[slot]}' has id {int(values[i])} "
-                f"outside [0, {table.num_embeddings}) (table '{table.name}' has "
+                f"{self.layout.owner}: feature '{layout.input_slot_feature[slot]}' has id "
+                f"{int(values[i])} outside [0, {table.num_embeddings}) (table '{table.name}' has "
                 f"{table.num_embeddings} rows)")
         rows = None
         if self.rows.active:
@@ -179,19 +179,21 @@ class IdEncoder:
         position = {k: i for i, k in enumerate(keys)}
         missing = [f for f in self.required_features if f not in position]
         if missing:
-            raise ValueError(f"{self.layout.owner}: feature '{missing[0]}' is missing from the input "
-                             f"(keys: {keys}; the module reads {self.required_features})")
+            raise ValueError(f"{self.layout.owner}: feature '{missing[0]}' is missing from the "
+                             f"input (keys: {keys}; the module reads {self.required_features})")
         values, lengths = features.values(), features.lengths()
         if values.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{self.layout.owner}: ids must be int32 or int64, got {values.dtype}")
+            raise TypeError(f"{self.layout.owner}: ids must be int32 or int64, got "
+                            f"{values.dtype}")
         batch = features.stride()
         if lengths.numel() != len(keys) * batch:
-            raise ValueError(f"{self.layout.owner}: lengths has {lengths.numel()} entries, but {len(keys)} "
-                             f"features x batch size {batch} need {len(keys) * batch}")
+            raise ValueError(f"{self.layout.owner}: lengths has {lengths.numel()} entries, but "
+                             f"{len(keys)} features x batch size {batch} need "
+                             f"{len(keys) * batch}")
         if lengths.numel() and int(lengths.min()) < 0:
             i = int(torch.nonzero(lengths < 0)[0])
-            raise ValueError(f"{self.layout.owner}: feature '{keys[i // batch]}' has a negative length "
-                             f"({int(lengths[i])}) at sample {i % batch}")
+            raise ValueError(f"{self.layout.owner}: feature '{keys[i // batch]}' has a negative "
+                             f"length ({int(lengths[i])}) at sample {i % batch}")
         if self.max_bag_length is not None and lengths.numel() and \
                 int(lengths.max()) > self.max_bag_length:
             i = int(torch.nonzero(lengths > self.max_bag_length)[0])
@@ -200,7 +202,8 @@ class IdEncoder:
                              f"max_sequence_length={self.max_bag_length}")
         weights = features.weights_or_none()
         if self.is_weighted and weights is None:
-            raise ValueError(f"{self.layout.owner}: the module is weighted but the input has no weights")
+            raise ValueError(f"{self.layout.owner}: the module is weighted but the input has no "
+                             "weights")
         order = [position[f] for f in layout.input_slot_feature]
         if order != list(range(len(keys))):
             features = features.permute(order)

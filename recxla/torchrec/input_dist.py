@@ -15,7 +15,7 @@ first all-to-all, so every rank raises before any id moves: the rank with the ba
 its own error, the others say which rank failed. No rank is left waiting in a collective.
 """
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,15 +64,12 @@ class IdRouter:
                                  max_bag_length)
         self.decoder = IdDecoder(layout, self.encoder.rows, device, is_weighted)
 
-    @property
-    def required_features(self) -> List[str]:
-        """Features every batch must hold: the layout's, and those of tables looked up
-        elsewhere (data-parallel ones) that the sharded module adds."""
-        return self.encoder.required_features
-
-    @required_features.setter
-    def required_features(self, features: List[str]) -> None:
-        self.encoder.required_features = features
+    def require(self, features: Sequence[str]) -> None:
+        """Check that every batch also holds `features`: those of tables the sharded module
+        looks up elsewhere (data-parallel ones), checked on every rank before any id moves,
+        like the layout's own."""
+        self.encoder.required_features = list(dict.fromkeys(
+            list(self.encoder.required_features) + list(features)))
 
     def start(self, features: KeyedJaggedTensor,
               micro_batch_sizes: Optional[Sequence[int]] = None) -> "SizesInFlight":
@@ -87,9 +84,9 @@ class IdRouter:
         try:
             if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
                 if self.expand_rows:
-                    raise ValueError(f"{self.layout.owner}: a batch with variable batch per feature is not "
-                                     "supported for sequence embeddings; give every feature "
-                                     "the same batch size")
+                    raise ValueError(f"{self.layout.owner}: a batch with variable batch per "
+                                     "feature is not supported for sequence embeddings; give "
+                                     "every feature the same batch size")
                 features = expand_variable_batch(features)
                 if micro_batch_sizes is not None and len(micro_batch_sizes) > 1:
                     raise ValueError(f"{self.layout.owner}: a batch with variable batch per "
@@ -99,8 +96,8 @@ class IdRouter:
             batch = features.stride() if isinstance(features, KeyedJaggedTensor) else 0
             micro = [batch] if micro_batch_sizes is None else [int(m) for m in micro_batch_sizes]
             if any(m < 0 for m in micro) or sum(micro) != batch:
-                raise ValueError(f"{self.layout.owner}: micro_batch_sizes {micro} must be >= 0 and sum to "
-                                 f"the batch size {batch}")
+                raise ValueError(f"{self.layout.owner}: micro_batch_sizes {micro} must be >= 0 "
+                                 f"and sum to the batch size {batch}")
             blocks = self.encoder.encode(features, micro)
             error = None
         except (ValueError, TypeError, IndexError) as e:
@@ -159,8 +156,8 @@ class SizesInFlight(Awaitable["IdsInFlight"]):
         failed = [r for r, row in enumerate(meta) if row[0] != wire.STATUS_OK]
         if failed:
             raise InputDistError(
-                f"{router.layout.owner}: the batch of rank(s) {failed} failed its checks (that rank raised "
-                "the reason); no ids were exchanged")
+                f"{router.layout.owner}: the batch of rank(s) {failed} failed its checks (that "
+                "rank raised the reason); no ids were exchanged")
         me = router.layout.rank
         recv_sizes = router.decoder.block_sizes(meta)
         for r, size in enumerate(recv_sizes):

@@ -59,8 +59,8 @@ class RowRouting:
         # shard each).
         routes = [{len(r) for r in block_routes} for block_routes in layout.block_routes]
         if expand and any(len(r) != 1 for r in routes):
-            raise ValueError(f"{layout.owner}: expanded rows need every row block of a table cut into "
-                             "the same column shards")
+            raise ValueError(f"{layout.owner}: expanded rows need every row block of a table "
+                             "cut into the same column shards")
         self.routes_per_slot = torch.tensor([min(r) for r in routes] if expand else [],
                                             dtype=torch.int64, device=device)
 

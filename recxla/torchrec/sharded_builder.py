@@ -4,15 +4,15 @@ One function for both of recxla's sharded modules (types.py): the pooled
 `ShardedEmbeddingBagCollection` and the sequence `ShardedEmbeddingCollection` give it their
 tables (TableInfo, the configs, the unsharded weights), the plan and their options, and get
 back the layout, the local shards and their optimizer state, the fused optimizer, the input
-and output dists. What differs between the two is passed in: which tables are exchanged as
-rows (the sequence module: all) and the receiver's assembly (pooling or expanding). The modules register the local
+and output dists. What differs between the two is passed in: which tables are exchanged as rows (the sequence
+module: all) and the receiver's assembly (pooling or expanding). The modules register the local
 shards as their Parameters under their own attribute (`embedding_bags` or `embeddings`,
-`weight_prefix`; `LocalTables.parameters`).
+`weight_prefix`; `table_holders`).
 
 Weights: each rank holds, per table, one float32 Parameter per local shard (an empty one where
-it holds none). They start as copies of the unsharded module's weights
-when those have values (a module built on CPU), else from each table's init_fn; on the meta
-device they are shapes only. FP16 tables hold float16 values in their float32 shards
+it holds none). They start as copies of the unsharded module's weights when those have values
+(a module built on CPU), else from each table's init_fn; on the meta device they are shapes
+only. FP16 tables hold float16 values in their float32 shards
 (fp16_tables.py).
 """
 
@@ -37,7 +37,8 @@ from recxla.torchrec.shard_layout import OWNER, ShardLayout, TableInfo
 from recxla.torchrec.sequence_output import ExpandedAssembly
 from recxla.torchrec.sharded_config import SUPPORTED_SHARDING_TYPES, plan_shards
 from recxla.torchrec.sharded_parts import Fp16Parts, LocalTables, ShardedParts
-from recxla.torchrec.sharded_state_dict import (global_rank, initial_weight, sharded_tensor)
+from recxla.torchrec.sharded_state_dict import (global_rank, initial_weight, sharded_tensor,
+                                                 weight_name)
 from recxla.torchrec.types import PooledTables
 
 
@@ -185,6 +186,24 @@ def build_sharded_parts(
         tables=local, fp16=fp16, optim=optim, router=router,
         output=OutputDist(layout, group, fwd_comm, bwd_comm, stats, assembly),
         replicas=replicas, stats=stats)
+
+
+def table_holders(parts: ShardedParts, names: Sequence[str],
+                  replicated: Dict[str, nn.Parameter]) -> nn.ModuleDict:
+    """The module's tables as TorchRec's module keeps them (its `embedding_bags` or
+    `embeddings`), in the unsharded module's order `names`: per table an nn.Module holding its
+    Parameters. A sharded table holds this rank's shards as `weight`, `weight_1`, ...
+    (state_dict shows them as the one ShardedTensor `weight`, sharded_state_dict.py); a
+    replicated (data-parallel) table, `replicated[name]`, holds its whole weight as `weight`."""
+    holders = {}
+    for name, params in zip(parts.tables.names, parts.tables.parameters):
+        holders[name] = nn.Module()
+        for k, param in enumerate(params):
+            holders[name].register_parameter(weight_name(k), param)
+    for name, weight in replicated.items():
+        holders[name] = nn.Module()
+        holders[name].register_parameter("weight", weight)
+    return nn.ModuleDict({name: holders[name] for name in names})
 
 
 def placeholder_weight(device: torch.device) -> nn.Parameter:

@@ -32,7 +32,6 @@ lengths [B]; with `need_indices` its weights are the ids. state_dict holds one S
 from typing import Any, Dict, List, Optional
 
 import torch
-from torch import nn
 from torchrec.distributed.embedding import (
     ShardedEmbeddingCollection as TorchRecShardedEmbeddingCollection,
 )
@@ -47,9 +46,9 @@ from recxla.ops.embedding_bag import SUM
 from recxla.torchrec.data_parallel import SequenceDataParallelTables, is_data_parallel
 from recxla.torchrec.replicas import ReplicaSync
 from recxla.torchrec.shard_layout import TableInfo
-from recxla.torchrec.sharded_builder import build_sharded_parts
+from recxla.torchrec.sharded_builder import build_sharded_parts, table_holders
 from recxla.torchrec.sharded_config import SUPPORTED_SHARDING_TYPES
-from recxla.torchrec.sharded_state_dict import TableStateDict, weight_name
+from recxla.torchrec.sharded_state_dict import TableStateDict
 from recxla.torchrec.sharded_steps import ShardedSteps
 from recxla.torchrec.torchrec_interface import SHARDING_NAME, TorchRecFace, TorchRecMethods
 
@@ -164,24 +163,13 @@ class ShardedEmbeddingCollection(TorchRecMethods, TorchRecShardedEmbeddingCollec
                                  [n for _, table in model_parallel for n in table]))
         self._face = TorchRecFace(self.steps, module_fqn, self._complete, _samples)
         self.comm_stats = self.parts.stats
-        # Per table one Parameter per local shard: `weight`, then `weight_1`, ... (state_dict
-        # shows them as the one ShardedTensor `weight`); data-parallel tables: the replica.
-        holders = {}
-        for config, params in zip(configs, self.parts.tables.parameters):
-            holders[config.name] = nn.Module()
-            for k, param in enumerate(params):
-                holders[config.name].register_parameter(weight_name(k), param)
+        # The data-parallel tables' replicas under their usual names.
+        replicated = {} if self._data_parallel is None else self._data_parallel.weights
+        self.module_sharding_plan.update({name: plan[name] for name in replicated})
+        self.embeddings = table_holders(self.parts, [c.name for c in self._embedding_configs],
+                                        replicated)
         if self._data_parallel is not None:
-            for name, weight in self._data_parallel.weights.items():
-                self.module_sharding_plan[name] = plan[name]
-                holders[name] = nn.Module()
-                holders[name].register_parameter("weight", weight)
-            # Checked on every rank before any id moves, like the router's own features.
-            router = self.parts.router
-            router.required_features = list(dict.fromkeys(
-                router.required_features + self._data_parallel.feature_names))
-        self.embeddings = nn.ModuleDict({c.name: holders[c.name]
-                                         for c in self._embedding_configs})
+            self.parts.router.require(self._data_parallel.feature_names)
         TableStateDict(self.parts, "embeddings").install(self)
 
     # ------------------------------------------------------------------ TorchRec interface

@@ -31,7 +31,6 @@ dtype), and load_state_dict takes ShardedTensors or full unsharded tensors
 from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
-from torch import nn
 from torchrec.distributed.embedding_types import ShardedEmbeddingModule
 from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection as TorchRecShardedEmbeddingBagCollection,
@@ -46,13 +45,13 @@ from recxla.ops.embedding_bag import MEAN, SUM
 from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_data_parallel
 from recxla.torchrec.replicas import ReplicaSync
 from recxla.torchrec.shard_layout import OWNER, TableInfo
-from recxla.torchrec.sharded_builder import build_sharded_parts
+from recxla.torchrec.sharded_builder import build_sharded_parts, table_holders
 from recxla.nn.table_config import check_table_config
 from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_TYPES: public here)
     SUPPORTED_SHARDING_TYPES,
     row_exchange_tables,
 )
-from recxla.torchrec.sharded_state_dict import TableStateDict, weight_name
+from recxla.torchrec.sharded_state_dict import TableStateDict
 from recxla.torchrec.sharded_steps import ShardedSteps
 from recxla.torchrec.torchrec_interface import SHARDING_NAME, TorchRecFace, TorchRecMethods
 
@@ -139,27 +138,13 @@ class ShardedEmbeddingBagCollection(TorchRecMethods, TorchRecShardedEmbeddingBag
         self._face = TorchRecFace(self.steps, module_fqn, self._complete,
                                   lambda output: output.values().shape[0])
         self.comm_stats = self.parts.stats
-        # Per table one Parameter per local shard: `weight`, then `weight_1`, ... (state_dict
-        # shows them as the one ShardedTensor `weight`).
-        self.embedding_bags = nn.ModuleDict()
-        for config, params in zip(configs, self.parts.tables.parameters):
-            holder = nn.Module()
-            for k, param in enumerate(params):
-                holder.register_parameter(weight_name(k), param)
-            self.embedding_bags[config.name] = holder
+        # TorchRec's replicated weights of the data-parallel tables under their usual names.
+        replicated = {} if self._data_parallel is None else self._data_parallel.weights
+        self.module_sharding_plan.update({name: plan[name] for name in replicated})
+        self.embedding_bags = table_holders(
+            self.parts, [c.name for c in self._embedding_bag_configs], replicated)
         if self._data_parallel is not None:
-            # TorchRec's replicated weights, under their usual names, in the module's order.
-            for name, weight in self._data_parallel.weights.items():
-                self.module_sharding_plan[name] = plan[name]
-                holder = nn.Module()
-                holder.register_parameter("weight", weight)
-                self.embedding_bags[name] = holder
-            self.embedding_bags = nn.ModuleDict(
-                {c.name: self.embedding_bags[c.name] for c in self._embedding_bag_configs})
-            # Checked on every rank before any id moves, like the router's own features.
-            router = self.parts.router
-            router.required_features = list(dict.fromkeys(
-                router.required_features + self._data_parallel.feature_names))
+            self.parts.router.require(self._data_parallel.feature_names)
         TableStateDict(self.parts, "embedding_bags").install(self)
 
     # ------------------------------------------------------------------ TorchRec interface

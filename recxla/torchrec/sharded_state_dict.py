@@ -163,8 +163,8 @@ class TableStateDict:
                 if list(local.metadata.shard_offsets) == [shard.row_offset, shard.col_offset] \
                         and list(local.metadata.shard_sizes) == [shard.rows, shard.cols]:
                     return local.tensor
-            raise ValueError(f"{self.parts.layout.owner}: {key} holds no shard at rows {shard.row_offset}+"
-                             f"{shard.rows}, columns {shard.col_offset}+{shard.cols} on rank "
+            raise ValueError(f"{self.parts.layout.owner}: {key} holds no shard at rows "
+                             f"{shard.row_offset}+{shard.rows}, columns {shard.col_offset}+{shard.cols} on rank "
                              f"{self.parts.layout.rank}: it was saved with another plan")
         if isinstance(value, torch.Tensor) and \
                 tuple(value.shape) == (table.num_embeddings, table.embedding_dim):

@@ -11,9 +11,9 @@ target attention, as one torch MultiheadAttention).
     interaction       DLRM's, over the F pooled features and the attention's output
 
 Built from TorchRec and torch modules only: DLRM's arches, an EmbeddingCollection and the
-parameters of a torch.nn.MultiheadAttention. Each sample attends over its own history, so no layer mixes
-samples (recxla.pipeline's micro-batches keep the step exact), and the loss is DLRMTrain's
-mean BCE over the samples.
+parameters of a torch.nn.MultiheadAttention. Each sample attends over its own history, so no
+layer mixes samples (recxla.pipeline's micro-batches keep the step exact), and the loss is
+DLRMTrain's mean BCE over the samples.
 """
 
 from typing import List, Optional

@@ -131,17 +131,16 @@ def resolve_row_exchange(config: TrainConfig, tables, sample, shard_world: int) 
 
 
 def sharder_description(config: TrainConfig, row_tables=()) -> str:
+    sequence = " and EmbeddingCollectionSharder" if config.model == "history" else ""
     if config.baseline:
         plan = "" if config.sharding != "auto" else (
             ", TorchRec's own plan" if config.baseline_plan == "torchrec"
             else ", the recxla path's plan")
-        sequence = " and EmbeddingCollectionSharder" if config.model == "history" else ""
         return (f"torchrec EmbeddingBagCollectionSharder{sequence}, {config.baseline_comms} "
                 f"comms{plan}")
     dedup = "dedup'd ids" if config.dedup_ids else "ids not dedup'd"
     rows = f", row exchange for {len(row_tables)} tables" if row_tables else ""
     plan = ", TorchRec's own plan" if config.data_parallel_tables else ""
-    sequence = " and EmbeddingCollectionSharder" if config.model == "history" else ""
     return (f"recxla EmbeddingBagCollectionSharder{sequence}, {config.fwd_comm}/"
             f"{config.bwd_comm} comms, {dedup}{rows}{plan}")
 
@@ -216,9 +215,9 @@ def plan_summary(plan: ShardingPlan) -> Dict[str, dict]:
 def shard_model(model: torch.nn.Module, sharders: list, plan: ShardingPlan,
                 device: torch.device, config: Optional[TrainConfig] = None,
                 topology=None) -> DistributedModelParallel:
-    """DMP of `model` with `sharders` (build_sharders) and `plan`. The dense part's gradient all-reduce goes
-    through torch's Python all-reduce hook (the same math as DDP's built-in one), so that the
-    communication meter sees it.
+    """DMP of `model` with `sharders` (build_sharders) and `plan`. The dense part's gradient
+    all-reduce goes through torch's Python all-reduce hook (the same math as DDP's built-in
+    one), so that the communication meter sees it.
 
     Sets TorchRec's gradient division to GRADIENT_DIVISION, which both sharders read: both
     paths scale the embedding gradients alike (`gradient_division_description`).
