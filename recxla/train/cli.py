@@ -13,8 +13,8 @@ A run (`main`, `run`, then `_train` a step a line):
     -> model: TorchRec's DLRM or DLRM_DCN (recxla.train.models)
     -> plan and shard: the plan, the tables exchanged as rows, DMP with this path's sharder,
        seeded tables, the optimizer (recxla.train.sharding)
-    -> resume: the checkpoint's state, with --resume
     -> pipeline: one of TorchRec's, metered, or recxla's TrainPipeline
+    -> resume: the checkpoint's state, with --resume
     -> the loop: --steps steps, measured after the warm-up, with a checkpoint every
        --checkpoint-every steps and one at the end
     -> evaluation: AUC and log loss on the held-out split
@@ -140,8 +140,10 @@ def _train(config, conn, watchdog, meter) -> dict:
                         data.history_features() if config.model == "history" else None)
     with meter.phase("setup"):
         sharded = stages.plan_and_shard(config, place, device, watchdog, data, tables, model)
+        # The pipeline first: it owns the compressed dense all-reduce's state, which a resume
+        # loads.
+        pipeline, timeline = stages.make_pipeline(config, device, meter, sharded)
         start = stages.resume(config, watchdog, sharded)
-    pipeline, timeline = stages.make_pipeline(config, device, meter, sharded)
     measured = stages.train_loop(config, conn, watchdog, meter, data, sharded, pipeline, start)
     if config.trace:
         write_trace(config.trace, timeline, meter, place.rank, place.world_size)
