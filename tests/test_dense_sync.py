@@ -17,7 +17,7 @@ def _sync_body(rank, world, seed, wire, bucket_view, by_node=False):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from recxla.pipeline.dense_sync import MicroBatchGradientSync, wire_dtype
+    from recxla.pipeline.dense_sync import DenseAllReduce, MicroBatchGradientSync
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
@@ -62,9 +62,8 @@ def _sync_body(rank, world, seed, wire, bucket_view, by_node=False):
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=bucket_view,
                                   bucket_cap_mb=0.001)
     sync = MicroBatchGradientSync.for_ddp(ddp)
-    if wire == "powersgd":
-        sync.compressor(wire, nodes, start_step=0)
-    sync.wire, sync.deferred, sync.nodes = wire_dtype(wire), True, nodes
+    powersgd = {"powersgd_start": 0} if wire == "powersgd" else {}
+    sync.begin_step(DenseAllReduce(wire, nodes, **powersgd))
     ddp(x).sum().backward()
     before_wait = grads(ddp)
     pending = len(sync.in_flight)
@@ -126,4 +125,25 @@ def _mismatched_nodes_body(rank, world):
 
 def test_node_layout_must_match_ddp_group():
     message = run_distributed(_mismatched_nodes_body, 2)[0]
-    assert "lays out 2 nodes x 2 ranks, but DDP's group has 2 ranks" in message, message
+    assert "lay out 2 nodes x 2 ranks, but DDP's group has 2 ranks" in message, message
+
+
+def test_dense_allreduce_refuses_what_it_cannot_do():
+    """One value says how the dense gradients travel; options of another wire, a node layout
+    that is none and bad PowerSGD options are refused by name."""
+    from recxla.pipeline import DenseAllReduce
+
+    assert DenseAllReduce.of("bf16") == DenseAllReduce("bf16")
+    assert DenseAllReduce("powersgd", powersgd_rank=2, powersgd_start=3).compressor_options \
+        == {"rank": 2, "start_step": 3}
+    with pytest.raises(ValueError, match="dense_allreduce must be one of"):
+        DenseAllReduce("fp16")
+    with pytest.raises(ValueError, match="powersgd_rank and powersgd_start set the PowerSGD "
+                                         "wire, not 'fp8'"):
+        DenseAllReduce("fp8", powersgd_rank=2)
+    with pytest.raises(ValueError, match="powersgd_rank must be an int >= 1, got 0"):
+        DenseAllReduce("powersgd", powersgd_rank=0)
+    with pytest.raises(TypeError, match="nodes must be a recxla.torchrec.Topology2D"):
+        DenseAllReduce("fp32", nodes=2)
+    with pytest.raises(TypeError, match="dense_allreduce must be a wire's name"):
+        DenseAllReduce.of(2)

@@ -86,20 +86,18 @@ def _pipeline_body(rank, world, seed, configurations, steps, batch, kind, fwd, b
         if dense_wire not in references:
             references[dense_wire] = sequential_loop(dense_wire)
         want = references[dense_wire]
-        correct = options.pop("correct", True)
-        hold_changed = options.pop("hold_changed", True)
+        planted = _planted_stale_read(options.pop("stale_read", None))
         model, dense, _ = build(options.pop("row_exchange", "off"))
         timeline = Timeline()
         pipeline = TrainPipeline(model, dense, torch.device("cpu"), timeline=timeline, **options)
-        pipeline._correct_early_lookups = correct
-        pipeline._hold_changed_rows = hold_changed
         data, trained, outputs = iter(mine), 0, []
-        while True:
-            try:
-                outputs.append(pipeline.progress(data))
-            except StopIteration:
-                break
-            trained += 1
+        with planted:
+            while True:
+                try:
+                    outputs.append(pipeline.progress(data))
+                except StopIteration:
+                    break
+                trained += 1
         got = _state(model)
         error = max(cases.relative(g, w) for key in want for g, w in zip(got[key], want[key]))
         # The output of the last batch: (loss, logits, labels) in the loader's sample order.
@@ -184,15 +182,42 @@ def test_pipeline_on_one_rank_equals_sequential_loop(seed):
         assert error <= 1e-5, (name, error)
 
 
+def _planted_stale_read(kind):
+    """A context in which the pipeline reads stale rows, as a schedule bug would: "uncorrected"
+    (the early DBP lookup without its correction for the rows the update changed) or
+    "early changed rows" (early rows that send the cells the update changes early too, their
+    values from before it); None: nothing planted."""
+    import contextlib
+    from unittest import mock
+
+    from recxla.torchrec import early_rows
+
+    def none_late(find):
+        return lambda *args: torch.zeros_like(find(*args))
+
+    if kind is None:
+        return contextlib.nullcontext()
+    if kind == "uncorrected":
+        return mock.patch("recxla.torchrec.early_lookup.EarlyLookup.corrected",
+                          lambda self: self.output.detach())
+    assert kind == "early changed rows", kind
+    stack = contextlib.ExitStack()
+    for name in ("late_bags", "_late_requests"):
+        stack.enter_context(mock.patch.object(early_rows, name,
+                                              none_late(getattr(early_rows, name))))
+    return stack
+
+
 def test_planted_stale_read_is_caught(seed):
     """The early DBP lookup without its correction, and early rows that send the rows and bags
     the update changes early too, read rows the previous update changed: the comparison with
     the sequential loop fails by far more than rounding."""
-    stale = {"stale": dict(num_micro_batches=2, dbp_lookup="early", correct=False),
+    stale = {"stale": dict(num_micro_batches=2, dbp_lookup="early", stale_read="uncorrected"),
              "corrected": dict(num_micro_batches=2, dbp_lookup="early"),
              "stale rows": dict(num_micro_batches=2, row_exchange="all", early_rows=True,
-                                hold_changed=False),
-             "stale bags": dict(num_micro_batches=2, early_rows=True, hold_changed=False),
+                                stale_read="early changed rows"),
+             "stale bags": dict(num_micro_batches=2, early_rows=True,
+                                stale_read="early changed rows"),
              "held rows": dict(num_micro_batches=2, row_exchange="all", early_rows=True)}
     results = run_distributed(_pipeline_body, world_size=2,
                               args=(seed, stale, 4, 6, "table_wise", "fp32", "fp32"),
@@ -241,8 +266,10 @@ def test_pipeline_rejects_bad_options():
         TrainPipeline(NoShardedModules(), None, torch.device("cpu"))
     with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1"):
         TrainPipeline(NoShardedModules(), None, torch.device("cpu"), num_micro_batches=0)
-    with pytest.raises(TypeError, match="dense_allreduce_nodes must be a recxla.torchrec.Topo"):
-        TrainPipeline(NoShardedModules(), None, torch.device("cpu"), dense_allreduce_nodes=2)
+    with pytest.raises(TypeError, match="dense_allreduce must be a wire's name"):
+        TrainPipeline(NoShardedModules(), None, torch.device("cpu"), dense_allreduce=2)
+    with pytest.raises(ValueError, match="dense_allreduce must be one of"):
+        TrainPipeline(NoShardedModules(), None, torch.device("cpu"), dense_allreduce="fp16")
 
 
 def _integer_gathers_body(rank, world, seed, configurations):

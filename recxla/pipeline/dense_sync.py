@@ -10,8 +10,8 @@ torch's bf16_compress_hook does the same for one micro-batch); "fp8" as e4m3 wit
 128 values and error feedback (recxla.distributed.FP8AllReduce: about a quarter of the bytes);
 "powersgd" as low-rank factors with error feedback (recxla.distributed.PowerSGDAllReduce:
 about a fiftieth of bf16's bytes on the default DLRM, the backward's buckets sent together
-with the last). Both by node or over every rank; their state (residuals, factors) is
-`compressor(wire, nodes).state_dict()`, which a checkpoint saves.
+with the last). Both by node or over every rank; their state (residuals, factors) is the
+pipeline's `dense_allreduce_state`, which a checkpoint saves.
 
 Deferred wait: inside a pipeline's step the all-reduces are not waited for at the end of the
 backward (where DDP waits for its buckets) but just before the dense optimizer step
@@ -28,13 +28,16 @@ inside each node, then each rank sends 1/ranks_per_node of it across the nodes
 ring). It needs the deferred wait (its last collective runs at `wait()`); a bucket DDP waits
 for itself goes by the ring.
 
-A DDP module takes one comm hook, so every pipeline on the same model shares one
-MicroBatchGradientSync (`for_ddp`). Outside a pipeline's step it is left at sync=True in fp32,
-not deferred: DDP's own all-reduce (average over the ranks), so the model trains on its own as
-without it.
+The pipeline takes all of this as one value, a `DenseAllReduce` (wire, node layout, PowerSGD's
+rank and start), and owns the sync made from it. A DDP module takes one comm hook, so every
+pipeline on the same model shares one MicroBatchGradientSync (`for_ddp`), each giving it its
+DenseAllReduce at the start of its steps (`begin_step`). Outside a pipeline's step the hook is
+DDP's own all-reduce (fp32, averaged over the ranks, waited for by DDP), so the model trains on
+its own as without it.
 """
 
 import weakref
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -44,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 from recxla.distributed.all_reduce_by_node import all_reduce_by_node
 from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.distributed.fp8_all_reduce import FP8AllReduce
-from recxla.distributed.powersgd_all_reduce import PowerSGDAllReduce
+from recxla.distributed.powersgd_all_reduce import DEFAULT_START_STEP, PowerSGDAllReduce
 from recxla.pipeline.choices import DENSE_ALLREDUCE_FORMATS as PRECISIONS
 from recxla.pipeline.micro_batches import OWNER
 
@@ -73,18 +76,72 @@ def check_nodes(nodes, ddp: Optional[DistributedDataParallel]) -> None:
         return
     for attr in ("num_nodes", "ranks_per_node", "shard_group", "replica_group"):
         if not hasattr(nodes, attr):
-            raise TypeError(f"{OWNER}: dense_allreduce_nodes must be a "
+            raise TypeError(f"{OWNER}: DenseAllReduce's nodes must be a "
                             f"recxla.torchrec.Topology2D (make_topology_2d), got "
                             f"{type(nodes).__name__}")
     if ddp is None:
         return
     world = dist.get_world_size(ddp.process_group)
     if world != dist.get_world_size():
-        raise ValueError(f"{OWNER}: dense_allreduce_nodes needs DDP over every rank; its group "
+        raise ValueError(f"{OWNER}: DenseAllReduce's nodes need DDP over every rank; its group "
                          f"has {world} of {dist.get_world_size()}")
     if nodes.num_nodes * nodes.ranks_per_node != world:
-        raise ValueError(f"{OWNER}: dense_allreduce_nodes lays out {nodes.num_nodes} nodes x "
+        raise ValueError(f"{OWNER}: DenseAllReduce's nodes lay out {nodes.num_nodes} nodes x "
                          f"{nodes.ranks_per_node} ranks, but DDP's group has {world} ranks")
+
+
+@dataclass(frozen=True)
+class DenseAllReduce:
+    """How a TrainPipeline all-reduces the dense gradients (its `dense_allreduce`), one value.
+
+    Args:
+        wire: "fp32", "bf16", "fp8" (e4m3 with error feedback, FP8AllReduce) or "powersgd"
+            (low-rank factors with error feedback, PowerSGDAllReduce).
+        nodes: the node layout (recxla.torchrec.make_topology_2d) to all-reduce by node (see
+            the module docstring); None: one all-reduce over DDP's group.
+        powersgd_rank: wire "powersgd": the factors' columns per matrix.
+        powersgd_start: wire "powersgd": averages of each parameter sent whole before it is
+            compressed.
+    """
+
+    wire: str = "fp32"
+    nodes: object = None
+    powersgd_rank: int = 1
+    powersgd_start: int = DEFAULT_START_STEP
+
+    def __post_init__(self):
+        wire_dtype(self.wire)
+        check_nodes(self.nodes, None)
+        for name, value, least in (("powersgd_rank", self.powersgd_rank, 1),
+                                   ("powersgd_start", self.powersgd_start, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{OWNER}: DenseAllReduce's {name} must be an int >= {least}, "
+                                 f"got {value!r}")
+        if self.wire != "powersgd" and (self.powersgd_rank, self.powersgd_start) != \
+                (1, DEFAULT_START_STEP):
+            raise ValueError(f"{OWNER}: DenseAllReduce's powersgd_rank and powersgd_start set "
+                             f"the PowerSGD wire, not {self.wire!r}")
+
+    @classmethod
+    def of(cls, value) -> "DenseAllReduce":
+        """`value` as a DenseAllReduce: one already, or a wire's name (no node layout)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        raise TypeError(f"{OWNER}: dense_allreduce must be a wire's name {PRECISIONS} or a "
+                        f"recxla.pipeline.DenseAllReduce, got {type(value).__name__}")
+
+    @property
+    def dtype(self):
+        """wire_dtype(wire)."""
+        return wire_dtype(self.wire)
+
+    @property
+    def compressor_options(self) -> dict:
+        """The CompressedAllReduce's keyword arguments of a compressed wire."""
+        return {"rank": self.powersgd_rank, "start_step": self.powersgd_start} \
+            if self.wire == "powersgd" else {}
 
 
 class _DeferredBucket:
@@ -103,10 +160,9 @@ class _DeferredBucket:
 
 
 class MicroBatchGradientSync:
-    """Installs the comm hook on `ddp`; a pipeline sets `sync` before each micro-batch's
-    backward, `wire` (wire_dtype), `deferred` and `nodes` (a Topology2D checked by check_nodes,
-    or None) for its step, calls `wait()` before its dense optimizer step, and `reset()`s
-    after it."""
+    """Installs the comm hook on `ddp`. A pipeline calls `begin_step(its DenseAllReduce)` at
+    the start of each step, `micro_batch(last)` before each micro-batch's backward, `wait()`
+    before its dense optimizer step and `reset()` after it."""
 
     @classmethod
     def for_ddp(cls, ddp: DistributedDataParallel) -> "MicroBatchGradientSync":
@@ -121,10 +177,10 @@ class MicroBatchGradientSync:
         # (compressed wire, node layout's id or None: the flat group) -> its CompressedAllReduce
         self._compressors = {}
         self.world = dist.get_world_size(self.group)
-        self.sync = True
-        self.wire = None
-        self.deferred = False
-        self.nodes = None
+        # The running step's DenseAllReduce (None outside a step: DDP's own all-reduce), and
+        # whether this backward is the step's last (the one that all-reduces).
+        self._step: Optional[DenseAllReduce] = None
+        self._last = True
         # Deferring needs the buckets to be the gradients' storage (see the module docstring).
         self.can_defer = bool(getattr(ddp, "gradient_as_bucket_view", False))
         # The deferred buckets (_DeferredBucket), in order.
@@ -137,6 +193,16 @@ class MicroBatchGradientSync:
                 f"this DDP module already has one ({e}); build DistributedModelParallel without "
                 "allreduce_comm_precision (pass dense_allreduce='bf16' to the pipeline "
                 "instead)") from e
+
+    def begin_step(self, allreduce: DenseAllReduce) -> None:
+        """A pipeline step starts: its all-reduce goes as `allreduce` says, deferred to
+        wait(), after the last micro-batch's backward."""
+        self._step, self._last = allreduce, True
+
+    def micro_batch(self, last: bool) -> None:
+        """The next backward is the step's last micro-batch's (it all-reduces) or not (its
+        gradients accumulate in place)."""
+        self._last = last
 
     def compressor(self, wire: str, nodes=None, **options) -> CompressedAllReduce:
         """The CompressedAllReduce of compressed wire `wire` ("fp8", "powersgd") for node
@@ -172,18 +238,21 @@ class MicroBatchGradientSync:
         self.wait()
         for made, _ in self._compressors.values():
             made.drop_pending()
-        self.sync, self.wire, self.deferred, self.nodes = True, None, False, None
+        self._step, self._last = None, True
 
     @staticmethod
     def _hook(state: "MicroBatchGradientSync", bucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        if not state.sync:
+        if not state._last:
             done = torch.futures.Future()
             done.set_result(buffer)
             return done
-        if state.wire in COMPRESSED:
-            compressor = state.compressor(state.wire, state.nodes)
-            if not (state.deferred and state.can_defer):
+        step = state._step
+        wire = None if step is None else step.dtype
+        deferred = step is not None and state.can_defer
+        if wire in COMPRESSED:
+            compressor = state.compressor(wire, step.nodes, **step.compressor_options)
+            if not deferred:
                 return compressor.hook(bucket)
             # Written into the bucket's gradient views at wait().
             handle = compressor.start_bucket(bucket)
@@ -192,25 +261,25 @@ class MicroBatchGradientSync:
             done = torch.futures.Future()
             done.set_result(buffer)
             return done
-        if state.deferred and state.can_defer:
+        if deferred:
             # The average travels in its own tensor; DDP gets the bucket back as it is (copy=True:
             # a bucket already in the wire dtype must not be divided in place).
-            sent = buffer / state.world if state.wire is None else \
-                buffer.to(state.wire, copy=True).div_(state.world)
-            if state.nodes is None:
+            sent = buffer / state.world if wire is None else \
+                buffer.to(wire, copy=True).div_(state.world)
+            if step.nodes is None:
                 handle = dist.all_reduce(sent, group=state.group, async_op=True)
             else:
-                handle = all_reduce_by_node(sent, state.nodes.shard_group,
-                                            state.nodes.replica_group)
+                handle = all_reduce_by_node(sent, step.nodes.shard_group,
+                                            step.nodes.replica_group)
             state.in_flight.append(_DeferredBucket(buffer, sent, handle))
             done = torch.futures.Future()
             done.set_result(buffer)
             return done
-        if state.wire is None:
+        if wire is None:
             buffer.div_(state.world)
             work = dist.all_reduce(buffer, group=state.group, async_op=True)
             return work.get_future().then(lambda fut: fut.value()[0])
-        compressed = buffer.to(state.wire).div_(state.world)
+        compressed = buffer.to(wire).div_(state.world)
         work = dist.all_reduce(compressed, group=state.group, async_op=True)
 
         def decompress(fut):

@@ -57,14 +57,20 @@ import collections
 import contextlib
 import functools
 import warnings
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from recxla.pipeline.choices import DBP_LOOKUPS, SPLITS
 from recxla.pipeline.copy_stream import CopyStream
-from recxla.pipeline.dense_sync import MicroBatchGradientSync, check_nodes, wire_dtype
+from recxla.distributed.compressed_all_reduce import CompressedAllReduce
+from recxla.pipeline.dense_sync import (
+    COMPRESSED,
+    DenseAllReduce,
+    MicroBatchGradientSync,
+    check_nodes,
+)
 from recxla.pipeline.input_stage import (
     PreparedBatch,
     advance,
@@ -105,18 +111,17 @@ class TrainPipeline:
             update, so it reads the updated tables) or "early" (while this batch's last
             gradients travel, then corrected for the rows the update changed; see
             recxla.torchrec.early_lookup). Both give the sequential result.
-        dense_allreduce: "fp32", "bf16", "fp8" or "powersgd": the wire format of the dense
-            gradients' all-reduce (DDP's buckets, see dense_sync.py); "fp8" is e4m3 with error
-            feedback (recxla.distributed.FP8AllReduce), "powersgd" low-rank factors with error
-            feedback (recxla.distributed.PowerSGDAllReduce, rank 1 unless made before with
-            `MicroBatchGradientSync.for_ddp(ddp).compressor("powersgd", nodes, rank=R)`); their
-            state, to checkpoint, is that `compressor(wire, nodes).state_dict()`.
-        dense_allreduce_nodes: the node layout (`recxla.torchrec.make_topology_2d`) to
-            all-reduce the dense gradients by node: summed inside each node, 1/ranks_per_node
-            of them per rank across the nodes, gathered inside the node
-            (recxla.distributed.all_reduce_by_node; 2 nodes x 2 ranks: a third fewer bytes
-            across the nodes than the ring). Needs DDP over every rank with
-            gradient_as_bucket_view (TorchRec's default). None: one all-reduce over DDP's group.
+        dense_allreduce: how the dense gradients are all-reduced (DDP's buckets, see
+            dense_sync.py): a recxla.pipeline.DenseAllReduce (wire, node layout, PowerSGD's
+            rank and start), or a wire's name for one over DDP's group: "fp32", "bf16", "fp8"
+            (e4m3 with error feedback, recxla.distributed.FP8AllReduce) or "powersgd"
+            (low-rank factors with error feedback, recxla.distributed.PowerSGDAllReduce). By
+            node (`DenseAllReduce(wire, nodes=recxla.torchrec.make_topology_2d())`): summed
+            inside each node, 1/ranks_per_node of them per rank across the nodes, gathered
+            inside the node (recxla.distributed.all_reduce_by_node; 2 nodes x 2 ranks: a third
+            fewer bytes across the nodes than the ring); it needs DDP over every rank with
+            gradient_as_bucket_view (TorchRec's default). The compressed wires' state, to
+            checkpoint, is `dense_allreduce_state`.
         defer_dense_update: apply each batch's dense update (wait for its all-reduce, step
             the dense optimizer) at the next batch's first dense forward instead of at the end
             of its own step, so the all-reduce travels during the next batch's lookup, id
@@ -145,7 +150,7 @@ class TrainPipeline:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  device: torch.device, num_micro_batches: int = 1, overlap: bool = True,
                  dbp: bool = True, split: str = "contiguous", dbp_lookup: str = "after_update",
-                 dense_allreduce: str = "fp32", dense_allreduce_nodes=None,
+                 dense_allreduce: Union[str, DenseAllReduce] = "fp32",
                  defer_dense_update: bool = False, early_rows: bool = False,
                  timeline: Optional[Timeline] = None,
                  phase: Optional[Callable[[str], Any]] = None,
@@ -179,9 +184,7 @@ class TrainPipeline:
         if dbp_lookup not in self.DBP_LOOKUPS:
             raise ValueError(f"{OWNER}: dbp_lookup must be one of {self.DBP_LOOKUPS}, got "
                              f"{dbp_lookup!r}")
-        self._wire = wire_dtype(dense_allreduce)
-        check_nodes(dense_allreduce_nodes, None)
-        self._nodes = dense_allreduce_nodes
+        self._dense_allreduce = DenseAllReduce.of(dense_allreduce)
         self._set_model(model)
         self._optimizer = optimizer
         self._device = torch.device(device)
@@ -192,10 +195,6 @@ class TrainPipeline:
         self._dbp = dbp
         self._split = split
         self._dbp_lookup = dbp_lookup
-        # Tests turn these off to plant a stale read and show that the checks catch it: the
-        # early lookup's correction, and early rows holding back what the update changes.
-        self._correct_early_lookups = True
-        self._hold_changed_rows = True
         self._defer_dense_update = defer_dense_update
         self._early_rows = early_rows and dbp
         self._check_replicas()
@@ -258,9 +257,16 @@ class TrainPipeline:
         self._model = model
         _warn_unsharded(model)
         ddp = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
-        self._gradient_sync = MicroBatchGradientSync.for_ddp(ddp) if ddp is not None else None
+        self._gradient_sync = None
+        self.dense_allreduce_state: Optional[CompressedAllReduce] = None
         if ddp is not None:
-            check_nodes(self._nodes, ddp)
+            check_nodes(self._dense_allreduce.nodes, ddp)
+            self._gradient_sync = MicroBatchGradientSync.for_ddp(ddp)
+            allreduce = self._dense_allreduce
+            if allreduce.wire in COMPRESSED:
+                # Made now, so that a checkpoint can be loaded into it before the first step.
+                self.dense_allreduce_state = self._gradient_sync.compressor(
+                    allreduce.wire, allreduce.nodes, **allreduce.compressor_options)
 
     def _span(self, name: str, phase: str, **args):
         """A timeline span that also tells `phase` (see __init__) what runs."""
@@ -394,7 +400,6 @@ class TrainPipeline:
                 windows.append(FrozenWindow(steps, steps.to_device(state.lookup_input),
                                             state.bag_lengths, row_bags,
                                             current.early_lookup(state, steps),
-                                            self._correct_early_lookups,
                                             current.early_rows(state, steps)))
         ahead = 2 if self._overlap else 1
         for k in range(min(ahead, self._num_micro)):
@@ -409,9 +414,7 @@ class TrainPipeline:
             self.flush()
             self._optimizer.zero_grad()
             if self._gradient_sync is not None:
-                self._gradient_sync.wire = self._wire
-                self._gradient_sync.nodes = self._nodes
-                self._gradient_sync.deferred = True
+                self._gradient_sync.begin_step(self._dense_allreduce)
         outputs = []
         for k in range(self._num_micro):
             # O(k)'s rows are waited for when the model's forward first calls a sharded module,
@@ -422,7 +425,7 @@ class TrainPipeline:
             for i, w in enumerate(windows):
                 w.steps.stage_output(functools.partial(arrival.output, i))
             if training and self._gradient_sync is not None:
-                self._gradient_sync.sync = k + 1 == self._num_micro
+                self._gradient_sync.micro_batch(last=k + 1 == self._num_micro)
             with self._span("dense", "backward" if training else "forward", micro_batch=k):
                 try:
                     loss, output = self._model(micro.micro_batch(k))
@@ -514,7 +517,7 @@ class TrainPipeline:
                 state.lookup_input = w.steps.to_device(state.lookup_input)
                 row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
                 state.early_rows = w.steps.start_early_rows(
-                    state.lookup_input, w.input, row_bags, self._hold_changed_rows)
+                    state.lookup_input, w.input, row_bags)
                 if state.early_rows.early is not None:
                     state.early = state.early_rows.early
                 started.append(state.early_rows)

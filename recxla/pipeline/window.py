@@ -36,14 +36,13 @@ class FrozenWindow:
         row_bags: this rank's bags of row-exchange tables (None when there are none).
         early: the pooled lookup when it already ran before the previous batch's update
             (DBP); None: the window looks up now.
-        correct: apply the early lookup's correction (False plants a stale read, for tests).
         early_rows: the cells sent before the previous batch's update (DBP's early rows:
             recxla.torchrec.early_rows); the exchanges then carry only the rest.
     """
 
     def __init__(self, steps: EmbeddingSteps, lookup_input: LookupInput,
                  bag_lengths: Optional[torch.Tensor], row_bags: Optional[RowBags] = None,
-                 early: Optional[EarlyLookup] = None, correct: bool = True,
+                 early: Optional[EarlyLookup] = None,
                  early_rows: Optional[EarlyRows] = None):
         self.steps = steps
         self.input = lookup_input
@@ -58,7 +57,7 @@ class FrozenWindow:
             self.pooled = self.output.detach()
         else:
             self.output = early.output
-            self.pooled = early.corrected() if correct else self.output.detach()
+            self.pooled = early.corrected()
         self.rows = [r.detach() for r in self.row_output]
         self.out_dim = self.pooled.shape[1]
         self._pooled_gradient = self.output.requires_grad

@@ -158,14 +158,12 @@ class EarlyRows:
             current_input: the current batch's.
         row_bags: this rank's bags of row-exchange tables of the next batch (None without
             row-exchange tables).
-        hold_changed: False sends every cell early, those the update changes too (a planted
-            stale read, for tests).
     """
 
     def __init__(self, output: OutputDist, group, device: torch.device, tables: PooledTables,
                  early_lookup, row_weights: Sequence[torch.Tensor],
                  next_input: LookupInput, current_input: LookupInput,
-                 row_bags: Optional[RowBags], hold_changed: bool = True):
+                 row_bags: Optional[RowBags]):
         layout = output.layout
         self.output, self.device = output, device
         world, me, row_dim = layout.world_size, layout.rank, output.row_dim
@@ -176,15 +174,9 @@ class EarlyRows:
             RowInput([], [])
         # Owner: the late pooled bags, as flags per wire row of the pooled block, and the late
         # requests of the row groups.
-        if hold_changed:
-            bags = late_bags(next_input, current_input, tables)
-            rows = _late_requests(next_rows.ids, current_rows.ids,
-                                  [w.shape[0] for w in row_weights], device)
-        else:
-            bags = torch.zeros((next_input.batch_size, len(tables.slot_table)),
-                               dtype=torch.bool, device=device)
-            rows = torch.zeros(sum(i.numel() for i in next_rows.ids), dtype=torch.bool,
-                               device=device)
+        bags = late_bags(next_input, current_input, tables)
+        rows = _late_requests(next_rows.ids, current_rows.ids,
+                              [w.shape[0] for w in row_weights], device)
         cols = torch.tensor(layout.slot_cols(me), dtype=torch.float32, device=device)
         early_values = float(((~bags).to(torch.float32) * cols).sum()) if bags.numel() else 0.0
         total_values = float(cols.sum()) * bags.shape[0]

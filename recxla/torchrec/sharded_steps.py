@@ -179,7 +179,7 @@ class ShardedSteps:
         return EarlyLookup(self.parts.tables.pooled, output, next_input, current_input)
 
     def start_early_rows(self, next_input: LookupInput, current_input: LookupInput,
-                         row_bags: Optional[RowBags], hold_changed: bool = True) -> EarlyRows:
+                         row_bags: Optional[RowBags]) -> EarlyRows:
         """Starts sending the next batch's rows that the current batch's update leaves as they
         are (early_rows.py: its pooled bags none of whose rows the current batch read, and its
         row-exchange rows the current batch did not read), before that update: the masks of
@@ -189,15 +189,13 @@ class ShardedSteps:
         them). Where at least early_rows.POOLED_EARLY_MIN of this owner's pooled values can
         leave early, it makes the next batch's early lookup (`early_lookup`) now: the result's
         `early`, for the next batch's window. Collective: every rank of the group calls it,
-        and send(), at the same point. -> the EarlyRows to hand the next batch's window. hold_changed=False sends every cell early, those the
-        update changes too: a planted stale read, for tests."""
+        and send(), at the same point. -> the EarlyRows to hand the next batch's window."""
         # The masks travel where the ids do: through the CPU, on the router's group (gloo on a
         # GPU, where the module's group is NCCL's).
         return EarlyRows(self.parts.output, self.parts.router.group, self.parts.device,
                          self.parts.tables.pooled,
                          lambda li: self.early_lookup(li, current_input),
-                         self.parts.tables.row_weights, next_input, current_input, row_bags,
-                         hold_changed)
+                         self.parts.tables.row_weights, next_input, current_input, row_bags)
 
     @property
     def replicas(self):

@@ -72,7 +72,7 @@ class EmbeddingSteps(Protocol):
     def early_lookup(self, next_input, current_input):
         ...
 
-    def start_early_rows(self, next_input, current_input, row_bags, hold_changed: bool = True):
+    def start_early_rows(self, next_input, current_input, row_bags):
         ...
 
     def output_message(self, batch: int, row_bags, micro_batch: int = 0):

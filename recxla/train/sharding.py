@@ -34,10 +34,8 @@ from torchrec.distributed.types import CommOp, ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.distributed.fp8_all_reduce import FP8AllReduce, fp8_compress_hook
 from recxla.distributed.powersgd_all_reduce import DEFAULT_START_STEP as DEFAULT_POWERSGD_START
-from recxla.pipeline.dense_sync import COMPRESSED, MicroBatchGradientSync
 from recxla.torchrec.data_parallel import DATA_PARALLEL, is_data_parallel
 from recxla.train.config import TORCHREC_CPU_SHARDINGS, TrainConfig
 
@@ -251,7 +249,7 @@ def shard_model(model: torch.nn.Module, sharders: list, plan: ShardingPlan,
                 process_group=None, matrix_approximation_rank=config.powersgd_rank,
                 start_powerSGD_iter=powersgd_start(config), **TORCH_POWERSGD),
                 powerSGD_hook.powerSGD_hook)
-        elif wire != "fp8":  # fp8: dense_allreduce_state
+        elif wire != "fp8":  # fp8: baseline_dense_state
             ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if wire == "bf16"
                                    else default_hooks.allreduce_hook)
     return dmp
@@ -268,25 +266,18 @@ def powersgd_start(config) -> int:
     return DEFAULT_POWERSGD_START if config.powersgd_start is None else config.powersgd_start
 
 
-def dense_allreduce_state(dmp, config, dense_nodes) -> Optional[CompressedAllReduce]:
-    """The compressed dense all-reduce whose state the checkpoints carry: on the recxla path
-    with --dense-allreduce fp8 or powersgd the pipeline's (recxla.pipeline.dense_sync), made
-    now so that a resume can load into it; with --baseline and fp8, recxla's DDP hook
-    registered on TorchRec's DDP as any TorchRec user can (recxla.distributed.fp8_compress_hook).
-    None for the other wires (the baseline's powersgd is torch's hook, its state its own)."""
-    ddp = dmp._dmp_wrapped_module
-    if config.baseline:
-        if config.dense_allreduce != "fp8":
-            return None
-        state = FP8AllReduce.for_ddp(ddp)
-        ddp.register_comm_hook(state, fp8_compress_hook)
-        return state
-    if config.dense_allreduce not in COMPRESSED:
+def baseline_dense_state(dmp, config) -> Optional[FP8AllReduce]:
+    """The baseline's compressed dense all-reduce whose state the checkpoints carry: with
+    --dense-allreduce fp8, recxla's DDP hook registered on TorchRec's DDP as any TorchRec user
+    can (recxla.distributed.fp8_compress_hook). None otherwise (the baseline's powersgd is
+    torch's hook, its state its own; on the recxla path the pipeline owns the state,
+    TrainPipeline.dense_allreduce_state)."""
+    if not config.baseline or config.dense_allreduce != "fp8":
         return None
-    options = {"rank": config.powersgd_rank, "start_step": powersgd_start(config)} \
-        if config.dense_allreduce == "powersgd" else {}
-    return MicroBatchGradientSync.for_ddp(ddp).compressor(config.dense_allreduce, dense_nodes,
-                                                           **options)
+    ddp = dmp._dmp_wrapped_module
+    state = FP8AllReduce.for_ddp(ddp)
+    ddp.register_comm_hook(state, fp8_compress_hook)
+    return state
 
 
 def dense_optimizer_kwargs(optimizer: str, device_type: str) -> dict:

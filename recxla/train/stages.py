@@ -4,11 +4,13 @@ next ones need.
 
 - `open_data`: this rank's data (recxla.train.data), a raw table read at the same snapshots on
   every rank; `report_embedding_dims`: the tables' wire bytes behind --embedding-dims auto;
-- `plan_and_shard`: the plan (inside each node with --topology 2d), the dense all-reduce's
-  nodes, the tables exchanged as rows, then DMP with this path's sharder, seeded tables and the
-  optimizer (recxla.train.sharding does each): a `Sharded`;
-- `resume`: --resume's checkpoint loaded; the step to continue from;
-- `make_pipeline`: TorchRec's training pipeline, metered, or recxla's TrainPipeline;
+- `plan_and_shard`: the plan (inside each node with --topology 2d), the dense all-reduce, the
+  tables exchanged as rows, then DMP with this path's sharder, seeded tables and the optimizer
+  (recxla.train.sharding does each): a `Sharded`;
+- `make_pipeline`: TorchRec's training pipeline, metered, or recxla's TrainPipeline (which owns
+  the compressed dense all-reduce's state);
+- `resume`: --resume's checkpoint loaded (into the pipeline's state too); the step to continue
+  from;
 - `train_loop`: the steps (recxla.train.loop.run_steps), measured after the warm-up, with the
   checkpoints: a `Measured`;
 - `gather_figures`, `run_summary`, `report`: every rank's figures, the summary, printed and
@@ -24,7 +26,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from recxla.pipeline import Timeline, TrainPipeline
+from recxla.pipeline import DenseAllReduce, Timeline, TrainPipeline
 from recxla.torchrec.replicas import ReplicaSync, make_topology_2d
 from recxla.torchrec.types import PipelinedModule
 from recxla.train import checkpoint
@@ -35,9 +37,9 @@ from recxla.train.metrics import (
     format_summary, iface_bytes, local_figures, machine, summarize, write_metrics)
 from recxla.train.models import init_embedding_tables
 from recxla.train.sharding import (
-    build_optimizer, build_sharders, data_parallel_tables, dense_allreduce_state, embedding_tables,
-    gradient_division_description, plan_sharding, plan_summary, resolve_row_exchange,
-    shard_model, sharder_description)
+    baseline_dense_state, build_optimizer, build_sharders, data_parallel_tables, embedding_tables,
+    gradient_division_description, plan_sharding, plan_summary, powersgd_start,
+    resolve_row_exchange, shard_model, sharder_description)
 
 
 @dataclass
@@ -47,10 +49,13 @@ class Sharded:
     tables: list  # the model's TorchRec EmbeddingBagConfigs
     plan: object  # TorchRec's ShardingPlan
     row_tables: List[str]  # the tables whose owners send unique rows (recxla path)
-    dense_nodes: object  # the dense all-reduce's nodes (a Topology2D); None: one ring
+    # The recxla pipeline's dense all-reduce (wire, nodes, PowerSGD's options); None: baseline
+    dense_allreduce: Optional[DenseAllReduce]
     dmp: torch.nn.Module  # DistributedModelParallel
     optimizer: object  # the fused embedding optimizer and the dense one, combined
-    # --dense-allreduce fp8 / powersgd: its CompressedAllReduce (residuals, factors); else None
+    # --dense-allreduce fp8 / powersgd: its CompressedAllReduce (residuals, factors), which
+    # the checkpoints carry: the baseline's hook state, or (set by make_pipeline) the recxla
+    # pipeline's; else None
     dense_state: object
 
 
@@ -125,15 +130,15 @@ def plan_and_shard(config, place, device, watchdog, data, tables, model) -> Shar
     watchdog.progress("planning")
     topology, replicas = _topology(config)
     plan = _plan(config, place, device, tables, model, topology)
-    dense_nodes = _dense_nodes(config, place, topology)
+    dense_allreduce = _dense_allreduce(config, place, topology)
     row_tables = _row_tables(config, data, tables, plan,
                              topology.ranks_per_node if topology else place.world_size)
     watchdog.progress("sharding")
     dmp = shard_model(model, build_sharders(config, row_tables, replicas), plan, device, config,
                       topology)
     init_embedding_tables(embedding_tables(dmp), tables, config.seed)
-    return Sharded(tables, plan, row_tables, dense_nodes, dmp, build_optimizer(dmp, config),
-                   dense_allreduce_state(dmp, config, dense_nodes))
+    return Sharded(tables, plan, row_tables, dense_allreduce, dmp, build_optimizer(dmp, config),
+                   baseline_dense_state(dmp, config))
 
 
 def _topology(config):
@@ -155,14 +160,20 @@ def _plan(config, place, device, tables, model, topology):
                          topology.ranks_per_node, device, topology.shard_group)
 
 
-def _dense_nodes(config, place, topology):
-    """The nodes of the dense all-reduce by node (2d's own, else groups made now: every rank
-    takes the same branch); None: one ring over every rank."""
+def _dense_allreduce(config, place, topology) -> Optional[DenseAllReduce]:
+    """The recxla pipeline's dense all-reduce: --dense-allreduce's wire, by node (2d's nodes,
+    else groups made now: every rank takes the same branch) or over every rank, PowerSGD's
+    --powersgd-rank and --powersgd-start. None on the baseline path."""
+    if config.baseline:
+        return None
     node_size = topology.ranks_per_node if topology else place.local_world_size
-    if config.dense_allreduce_by_node and not config.baseline and 1 < node_size < \
-            place.world_size:
-        return topology or make_topology_2d(node_size)
-    return None
+    nodes = None
+    if config.dense_allreduce_by_node and 1 < node_size < place.world_size:
+        nodes = topology or make_topology_2d(node_size)
+    powersgd = {"powersgd_rank": config.powersgd_rank,
+                "powersgd_start": powersgd_start(config)} \
+        if config.dense_allreduce == "powersgd" else {}
+    return DenseAllReduce(config.dense_allreduce, nodes, **powersgd)
 
 
 def _row_tables(config, data, tables, plan, ranks: int) -> List[str]:
@@ -208,14 +219,16 @@ def make_pipeline(config, device, meter, sharded: Sharded) -> Tuple[object, Opti
     if config.baseline:
         return METERED_PIPELINES[config.baseline_pipeline](dmp, optimizer, device, meter), None
     timeline = Timeline(enabled=config.trace is not None)
-    return TrainPipeline(dmp, optimizer, device, num_micro_batches=config.micro_batches,
-                         overlap=config.overlap, dbp=config.dbp, split=config.split,
-                         dbp_lookup=config.dbp_lookup, dense_allreduce=config.dense_allreduce,
-                         dense_allreduce_nodes=sharded.dense_nodes,
-                         defer_dense_update=config.defer_dense_update,
-                         early_rows=config.early_rows, timeline=timeline, phase=meter.phase,
-                         # The trainer's models: DLRMTrain's BCE, a mean over the samples.
-                         loss_is_sample_mean=True), timeline
+    pipeline = TrainPipeline(dmp, optimizer, device, num_micro_batches=config.micro_batches,
+                             overlap=config.overlap, dbp=config.dbp, split=config.split,
+                             dbp_lookup=config.dbp_lookup,
+                             dense_allreduce=sharded.dense_allreduce,
+                             defer_dense_update=config.defer_dense_update,
+                             early_rows=config.early_rows, timeline=timeline, phase=meter.phase,
+                             # The trainer's models: DLRMTrain's BCE, a mean over the samples.
+                             loss_is_sample_mean=True)
+    sharded.dense_state = pipeline.dense_allreduce_state
+    return pipeline, timeline
 
 
 def train_loop(config, conn, watchdog, meter, data, sharded, pipeline, start) -> Measured:
@@ -354,7 +367,8 @@ def run_summary(config, conn, data, sharded: Sharded, pipeline, measured: Measur
             f"recxla TrainPipeline: {config.micro_batches} micro-batches, overlap "
             f"{'on' if config.overlap else 'off'}, dbp {'on' if config.dbp else 'off'}"),
         "topology": config.topology,
-        "dense_allreduce_layout": ("by node" if sharded.dense_nodes is not None else "ring"),
+        "dense_allreduce_layout": ("by node" if sharded.dense_allreduce is not None
+                                   and sharded.dense_allreduce.nodes is not None else "ring"),
         "nodes": world // place.local_world_size, "device": str(conn.device),
         "resumed_from_step": measured.start if config.resume else None,
         **summarize(config, per_rank, world), **evaluation,
