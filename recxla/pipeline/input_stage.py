@@ -18,27 +18,32 @@ from recxla.pipeline.batch_fields import dense_to, module_features
 from recxla.pipeline.copy_stream import CopyStream, InFlight, moved
 from recxla.pipeline.micro_batches import MicroBatches, split_batch
 from recxla.torchrec.early_lookup import EarlyLookup
+from recxla.torchrec.early_rows import EarlyRows
+from recxla.torchrec.input_dist import IdsInFlight, LookupInput, SizesInFlight
+from recxla.torchrec.row_exchange import RowBags
+from recxla.torchrec.types import EmbeddingSteps, TablesVersion
 
 
 @dataclass
 class ModuleInput:
-    """One sharded module's input dist for one batch, advanced stage by stage."""
+    """One sharded module's input dist for one batch, advanced stage by stage: at most one of
+    meta, data and lookup_input is set (the stage it is at)."""
 
-    meta: Any = None          # the first all-to-all (sizes) in flight
-    data: Any = None          # the second (ids) in flight
-    lookup_input: Any = None  # decoded at the owner
+    meta: Optional[SizesInFlight] = None  # the first all-to-all (sizes) in flight
+    data: Optional[IdsInFlight] = None  # the second (ids) in flight
+    lookup_input: Optional[LookupInput] = None  # decoded at the owner
     lookup_copy: Optional[InFlight] = None  # its copy to the module's device
     bag_lengths: Optional[torch.Tensor] = None
-    row_bags: Any = None  # this rank's bags of row-exchange tables
+    row_bags: Optional[RowBags] = None  # this rank's bags of row-exchange tables
     early: Optional[EarlyLookup] = None  # dbp_lookup="early": looked up before the update
     # The module's tables_version() after the update the early lookup was corrected for: any
     # other change of the tables before it is used (a step outside the pipeline, a load) makes
     # it stale, and the window looks up again.
-    early_tables: Any = None
-    # DBP's early rows (recxla.torchrec.early_rows): the next batch's row-exchange rows that
-    # this update leaves as they are, sent before it; and the tables_version() they are for.
-    early_rows: Any = None
-    early_rows_tables: Any = None
+    early_tables: Optional[TablesVersion] = None
+    # DBP's early rows: the next batch's row-exchange rows that this update leaves as they
+    # are, sent before it; and the tables_version() they are for.
+    early_rows: Optional[EarlyRows] = None
+    early_rows_tables: Optional[TablesVersion] = None
 
 
 @dataclass
@@ -51,9 +56,8 @@ class PreparedBatch:
     # bad next batch never interrupts the current step halfway.
     error: Optional[BaseException] = None
 
-    def early_lookup(self, state: ModuleInput, steps) -> Optional[EarlyLookup]:
-        """The state's early lookup if the module's tables are as it expects, else None
-        (steps: the module's EmbeddingSteps)."""
+    def early_lookup(self, state: ModuleInput, steps: EmbeddingSteps) -> Optional[EarlyLookup]:
+        """The state's early lookup if the module's tables are as it expects, else None."""
         if state.early is None:
             return None
         if state.early_tables != steps.tables_version():
@@ -64,7 +68,7 @@ class PreparedBatch:
         for state in self.inputs:
             state.early = None
 
-    def early_rows(self, state: ModuleInput, steps) -> Any:
+    def early_rows(self, state: ModuleInput, steps: EmbeddingSteps) -> Optional[EarlyRows]:
         """The state's early rows; an error if the module's tables changed since they were
         sent (they hold the values of then, and the other ranks use theirs)."""
         if state.early_rows is not None and state.early_rows_tables != steps.tables_version():

@@ -392,15 +392,7 @@ class TrainPipeline:
     def _step(self, current: PreparedBatch, dataloader_iter: Iterator, training: bool) -> Any:
         """One batch on the schedule of the module docstring; without `training`, only its
         forward half (L, O, D without backward): no gradient, no update."""
-        micro = current.micro
-        windows = []
-        with self._span("lookup", "forward"):
-            for (_, steps), state in zip(self._modules, current.inputs):
-                row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
-                windows.append(FrozenWindow(steps, steps.to_device(state.lookup_input),
-                                            state.bag_lengths, row_bags,
-                                            current.early_lookup(state, steps),
-                                            current.early_rows(state, steps)))
+        windows = self._open_windows(current)
         ahead = 2 if self._overlap else 1
         for k in range(min(ahead, self._num_micro)):
             for w in windows:
@@ -415,70 +407,96 @@ class TrainPipeline:
             self._optimizer.zero_grad()
             if self._gradient_sync is not None:
                 self._gradient_sync.begin_step(self._dense_allreduce)
-        outputs = []
-        for k in range(self._num_micro):
-            # O(k)'s rows are waited for when the model's forward first calls a sharded module,
-            # so that the layers it runs before (DLRM's bottom MLP) compute while they travel.
-            arrival = _Arrival(functools.partial(
-                self._receive_output, windows, k, training, early_rows if k == 0 else [],
-                fresh if k == 0 else []))
-            for i, w in enumerate(windows):
-                w.steps.stage_output(functools.partial(arrival.output, i))
-            if training and self._gradient_sync is not None:
-                self._gradient_sync.micro_batch(last=k + 1 == self._num_micro)
-            with self._span("dense", "backward" if training else "forward", micro_batch=k):
-                try:
-                    loss, output = self._model(micro.micro_batch(k))
-                finally:
-                    uncalled = [path for (path, _), w in zip(self._modules, windows)
-                                if not w.steps.end_staging()]
-                if uncalled:
-                    raise ValueError(f"{OWNER}: the model's forward did not call the sharded "
-                                     f"module(s) {uncalled}; the pipeline sends every sharded "
-                                     "module's rows for each micro-batch, so a model calls each "
-                                     "one exactly once per forward")
-                if training:
-                    # An empty micro-batch (a batch smaller than M) still runs, so that every
-                    # rank joins each micro-batch's collectives; its weight is 0.
-                    (loss * (micro.sizes[k] / max(micro.batch_size, 1))).backward()
-            outputs.append(output)
-            if training:
-                arrival.embeddings()  # received, whether the model asked for them or not
-                self._exchange_gradients(windows, k)
+        outputs = [self._micro_batch(windows, current.micro, k, training,
+                                     early_rows if k == 0 else [], fresh if k == 0 else [])
+                   for k in range(self._num_micro)]
         if fresh:
             with self._span("next batch", "input"):
                 for batch in fresh:
                     advance(batch, decode=True, modules=self._modules, copies=self._copies)
-        following = self._ahead[0] if self._ahead else None
-        if following is not None:
-            if training and self._dbp_lookup == "early" and _decoded(following):
-                # While the last gradients travel: the next batch's lookup with the weights
-                # before this update; FrozenWindow corrects the rows the update changes.
-                with self._span("early lookup", "input"):
-                    for w, state in zip(windows, following.inputs):
-                        if state.early is not None:
-                            continue  # made at this step's start (early rows)
-                        arrive_lookup(state)
-                        state.lookup_input = w.steps.to_device(state.lookup_input)
-                        state.early = w.steps.early_lookup(state.lookup_input, w.input)
         if training:
-            with self._span("wait gradients", "backward", micro_batch=self._num_micro - 1):
-                for w in windows:
-                    for j in w.pending_gradients():
-                        w.receive_gradient(j)
-            with self._span("update", "optimizer"):
-                for w in windows:
-                    w.update()
-            self._dense_update_pending = True
-            if not self._defer_dense_update:
-                self.flush()
-            if following is not None:
-                for (_, steps), state in zip(self._modules, following.inputs):
-                    if state.early is not None:
-                        state.early_tables = steps.tables_version()
-                    if state.early_rows is not None:
-                        state.early_rows_tables = steps.tables_version()
-        return micro.merge(outputs)
+            following = self._ahead[0] if self._ahead else None
+            if following is not None and self._dbp_lookup == "early" and _decoded(following):
+                self._early_lookup(windows, following)
+            self._update(windows, following)
+        return current.micro.merge(outputs)
+
+    def _open_windows(self, current: PreparedBatch) -> List[FrozenWindow]:
+        """L: each module's window over the batch, its lookup made (or the early one taken)."""
+        windows = []
+        with self._span("lookup", "forward"):
+            for (_, steps), state in zip(self._modules, current.inputs):
+                row_bags = None if state.row_bags is None else state.row_bags.to(self._device)
+                windows.append(FrozenWindow(steps, steps.to_device(state.lookup_input),
+                                            state.bag_lengths, row_bags,
+                                            current.early_lookup(state, steps),
+                                            current.early_rows(state, steps)))
+        return windows
+
+    def _micro_batch(self, windows: List[FrozenWindow], micro, k: int, training: bool,
+                     early_rows: list, fresh: List[PreparedBatch]) -> Any:
+        """D(k): the model's forward (its sharded modules get O(k)'s rows when they ask) and,
+        training, its backward and G(k) -> the model's output for micro-batch k."""
+        # O(k)'s rows are waited for when the model's forward first calls a sharded module,
+        # so that the layers it runs before (DLRM's bottom MLP) compute while they travel.
+        arrival = _Arrival(functools.partial(self._receive_output, windows, k, training,
+                                             early_rows, fresh))
+        for i, w in enumerate(windows):
+            w.steps.stage_output(functools.partial(arrival.output, i))
+        if training and self._gradient_sync is not None:
+            self._gradient_sync.micro_batch(last=k + 1 == self._num_micro)
+        with self._span("dense", "backward" if training else "forward", micro_batch=k):
+            try:
+                loss, output = self._model(micro.micro_batch(k))
+            finally:
+                uncalled = [path for (path, _), w in zip(self._modules, windows)
+                            if not w.steps.end_staging()]
+            if uncalled:
+                raise ValueError(f"{OWNER}: the model's forward did not call the sharded "
+                                 f"module(s) {uncalled}; the pipeline sends every sharded "
+                                 "module's rows for each micro-batch, so a model calls each "
+                                 "one exactly once per forward")
+            if training:
+                # An empty micro-batch (a batch smaller than M) still runs, so that every
+                # rank joins each micro-batch's collectives; its weight is 0.
+                (loss * (micro.sizes[k] / max(micro.batch_size, 1))).backward()
+        if training:
+            arrival.embeddings()  # received, whether the model asked for them or not
+            self._exchange_gradients(windows, k)
+        return output
+
+    def _early_lookup(self, windows: List[FrozenWindow], following: PreparedBatch) -> None:
+        """dbp_lookup="early", while the last gradients travel: the next batch's lookup with
+        the weights before this update; its FrozenWindow corrects the rows the update
+        changes."""
+        with self._span("early lookup", "input"):
+            for w, state in zip(windows, following.inputs):
+                if state.early is not None:
+                    continue  # made at this step's start (early rows)
+                arrive_lookup(state)
+                state.lookup_input = w.steps.to_device(state.lookup_input)
+                state.early = w.steps.early_lookup(state.lookup_input, w.input)
+
+    def _update(self, windows: List[FrozenWindow], following: Optional[PreparedBatch]) -> None:
+        """U: the last gradients received, the fused embedding update, the dense one (now or
+        left pending, defer_dense_update); what the next batch read early is marked as read
+        from the tables as they are after it."""
+        with self._span("wait gradients", "backward", micro_batch=self._num_micro - 1):
+            for w in windows:
+                for j in w.pending_gradients():
+                    w.receive_gradient(j)
+        with self._span("update", "optimizer"):
+            for w in windows:
+                w.update()
+        self._dense_update_pending = True
+        if not self._defer_dense_update:
+            self.flush()
+        if following is not None:
+            for (_, steps), state in zip(self._modules, following.inputs):
+                if state.early is not None:
+                    state.early_tables = steps.tables_version()
+                if state.early_rows is not None:
+                    state.early_rows_tables = steps.tables_version()
 
     def _load_ahead(self, dataloader_iter: Iterator) -> List[PreparedBatch]:
         """DBP: batches loaded and split until `_depth` wait ahead (a batch queued unprepared,

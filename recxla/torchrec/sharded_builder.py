@@ -4,8 +4,8 @@ One function for both of recxla's sharded modules (types.py): the pooled
 `ShardedEmbeddingBagCollection` and the sequence `ShardedEmbeddingCollection` give it their
 tables (TableInfo, the configs, the unsharded weights), the plan and their options, and get
 back the layout, the local shards and their optimizer state, the fused optimizer, the input
-and output dists. What differs between the two is passed in: which tables are exchanged as rows (the sequence
-module: all) and the receiver's assembly (pooling or expanding). The modules register the local
+and output dists. What differs between the two is passed in: which tables are exchanged as
+rows (the sequence module: all) and the receiver's assembly (pooling or expanding). The modules register the local
 shards as their Parameters under their own attribute (`embedding_bags` or `embeddings`,
 `weight_prefix`; `table_holders`).
 

@@ -164,7 +164,8 @@ class TableStateDict:
                         and list(local.metadata.shard_sizes) == [shard.rows, shard.cols]:
                     return local.tensor
             raise ValueError(f"{self.parts.layout.owner}: {key} holds no shard at rows "
-                             f"{shard.row_offset}+{shard.rows}, columns {shard.col_offset}+{shard.cols} on rank "
+                             f"{shard.row_offset}+{shard.rows}, columns "
+                             f"{shard.col_offset}+{shard.cols} on rank "
                              f"{self.parts.layout.rank}: it was saved with another plan")
         if isinstance(value, torch.Tensor) and \
                 tuple(value.shape) == (table.num_embeddings, table.embedding_dim):

@@ -30,7 +30,7 @@ The steps read the parts (sharded_parts.py) and nothing else of the module.
 """
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -45,7 +45,7 @@ from recxla.torchrec.replicas import average_replicas as average_replica_tensors
 from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup, apply_row_gradients
 from recxla.torchrec.shard_layout import ShardLayout
 from recxla.torchrec.sharded_parts import ShardedParts
-from recxla.torchrec.types import PooledTables
+from recxla.torchrec.types import PooledTables, TablesVersion
 
 
 class ShardedSteps:
@@ -233,7 +233,7 @@ class ShardedSteps:
         module, before the lookup's backward applies it)."""
         self.parts.optim.count_step()
 
-    def tables_version(self) -> Tuple[int, List[int]]:
+    def tables_version(self) -> TablesVersion:
         """What changes when the tables change: the fused optimizer's step count (every
         backward through the module counts one) and the local shards' in-place update
         counters. Equal versions: the tables hold the same values."""

@@ -89,8 +89,9 @@ class EmbeddingBagCollectionSharder(TorchRecEmbeddingBagCollectionSharder):
             recxla/torchrec/row_exchange.py): "off", "all" or a list of table names.
     """
 
-    def __init__(self, fused_params: Optional[Dict[str, Any]] = None, fwd_comm: str = DEFAULT_FWD_COMM,
-                 bwd_comm: str = DEFAULT_BWD_COMM, dedup_ids: bool = True,
+    def __init__(self, fused_params: Optional[Dict[str, Any]] = None,
+                 fwd_comm: str = DEFAULT_FWD_COMM, bwd_comm: str = DEFAULT_BWD_COMM,
+                 dedup_ids: bool = True,
                  module_type: Optional[Type[EmbeddingBagCollection]] = None,
                  replicas: Optional[ReplicaSync] = None,
                  row_exchange: Union[str, Sequence[str]] = "off") -> None:

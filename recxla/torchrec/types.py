@@ -24,6 +24,9 @@ from typing import (Any, Callable, List, Optional, Protocol, Sequence, Tuple, Un
 import torch
 from torch import nn
 
+# What EmbeddingSteps.tables_version returns: equal values, unchanged tables.
+TablesVersion = Tuple[int, List[int]]
+
 
 @dataclass(frozen=True)
 class PooledTables:
@@ -103,7 +106,7 @@ class EmbeddingSteps(Protocol):
     def count_step(self) -> None:
         ...
 
-    def tables_version(self) -> Tuple[int, List[int]]:
+    def tables_version(self) -> TablesVersion:
         ...
 
     @property
