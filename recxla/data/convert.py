@@ -55,7 +55,13 @@ from recxla.data.convert_rows import convert_rows
 from recxla.data.convert_csv import CSV_BLOCK_BYTES, check_csv_columns, check_utf8, open_text
 from recxla.data.convert_source import list_sources, read_source, source_sample, source_schema
 from recxla.data.errors import DataFormatError
-from recxla.data.id_counts import IdCounter, dataset_spec, merge_results, table_specs
+from recxla.data.id_counts import (
+    IdCounter,
+    dataset_spec,
+    flag_measures,
+    merge_results,
+    table_specs,
+)
 from recxla.data.parquet_layout import MAX_GROUP_ROWS, SPEC_KEY, default_rows_per_group
 from recxla.data.parquet_writer import _FileSink, choose_sort
 from recxla.data.schema import DatasetSpec, Schema, load_schema
@@ -258,8 +264,9 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
         progress: show a progress bar (tqdm) on stderr.
         transforms: "module:function" names applied to the rows (recxla.data.transforms).
         joins: "KEY=TABLE" feature tables joined into the rows (recxla.data.joins).
-        on_roles: called with one line per column (its role and why, `column_roles`) once
-            the plan is made, before anything is written.
+        on_roles: called with one line per column (its role and why, `column_roles`, with
+            the warnings of the id counts: recxla.data.id_counts.flag_measures) once the ids
+            are counted, before anything is written.
     Returns the DatasetSpec stored with the data.
     Raises FileNotFoundError, FileExistsError, ValueError / DataFormatError naming the file,
     the column and, where it applies, the row; ValueError naming `out` for an output it may
@@ -280,8 +287,6 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
     files, fmt = list_sources(src, fmt)
     check_output(out, files, overwrite)
     plan = _plan(files, fmt, schema)
-    if on_roles is not None:
-        on_roles(plan.roles if fmt != "criteo-tsv" else _CRITEO_ROLES)
     if sort_by not in (None, "auto") and sort_by not in [f.name for f in plan.features]:
         raise ValueError(f"{OP}: sort_by must be None, 'auto' or a sparse feature "
                          f"({[f.name for f in plan.features]}), got {sort_by!r}")
@@ -299,6 +304,9 @@ def convert(src, out, schema=None, fmt: Optional[str] = None, *, workers: Option
                                 progress)
                 total = sum(rows for rows, _ in per_file)
                 counts = merge_results(plan, (c for _, c in per_file))
+                flag_measures(plan, counts, total)
+            if on_roles is not None:  # after the counts, which may add a warning to a line
+                on_roles(plan.roles if fmt != "criteo-tsv" else _CRITEO_ROLES)
             if rows_per_group is None:
                 _JOB["rows_per_group"] = default_rows_per_group(
                     total if total is not None else _estimated_rows(files))
@@ -392,7 +400,7 @@ def _plan(files: List[str], fmt: str, schema) -> Plan:
         named = schema.named_columns()
         check_utf8(files[0], sample, [c for c in columns.names if c not in schema.ignore and (
             schema.infer or c in named)])
-    return make_plan(schema, columns, files[0], sample)
+    return make_plan(schema, columns, files[0], sample, text=fmt == "csv")
 
 
 _CRITEO_ROLES = ["columns: the Criteo layout (label, int_0..int_12 dense, log(max(x, 0) + 1); "
@@ -401,7 +409,8 @@ _CRITEO_ROLES = ["columns: the Criteo layout (label, int_0..int_12 dense, log(ma
 
 def column_roles(src, schema=None, fmt: Optional[str] = None) -> List[str]:
     """One line per source column: the role a conversion gives it and why ("column 'ts':
-    timestamp: named 'timestamp' (int64)"). Raises what `convert` raises for the columns."""
+    timestamp: named 'timestamp' (int64)"), from the first rows alone (no id counts, so none
+    of the warnings `convert` adds from them). Raises what `convert` raises for the columns."""
     files, fmt = list_sources(src, fmt)
     if fmt == "criteo-tsv":
         return _CRITEO_ROLES

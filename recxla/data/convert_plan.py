@@ -13,10 +13,16 @@ is unambiguous:
                 each its own table t_<column>
     left out    anything else (lists of floats, structs, binary, a second timestamp-typed
                 column, a "timestamp" of another type), with the reason
-A string column whose sampled values are at least half numbers but not all (one "abc" among
-floats) is no role at all: an error naming the row and value, since it is either a number
-column with a bad value or ids the schema should name ([sparse.<column>]). So is a dense column
-named in the schema whose values are strings that are not numbers.
+A string column of a typed source (Parquet, Iceberg, a transform's output) holds ids whatever
+its values look like (zip codes such as "021" among "T8H1N"): whoever wrote it chose text. A CSV
+column's type is only the reader's guess from its values, so there a string column whose
+sampled values are at least half numbers but not all (one "abc" among floats) is no role at
+all: an error naming the row and value, since it is either a number column with a bad value or
+ids the schema should name ([sparse.<column>]). A dense column named in the schema whose values
+are strings is an error naming the column (and the first value that is not a number).
+An integer column inferred as ids whose ids look like a measure (recxla.data.id_counts.
+flag_measures: more distinct values than half the rows) keeps its role, with a warning on its
+line saying how to make it dense or keep it an id.
 Missing values: a null id is no id (an empty bag for a one-id column); a null dense value is 0;
 a null label or timestamp is an error.
 """
@@ -101,6 +107,7 @@ class Plan:
     vocab_limit: int = DEFAULT_VOCAB_LIMIT
     default_rows: int = DEFAULT_ROWS
     label_positive: Optional[object] = None  # the label's value stored as 1 (schema)
+    inferred: Tuple[str, ...] = ()  # the sparse features inferred (no schema entry)
 
     @property
     def columns(self) -> List[str]:
@@ -188,11 +195,12 @@ def _timestamp(schema: Schema, types: Dict[str, pa.DataType], where: str, need
 
 
 def make_plan(schema: Schema, columns: pa.Schema, path: str,
-              sample: Optional[pa.Table] = None) -> Plan:
+              sample: Optional[pa.Table] = None, text: bool = False) -> Plan:
     """The plan for a source whose columns are `columns` (first file `path`), `sample` its
-    first rows (or None: value checks skipped). ValueError naming the file and column for a
-    column the schema names that is missing or of a type that cannot have its role, and
-    naming the row and value for a column of numbers but for a few (see the module doc)."""
+    first rows (or None: value checks skipped); `text`: a CSV source, whose column types the
+    reader guessed from the values. ValueError naming the file and column for a column the
+    schema names that is missing or of a type that cannot have its role, and naming the row
+    and value for a text column of numbers but for a few (see the module doc)."""
     types = {f.name: f.type for f in columns}
     where = f"{OP}: {path}"
     roles: Dict[str, List[str]] = {n: [] for n in types}
@@ -230,6 +238,7 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
         roles[timestamp].append(f"timestamp: {ts_why}")
     taken = schema.named_columns() | {label, timestamp} | set(skipped)
     sparse: List[Tuple[str, SparseSchema]] = list(schema.sparse)
+    inferred: List[str] = []
     for feature, s in sparse:
         t = need(s.column, f"sparse feature {feature}")
         if s.separator is not None and not _is_id(t):
@@ -256,7 +265,9 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
         _check_numbers(sample, c, where, dense=True)
         if not _is_number(t):
             raise ValueError(f"{where}: column {c!r} holds {types[c]}: dense features must be "
-                             "numbers")
+                             "numbers" + (" (cast it in a transform, or leave it out of the "
+                                          "schema's dense: it is then a column of ids)"
+                                          if _is_string(t) else ""))
     for j, c in enumerate(dense):
         log = ", stored as log(max(x, 0) + 1)" if c in schema.dense_log1p else ""
         roles[c].append(f"dense {j}: the schema's dense{log}")
@@ -284,9 +295,10 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
                 left_out.append(name)
                 roles[name].append(f"left out: {t}, not in the schema's dense")
         elif _is_id(inner) and not any(f == name for f, _ in sparse):
-            if _is_string(t):
+            if _is_string(t) and text:
                 _check_numbers(sample, name, where, dense=False)
             sparse.append((name, SparseSchema(column=name, table=f"t_{name}")))
+            inferred.append(name)
             tables.setdefault(f"t_{name}", TableSchema())
             bag = "lists of " if _is_list(t) else ""
             roles[name].append(f"sparse feature {name} (table t_{name}): {bag}{inner} ids, "
@@ -326,7 +338,7 @@ def make_plan(schema: Schema, columns: pa.Schema, path: str,
     lines = [f"column {n!r}: " + ("; ".join(r) if r else "left out") for n, r in roles.items()]
     return Plan(features, plans, dense, tuple(schema.dense_log1p), label, schema.label_kind,
                 timestamp, left_out, types, lines, schema.vocab_limit, schema.default_rows,
-                positive)
+                positive, tuple(inferred))
 
 
 def check_same_columns(plan: Plan, columns: pa.Schema, path: str) -> None:

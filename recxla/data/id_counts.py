@@ -6,8 +6,11 @@ A table is counted when its mapping is "vocab", or when the schema gives none (t
 a vocabulary when the table has at most `vocab_limit` distinct ids over all the rows, else
 hashing into `default_rows` rows). Counting stops for a table of the second kind once it
 passes the limit, so memory is bounded by the limit (distinct ids), not by the rows.
+
+The same counts tell an inferred integer column that looks like a measure (`flag_measures`).
 """
 
+import json
 from typing import Dict, Iterable, List, Optional
 
 import pyarrow as pa
@@ -18,6 +21,9 @@ from recxla.data.id_mapping import Vocabulary, count_ids, keys_of, merge_counts,
 from recxla.data.schema import DatasetSpec, TableSpec
 
 _COMPACT_ROWS = 1 << 20  # merge a table's partial counts once they hold this many entries
+# An inferred integer column with more distinct values than this and than half the rows reads
+# as a measure (fastai's cont_cat_split takes integers above a cardinality bound as continuous).
+MEASURE_MIN_DISTINCT = 1000
 
 
 class IdCounter:
@@ -110,3 +116,37 @@ def dataset_spec(plan: Plan, specs: Dict[str, TableSpec], where: str) -> Dataset
         histories=tuple((f.name, f.history_of) for f in plan.features if f.history_of))
     spec.check(where)
     return spec
+
+
+def flag_measures(plan: Plan, counts: Dict[str, Optional[pa.Table]], rows: int) -> List[str]:
+    """Warn, on its line of `plan.roles`, of every integer column inferred as ids (one id a
+    row) whose distinct values are more than half the `rows` counted and more than
+    MEASURE_MIN_DISTINCT (Adult's `fnlwgt`, a census weight): more like a measure than an
+    id. The column keeps its role: ids are often that many in a click log (a sample of
+    Criteo's or Avazu's, an item id with a long tail), and a wrong dense column would train
+    on the ids' magnitudes, where a wrong id only costs a table. A table counted past its
+    vocab_limit has more distinct values than the limit, which decides when the limit is above
+    half the rows. Returns the columns flagged."""
+    flagged = []
+    columns = list(plan.source_types)
+    for f in plan.features:
+        t = plan.source_types[f.column]
+        if f.name not in plan.inferred or f.is_list or not pa.types.is_integer(t) \
+                or f.table not in counts:
+            continue
+        got = counts[f.table]
+        distinct = plan.vocab_limit + 1 if got is None else got.num_rows
+        if distinct <= max(MEASURE_MIN_DISTINCT, rows / 2):
+            continue
+        if got is None:
+            seen = f"more than {plan.vocab_limit:,} distinct values"
+        else:
+            seen = f"{distinct:,} distinct values"
+        dense = json.dumps([*plan.dense, f.column])
+        i = columns.index(f.column)
+        plan.roles[i] += (f"; warning: an integer with {seen} in {rows:,} rows, more like a "
+                          f"measure than an id: to train it as a number, name it in the "
+                          f"schema's dense (dense = {dense}); to keep it an id, declare "
+                          f"[sparse.{f.column}]")
+        flagged.append(f.column)
+    return flagged

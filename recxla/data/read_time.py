@@ -30,7 +30,13 @@ import pyarrow.compute as pc
 from recxla.data.convert_plan import make_plan
 from recxla.data.convert_rows import convert_rows
 from recxla.data.errors import DataFormatError
-from recxla.data.id_counts import IdCounter, dataset_spec, merge_results, table_specs
+from recxla.data.id_counts import (
+    IdCounter,
+    dataset_spec,
+    flag_measures,
+    merge_results,
+    table_specs,
+)
 from recxla.data.joins import BucketJoiner
 from recxla.data.schema import Schema, load_schema
 from recxla.data.table_source import open_table
@@ -174,6 +180,7 @@ class ReadTimeTable:
             stamps.append(_largest(t, self.plan.timestamp))
         self.joiner.release()  # readers hold their own buckets; this one is done
         counts = merge_results(self.plan, [counter.result()])
+        flag_measures(self.plan, counts, sum(rows))
         self.specs, self.vocabs = table_specs(self.plan, counts)
         self.spec = dataset_spec(self.plan, self.specs, f"{OP}: {self.source.ref}")
         self.info = ReadTimeInfo(self, rows, stamps)
