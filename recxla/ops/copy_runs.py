@@ -1,0 +1,170 @@
+"""Runs: batched strided copies between flat buffers, one op for a whole layout move.
+
+A sharded module's messages are laid out piece by piece: the owner's send message is its pooled
+rows for each source rank followed by each row group's rows for it; the gradient message comes
+back in the same layout and is unpacked into the per-table gradient buffers; the receiver moves
+the pooled blocks' column ranges into TorchRec's output columns (adding the parts of row-sharded
+tables) and, backward, the output gradient's columns back into the blocks. Done with torch ops,
+each piece is a slice, a view and a copy or a cat (about 250 ATen calls a step on the trainer's
+defaults, and on a GPU each copy is a kernel launch). As runs each move is one call:
+`recxla::copy_runs` (C++ on CPU, one CUDA launch per wave, Triton with RECXLA_BACKEND=triton).
+
+A `Run` moves `rows` rows of `width` elements from sources[source] (row i at
+source_offset + i * source_stride) to targets[target] (row i at target_offset + i *
+target_stride), or adds them there with `add`; offsets and strides count elements of the flat,
+contiguous tensors. Runs apply in order: an add run adds to what the runs before it wrote. Copy
+runs must write disjoint elements (the GPU kernels run them side by side), and no target may
+share memory with a source. Every run is checked against its tensors before anything is
+written: a bad one raises a ValueError naming the run and the limit.
+
+The plain-PyTorch reference, the tests' oracle: recxla/reference/copy_runs.py.
+"""
+
+from typing import Iterable, List, NamedTuple, Sequence
+
+import torch
+
+from recxla import _extension
+
+OP = "recxla.copy_runs"
+RUN_FIELDS = 9
+
+
+class Run(NamedTuple):
+    """One run (see the module docstring); `pack` flattens runs into the op's ints."""
+
+    source: int
+    source_offset: int
+    source_stride: int
+    target: int
+    target_offset: int
+    target_stride: int
+    rows: int
+    width: int
+    add: int = 0
+
+    def transposed(self) -> "Run":
+        """The run that moves the target's elements back to the source (a copy: the
+        transpose of an add into a sum reads the sum's gradient once per part)."""
+        return Run(self.target, self.target_offset, self.target_stride, self.source,
+                   self.source_offset, self.source_stride, self.rows, self.width, 0)
+
+
+def pack(runs: Iterable[Run]) -> List[int]:
+    """The op's `runs` argument: RUN_FIELDS ints per run."""
+    return [field for run in runs for field in run]
+
+
+def check_runs(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+               runs: Sequence[int]) -> List[Run]:
+    """The C++ kernels' checks (csrc/include/recxla/copy_runs_checks.h), for the Triton path:
+    -> the runs, read. Raises what the C++ kernels raise."""
+    op = "recxla::copy_runs"
+    if len(runs) % RUN_FIELDS:
+        raise ValueError(f"{op}: runs must hold {RUN_FIELDS} ints per run, got {len(runs)} ints")
+    read = [Run(*runs[i:i + RUN_FIELDS]) for i in range(0, len(runs), RUN_FIELDS)]
+    if not read:
+        return read
+    if not targets:
+        raise ValueError(f"{op}: runs need at least one target")
+    first = targets[0]
+    if first.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{op}: the tensors must be float32, bfloat16 or float16, got "
+                        f"{first.dtype}")
+    for name, tensors in (("sources", sources), ("targets", targets)):
+        for i, t in enumerate(tensors):
+            if t.dtype != first.dtype:
+                raise TypeError(f"{op}: {name}[{i}] must be {first.dtype} like targets[0], got "
+                                f"{t.dtype}")
+            if t.device != first.device:
+                raise ValueError(f"{op}: {name}[{i}] must be on {first.device} like "
+                                 f"targets[0], got {t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{op}: {name}[{i}] must be contiguous")
+    for i, t in enumerate(targets):
+        for s, source in enumerate(sources):
+            if _spans_overlap(t, source):
+                raise ValueError(f"{op}: targets[{i}] shares memory with sources[{s}]")
+    for r, run in enumerate(read):
+        if not (0 <= run.source < len(sources)):
+            raise ValueError(f"{op}: run {r} reads sources[{run.source}] of {len(sources)}")
+        if not (0 <= run.target < len(targets)):
+            raise ValueError(f"{op}: run {r} writes targets[{run.target}] of {len(targets)}")
+        if min(run.rows, run.width, run.source_offset, run.source_stride, run.target_offset,
+               run.target_stride) < 0:
+            raise ValueError(f"{op}: run {r} has a negative offset, stride, row count or width")
+        if run.add not in (0, 1):
+            raise ValueError(f"{op}: run {r}'s add must be 0 or 1, got {run.add}")
+        if run.rows > 1 and run.target_stride < run.width:
+            raise ValueError(f"{op}: run {r} writes rows of {run.width} elements "
+                             f"{run.target_stride} apart: its rows overlap")
+        empty = run.rows * run.width == 0
+        source_end = 0 if empty else \
+            run.source_offset + (run.rows - 1) * run.source_stride + run.width
+        target_end = 0 if empty else \
+            run.target_offset + (run.rows - 1) * run.target_stride + run.width
+        if source_end > sources[run.source].numel():
+            raise ValueError(f"{op}: run {r} reads up to element {source_end} of "
+                             f"sources[{run.source}], which has {sources[run.source].numel()}")
+        if target_end > targets[run.target].numel():
+            raise ValueError(f"{op}: run {r} writes up to element {target_end} of "
+                             f"targets[{run.target}], which has {targets[run.target].numel()}")
+    return read
+
+
+def _spans_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The byte ranges of two contiguous tensors intersect (recxla/checks.h spans_overlap)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+@_extension.register_fake("recxla::copy_runs")
+def _copy_runs_fake(sources, targets, runs):
+    return None
+
+
+def copy_runs(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+              runs: Sequence[int]) -> None:
+    """Applies `runs` (pack's ints) from `sources` to `targets` in place (module docstring).
+    The tensors: contiguous float32, bfloat16 or float16, one dtype and device."""
+    if not runs:
+        return
+    if not targets:
+        raise ValueError(f"{OP}: runs need at least one target")
+    backend = _extension.backend_for(targets[0], OP)
+    if backend == "triton":
+        from recxla.triton_kernels.copy_runs import copy_runs_triton
+
+        copy_runs_triton(list(sources), list(targets), list(runs))
+        return
+    torch.ops.recxla.copy_runs(list(sources), list(targets), list(runs))
+
+
+class PackRuns(torch.autograd.Function):
+    """PackRuns.apply(runs, total, *sources): a new flat tensor of `total` elements that `runs`
+    (Run tuples into target 0) write from `sources`, every element of it; differentiable
+    w.r.t. the sources. The backward moves the gradient back along the transposed runs, which
+    is each source's whole gradient when every source element is read by one run at most
+    (elements no run reads get zero)."""
+
+    @staticmethod
+    def forward(ctx, runs: List[Run], total: int, *sources):
+        out = sources[0].new_empty((total,))
+        copy_runs(sources, [out], pack(runs))
+        ctx.runs = runs
+        ctx.shapes = [s.shape for s in sources]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = [grad.new_zeros(shape) if needed else None
+                 for shape, needed in zip(ctx.shapes, ctx.needs_input_grad[2:])]
+        # Transposed, the runs read the gradient (source 0) and write the sources' gradients,
+        # numbered as the sources were; sources without one get an empty placeholder.
+        back = [r.transposed() for r in ctx.runs if grads[r.source] is not None]
+        if back:
+            targets = [g if g is not None else grad.new_empty((0,)) for g in grads]
+            copy_runs([grad.contiguous()], targets, pack(back))
+        return (None, None, *grads)
