@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from bench.common import run_and_record
-from recxla.ops.embedding_bag import SUM, pooled_forward, unique_grad
+from recxla.ops.embedding_bag import SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.output_dist import OutputDist
 from recxla.torchrec.row_exchange import RowBags
@@ -76,7 +76,7 @@ def _per_group(dist, bags, flat, grad_out, bag_lengths):
     blocks = [flat[o: o + BATCH * d].view(BATCH, d) for o, d in message.pooled]
     rows: List[torch.Tensor] = [flat[o: o + n * c].view(n, c) for o, _, n, c in message.rows]
     group_bags = [_group_bags(bags, g) for _, g, _, _ in message.rows]
-    pooled = [pooled_forward([r], u, b, i, o, None, [0], [SUM], BATCH)
+    pooled = [pooled_forward(BagLookup([r], u, b, i, o, None, [0], [SUM], BATCH))
               for r, (u, b, i, o) in zip(rows, group_bags)]
     blocks.append(torch.cat(pooled, dim=1))
     out = torch.cat([blocks[c.block][:, c.src: c.src + c.width]
@@ -89,8 +89,8 @@ def _per_group(dist, bags, flat, grad_out, bag_lengths):
                   out=grad_blocks[block])
     for (offset, _, n, c), r, (u, b, i, o), column in zip(
             message.rows, rows, group_bags, range(0, dist.assembly.row_block_width, DIM)):
-        row_grad = unique_grad(grad_blocks[-1][:, column: column + DIM].contiguous(), [r], u,
-                               b, i, o, None, [0], [SUM], BATCH)[0]
+        row_grad = unique_grad(grad_blocks[-1][:, column: column + DIM].contiguous(),
+                               BagLookup([r], u, b, i, o, None, [0], [SUM], BATCH))[0]
         grad[offset: offset + n * c].view(n, c).copy_(row_grad)
     return out, grad
 

@@ -92,18 +92,28 @@ def op_inputs(dtype=torch.int64, weighted=False, batch=7, exponent=1.05,
 
 
 def fused_args(a, optim, grad, lr=0.05, eps=1e-3, wd=0.0, sign=1.0):
+    """The flat arguments of torch.ops.recxla.embedding_bag_backward_update (fresh weights and
+    states); update_args gives them as recxla.ops.embedding_bag.backward_update's."""
     weights = [w.clone() for w in a["weights"]]
     # The optimizer state lives where its table does.
     states = [torch.rand(w.shape if optim == ops.ADAGRAD else w.shape[0], device=w.device)
               for w in weights]
     rest = [a[k] for k in ("unique_values", "unique_offsets", "inverse", "offsets",
                            "per_sample_weights", "feature_table", "pooling", "batch_size")]
-    return [grad, weights, states, *rest, [optim] * len(weights), [lr, eps, wd, sign] * len(weights)]
+    return [grad, weights, states, *rest, [optim] * len(weights),
+            [lr, eps, wd, sign] * len(weights)]
 
 
-def op_args(a):
-    return [a[k] for k in ("weights", "unique_values", "unique_offsets", "inverse", "offsets",
-                           "per_sample_weights", "feature_table", "pooling", "batch_size")]
+def update_args(args):
+    """fused_args (the op's flat arguments) as backward_update takes them: (grad_output,
+    lookup, states, optim, hparams), the lookup holding the same weights list."""
+    grad, weights, states, *rest, optim, hparams = args
+    return grad, ops.BagLookup(weights, *rest), states, optim, hparams
+
+
+def bag_lookup(a):
+    """op_inputs' dict as the ops' argument."""
+    return ops.BagLookup(**{k: a[k] for k in ops.BagLookup._fields})
 
 
 def assert_lists_close(got, want, **tol):
@@ -120,18 +130,19 @@ def assert_lists_close(got, want, **tol):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_ops_match_reference(dtype, weighted):
     a = op_inputs(dtype, weighted)
-    out = ops.pooled_forward(*op_args(a))
-    torch.testing.assert_close(out, ref.embedding_bag_forward_ref(*op_args(a)), rtol=0, atol=0)
+    out = ops.pooled_forward(bag_lookup(a))
+    torch.testing.assert_close(out, ref.embedding_bag_forward_ref(bag_lookup(a)), rtol=0, atol=0)
     grad = torch.randn_like(out)
-    assert_lists_close(ops.unique_grad(grad, *op_args(a)),
-                       ref.embedding_bag_unique_grad_ref(grad, *op_args(a)), rtol=0, atol=0)
+    assert_lists_close(ops.unique_grad(grad, bag_lookup(a)),
+                       ref.embedding_bag_unique_grad_ref(grad, bag_lookup(a)), rtol=0, atol=0)
     for optim in OPTIMS.values():
         got, want = fused_args(a, optim, grad, wd=0.01, sign=-1.0), None
         want = [x.clone() if isinstance(x, torch.Tensor) else
-                ([t.clone() for t in x] if isinstance(x, list) and x and isinstance(x[0], torch.Tensor) else x)
+                ([t.clone() for t in x]
+                 if isinstance(x, list) and x and isinstance(x[0], torch.Tensor) else x)
                 for x in got]
-        ops.backward_update(*got)
-        ref.embedding_bag_backward_update_ref(*want)
+        ops.backward_update(*update_args(got))
+        ref.embedding_bag_backward_update_ref(*update_args(want))
         # Row-wise Adagrad sums a row's squares in another order than torch's mean.
         assert_lists_close(got[1], want[1], rtol=1e-6, atol=1e-6)
         assert_lists_close(got[2], want[2], rtol=1e-6, atol=1e-6)
@@ -140,15 +151,15 @@ def test_ops_match_reference(dtype, weighted):
 
 def test_ops_empty_and_non_contiguous():
     a = op_inputs(batch=0)
-    assert ops.pooled_forward(*op_args(a)).shape == (0, 8 + 1 + 17 + 8)
+    assert ops.pooled_forward(bag_lookup(a)).shape == (0, 8 + 1 + 17 + 8)
     a = op_inputs(batch=5)
     base = torch.randn(len(a["inverse"]) * 2)
     a["per_sample_weights"] = base[::2]  # strided
-    out = ops.pooled_forward(*op_args(a))
-    torch.testing.assert_close(out, ref.embedding_bag_forward_ref(*op_args(a)))
+    out = ops.pooled_forward(bag_lookup(a))
+    torch.testing.assert_close(out, ref.embedding_bag_forward_ref(bag_lookup(a)))
     grad = torch.randn(out.shape[1], out.shape[0]).t()  # non-contiguous
-    assert_lists_close(ops.unique_grad(grad, *op_args(a)),
-                       ref.embedding_bag_unique_grad_ref(grad, *op_args(a)))
+    assert_lists_close(ops.unique_grad(grad, bag_lookup(a)),
+                       ref.embedding_bag_unique_grad_ref(grad, bag_lookup(a)))
 
 
 def test_ops_one_table_holding_most_ids():
@@ -169,13 +180,13 @@ def test_ops_one_table_holding_most_ids():
                  offsets=offsets, per_sample_weights=torch.rand(values.numel()),
                  feature_table=[0, 1], pooling=[ops.MEAN, ops.SUM], batch_size=batch)
         grad = torch.randn(batch, 32)
-        assert_lists_close(ops.unique_grad(grad, *op_args(a)),
-                           ref.embedding_bag_unique_grad_ref(grad, *op_args(a)), rtol=0, atol=0)
+        assert_lists_close(ops.unique_grad(grad, bag_lookup(a)),
+                           ref.embedding_bag_unique_grad_ref(grad, bag_lookup(a)), rtol=0, atol=0)
         got = fused_args(a, ops.ROWWISE_ADAGRAD, grad)
         want = list(got)
         want[1], want[2] = [w.clone() for w in got[1]], [s.clone() for s in got[2]]
-        ops.backward_update(*got)
-        ref.embedding_bag_backward_update_ref(*want)
+        ops.backward_update(*update_args(got))
+        ref.embedding_bag_backward_update_ref(*update_args(want))
         assert_lists_close(got[1], want[1], rtol=1e-6, atol=1e-6)
     finally:
         torch.set_num_threads(before)
@@ -198,8 +209,7 @@ def test_per_sample_weight_grad_matches_reference_autograd(dtype, fused):
                           optimizer_step=sgd if fused else None)
     rest = [a[k] for k in ("unique_values", "unique_offsets", "inverse", "offsets")]
     out = ops.FusedPooledLookup.apply(plan, *rest, psw, *weights)
-    want = ref.embedding_bag_forward_ref(a["weights"], *rest, ref_psw, a["feature_table"],
-                                         a["pooling"], 8)
+    want = ref.embedding_bag_forward_ref(bag_lookup(a)._replace(per_sample_weights=ref_psw))
     grad = torch.randn_like(out)
     out.backward(grad)
     want.backward(grad)
@@ -212,7 +222,7 @@ def test_weighted_mean_is_weighted_sum_over_length():
     TorchRec reject weights with mean, and so does recxla.nn): sum(w * row) / bag length, an
     empty bag giving zeros. Checked against torch's weighted-sum EmbeddingBag per feature."""
     a = op_inputs(weighted=True, batch=10)
-    out = ops.pooled_forward(*op_args(a))
+    out = ops.pooled_forward(bag_lookup(a))
     ids = a["unique_values"][a["inverse"]].long()
     offsets, b, column = a["offsets"], a["batch_size"], 0
     for f, t in enumerate(a["feature_table"]):
@@ -231,9 +241,9 @@ def test_weighted_mean_is_weighted_sum_over_length():
 
 def test_ops_opcheck():
     a = op_inputs(weighted=True)
-    torch.library.opcheck(torch.ops.recxla.embedding_bag_forward, op_args(a))
+    torch.library.opcheck(torch.ops.recxla.embedding_bag_forward, list(bag_lookup(a)))
     grad = torch.randn(a["batch_size"], 8 + 1 + 17 + 8)
-    torch.library.opcheck(torch.ops.recxla.embedding_bag_unique_grad, [grad, *op_args(a)],
+    torch.library.opcheck(torch.ops.recxla.embedding_bag_unique_grad, [grad, *bag_lookup(a)],
                           test_utils=("test_schema", "test_autograd_registration",
                                       "test_faketensor"))
     torch.library.opcheck(torch.ops.recxla.embedding_bag_backward_update,
@@ -276,9 +286,9 @@ def test_ops_errors_leave_rows_untouched():
         torch.ops.recxla.embedding_bag_backward_update(*args[:2], [torch.rand(3)] * 3, *args[3:])
     with pytest.raises(TypeError, match=r"weights\[1\] must be float32"):
         torch.ops.recxla.embedding_bag_forward(
-            [a["weights"][0], a["weights"][1].double(), a["weights"][2]], *op_args(a)[1:])
+            [a["weights"][0], a["weights"][1].double(), a["weights"][2]], *bag_lookup(a)[1:])
     with pytest.raises(ValueError, match=r"feature_table\[1\] = 5 is not a table index"):
-        torch.ops.recxla.embedding_bag_forward(*op_args(a)[:6], [0, 5, 1, 0], *op_args(a)[7:])
+        torch.ops.recxla.embedding_bag_forward(*bag_lookup(a)._replace(feature_table=[0, 5, 1, 0]))
     assert all(torch.equal(x, y) for x, y in zip(args[1] + args[2], before))
 
 
@@ -307,17 +317,17 @@ def interpreted_triton():
 
 def check_backend_against_reference(forward, grad_fn, update, a, exact=True):
     tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
-    out = forward(*op_args(a))
-    torch.testing.assert_close(out, ref.embedding_bag_forward_ref(*op_args(a)), **tol)
+    out = forward(bag_lookup(a))
+    torch.testing.assert_close(out, ref.embedding_bag_forward_ref(bag_lookup(a)), **tol)
     grad = torch.randn_like(out)
-    assert_lists_close(grad_fn(grad, *op_args(a)),
-                       ref.embedding_bag_unique_grad_ref(grad, *op_args(a)), **tol)
+    assert_lists_close(grad_fn(grad, bag_lookup(a)),
+                       ref.embedding_bag_unique_grad_ref(grad, bag_lookup(a)), **tol)
     for optim in OPTIMS.values():
         got = fused_args(a, optim, grad, wd=0.01, sign=-1.0)
         want = list(got)
         want[1], want[2] = [w.clone() for w in got[1]], [s.clone() for s in got[2]]
-        update(*got)
-        ref.embedding_bag_backward_update_ref(*want)
+        update(*update_args(got))
+        ref.embedding_bag_backward_update_ref(*update_args(want))
         assert_lists_close(got[1], want[1], rtol=1e-5, atol=1e-6)
         assert_lists_close(got[2], want[2], rtol=1e-5, atol=1e-6)
 
@@ -335,9 +345,9 @@ def test_triton_interpreted_matches_reference(interpreted_triton, monkeypatch, d
 def test_triton_interpreted_empty(interpreted_triton, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     a = op_inputs(batch=0)
-    assert interpreted_triton.embedding_bag_forward_triton(*op_args(a)).shape == (0, 34)
+    assert interpreted_triton.embedding_bag_forward_triton(bag_lookup(a)).shape == (0, 34)
     assert [g.shape[0] for g in interpreted_triton.embedding_bag_unique_grad_triton(
-        torch.zeros(0, 34), *op_args(a))] == [0, 0, 0]
+        torch.zeros(0, 34), bag_lookup(a))] == [0, 0, 0]
 
 
 def to_cuda(a):

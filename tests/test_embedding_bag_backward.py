@@ -12,7 +12,9 @@ from recxla.ops import embedding_bag as ops
 from recxla.ops.dedup import segmented_unique
 from recxla.reference import embedding_bag as ref
 
-from test_embedding_bag import OPTIMS, assert_lists_close, fused_args, op_args, zipf_ids
+from test_embedding_bag import (
+    OPTIMS, assert_lists_close, bag_lookup, fused_args, update_args, zipf_ids,
+)
 
 ORDERS = ["accumulate", "gather", "auto"]
 
@@ -41,11 +43,11 @@ def few_repeats_inputs(dtype, weighted, mean):
 def run_all(a, order, monkeypatch):
     monkeypatch.setenv("RECXLA_EMB_BACKWARD", order)
     grad = torch.randn(a["batch_size"], 64 * 2 + 7, generator=torch.Generator().manual_seed(3))
-    results = [ops.unique_grad(grad, *op_args(a))]
+    results = [ops.unique_grad(grad, bag_lookup(a))]
     for optim in OPTIMS.values():
         torch.manual_seed(4)  # the same starting optimizer states for every order
         args = fused_args(a, optim, grad, wd=0.01, sign=-1.0)
-        ops.backward_update(*args)
+        ops.backward_update(*update_args(args))
         results.append(args[1] + args[2])
     return grad, results
 
@@ -67,5 +69,5 @@ def test_orders_give_the_same_bits(monkeypatch, dtype, weighted, mean):
     for key, got in results.items():
         for g, w in zip(got, first):
             assert all(torch.equal(x, y) for x, y in zip(g, w)), key
-    assert_lists_close(first[0], ref.embedding_bag_unique_grad_ref(grad, *op_args(a)),
+    assert_lists_close(first[0], ref.embedding_bag_unique_grad_ref(grad, bag_lookup(a)),
                        rtol=0, atol=0)

@@ -23,11 +23,12 @@ from recxla.ops import embedding_bag_checks as checks
 from test_embedding_bag import (  # noqa: F401  (interpreted_triton is a fixture)
     _bad_inputs,
     fused_args,
+    bag_lookup,
     interpreted_triton,
     make_kjt,
     make_tables,
-    op_args,
     op_inputs,
+    update_args,
 )
 
 NAMES = ["unique_values", "unique_offsets", "inverse", "offsets", "per_sample_weights"]
@@ -83,15 +84,15 @@ def test_bad_input_raises_what_the_cpu_kernel_raises(unchecked_backend):
         want = _raised(torch.ops.recxla.embedding_bag_backward_update, *bad)  # the CPU kernel
         assert isinstance(want, exc), (name, want)
         with pytest.raises(type(want), match=match) as got:
-            ops.backward_update(*bad)
+            ops.backward_update(*update_args(bad))
         # The same words as the CPU kernel's message, up to the values it prints.
         assert str(want).split(", got")[0].split(" (feature")[0] in str(got.value), name
         assert all(torch.equal(x, y) for x, y in zip(args[1] + args[2], before)), name
-        forward_args = [bad[1]] + bad[3:11]
-        want = _raised(torch.ops.recxla.embedding_bag_forward, *forward_args)
+        lookup = update_args(bad)[1]
+        want = _raised(torch.ops.recxla.embedding_bag_forward, *lookup)
         if want is not None:  # the forward does not need strictly increasing rows
             with pytest.raises(type(want)):
-                ops.pooled_forward(*forward_args)
+                ops.pooled_forward(lookup)
 
 
 def bad_optimizer_args(args):
@@ -123,7 +124,7 @@ def test_bad_optimizer_arguments_raise_what_the_cpu_kernel_raises(unchecked_back
         want = _raised(torch.ops.recxla.embedding_bag_backward_update, *bad)  # the CPU kernel
         assert want is not None, (index, value)
         with pytest.raises(type(want)) as got:
-            ops.backward_update(*bad)
+            ops.backward_update(*update_args(bad))
         assert str(want).split(", got")[0] == str(got.value).split(", got")[0], index
         assert all(torch.equal(x, y) for x, y in zip(args[1] + args[2], before)), index
     # A state on another device than its table: the CPU kernel's words, shown with the meta
@@ -137,13 +138,12 @@ def test_bad_optimizer_arguments_raise_what_the_cpu_kernel_raises(unchecked_back
 
 def test_valid_input_passes_and_matches_cpu(unchecked_backend):
     a = op_inputs(batch=6, weighted=True)
-    flags = checks.check_lookup_data(a["weights"], a["unique_values"], a["unique_offsets"],
-                                  a["inverse"], a["offsets"], a["feature_table"], 6, True)
+    flags = checks.check_lookup_data(bag_lookup(a), True)
     assert flags.dtype == torch.int64 and flags.device == a["unique_values"].device
-    out = ops.pooled_forward(*op_args(a))
-    torch.testing.assert_close(out, torch.ops.recxla.embedding_bag_forward(*op_args(a)))
+    out = ops.pooled_forward(bag_lookup(a))
+    torch.testing.assert_close(out, torch.ops.recxla.embedding_bag_forward(*bag_lookup(a)))
     into = torch.full_like(out, float("nan"))
-    assert ops.pooled_forward(*op_args(a), out=into) is into
+    assert ops.pooled_forward(bag_lookup(a), out=into) is into
     torch.testing.assert_close(into, out, rtol=0, atol=0)
 
 
@@ -249,6 +249,6 @@ def test_gpu_bad_input_raises_before_any_kernel(monkeypatch, backend):
                 isinstance(x[0], torch.Tensor) else x for x in bad]
         before = [x.clone() for x in cuda[1] + cuda[2]]
         with pytest.raises(type(want), match=match):
-            ops.backward_update(*cuda)
+            ops.backward_update(*update_args(cuda))
         torch.cuda.synchronize()
         assert all(torch.equal(x, y) for x, y in zip(cuda[1] + cuda[2], before)), name

@@ -21,7 +21,7 @@ from recxla.ops.dedup import segmented_unique
 from recxla.reference.dedup import segmented_unique_ref
 
 from test_dedup import KINDS, random_keys, random_offsets
-from test_embedding_bag import make_kjt, op_args, op_inputs
+from test_embedding_bag import bag_lookup, make_kjt, op_inputs
 
 
 def minor_faults() -> int:
@@ -80,18 +80,18 @@ def test_kept_outputs_are_never_overwritten():
 
 def test_forward_out_matches_and_writes_in_place():
     a = op_inputs(weighted=True, batch=9)
-    want = ops.pooled_forward(*op_args(a))
+    want = ops.pooled_forward(bag_lookup(a))
     out = torch.full_like(want, float("nan"))
-    got = ops.pooled_forward(*op_args(a), out=out)
+    got = ops.pooled_forward(bag_lookup(a), out=out)
     assert got is out
     torch.testing.assert_close(out, want, rtol=0, atol=0)
-    torch.library.opcheck(torch.ops.recxla.embedding_bag_forward_out, [*op_args(a), out])
+    torch.library.opcheck(torch.ops.recxla.embedding_bag_forward_out, [*bag_lookup(a), out])
     bad = [(out.double(), TypeError, "out must be float32"),
            (out[:, :-1], ValueError, r"out must be \[batch_size, total_dim\] = \[9, 34\]"),
            (torch.empty(34, 9).t(), ValueError, "out must be contiguous")]
     for value, exc, match in bad:
         with pytest.raises(exc, match=match):
-            torch.ops.recxla.embedding_bag_forward_out(*op_args(a), value)
+            torch.ops.recxla.embedding_bag_forward_out(*bag_lookup(a), value)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -20,7 +20,7 @@ import torch
 import cpu_harness
 import recxla
 from recxla.ops import embedding_bag as ops
-from test_embedding_bag import fused_args, op_inputs, to_cuda
+from test_embedding_bag import bag_lookup, fused_args, op_inputs, to_cuda
 
 ROWWISE = ops.ROWWISE_ADAGRAD
 OPTIMS = [ops.SGD, ops.ADAGRAD, ROWWISE]
@@ -121,9 +121,7 @@ def test_replayed_update_matches_the_cpu_kernel(harness, tables, weighted, optim
 @pytest.mark.parametrize("weighted", [False, True])
 def test_replayed_gradients_match_the_cpu_kernel(harness, tables, weighted):
     a, grad = batch(tables, weighted)
-    want = ops.unique_grad(grad, *[a[k] for k in (
-        "weights", "unique_values", "unique_offsets", "inverse", "offsets",
-        "per_sample_weights", "feature_table", "pooling", "batch_size")])
+    want = ops.unique_grad(grad, bag_lookup(a))
     got = [torch.full_like(w, float("nan")) for w in want]
     replay(harness, a, grad, NO_OPTIMIZER, [0.0, 0.0, 0.0, 1.0] * len(got), a["weights"],
            [None] * len(got), got)

@@ -13,7 +13,7 @@ from recxla.ops import embedding_bag as ops
 from recxla.ops.dedup import segmented_unique
 from recxla.ops.route_ids import route_ids
 
-from test_embedding_bag import fused_args, op_args, op_inputs
+from test_embedding_bag import bag_lookup, fused_args, op_inputs, update_args
 from test_route_ids import random_batch, random_tables
 
 LOAD_ERROR = "recxla._C: cannot open shared object file (test_extension.py)"
@@ -53,11 +53,12 @@ CALLS = [
         torch.zeros(3, 12, dtype=torch.uint8), 8, "e4m3")),
     ("recxla.segmented_unique", lambda: segmented_unique(torch.arange(6), torch.tensor([0, 2, 6]))),
     ("recxla.segmented_unique", lambda: recxla.unique_keys(torch.arange(6), torch.tensor([0, 6]))),
-    ("recxla.ops.embedding_bag.pooled_forward", lambda: ops.pooled_forward(*op_args(op_inputs()))),
+    ("recxla.ops.embedding_bag.pooled_forward",
+     lambda: ops.pooled_forward(bag_lookup(op_inputs()))),
     ("recxla.ops.embedding_bag.unique_grad", lambda: ops.unique_grad(
-        torch.randn(7, 34), *op_args(op_inputs()))),
+        torch.randn(7, 34), bag_lookup(op_inputs()))),
     ("recxla.ops.embedding_bag.backward_update", lambda: ops.backward_update(
-        *fused_args(op_inputs(), ops.SGD, torch.randn(7, 34)))),
+        *update_args(fused_args(op_inputs(), ops.SGD, torch.randn(7, 34))))),
     ("recxla.ops.embedding_bag.FusedPooledLookup", _fused_lookup_call),
     ("recxla.cluster_samples", lambda: recxla.cluster_samples(_kjt(), 2)),
     ("recxla.route_ids", _route_ids_call),

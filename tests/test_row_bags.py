@@ -4,7 +4,7 @@ multi-table lookup, against each bag pooled one by one from the rows it reads.""
 import pytest
 import torch
 
-from recxla.ops.embedding_bag import MEAN, SUM, pooled_forward, unique_grad
+from recxla.ops.embedding_bag import MEAN, SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.row_exchange import RowBags
 
 
@@ -49,11 +49,11 @@ def test_message_bags_pool_and_reduce_as_each_bag_alone(seed, micro, weighted):
                 for g, c in enumerate(cols)]
         m = row_bags.message_bags(k, features)
         assert row_bags.message_bags(k, features) is m  # built once for forward and backward
-        out = pooled_forward(rows, m.unique_values, m.unique_offsets, m.inverse, m.offsets,
-                             m.weights, m.feature_table, pooling, size)
+        lookup = BagLookup(rows, m.unique_values, m.unique_offsets, m.inverse, m.offsets,
+                           m.weights, m.feature_table, pooling, size)
+        out = pooled_forward(lookup)
         grad = torch.randn(out.shape, generator=generator)
-        row_grads = unique_grad(grad, rows, m.unique_values, m.unique_offsets, m.inverse,
-                                m.offsets, m.weights, m.feature_table, pooling, size)
+        row_grads = unique_grad(grad, lookup)
         expected = torch.zeros(size, sum(f * c for f, c in zip(features, cols)))
         expected_grads = [torch.zeros_like(r) for r in rows]
         column = 0

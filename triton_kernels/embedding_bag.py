@@ -1,5 +1,7 @@
 """Pooled embedding lookup over deduplicated ids and its fused optimizer update, in Triton (the
-GPU path when RECXLA_BACKEND=triton; argument layout in csrc/embedding_bag.cpp).
+GPU path when RECXLA_BACKEND=triton; argument layout in csrc/embedding_bag.cpp). The launchers
+take the ops' `lookup`, a recxla.ops.embedding_bag_lookup.BagLookup, and read its fields without
+importing the type (the kernels import nothing of recxla.ops).
 
 - Forward: one program per bag (one launch per feature): it walks the bag's ids, loads each id's
   unique row from the table and accumulates the row in registers (BLOCK_D >= dim columns).
@@ -106,10 +108,10 @@ def _columns(weights, feature_table) -> List[int]:
     return columns + [c]
 
 
-def embedding_bag_forward_triton(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                                 feature_table, pooling, batch_size, out=None) -> torch.Tensor:
+def embedding_bag_forward_triton(lookup, out=None) -> torch.Tensor:
     """-> float32 [B, total_dim] (written into `out` when given); arguments as
     recxla.ops.embedding_bag.pooled_forward."""
+    weights, unique_values, _, inverse, offsets, psw, feature_table, pooling, batch_size = lookup
     columns = _columns(weights, feature_table)
     if out is None:
         out = torch.empty(batch_size, columns[-1], dtype=torch.float32,
@@ -128,11 +130,12 @@ def embedding_bag_forward_triton(weights, unique_values, unique_offsets, inverse
     return out
 
 
-def group_ids_by_row(inverse, offsets, psw, weights, feature_table, pooling, batch_size,
-                     num_unique, signs: Optional[Sequence[float]] = None):
+def group_ids_by_row(lookup, signs: Optional[Sequence[float]] = None):
     """The ids of each unique row, as a CSR in torch ops: -> (start int64 [U + 1], grad_offset
     int64 [N] into the flattened grad_output, scale float32 [N] = per-sample weight x
     (1 / bag length for mean) x sign), entries of a row in id order."""
+    weights, unique_values, _, inverse, offsets, psw, feature_table, pooling, batch_size = lookup
+    num_unique = unique_values.numel()
     device = inverse.device
     columns = torch.tensor(_columns(weights, feature_table)[:-1], dtype=torch.int64, device=device)
     table = torch.tensor(list(feature_table), dtype=torch.int64, device=device)
@@ -154,12 +157,10 @@ def group_ids_by_row(inverse, offsets, psw, weights, feature_table, pooling, bat
     return start, grad_offset[order].contiguous(), scale[order].contiguous()
 
 
-def _run_update(grad_output, weights, states, unique_values, unique_offsets, inverse, offsets,
-                psw, feature_table, pooling, batch_size, optim, hparams, outs):
+def _run_update(grad_output, lookup, states, optim, hparams, outs):
+    weights, unique_values, unique_offsets = lookup[:3]
     signs = [hparams[4 * t + 3] for t in range(len(weights))] if hparams else None
-    start, grad_offset, scale = group_ids_by_row(
-        inverse, offsets, psw, weights, feature_table, pooling, batch_size,
-        unique_values.numel(), signs)
+    start, grad_offset, scale = group_ids_by_row(lookup, signs)
     grad = grad_output.contiguous().float()
     bounds = unique_offsets.tolist()
     for t, w in enumerate(weights):
@@ -167,7 +168,8 @@ def _run_update(grad_output, weights, states, unique_values, unique_offsets, inv
         if n == 0 or dim == 0 or (optim[t] == NONE and outs[t] is None):
             continue
         lr, eps, wd = (hparams[4 * t : 4 * t + 3]) if hparams else (0.0, 0.0, 0.0)
-        state = states[t] if states is not None and states[t] is not None and states[t].numel() else w
+        has_state = states is not None and states[t] is not None and states[t].numel()
+        state = states[t] if has_state else w
         _update_kernel[(n,)](
             w, state, unique_values, start, grad_offset, scale, grad,
             outs[t] if outs[t] is not None else w, bounds[t], dim, float(lr), float(eps),
@@ -175,21 +177,15 @@ def _run_update(grad_output, weights, states, unique_values, unique_offsets, inv
         )
 
 
-def embedding_bag_unique_grad_triton(grad_output, weights, unique_values, unique_offsets, inverse,
-                                     offsets, psw, feature_table, pooling,
-                                     batch_size) -> List[torch.Tensor]:
+def embedding_bag_unique_grad_triton(grad_output, lookup) -> List[torch.Tensor]:
     """-> T float32 [U_t, D_t]; arguments as recxla.ops.embedding_bag.unique_grad."""
-    bounds = unique_offsets.tolist()
+    bounds = lookup.unique_offsets.tolist()
     outs = [torch.zeros(bounds[t + 1] - bounds[t], w.shape[1], dtype=torch.float32,
-                        device=w.device) for t, w in enumerate(weights)]
-    _run_update(grad_output, weights, None, unique_values, unique_offsets, inverse, offsets, psw,
-                feature_table, pooling, batch_size, [NONE] * len(weights), None, outs)
+                        device=w.device) for t, w in enumerate(lookup.weights)]
+    _run_update(grad_output, lookup, None, [NONE] * len(lookup.weights), None, outs)
     return outs
 
 
-def embedding_bag_backward_update_triton(grad_output, weights, states, unique_values,
-                                         unique_offsets, inverse, offsets, psw, feature_table,
-                                         pooling, batch_size, optim, hparams) -> None:
+def embedding_bag_backward_update_triton(grad_output, lookup, states, optim, hparams) -> None:
     """In place; arguments as recxla.ops.embedding_bag.backward_update."""
-    _run_update(grad_output, weights, states, unique_values, unique_offsets, inverse, offsets,
-                psw, feature_table, pooling, batch_size, optim, hparams, [None] * len(weights))
+    _run_update(grad_output, lookup, states, optim, hparams, [None] * len(lookup.weights))

@@ -1,6 +1,7 @@
 """Pooled embedding lookup over deduplicated ids with a fused sparse optimizer.
 
-The ops of csrc/embedding_bag.cpp (argument layout documented there, their codes in
+The ops of csrc/embedding_bag.cpp (argument layout documented there; the nine arguments they
+share are one `BagLookup`, recxla.ops.embedding_bag_lookup; their codes in
 recxla.ops.embedding_bag_enums) get their fake kernels here, a dispatcher per op (C++ on CPU,
 CUDA or Triton on GPU following RECXLA_BACKEND; a RuntimeError saying to reinstall when the
 compiled extension is missing), and the autograd Function `FusedPooledLookup` that joins
@@ -27,6 +28,7 @@ from recxla.ops.embedding_bag_checks import check_lookup, check_optimizer
 from recxla.ops.embedding_bag_enums import (  # noqa: F401  (the op's codes, public here)
     ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
 )
+from recxla.ops.embedding_bag_lookup import BagLookup  # the ops' argument, public here too
 
 
 @_extension.register_fake("recxla::embedding_bag_forward")
@@ -56,125 +58,90 @@ def _backward_update_fake(grad_output, weights, states, unique_values, unique_of
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatch
+# Dispatch (`lookup` already as its op_args)
 
 
-def _forward(args, out: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+def _forward(lookup: BagLookup, out: Optional[torch.Tensor], backend: str) -> torch.Tensor:
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_forward_triton
 
-        return embedding_bag_forward_triton(*args, out=out)
+        return embedding_bag_forward_triton(lookup, out=out)
     if out is None:
-        return torch.ops.recxla.embedding_bag_forward(*args)
-    torch.ops.recxla.embedding_bag_forward_out(*args, out)
+        return torch.ops.recxla.embedding_bag_forward(*lookup)
+    torch.ops.recxla.embedding_bag_forward_out(*lookup, out)
     return out
 
 
-def _unique_grad(grad_output, args, backend: str) -> List[torch.Tensor]:
+def _unique_grad(grad_output, lookup: BagLookup, backend: str) -> List[torch.Tensor]:
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_unique_grad_triton
 
-        return embedding_bag_unique_grad_triton(grad_output, *args)
-    return list(torch.ops.recxla.embedding_bag_unique_grad(grad_output, *args))
+        return embedding_bag_unique_grad_triton(grad_output, lookup)
+    return list(torch.ops.recxla.embedding_bag_unique_grad(grad_output, *lookup))
 
 
-def _backward_update(grad_output, states, args, optim, hparams, backend: str) -> None:
-    weights, rest = args[0], args[1:]
-    full = (grad_output, weights, list(states), *rest, list(optim), [float(h) for h in hparams])
+def _backward_update(grad_output, lookup: BagLookup, states, optim, hparams,
+                     backend: str) -> None:
+    states, optim, hparams = list(states), list(optim), [float(h) for h in hparams]
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_backward_update_triton
 
-        return embedding_bag_backward_update_triton(*full)
-    torch.ops.recxla.embedding_bag_backward_update(*full)
+        return embedding_bag_backward_update_triton(grad_output, lookup, states, optim, hparams)
+    weights, *rest = lookup
+    torch.ops.recxla.embedding_bag_backward_update(grad_output, weights, states, *rest, optim,
+                                                   hparams)
 
 
-def _args(weights, unique_values, unique_offsets, inverse, offsets, psw, feature_table, pooling,
-          batch_size):
-    return (list(weights), unique_values, unique_offsets, inverse, offsets, psw,
-            list(feature_table), list(pooling), batch_size)
-
-
-def pooled_forward(
-    weights: Sequence[torch.Tensor],
-    unique_values: torch.Tensor,
-    unique_offsets: torch.Tensor,
-    inverse: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor],
-    feature_table: Sequence[int],
-    pooling: Sequence[int],
-    batch_size: int,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+def pooled_forward(lookup: BagLookup, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pool the rows of every bag. -> float32 [B, sum_f D_{feature_table[f]}].
 
-    weights: T float32 [E_t, D_t]; unique_values: int32/int64 [U] (table by table, segment bounds
-    unique_offsets int64 [T + 1]); inverse: int64 [N] into unique_values; offsets: int64
-    [F * B + 1] bag bounds; per_sample_weights: float32 [N] or None (with mean pooling the bag
-    gives sum(w * row) / length, as FBGEMM's TBE); feature_table: F table indices; pooling: T
-    ints (0 sum, 1 mean); out: optional float32 [B, total_dim] contiguous tensor to write into
-    (returned), so that a loop can reuse one buffer.
+    lookup: the tables, ids and bags (`BagLookup`: shapes and dtypes there); out: optional
+    float32 [B, total_dim] contiguous tensor to write into (returned), so that a loop can reuse
+    one buffer.
     """
-    args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
-                 feature_table, pooling, batch_size)
-    backend = _extension.backend_for(unique_values, "recxla.ops.embedding_bag.pooled_forward")
+    lookup = lookup.op_args()
+    backend = _extension.backend_for(lookup.unique_values,
+                                     "recxla.ops.embedding_bag.pooled_forward")
     if backend != "cpu":
-        check_lookup("recxla::embedding_bag_forward", args, increasing=False)
-    return _forward(args, out, backend)
+        check_lookup("recxla::embedding_bag_forward", lookup, increasing=False)
+    return _forward(lookup, out, backend)
 
 
-def unique_grad(
-    grad_output: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    unique_values: torch.Tensor,
-    unique_offsets: torch.Tensor,
-    inverse: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor],
-    feature_table: Sequence[int],
-    pooling: Sequence[int],
-    batch_size: int,
-) -> List[torch.Tensor]:
+def unique_grad(grad_output: torch.Tensor, lookup: BagLookup) -> List[torch.Tensor]:
     """grad_output float32 [B, total_dim] -> T float32 [U_t, D_t]: the weight gradient of each
     table at its unique rows (a dense gradient is zero elsewhere)."""
-    args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
-                 feature_table, pooling, batch_size)
-    backend = _extension.backend_for(unique_values, "recxla.ops.embedding_bag.unique_grad")
+    lookup = lookup.op_args()
+    backend = _extension.backend_for(lookup.unique_values,
+                                     "recxla.ops.embedding_bag.unique_grad")
     if backend != "cpu":
-        check_lookup("recxla::embedding_bag_unique_grad", args, increasing=False)
-    return _unique_grad(grad_output, args, backend)
+        check_lookup("recxla::embedding_bag_unique_grad", lookup, increasing=False)
+    return _unique_grad(grad_output, lookup, backend)
 
 
 def backward_update(
     grad_output: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    lookup: BagLookup,
     states: Sequence[torch.Tensor],
-    unique_values: torch.Tensor,
-    unique_offsets: torch.Tensor,
-    inverse: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor],
-    feature_table: Sequence[int],
-    pooling: Sequence[int],
-    batch_size: int,
     optim: Sequence[int],
     hparams: Sequence[float],
 ) -> None:
-    """Reduce grad_output per unique row and apply each table's optimizer to those rows in place.
+    """Reduce grad_output (float32 [B, total_dim]) per unique row and apply each table's
+    optimizer to those rows of lookup.weights in place.
 
     optim: T ints (NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD); states: T float32 tensors (Adagrad
     [E_t, D_t], row-wise Adagrad E_t values, else unused); hparams: 4 * T floats, per table
-    (lr, eps, weight_decay, grad_sign). unique_values must be strictly increasing per table.
+    (lr, eps, weight_decay, grad_sign). lookup.unique_values must be strictly increasing per
+    table.
     """
-    args = _args(weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
-                 feature_table, pooling, batch_size)
-    backend = _extension.backend_for(unique_values, "recxla.ops.embedding_bag.backward_update")
+    lookup = lookup.op_args()
+    backend = _extension.backend_for(lookup.unique_values,
+                                     "recxla.ops.embedding_bag.backward_update")
     op = "recxla::embedding_bag_backward_update"
     if backend != "cpu":
-        check_lookup(op, args, increasing=True)
+        check_lookup(op, lookup, increasing=True)
     if backend not in ("cpu", "cuda"):  # the C++ kernels check these themselves
-        check_optimizer(op, weights, states, optim, hparams)
-    _backward_update(grad_output, states, args, optim, hparams, backend)
+        check_optimizer(op, lookup.weights, states, optim, hparams)
+    _backward_update(grad_output, lookup, states, optim, hparams, backend)
 
 
 # What the backward asks for, once per step: per table its optimizer kind, state tensor and
@@ -205,9 +172,12 @@ class LookupPlan:
 
 
 class FusedPooledLookup(torch.autograd.Function):
-    """out = pooled_forward(...); backward updates the rows of tables with an optimizer in place.
+    """out = pooled_forward(lookup); backward updates the rows of tables with an optimizer in
+    place.
 
-    Inputs: plan, unique_values, unique_offsets, inverse, offsets, per_sample_weights, *weights.
+    Inputs: plan, unique_values, unique_offsets, inverse, offsets, per_sample_weights, *weights:
+    the fields of a `BagLookup` (with the plan's feature_table, pooling and batch_size) one by
+    one, since autograd sees only the tensors passed as inputs.
     Per-sample weights get a gradient when they require one (computed before any row moves).
     On GPU the data are checked once, in the forward (strictly increasing rows too when the plan
     has an optimizer), before any kernel runs, unless the plan says they were checked upstream.
@@ -215,12 +185,12 @@ class FusedPooledLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, unique_values, unique_offsets, inverse, offsets, psw, *weights):
-        args = _args(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                     plan.feature_table, plan.pooling, plan.batch_size)
+        lookup = BagLookup(weights, unique_values, unique_offsets, inverse, offsets, psw,
+                           plan.feature_table, plan.pooling, plan.batch_size).op_args()
         backend = _extension.backend_for(unique_values,
                                          "recxla.ops.embedding_bag.FusedPooledLookup")
         if backend != "cpu":
-            check_lookup("recxla.ops.embedding_bag.FusedPooledLookup", args,
+            check_lookup("recxla.ops.embedding_bag.FusedPooledLookup", lookup,
                          increasing=plan.optimizer_step is not None,
                          data=not plan.checked_upstream)
         out = None
@@ -228,7 +198,7 @@ class FusedPooledLookup(torch.autograd.Function):
             total_dim = sum(weights[t].shape[1] for t in plan.feature_table)
             out = plan.workspace.empty("pooled", (plan.batch_size, total_dim), torch.float32,
                                        unique_values.device)
-        out = _forward(args, out, backend)
+        out = _forward(lookup, out, backend)
         ctx.plan = plan
         ctx.backend = backend
         # The weights are kept as objects, not saved tensors: the fused update changes them in
@@ -243,11 +213,11 @@ class FusedPooledLookup(torch.autograd.Function):
         unique_values, unique_offsets, inverse, offsets, psw = ctx.saved_tensors
         weights = [w.detach() for w in ctx.weights]
         grad_output = grad_output.contiguous().float()
-        args = _args(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                     plan.feature_table, plan.pooling, plan.batch_size)
+        lookup = BagLookup(weights, unique_values, unique_offsets, inverse, offsets, psw,
+                           plan.feature_table, plan.pooling, plan.batch_size).op_args()
         grad_psw = None
         if psw is not None and ctx.needs_input_grad[5]:
-            grad_psw = _per_sample_weight_grad(grad_output, *args)
+            grad_psw = _per_sample_weight_grad(grad_output, lookup)
         num_tables = len(weights)
         optim, states, hparams = (
             plan.optimizer_step() if plan.optimizer_step is not None
@@ -256,13 +226,13 @@ class FusedPooledLookup(torch.autograd.Function):
         if any(k != NONE for k in optim):
             states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
             with torch.no_grad():
-                _backward_update(grad_output, states, args, optim, hparams, backend)
+                _backward_update(grad_output, lookup, states, optim, hparams, backend)
                 if plan.after_update is not None:
                     plan.after_update(weights, unique_values, unique_offsets)
         grads = [None] * num_tables
         need = [t for t, k in enumerate(optim) if k == NONE and ctx.needs_input_grad[6 + t]]
         if need:
-            rows = _unique_grad(grad_output, args, backend)
+            rows = _unique_grad(grad_output, lookup, backend)
             uoff = unique_offsets.tolist()
             for t in need:
                 grads[t] = torch.zeros_like(weights[t]).index_add_(
@@ -271,10 +241,10 @@ class FusedPooledLookup(torch.autograd.Function):
         return (None, None, None, None, None, grad_psw, *grads)
 
 
-def _per_sample_weight_grad(grad_output, weights, unique_values, unique_offsets, inverse, offsets,
-                            psw, feature_table, pooling, batch_size):
+def _per_sample_weight_grad(grad_output: torch.Tensor, lookup: BagLookup) -> torch.Tensor:
     """d out / d psw[i] = <row of id i, output gradient of its bag> (/ bag length for mean).
     -> float32 [N]."""
+    weights, unique_values, _, inverse, offsets, psw, feature_table, pooling, batch_size = lookup
     ids = unique_values.index_select(0, inverse).long()
     lengths = offsets.diff()
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)

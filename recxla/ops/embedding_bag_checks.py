@@ -16,13 +16,15 @@ import torch
 from recxla.ops.embedding_bag_enums import (
     ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
 )
+from recxla.ops.embedding_bag_lookup import BagLookup
 
 _NO_ERROR = 2**62  # "no bad index" in the flag tensor (above any index)
 
 
-def _check_layout(op, weights, unique_values, unique_offsets, inverse, offsets, psw,
-                  feature_table, pooling, batch_size) -> None:
+def _check_layout(op: str, lookup: BagLookup) -> None:
     """Shapes, dtypes and devices (host only), as csrc/include/recxla/embedding_bag_checks.h."""
+    (weights, unique_values, unique_offsets, inverse, offsets, psw, feature_table, pooling,
+     batch_size) = lookup
     device = unique_values.device
     if batch_size < 0:
         raise ValueError(f"{op}: batch_size must be >= 0, got {batch_size}")
@@ -63,18 +65,18 @@ def _check_layout(op, weights, unique_values, unique_offsets, inverse, offsets, 
             raise ValueError(f"{op}: all tensors must be on {device}, got {name} on {x.device}")
 
 
-def check_lookup_data(weights, unique_values, unique_offsets, inverse, offsets, feature_table,
-                      batch_size, increasing: bool) -> torch.Tensor:
+def check_lookup_data(lookup: BagLookup, increasing: bool) -> torch.Tensor:
     """The CPU kernels' data checks as torch ops on the inputs' device, with no host sync.
 
-    Arguments as `pooled_forward` (layout already checked); increasing: also require each
-    table's unique_values to be strictly increasing (what the fused update needs: a row listed
-    twice would be updated twice, by racing threads on GPU). Returns int64 [7]: offsets[0],
-    offsets[-1], then the first bad index of each check or 2**62: unique_offsets (0 when bad),
-    offsets decreasing (bag), rows out of range (table), rows not increasing (table), ids outside
-    their table's segment (feature). Every index used is clamped, so bad data reads nothing out
-    of bounds.
+    lookup: its layout already checked; increasing: also require each table's unique_values to
+    be strictly increasing (what the fused update needs: a row listed twice would be updated
+    twice, by racing threads on GPU). Returns int64 [7]: offsets[0], offsets[-1], then the first
+    bad index of each check or 2**62: unique_offsets (0 when bad), offsets decreasing (bag), rows
+    out of range (table), rows not increasing (table), ids outside their table's segment
+    (feature). Every index used is clamped, so bad data reads nothing out of bounds.
     """
+    (weights, unique_values, unique_offsets, inverse, offsets, _, feature_table, _,
+     batch_size) = lookup
     device, n, u = unique_values.device, inverse.numel(), unique_values.numel()
     num_tables, num_features = len(weights), len(feature_table)
     big = torch.full((), _NO_ERROR, dtype=torch.int64, device=device)
@@ -136,16 +138,14 @@ def raise_for_lookup_flags(op: str, flags: torch.Tensor, weights, num_ids: int) 
                          f"table (feature {outside})")
 
 
-def check_lookup(op, args, increasing: bool, data: bool = True) -> None:
-    """Layout and (with `data`: one host sync) data checks of `args` (weights, unique_values,
-    unique_offsets, inverse, offsets, psw, feature_table, pooling, batch_size) for a backend
-    whose kernels trust them."""
-    weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size = args
-    _check_layout(op, weights, uv, uo, inv, offsets, psw, feature_table, pooling, batch_size)
+def check_lookup(op: str, lookup: BagLookup, increasing: bool, data: bool = True) -> None:
+    """Layout and (with `data`: one host sync) data checks of `lookup` for a backend whose
+    kernels trust them."""
+    _check_layout(op, lookup)
     if not data:
         return
-    flags = check_lookup_data(weights, uv, uo, inv, offsets, feature_table, batch_size, increasing)
-    raise_for_lookup_flags(op, flags, weights, inv.numel())
+    flags = check_lookup_data(lookup, increasing)
+    raise_for_lookup_flags(op, flags, lookup.weights, lookup.inverse.numel())
 
 
 def check_optimizer(op, weights, states, optim, hparams) -> None:

@@ -2,10 +2,8 @@
 optimizers, in plain PyTorch (the oracle of tests/test_embedding_bag.py; the kernels are
 csrc/cpu/embedding_bag.cpp, csrc/cuda/embedding_bag.cu and triton_kernels/embedding_bag.py).
 
-Shapes (T tables, F features, B samples, N ids, U unique rows), as in csrc/embedding_bag.cpp:
-    weights: T float32 [E_t, D_t]; unique_values: int32/int64 [U], table by table;
-    unique_offsets: int64 [T + 1]; inverse: int64 [N]; offsets: int64 [F * B + 1];
-    per_sample_weights: float32 [N] or None; feature_table: F ints; pooling: T ints (0 sum, 1 mean).
+Each function takes the ops' argument, a `BagLookup` (recxla.ops.embedding_bag_lookup: the
+tables, ids and bags, with their shapes), as recxla.ops.embedding_bag's functions do.
 """
 
 from typing import List, Optional, Sequence
@@ -15,17 +13,20 @@ import torch
 from recxla.ops.embedding_bag_enums import (  # noqa: F401  (the op's codes, public here too)
     ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
 )
+from recxla.ops.embedding_bag_lookup import BagLookup  # the ops' argument, public here too
 
 
 def _bag_layout(offsets: torch.Tensor, num_features: int, batch_size: int):
     """Per id: its bag's sample index, and the bag length (for mean pooling)."""
     lengths = offsets.diff()
-    bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    bag_of_id = torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device),
+                                        lengths)
     return bag_of_id % max(batch_size, 1), lengths[bag_of_id]
 
 
 def _id_scale(pool, lengths_of_id, per_sample_weights, f_slice):
-    scale = torch.ones(lengths_of_id[f_slice].shape, dtype=torch.float32, device=lengths_of_id.device)
+    scale = torch.ones(lengths_of_id[f_slice].shape, dtype=torch.float32,
+                       device=lengths_of_id.device)
     if per_sample_weights is not None:
         scale = per_sample_weights[f_slice].float()
     if pool == MEAN:
@@ -33,18 +34,11 @@ def _id_scale(pool, lengths_of_id, per_sample_weights, f_slice):
     return scale
 
 
-def embedding_bag_forward_ref(
-    weights: Sequence[torch.Tensor],
-    unique_values: torch.Tensor,
-    unique_offsets: torch.Tensor,
-    inverse: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor],
-    feature_table: Sequence[int],
-    pooling: Sequence[int],
-    batch_size: int,
-) -> torch.Tensor:
-    """-> float32 [B, sum_f D_{feature_table[f]}]; differentiable with respect to `weights`."""
+def embedding_bag_forward_ref(lookup: BagLookup) -> torch.Tensor:
+    """-> float32 [B, sum_f D_{feature_table[f]}]; differentiable with respect to the weights
+    and the per-sample weights."""
+    (weights, unique_values, _, inverse, offsets, per_sample_weights, feature_table, pooling,
+     batch_size) = lookup
     ids = unique_values[inverse].long()
     sample_of_id, _ = _bag_layout(offsets, len(feature_table), batch_size)
     outs = []
@@ -65,20 +59,12 @@ def embedding_bag_forward_ref(
     return torch.cat(outs, dim=1)
 
 
-def embedding_bag_unique_grad_ref(
-    grad_output: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    unique_values: torch.Tensor,
-    unique_offsets: torch.Tensor,
-    inverse: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor],
-    feature_table: Sequence[int],
-    pooling: Sequence[int],
-    batch_size: int,
-) -> List[torch.Tensor]:
+def embedding_bag_unique_grad_ref(grad_output: torch.Tensor,
+                                  lookup: BagLookup) -> List[torch.Tensor]:
     """grad_output: float32 [B, total_dim] -> T float32 [U_t, D_t], the weight gradient at each
     unique row (ids' output gradients, scaled by per-sample weight and 1 / bag length for mean)."""
+    (weights, _, unique_offsets, inverse, offsets, per_sample_weights, feature_table, pooling,
+     batch_size) = lookup
     uoff = unique_offsets.tolist()
     sample_of_id, lengths_of_id = _bag_layout(offsets, len(feature_table), batch_size)
     grads = [
@@ -133,27 +119,17 @@ def apply_optimizer_ref(
 
 def embedding_bag_backward_update_ref(
     grad_output: torch.Tensor,
-    weights: Sequence[torch.Tensor],
+    lookup: BagLookup,
     states: Sequence[torch.Tensor],
-    unique_values: torch.Tensor,
-    unique_offsets: torch.Tensor,
-    inverse: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor],
-    feature_table: Sequence[int],
-    pooling: Sequence[int],
-    batch_size: int,
     optim: Sequence[int],
     hparams: Sequence[float],
 ) -> None:
-    """Reduce the gradient per unique row and update weights/states in place (see the op)."""
-    grads = embedding_bag_unique_grad_ref(
-        grad_output, weights, unique_values, unique_offsets, inverse, offsets,
-        per_sample_weights, feature_table, pooling, batch_size,
-    )
-    uoff = unique_offsets.tolist()
+    """Reduce the gradient per unique row and update lookup.weights and states in place (see
+    recxla.ops.embedding_bag.backward_update)."""
+    grads = embedding_bag_unique_grad_ref(grad_output, lookup)
+    uoff = lookup.unique_offsets.tolist()
     with torch.no_grad():
-        for t, w in enumerate(weights):
+        for t, w in enumerate(lookup.weights):
             lr, eps, wd, sign = hparams[NUM_HPARAMS * t : NUM_HPARAMS * (t + 1)]
-            rows = unique_values[uoff[t] : uoff[t + 1]]
+            rows = lookup.unique_values[uoff[t] : uoff[t + 1]]
             apply_optimizer_ref(w, states[t], rows, grads[t], optim[t], lr, eps, wd, sign)

@@ -41,7 +41,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import get_format
-from recxla.ops.embedding_bag import MEAN, SUM, pooled_forward, unique_grad
+from recxla.ops.embedding_bag import MEAN, SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.row_exchange import RowBags, RowInput
 from recxla.torchrec.shard_layout import OWNER, ShardLayout
@@ -246,10 +246,10 @@ class PooledAssembly:
         blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
         if message.rows:
             bags = message.bags.message_bags(message.micro_batch, self.group_features)
-            blocks.append(pooled_forward(
+            blocks.append(pooled_forward(BagLookup(
                 _group_rows(flat, message), bags.unique_values, bags.unique_offsets,
                 bags.inverse, bags.offsets, bags.weights, bags.feature_table, self.group_pooling,
-                batch))
+                batch)))
         if self.gather:  # None with row-sharded sums; [] without output columns
             out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in self.gather],
                             dim=1)
@@ -288,9 +288,9 @@ class PooledAssembly:
         if message.rows:
             bags = message.bags.message_bags(message.micro_batch, self.group_features)
             rows = _group_rows(received.reshape(-1), message)
-            row_grads = unique_grad(blocks[-1], rows, bags.unique_values, bags.unique_offsets,
-                                    bags.inverse, bags.offsets, bags.weights,
-                                    bags.feature_table, self.group_pooling, batch)
+            row_grads = unique_grad(blocks[-1], BagLookup(
+                rows, bags.unique_values, bags.unique_offsets, bags.inverse, bags.offsets,
+                bags.weights, bags.feature_table, self.group_pooling, batch))
             for (offset, _, count, cols), row_grad in zip(message.rows, row_grads):
                 if count:
                     flat[offset: offset + count * cols].view(count, cols).copy_(row_grad)

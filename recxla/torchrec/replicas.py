@@ -36,7 +36,7 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.types import ShardingEnv
 
 from recxla.distributed.gather import all_gather_flat
-from recxla.ops.embedding_bag import NONE, backward_update, pooled_forward, unique_grad
+from recxla.ops.embedding_bag import NONE, BagLookup, backward_update, pooled_forward, unique_grad
 from recxla.torchrec.choices import REPLICA_PRECISIONS as PRECISIONS
 from recxla.torchrec.choices import REPLICA_SYNCS as SYNCS
 from recxla.torchrec.row_exchange import apply_row_gradients
@@ -138,30 +138,31 @@ class ReplicatedLookup(torch.autograd.Function):
         ctx.tables, ctx.replicas, ctx.optim = tables, replicas, optim
         ctx.weights = weights
         ctx.save_for_backward(unique_values, unique_offsets, inverse, offsets, psw)
-        return pooled_forward(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                              list(tables.slot_table), list(tables.pooling),
-                              owner_batch(offsets, tables))
+        return pooled_forward(BagLookup(weights, unique_values, unique_offsets, inverse, offsets,
+                                        psw, list(tables.slot_table), list(tables.pooling),
+                                        owner_batch(offsets, tables)))
 
     @staticmethod
     def backward(ctx, grad_output):
         replicas: ReplicaSync = ctx.replicas
         tables = ctx.tables
         weights = [w.detach() for w in ctx.weights]
-        lookup = ctx.saved_tensors
-        batch = owner_batch(lookup[3], tables)
+        unique_values, unique_offsets, inverse, offsets, psw = ctx.saved_tensors
+        lookup = BagLookup(weights, unique_values, unique_offsets, inverse, offsets, psw,
+                           list(tables.slot_table), list(tables.pooling),
+                           owner_batch(offsets, tables))
         grad_output = grad_output.contiguous().float()
         kinds, states, hparams = ctx.optim.step_arguments(0, len(weights))
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
-        common = (list(tables.slot_table), list(tables.pooling), batch)
         with torch.no_grad():
             if replicas.sync == "weights":
-                backward_update(grad_output, weights, states, *lookup, *common, kinds, hparams)
+                backward_update(grad_output, lookup, states, kinds, hparams)
                 if ctx.optim.step_count % replicas.sync_every == 0:
                     average_replicas(weights, states, replicas.group)
             else:
-                rows = unique_grad(grad_output, weights, *lookup, *common)
-                uoff = lookup[1].tolist()
-                mine = [lookup[0][uoff[t]: uoff[t + 1]] for t in range(len(weights))]
+                rows = unique_grad(grad_output, lookup)
+                uoff = unique_offsets.tolist()
+                mine = [unique_values[uoff[t]: uoff[t + 1]] for t in range(len(weights))]
                 union, summed = sum_over_replicas(mine, rows, replicas)
                 if any(k == NONE for k in kinds):
                     raise ValueError(f"{OWNER}: 2D training with replica sync needs a fused "

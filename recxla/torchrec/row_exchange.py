@@ -24,7 +24,7 @@ import torch
 
 from recxla.ops.cluster import even_sizes
 from recxla.ops.dedup import segmented_unique
-from recxla.ops.embedding_bag import SUM, backward_update
+from recxla.ops.embedding_bag import SUM, BagLookup, backward_update
 from recxla.torchrec.shard_layout import ShardLayout
 
 
@@ -308,9 +308,9 @@ def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.
         column += weights[t].shape[1]
     offsets = torch.zeros(tables * batch + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths.flatten(), 0, out=offsets[1:])
-    backward_update(grad_output, list(weights), list(states), unique, unique_offsets, inverse,
-                    offsets, None, list(range(tables)), [SUM] * tables, batch, list(kinds),
-                    list(hparams))
+    lookup = BagLookup(list(weights), unique, unique_offsets, inverse, offsets, None,
+                       list(range(tables)), [SUM] * tables, batch)
+    backward_update(grad_output, lookup, list(states), list(kinds), list(hparams))
 
 
 class RowLookup(torch.autograd.Function):

@@ -29,7 +29,7 @@ from typing import Dict
 import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from recxla.ops.embedding_bag import SUM, pooled_forward, unique_grad
+from recxla.ops.embedding_bag import SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.shard_layout import ShardLayout
 
 
@@ -87,8 +87,8 @@ class ExpandedAssembly:
         if plan.chunks == 0:
             return flat.new_zeros((0, self.out_dim))
         rows = flat.view(-1, self.row_dim)
-        out = pooled_forward([rows], plan.unique_values, plan.unique_offsets, plan.index,
-                             plan.offsets, None, [0], [SUM], plan.chunks)
+        out = pooled_forward(BagLookup([rows], plan.unique_values, plan.unique_offsets,
+                                       plan.index, plan.offsets, None, [0], [SUM], plan.chunks))
         return out.view(-1, self.out_dim)
 
     def split(self, grad_out: torch.Tensor, received: torch.Tensor, message,
@@ -99,9 +99,9 @@ class ExpandedAssembly:
         if plan.chunks == 0:
             return grad_out.new_zeros(received.shape)
         rows = received.reshape(-1, self.row_dim)
-        grad = unique_grad(grad_out.contiguous().view(-1, self.row_dim), [rows],
-                           plan.unique_values, plan.unique_offsets, plan.index, plan.offsets,
-                           None, [0], [SUM], plan.chunks)[0]
+        lookup = BagLookup([rows], plan.unique_values, plan.unique_offsets, plan.index,
+                           plan.offsets, None, [0], [SUM], plan.chunks)
+        grad = unique_grad(grad_out.contiguous().view(-1, self.row_dim), lookup)[0]
         return grad.view(received.shape)
 
     def form(self, values: torch.Tensor, lengths: torch.Tensor) -> Dict[str, JaggedTensor]:
