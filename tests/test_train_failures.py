@@ -268,3 +268,46 @@ def test_intervals_fit_inside_the_timeout():
         interval, dead, stall = intervals(timeout)
         assert 0 < interval < dead <= timeout / 2 and stall + 2 * interval == pytest.approx(
             timeout)
+
+
+def test_a_wait_on_a_live_loader_is_progress_for_the_rank_and_its_peers():
+    """Rank 1 waits for its loader worker, which is alive, longer than --timeout while rank 0
+    waits for rank 1 in a collective (no progress of its own): neither exits, rank 1 says once
+    what it waits for, and rank 0's heartbeat view shows it. Once the wait ends and nothing
+    moves, both exit as stalled within --timeout."""
+    timeout = 3.0
+    _, dogs, exits, lines = _watchdogs(2, timeout)
+    wait = {"on": ("loader worker 0 (pid 4242)", time.monotonic())}
+    dogs[1].watch_waits(lambda: wait["on"])
+    for d in dogs:
+        d.start()
+    time.sleep(1.6 * timeout)
+    assert exits == {}, [d.exit_message for d in dogs]
+    told = [line for line in lines if "waiting" in line]
+    assert len(told) == 1 and told[0].startswith("\nrecxla-train: rank 1: waiting ")
+    assert "for loader worker 0 (pid 4242) while in start-up: it is alive" in told[0]
+    value = dogs[0]._seen[1][0].decode()
+    assert value.split(" ", 3)[3].startswith("start-up; waiting ") and \
+        value.endswith("s for loader worker 0 (pid 4242), alive"), value
+    wait["on"] = None  # the batch came; then nothing moves any more
+    start = time.monotonic()
+    while len(exits) < 2 and time.monotonic() - start < timeout + 2:
+        time.sleep(0.05)
+    for d in dogs:
+        d.stop()
+    assert exits == {0: EXIT_STALLED, 1: EXIT_STALLED}
+    assert time.monotonic() - start <= timeout + 0.5
+
+
+def test_a_probe_that_raises_is_no_wait():
+    """The probe races the loader's close on the main thread: an exception from it counts as
+    no wait (the rank stalls as it would without it), never as an error of the watchdog."""
+    timeout = 2.0
+    _, dogs, exits, _ = _watchdogs(1, timeout)
+    dogs[0].watch_waits(lambda: 1 / 0)
+    dogs[0].start()
+    start = time.monotonic()
+    while not exits and time.monotonic() - start < timeout + 2:
+        time.sleep(0.05)
+    dogs[0].stop()
+    assert exits == {0: EXIT_STALLED} and time.monotonic() - start <= timeout + 0.5

@@ -501,3 +501,36 @@ def test_a_split_of_whole_buckets_says_what_it_holds_out(raw, monkeypatch):
     fine = TrainData(parse_config([*MODEL, "--data", raw.log, "--steps", "4"]), 0, 1)
     assert fine.split_warning() is None
     assert "12.5% of the rows" in fine.held_out_description
+
+
+# A transform slow in rank 1's loader worker alone, once: longer than --timeout on one batch.
+SLOW_TIMEOUT = 10.0
+SLOW_ONCE = f'''
+import os
+import time
+
+import torch.utils.data
+
+_slept = []
+
+
+def slow_once(batch):
+    if torch.utils.data.get_worker_info() is not None and os.environ.get("RANK") == "1" \\
+            and not _slept:
+        _slept.append(True)
+        time.sleep({1.6 * SLOW_TIMEOUT})
+    return batch
+'''
+
+
+def test_a_batch_slower_than_the_timeout_from_a_live_worker_is_no_hang(raw, tmp_path):
+    """Rank 1's loader worker takes 1.6 x --timeout over one batch while rank 0 waits for rank
+    1 in the step's collectives: the run finishes (once it ended with exit 4, a 'deadlock'),
+    and rank 1 says what it waited for."""
+    (raw.root / "slow.py").write_text(SLOW_ONCE)
+    ranks = launch_ranks([*MODEL, *raw.args, "--transform", f"{raw.root / 'slow.py'}:slow_once",
+                          "--steps", "3", "--timeout", str(SLOW_TIMEOUT)],
+                         _logs(tmp_path, "slow"), timeout=150 + 1.6 * SLOW_TIMEOUT)
+    out = ranks[1].output()
+    assert "\nrecxla-train: rank 1: waiting " in out, out[-3000:]
+    assert "s for loader worker 0 (pid " in out and "it is alive" in out, out[-3000:]

@@ -3,13 +3,14 @@ position after the last batch handed out (`state_dict`), and optional background
 
 A position is a small JSON-able dict: where to continue, {"epoch": e, "batch": k} (k batches of
 epoch e are done), plus what the sequence depends on (seed, batch size, world size, shuffle and
-shuffle window, the dataset's fingerprint), so that resuming with other settings fails loudly instead of silently
-reading another sequence. The rank is not in it: all ranks at the same step hold the same
+shuffle window, the dataset's fingerprint), so that resuming with other settings fails loudly
+instead of silently reading another sequence. The rank is not in it: all ranks at the same step hold the same
 position, so a trainer can checkpoint rank 0's.
 """
 
 import queue
 import threading
+import time
 from typing import Callable, Dict, Iterator, Optional, Tuple
 
 POSITION_FORMAT = "recxla.data.position"
@@ -69,6 +70,7 @@ class BatchIterator:
         self._on_close = on_close
         self._closed = False
         self._thread = None
+        self._since = None  # time.monotonic() when a next() began to wait for the thread
         if prefetch > 0:
             self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
             self._stop = threading.Event()
@@ -90,7 +92,11 @@ class BatchIterator:
             if self._thread is None:
                 item = next(self._source)
             else:
-                item = self._queue.get()
+                self._since = time.monotonic()
+                try:
+                    item = self._queue.get()
+                finally:
+                    self._since = None
                 if item is _DONE:
                     raise StopIteration
                 if isinstance(item, BaseException):
@@ -102,6 +108,15 @@ class BatchIterator:
         epoch, index, batch = item
         self._position = (epoch, index + 1)
         return batch
+
+    def waiting(self) -> Optional[Tuple[str, float]]:
+        """("the loader's reading thread", time.monotonic() the wait began) while `next`
+        waits for the prefetch thread and it is alive (a slow read, not a hang); else None.
+        Safe to call from another thread."""
+        since, thread = self._since, self._thread
+        if since is None or thread is None or not thread.is_alive():
+            return None
+        return "the loader's reading thread", since
 
     def state_dict(self) -> Dict:
         """The position after the last batch returned: pass it as `position` to resume."""

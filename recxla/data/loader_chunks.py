@@ -1,7 +1,8 @@
 """What every loader of a ParquetDataset does with a chunk (`ParquetDataset.chunks`: the
 batches of one shuffle window): read it and encode its pieces as CompactBatch buffers, the form
 in which they travel from a reader process or a Ray task to the consumer; the check of a
-loader's worker count; and the worker processes of the local loaders (`in_worker_processes`).
+loader's worker count; and the worker processes of the local loaders (`in_worker_processes`),
+whose iterator tells whether its consumer waits for a live worker (`WorkerRuns.waiting`).
 `recxla.data.loaders` (the local loader, `make_loader`), `recxla.data.ray_loader` and
 `recxla.data.synthetic_loader` build on it.
 """
@@ -11,7 +12,7 @@ import os
 import select
 import threading
 import time
-from typing import Iterable, Iterator
+from typing import Iterable, Optional, Tuple
 
 import torch
 
@@ -85,13 +86,67 @@ def _end_with_consumer(consumer: int, worker_id: int) -> None:
     threading.Thread(target=watch, name=f"recxla-loader-{worker_id}-watch", daemon=True).start()
 
 
+class WorkerRuns:
+    """The iterator `in_worker_processes` returns: dataset[item] for each item, in order, made
+    by worker processes (torch's DataLoader), with `waiting()`, which tells another thread
+    whether the consumer is waiting for a worker that is alive: a slow read or transform, not a
+    hang (the trainer's watchdog asks it). Running to the end, an exception, or `close()` stops
+    the workers at once."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader):
+        self._results = iter(loader)
+        self._since = None  # time.monotonic() when the pending next() began
+        self._closed = False
+
+    def __iter__(self) -> "WorkerRuns":
+        return self
+
+    def __next__(self):
+        if self._closed:
+            raise StopIteration
+        self._since = time.monotonic()
+        try:
+            return next(self._results)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._since = None
+
+    def waiting(self) -> Optional[Tuple[str, float]]:
+        """(what the consumer waits for, time.monotonic() when the wait began) while it waits
+        for an item and every worker process is running; None otherwise (not waiting, or a
+        worker has ended: torch's loader then raises within seconds, naming it)."""
+        since, results = self._since, self._results
+        workers = list(getattr(results, "_workers", ()))
+        if since is None or self._closed or not workers:
+            return None
+        pids = [w.pid for w in workers]
+        if not all(pid is not None and _running(pid) for pid in pids):
+            return None
+        # The worker the pending item was sent to (torch's bookkeeping: idx -> (worker,)).
+        task = getattr(results, "_task_info", {}).get(getattr(results, "_rcvd_idx", None))
+        if task is not None and len(task) == 1 and 0 <= task[0] < len(pids):
+            return f"loader worker {task[0]} (pid {pids[task[0]]})", since
+        return f"loader workers (pids {', '.join(map(str, pids))})", since
+
+    def close(self) -> None:
+        """Stops the workers now rather than when the garbage collector gets to it."""
+        if self._closed:
+            return
+        self._closed = True
+        shutdown = getattr(self._results, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
 def in_worker_processes(dataset: torch.utils.data.Dataset, items: Iterable,
-                        num_workers: int, prefetch: int) -> Iterator:
+                        num_workers: int, prefetch: int) -> WorkerRuns:
     """dataset[item] for each of `items`, in order, made by `num_workers` worker processes
     (torch's DataLoader: items go to the workers round-robin, `prefetch` ahead each, and come
-    back in order; a worker's exception is raised here, naming it). A generator: `close()` (or
-    running to the end) stops the workers at once; a worker ends as soon as the process that
-    started it ends, however that ends (`_end_with_consumer`)."""
+    back in order; a worker's exception is raised here, naming it). `close()` (or running to
+    the end) stops the workers at once; a worker ends as soon as the process that started it
+    ends, however that ends (`_end_with_consumer`)."""
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=None, sampler=items, num_workers=num_workers,
         prefetch_factor=prefetch, collate_fn=_as_is,
@@ -102,11 +157,4 @@ def in_worker_processes(dataset: torch.utils.data.Dataset, items: Iterable,
         generator=torch.Generator().manual_seed(0),
         worker_init_fn=functools.partial(_end_with_consumer, os.getpid()),
     )  # fmt: skip
-    results = iter(loader)
-    try:
-        yield from results
-    finally:
-        # Stops the workers now rather than when the garbage collector gets to it.
-        shutdown = getattr(results, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+    return WorkerRuns(loader)

@@ -9,7 +9,7 @@ read chunks and send each batch, or piece of a batch that straddles two windows,
 any other.
 """
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,6 +65,7 @@ class LocalLoader:
         self.num_workers = check_workers(num_workers, "recxla.data.LocalLoader", 1)
         self.compress = bool(compress)
         self.prefetch_runs = check_workers(prefetch_runs, "recxla.data.LocalLoader", 1)
+        self._runs = None  # the worker processes of the latest iterator
 
     @property
     def metadata(self) -> Dict:
@@ -77,14 +78,22 @@ class LocalLoader:
         return self.dataset.num_batches(epoch)
 
     def _pieces(self):
-        runs = in_worker_processes(_ChunkReader(self.dataset, self.compress),
-                                   _Chunks(self.dataset), self.num_workers, self.prefetch_runs)
+        runs = self._runs = in_worker_processes(
+            _ChunkReader(self.dataset, self.compress), _Chunks(self.dataset), self.num_workers,
+            self.prefetch_runs)
         try:
             for epoch, pieces in runs:
                 for k, blob in pieces:
                     yield epoch, k, CompactBatch.decode(blob)
         finally:
             runs.close()  # stops the workers
+
+    def waiting(self) -> Optional[Tuple[str, float]]:
+        """(the worker, time.monotonic() the wait began) while the latest iterator waits for a
+        batch from a worker process that is alive (recxla.data.loader_chunks.WorkerRuns);
+        None otherwise. Safe to call from another thread."""
+        runs = self._runs
+        return None if runs is None else runs.waiting()
 
     def __iter__(self) -> BatchIterator:
         batches = whole_batches(self._pieces(), self.dataset.batch_size)

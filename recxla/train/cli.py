@@ -23,7 +23,8 @@ A run (`main`, `run`, then `_train` a step a line):
 Exit status of each rank: 0 done; 1 this rank failed; 2 bad options or input, found before
 training (printed once, by each node's first rank); 3 another rank died, hung or failed, or the
 rank hosting the store is gone (the message names it); 4 this rank made no progress for
---timeout seconds; 5 this rank's training loss became NaN or infinite
+--timeout seconds (waiting for a batch from a loader worker that is alive is progress, and so
+is a peer's such wait: recxla.train.watchdog); 5 this rank's training loss became NaN or infinite
 (recxla.train.loop.NonFiniteLoss). torchrun itself exits 1 whenever a rank fails (its
 ChildFailedError), whatever the ranks' status; its summary shows each rank's.
 """
@@ -96,6 +97,7 @@ def run(config, place) -> dict:
         keep_freed_memory()
     torch.set_num_threads(config.threads)
     conn = connect(place, config.device, config.timeout)
+    _leave_hangs_to_the_watchdog(config.timeout)
     watchdog = Watchdog(conn.watchdog_store, place.rank, place.world_size, config.timeout)
     watchdog.start()
     meter = CommMeter(ranks_per_node=place.local_world_size)
@@ -107,6 +109,25 @@ def run(config, place) -> dict:
     watchdog.stop()
     conn.close()
     return summary
+
+
+# How long a collective may wait once the process group is up: torch's default for gloo. The
+# watchdog ends a hang within --timeout; this only bounds a wait for a peer whose loader is slow
+# but alive, which the watchdog lets run.
+COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+def _leave_hangs_to_the_watchdog(timeout_s: float) -> None:
+    """The process group was made with --timeout, which bounds joining the job. Past that, a
+    collective whose peer waits on its own live loader worker (a transform slower than
+    --timeout on one batch) is no hang, and the watchdog, which tells the two apart, ends real
+    hangs within --timeout: the group's own timeout becomes the longer COLLECTIVE_TIMEOUT_S."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() and timeout_s < COLLECTIVE_TIMEOUT_S:
+        dist.set_timeout(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 def _exit_failed(e: BaseException, watchdog, rank: int) -> None:
@@ -134,6 +155,7 @@ def _train(config, conn, watchdog, meter) -> dict:
     """The run on this rank, in the order of the module docstring's data flow."""
     place, device = conn.place, conn.device
     data = stages.open_data(config, place)
+    watchdog.watch_waits(data.loader_wait)  # a slow batch from a live loader is no hang
     tables = data.tables()
     stages.report_embedding_dims(config, place, data)
     model = build_model(config, tables, data.num_dense, device, data.weighted,

@@ -516,6 +516,18 @@ class TrainData:
         finally:
             it.close()
 
+    def loader_wait(self) -> Optional[Tuple[str, float]]:
+        """(what, time.monotonic() the wait began) while this rank waits for a training batch
+        from a loader worker (a process, or the reading thread) that is alive: a slow read or
+        transform, which the watchdog does not take for a hang; None otherwise. Called from the
+        watchdog's thread."""
+        for source in (self._loader, self._iter):
+            waiting = getattr(source, "waiting", None)
+            found = waiting() if waiting is not None else None
+            if found is not None:
+                return found
+        return None
+
     def close(self) -> None:
         """Release the training loader: its worker processes stop, a Ray it started shuts
         down. Idempotent; call it when training ends."""

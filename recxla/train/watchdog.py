@@ -6,8 +6,9 @@ possibly forever), and when a peer dies gloo reports only "Connection closed by 
 <address>". So each rank runs a watchdog thread that talks through the rendezvous store
 (torchrun's, which outlives the workers; or rank 0's):
 
-- every `interval` seconds it publishes this rank's heartbeat: a beat count and the count of
-  progress marks the training loop has made (`progress()`: a step done, a phase entered);
+- every `interval` seconds it publishes this rank's heartbeat: a beat count, the count of
+  progress marks the training loop has made (`progress()`: a step done, a phase entered),
+  whether it waits on a live helper (below) and where it is;
 - it reads every peer's heartbeat and notes, in its own clock, when each last changed;
 - a peer whose heartbeat has not changed for `dead_after` seconds is gone (killed, crashed or
   stopped): this rank prints "rank R stopped responding ..." and exits;
@@ -16,8 +17,15 @@ possibly forever), and when a peer dies gloo reports only "Connection closed by 
 - a rank whose loop raised publishes its error first (`report_failure`), and its peers exit
   at once with "rank R failed: <error>".
 `stall_after` is `timeout` less two intervals, so every rank is gone within `timeout` of the
-moment the job stopped moving. Exits use os._exit: a thread blocked in a collective cannot be
-unwound, and a clean process-group teardown would wait on the missing peer.
+moment the job stopped moving.
+
+A rank that waits on a helper of its own that is alive (a loader worker reading a slow batch:
+`watch_waits`) is not stalled: the wait counts as progress, its heartbeat says so, and a peer
+that waits for it in a collective takes that heartbeat as the job moving. A wait longer than
+`timeout` is printed once; a worker that dies ends the wait (the loader raises, naming it).
+
+Exits use os._exit: a thread blocked in a collective cannot be unwound, and a clean
+process-group teardown would wait on the missing peer.
 
 Exit status: EXIT_PEER_FAILED (3) when another rank caused the exit, EXIT_STALLED (4) when this
 rank's own loop stopped.
@@ -70,6 +78,10 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.exit_message: Optional[str] = None
+        self._probe: Optional[Callable[[], Optional[Tuple[str, float]]]] = None
+        self._waiting: Optional[Tuple[str, float]] = None  # this rank's live wait, if any
+        self._told: Optional[float] = None  # the wait whose length was printed (its start)
+        self._peer_waited = float("-inf")  # when a peer's heartbeat last said it waits
 
     def _key(self, what: str, rank: int) -> str:
         return f"{what}/{rank}"
@@ -96,6 +108,12 @@ class Watchdog:
         self._where = where
         self._last_progress = time.monotonic()
 
+    def watch_waits(self, probe: Callable[[], Optional[Tuple[str, float]]]) -> None:
+        """`probe()`, asked from the watchdog's thread every interval, returns (what, the
+        time.monotonic() the wait began) while this rank's loop waits on a helper of its own
+        that is alive (a loader worker making a batch), else None. Such a wait is progress."""
+        self._probe = probe
+
     def report_failure(self, message: str) -> None:
         """Publish this rank's error so that its peers exit naming it (best effort)."""
         try:
@@ -116,8 +134,31 @@ class Watchdog:
     # -- the thread ---------------------------------------------------------------------------
     def _publish(self) -> None:
         self._beats += 1
+        where, waiting = self._where, self._waiting
+        if waiting is not None:
+            what, since = waiting
+            where += f"; waiting {time.monotonic() - since:.0f} s for {what}, alive"
         self.store.set(self._key("beat", self.rank),
-                       f"{self._beats} {self._progress} {self._where}")
+                       f"{self._beats} {self._progress} {int(waiting is not None)} {where}")
+
+    def _check_wait(self) -> None:
+        """Ask the probe: a live wait is progress; one longer than --timeout is told once."""
+        try:
+            waiting = self._probe() if self._probe is not None else None
+        except Exception:  # a probe racing the loader's close: no wait to count
+            waiting = None
+        self._waiting = waiting
+        if waiting is None:
+            return
+        what, since = waiting
+        now = time.monotonic()
+        self._last_progress = now
+        if now - since > self.timeout and self._told != since:
+            self._told = since
+            print(f"\nrecxla-train: rank {self.rank}: waiting {now - since:.0f} s for {what} "
+                  f"while in {self._where}: it is alive (a slow read or transform), so the run "
+                  f"waits for it; --timeout {self.timeout:g} s ends hangs, not a live "
+                  "loader", file=self.out, flush=True)
 
     def _peer_beats(self) -> List[Optional[bytes]]:
         keys = [self._key("beat", r) for r in self._seen]
@@ -149,6 +190,8 @@ class Watchdog:
             old, since = self._seen[r]
             if value != old:
                 self._seen[r] = (value, now)
+                if value is not None and value.split(b" ", 3)[2:3] == [b"1"]:
+                    self._peer_waited = now  # the peer waits on its live loader: moving
             elif now - since > self.dead_after:
                 silent.append((r, now - since, old))
         if silent:
@@ -176,6 +219,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            self._check_wait()
             try:
                 self._publish()
             except Exception:  # the store is gone: the check below names it
@@ -183,7 +227,9 @@ class Watchdog:
             message = self._check_peers_or_store()
             code = EXIT_PEER_FAILED
             if message is None:
-                idle = time.monotonic() - self._last_progress
+                # A peer waiting on its own live loader keeps the job moving: this rank may be
+                # waiting for it in a collective.
+                idle = time.monotonic() - max(self._last_progress, self._peer_waited)
                 if idle > self.stall_after:
                     message, code = self._stalled_message(idle), EXIT_STALLED
             if message is not None:
@@ -199,4 +245,4 @@ class Watchdog:
 def _where(value: Optional[bytes]) -> str:
     if value is None:
         return "nowhere (it never sent a heartbeat)"
-    return value.decode().split(" ", 2)[2]
+    return value.decode().split(" ", 3)[3]
