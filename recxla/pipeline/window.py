@@ -131,29 +131,16 @@ class FrozenWindow:
         """Waits for G(k) and puts its rows into the gradient buffers (A(k))."""
         if self._returning[k] is None:
             return
-        handle, from_sources = self._returning[k]
+        handle, _ = self._returning[k]
         flat = handle.wait().reshape(-1)
         self._returning[k] = None
         if self._message_is_gradient:
             if self._pooled_gradient:
                 self.gradient = flat.view(self.pooled.shape)
             return
-        rows = self.input.rows
-        start = self.input.micro_batch_start(k)
-        offset = 0
-        for s, (samples, size) in enumerate(zip(self.input.micro_batch_rows(k), from_sources)):
-            if self.out_dim:
-                self.gradient[start: start + samples].copy_(
-                    flat[offset: offset + samples * self.out_dim].view(samples, self.out_dim))
-            start += samples
-            position = offset + samples * self.out_dim
-            for g, buffer in enumerate(self.row_gradients):
-                count, cols = rows.rows(g, k, s), buffer.shape[1]
-                first = rows.start(g, k, s)
-                buffer[first: first + count].copy_(
-                    flat[position: position + count * cols].view(count, cols))
-                position += count * cols
-            offset += size
+        self.steps.unpack_gradient(flat, self.input.micro_batch_rows(k), self.input.rows, k,
+                                   self.input.micro_batch_start(k), self.gradient,
+                                   self.row_gradients)
 
     def pending_gradients(self) -> List[int]:
         return [k for k, h in enumerate(self._returning) if h is not None]

@@ -16,8 +16,10 @@ order), pools its own bags of every row group from the rows it got (one multi-ta
 all the groups of a message, a table per group; its gradient likewise), adds the partial sums of
 row-sharded tables and divides row-sharded MEAN bags by their length (`AssembleOutput`: one
 pass forward, one pass backward, which reduces the row groups' gradients per unique row).
-Without row-sharded sums the copies are one cat forward and one cat per source block backward;
-in a group of one rank the received rows are the output as they are, and neither pass copies.
+Every column range of a pass moves in one op, `recxla::copy_runs` (recxla/ops/copy_runs.py),
+as does the owner's message (`owner_message_runs`: packed forward, unpacked when the gradient
+comes back); in a group of one rank the received rows are the output as they are, and neither
+pass copies.
 
 Gradient division: TorchRec's pooled all-to-alls divide the gradients that reach the owners by
 the size of the sharding group (`torchrec.distributed.comm_ops`: `grad.div_(world_size(pg))`
@@ -41,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import get_format
+from recxla.ops.copy_runs import PackRuns, Run, copy_runs, pack
 from recxla.ops.embedding_bag import MEAN, SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.row_exchange import RowBags, RowInput
@@ -185,16 +188,8 @@ class PooledAssembly:
         self.embedding_dims = list(layout.embedding_dims)
         self.owner_dims = [layout.output_dim(d) for d in range(layout.world_size)]
         self.out_dim = sum(layout.embedding_dims)
+        # Both passes move every range in one op (copy_runs over _column_runs).
         self.copies = column_copies(layout)
-        # Without row-sharded sums each output column has one source: the forward is then one
-        # cat of the sources' column ranges in output order, and the backward one cat per
-        # source block in its own order, instead of a copy per range (one op each, not ~one per
-        # table).
-        self.gather = None if any(c.add for c in self.copies) else \
-            sorted(self.copies, key=lambda c: c.dst)
-        self.scatter = {}
-        for c in sorted(self.copies, key=lambda c: (c.block, c.src)):
-            self.scatter.setdefault(c.block, []).append(c)
         groups = [g for r in range(layout.world_size) for g in layout.row_groups(r)]
         self.group_cols = [g.cols for g in groups]
         self.group_features = [len(layout.tables[g.table].feature_names) for g in groups]
@@ -211,11 +206,17 @@ class PooledAssembly:
             offset += dim
         # The receiver's pooling of every row group: one block, the groups side by side.
         self.row_block_width = sum(f * c for f, c in zip(self.group_features, self.group_cols))
+        # What the runs need: each output column written by one copy (the adds come after it,
+        # and the copies run side by side on a GPU), and each received column read by one
+        # range (the transposed runs then write each gradient value once).
         widths = self.owner_dims + ([self.row_block_width] if groups else [])
-        for block, copies in self.scatter.items():  # each block is exactly its ranges, in order
+        by_block = {}
+        for c in sorted(self.copies, key=lambda c: (c.block, c.src)):
+            by_block.setdefault(c.block, []).append(c)
+        for block, copies in by_block.items():
             _check_tiling(copies, "src", widths[block])
-        if self.gather is not None:
-            _check_tiling(self.gather, "dst", self.out_dim)
+        _check_tiling(sorted((c for c in self.copies if not c.add), key=lambda c: c.dst), "dst",
+                      self.out_dim)
         # Rank 0 owns every output column, in the output's order, and nothing is pooled or
         # divided here (a group of one rank): the received rows are the output as they are, so
         # neither pass copies.
@@ -241,27 +242,18 @@ class PooledAssembly:
 
     def assemble(self, flat: torch.Tensor, message: Message,
                  bag_lengths: torch.Tensor) -> torch.Tensor:
-        """The received message (flat) -> the output values [batch, out_dim]."""
+        """The received message (flat) -> the output values [batch, out_dim]: one op moves
+        every column range (copy_runs), after the receiver's pooling of its row groups."""
         batch = message.batch
-        blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
+        sources = [flat]
         if message.rows:
             bags = message.bags.message_bags(message.micro_batch, self.group_features)
-            blocks.append(pooled_forward(BagLookup(
+            sources.append(pooled_forward(BagLookup(
                 _group_rows(flat, message), bags.unique_values, bags.unique_offsets,
                 bags.inverse, bags.offsets, bags.weights, bags.feature_table, self.group_pooling,
                 batch)))
-        if self.gather:  # None with row-sharded sums; [] without output columns
-            out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in self.gather],
-                            dim=1)
-        else:
-            out = flat.new_empty((batch, self.out_dim))
-            for c in self.copies:
-                source = blocks[c.block][:, c.src: c.src + c.width]
-                target = out[:, c.dst: c.dst + c.width]
-                if c.add:
-                    target.add_(source)
-                else:
-                    target.copy_(source)
+        out = flat.new_empty((batch, self.out_dim))
+        copy_runs(sources, [out], pack(self._column_runs(message)))
         for k, (lo, hi) in enumerate(self.mean_ranges):
             out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
         return out
@@ -279,22 +271,40 @@ class PooledAssembly:
                 grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
         grad = grad_out.new_empty(received.shape)
         flat = grad.view(-1)
-        blocks = [flat[o: o + batch * d].view(batch, d) for o, d in message.pooled]
+        # Every received column is read by one range (_check_tiling), so the transposed runs
+        # write each gradient value once: the pooled blocks' into the message, the row groups'
+        # pooled columns into their own block.
+        targets = [flat]
         if message.rows:
-            blocks.append(grad_out.new_empty((batch, self.row_block_width)))
-        for block, copies in self.scatter.items():
-            torch.cat([grad_out[:, c.dst: c.dst + c.width] for c in copies], dim=1,
-                      out=blocks[block])
+            targets.append(grad_out.new_empty((batch, self.row_block_width)))
+        copy_runs([grad_out], targets,
+                  pack(r.transposed() for r in self._column_runs(message)))
         if message.rows:
             bags = message.bags.message_bags(message.micro_batch, self.group_features)
             rows = _group_rows(received.reshape(-1), message)
-            row_grads = unique_grad(blocks[-1], BagLookup(
+            row_grads = unique_grad(targets[1], BagLookup(
                 rows, bags.unique_values, bags.unique_offsets, bags.inverse, bags.offsets,
                 bags.weights, bags.feature_table, self.group_pooling, batch))
-            for (offset, _, count, cols), row_grad in zip(message.rows, row_grads):
-                if count:
-                    flat[offset: offset + count * cols].view(count, cols).copy_(row_grad)
+            copy_runs([g.contiguous() for g in row_grads], [flat],
+                      pack(Run(g, 0, 0, 0, offset, 0, 1, count * cols)
+                           for g, (offset, _, count, cols) in enumerate(message.rows)))
         return grad
+
+    def _column_runs(self, message: Message) -> List[Run]:
+        """The copies of `message` as runs from the received message (source 0; owner block
+        b at message.pooled[b], [batch, owner_dims[b]]) and the receiver's pooling of its row
+        groups (source 1, [batch, row_block_width]) into the output (target 0, [batch,
+        out_dim]); with row-sharded sums, the later parts of a column add to the first."""
+        batch, runs = message.batch, []
+        for c in self.copies:
+            if c.block < len(message.pooled):
+                offset, width = message.pooled[c.block]
+                runs.append(Run(0, offset + c.src, width, 0, c.dst, self.out_dim, batch, c.width,
+                                int(c.add)))
+            else:
+                runs.append(Run(1, c.src, self.row_block_width, 0, c.dst, self.out_dim, batch,
+                                c.width, int(c.add)))
+        return runs
 
 
 class OutputDist:
@@ -383,19 +393,34 @@ class OutputDist:
         group, its gathered rows [R_g, cols] (rows.ids order). -> (in-flight handle, values
         sent to each rank, values expected from each rank)."""
         k = message.micro_batch
-        pieces, start = [], 0
-        for s, b in enumerate(source_batches):
-            pieces.append(pooled[start: start + b].reshape(-1))
-            start += b
-            for g, out in enumerate(row_outputs):
-                first = rows.start(g, k, s)
-                pieces.append(out[first: first + rows.rows(g, k, s)].reshape(-1))
         send = self.send_sizes(source_batches, rows, k)
         recv = _owner_totals(message)
-        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        sources = [pooled.contiguous(), *(out.contiguous() for out in row_outputs)]
+        runs = self.owner_message_runs(source_batches, rows, k, 0, len(row_outputs))
+        flat = PackRuns.apply(runs, sum(send), *sources)
         if flat.requires_grad:
             flat = _DivideGradient.apply(flat, self)
         return self.start_values(flat, send, recv), send, recv
+
+    def owner_message_runs(self, source_batches: Sequence[int], rows: Optional[RowInput],
+                           k: int, first_sample: int, num_groups: int) -> List[Run]:
+        """The layout of this owner's message of exchange k (forward rows, or the gradient
+        coming back) as runs into target 0, the flat message: for each source rank in turn its
+        samples' pooled rows (source 0, [samples, D_owner], from sample `first_sample` on),
+        then the rows it asked of each of the owner's `num_groups` row groups (source 1 + g,
+        [rows, cols] in rows.ids order)."""
+        dim = self.owner_dims[self.layout.rank]
+        group_cols = self.group_cols[self.group_base[self.layout.rank]:]
+        runs, at, sample = [], 0, first_sample
+        for s, samples in enumerate(source_batches):
+            runs.append(Run(0, sample * dim, 0, 0, at, 0, 1, samples * dim))
+            at += samples * dim
+            sample += samples
+            for g in range(num_groups):
+                count, cols = rows.rows(g, k, s), group_cols[g]
+                runs.append(Run(1 + g, rows.start(g, k, s) * cols, 0, 0, at, 0, 1, count * cols))
+                at += count * cols
+        return runs
 
     def start_values(self, flat: torch.Tensor, send: List[int], recv: List[int]):
         """Starts a forward exchange of values laid out by the caller (`start`, and
@@ -464,7 +489,7 @@ class OutputDist:
 
 def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:
     """The column ranges' `side` ("src" or "dst"), in order, cover [0, width) without a gap or
-    an overlap: what the cats in _assemble and _split rely on."""
+    an overlap: what PooledAssembly's runs rely on."""
     position = 0
     for c in copies:
         if getattr(c, side) != position:
@@ -477,7 +502,7 @@ def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:
 
 def _group_rows(flat: torch.Tensor, message: Message) -> List[torch.Tensor]:
     """Each row group's rows in a message laid out as `message` ([U_g, cols] views of flat)."""
-    return [flat[offset: offset + count * cols].view(count, cols)
+    return [flat.as_strided((count, cols), (cols, 1), flat.storage_offset() + offset)
             for offset, _, count, cols in message.rows]
 
 

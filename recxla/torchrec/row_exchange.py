@@ -23,6 +23,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from recxla.ops.cluster import even_sizes
+from recxla.ops.copy_runs import Run, copy_runs, pack
 from recxla.ops.dedup import segmented_unique
 from recxla.ops.embedding_bag import SUM, BagLookup, backward_update
 from recxla.torchrec.shard_layout import ShardLayout
@@ -298,16 +299,21 @@ def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.
     bounds = torch.zeros(tables + 1, dtype=torch.int64, device=device)
     bounds[1:] = torch.cumsum(torch.tensor([i.numel() for i in ids], device=device), 0)
     unique, unique_offsets, inverse = segmented_unique(values, bounds)
-    batch = max((i.numel() for i in ids), default=0)
-    lengths = torch.zeros((tables, batch), dtype=torch.int64, device=device)
-    grad_output = torch.zeros((batch, sum(w.shape[1] for w in weights)), device=device)
-    column = 0
-    for t, (i, g) in enumerate(zip(ids, grads)):
-        lengths[t, : i.numel()] = 1
-        grad_output[: i.numel(), column: column + weights[t].shape[1]] = g
-        column += weights[t].shape[1]
+    counts = [i.numel() for i in ids]
+    batch = max(counts, default=0)
+    # Bag b of table t holds gradient row b when b < counts[t], else nothing: the bags' ends are
+    # cumulative sums of those lengths, and the gradients sit side by side, a table's columns
+    # each (one copy_runs for all the tables).
+    lengths = (torch.arange(batch, device=device) < torch.tensor(counts, device=device)
+               .unsqueeze(1)).view(-1)
     offsets = torch.zeros(tables * batch + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths.flatten(), 0, out=offsets[1:])
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    dims = [w.shape[1] for w in weights]
+    grad_output = torch.zeros((batch, sum(dims)), device=device)
+    columns = [sum(dims[:t]) for t in range(tables)]
+    copy_runs([g.contiguous() for g in grads], [grad_output],
+              pack(Run(t, 0, dims[t], 0, columns[t], sum(dims), counts[t], dims[t])
+                   for t in range(tables)))
     lookup = BagLookup(list(weights), unique, unique_offsets, inverse, offsets, None,
                        list(range(tables)), [SUM] * tables, batch)
     backward_update(grad_output, lookup, list(states), list(kinds), list(hparams))
@@ -328,12 +334,14 @@ class RowLookup(torch.autograd.Function):
         ctx.apply_gradients = apply_gradients
         ctx.ids = ids
         ctx.weights = weights
-        return tuple(w.detach().index_select(0, i) for w, i in zip(weights, ids))
+        # forward runs without autograd: the weights need no detach.
+        return tuple(w.index_select(0, i) for w, i in zip(weights, ids))
 
     @staticmethod
     def backward(ctx, *grads):
         kinds, states, hparams = ctx.optimizer_step()
-        weights = [w.detach() for w in ctx.weights]
+        # Updated in place under no_grad: the weights need no detach.
+        weights = list(ctx.weights)
         grads = [g if g is not None else w.new_zeros(i.numel(), w.shape[1])
                  for g, i, w in zip(grads, ctx.ids, weights)]
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]

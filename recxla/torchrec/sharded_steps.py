@@ -35,6 +35,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recxla.ops.copy_runs import copy_runs, pack
 from recxla.ops.embedding_bag import FusedPooledLookup, LookupPlan
 from recxla.torchrec.early_lookup import EarlyLookup
 from recxla.torchrec.early_rows import EarlyRows
@@ -286,3 +287,18 @@ class ShardedSteps:
         gradient division divides it; the values it holds per source rank: per source its
         pooled rows [samples, D_owner] then its row groups' rows [count, cols])."""
         return self.parts.output.start_gradient(grad, source_batches, message, lengths, rows)
+
+    def unpack_gradient(self, flat: torch.Tensor, source_batches: List[int],
+                        rows: Optional[RowInput], k: int, first_sample: int,
+                        gradient: Optional[torch.Tensor],
+                        row_gradients: Sequence[torch.Tensor]) -> None:
+        """The owner's gradient message of exchange k (flat, what start_gradient's handle gave)
+        into the gradient buffers, one op: its pooled rows into `gradient` [B, D_owner] from
+        sample `first_sample` on (None: the message has no pooled values to keep), each row
+        group's rows into row_gradients[g] (rows.ids order)."""
+        runs = self.parts.output.owner_message_runs(source_batches, rows, k, first_sample,
+                                                    len(row_gradients))
+        if gradient is None:
+            runs = [r for r in runs if r.source != 0]
+            gradient = flat.new_empty((0,))
+        copy_runs([flat], [gradient, *row_gradients], pack(r.transposed() for r in runs))

@@ -97,6 +97,11 @@ class EmbeddingSteps(Protocol):
                        lengths: Optional[torch.Tensor], rows):
         ...
 
+    def unpack_gradient(self, flat: torch.Tensor, source_batches: List[int], rows, k: int,
+                        first_sample: int, gradient: Optional[torch.Tensor],
+                        row_gradients: Sequence[torch.Tensor]) -> None:
+        ...
+
     def stage_output(self, output: Union[Any, Callable[[], Any]]) -> None:
         ...
 
