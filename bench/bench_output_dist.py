@@ -9,9 +9,11 @@ batch's bags read, the other 2 their pooled bags. One call is the forward pass (
 output columns, every row group's bags pooled from the rows) and the backward pass (the output's
 gradient back into the message's layout, reduced per unique row). Providers:
 - recxla: `PooledAssembly.assemble` and `split`: one multi-table lookup for all row groups, one
-  cat per direction;
-- per group: the same arithmetic with one lookup call per row group and its bags built per
-  group (how the output dist pooled before), then the same cats;
+  `recxla::copy_runs` per direction for the column ranges (and one for the row gradients);
+- per group: the same arithmetic as torch ops, how the output dist worked before: one lookup
+  call per row group with its bags built per group, the column ranges moved by slicing and
+  torch.cat (one cat forward, one per source block backward), the row gradients copied one
+  group at a time;
 - memcpy: a copy of the message and of the output, both directions (the bytes read and written
   at least once).
 TorchRec has no counterpart to time: it pools every bag at the owner and sends B x F embeddings,
@@ -79,12 +81,15 @@ def _per_group(dist, bags, flat, grad_out, bag_lengths):
     pooled = [pooled_forward(BagLookup([r], u, b, i, o, None, [0], [SUM], BATCH))
               for r, (u, b, i, o) in zip(rows, group_bags)]
     blocks.append(torch.cat(pooled, dim=1))
-    out = torch.cat([blocks[c.block][:, c.src: c.src + c.width]
-                     for c in dist.assembly.gather], dim=1)
+    gather = sorted(dist.assembly.copies, key=lambda c: c.dst)  # no row-sharded sums here
+    scatter = {}
+    for c in sorted(dist.assembly.copies, key=lambda c: (c.block, c.src)):
+        scatter.setdefault(c.block, []).append(c)
+    out = torch.cat([blocks[c.block][:, c.src: c.src + c.width] for c in gather], dim=1)
     grad = torch.empty_like(flat)
     grad_blocks = [grad[o: o + BATCH * d].view(BATCH, d) for o, d in message.pooled]
     grad_blocks.append(grad_out.new_empty((BATCH, dist.assembly.row_block_width)))
-    for block, copies in dist.assembly.scatter.items():
+    for block, copies in scatter.items():
         torch.cat([grad_out[:, c.dst: c.dst + c.width] for c in copies], dim=1,
                   out=grad_blocks[block])
     for (offset, _, n, c), r, (u, b, i, o), column in zip(

@@ -137,8 +137,28 @@ def embedding_bag(device: str) -> None:
                 _counted(out.backward, torch.randn_like(out))
 
 
+def copy_runs(device: str) -> None:
+    from recxla.ops.copy_runs import Run, copy_runs as copy, pack
+    from recxla.reference.copy_runs import copy_runs_ref
+
+    # Column runs over a [33, 37] target from two sources (one read with stride 0), a second
+    # wave of adds into the same columns, an empty run, and a run of one wide row.
+    for dtype in (torch.float32, torch.bfloat16):
+        sources = [torch.randn(1300).to(dtype), torch.randn(40).to(dtype)]
+        runs = pack([Run(0, 5, 37, 0, 0, 37, 33, 20), Run(1, 3, 0, 0, 20, 37, 33, 17),
+                     Run(0, 0, 39, 0, 4, 37, 33, 9, 1), Run(1, 0, 1, 0, 6, 37, 33, 3, 1),
+                     Run(0, 0, 0, 0, 0, 37, 0, 5), Run(0, 100, 0, 1, 0, 0, 1, 1000)])
+        want = [torch.zeros(33, 37, dtype=dtype), torch.zeros(1000, dtype=dtype)]
+        copy_runs_ref(sources, want, runs)
+        got = [t.to(device) for t in (torch.zeros(33, 37, dtype=dtype),
+                                      torch.zeros(1000, dtype=dtype))]
+        _counted(copy, [s.to(device) for s in sources], got, runs)
+        if not all(torch.equal(g.cpu(), w) for g, w in zip(got, want)):
+            raise AssertionError(f"copy_runs {dtype}: differs from the reference")
+
+
 FAMILIES = {"fp8_rows": fp8_rows, "dedup": dedup, "cluster": cluster,
-            "embedding_bag": embedding_bag}
+            "embedding_bag": embedding_bag, "copy_runs": copy_runs}
 
 
 def main(argv=None) -> int:
