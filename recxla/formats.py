@@ -5,9 +5,11 @@ Every precision travels through the same API (`quantize_rows` / `dequantize_rows
 - "bf16", "fp16", "fp32": plain casts, 2 or 4 bytes a value, no scale.
 """
 
+import functools
 import operator
+import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -49,6 +51,31 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # gradient bytes (bench/results/training.md, "convergence").
 DEFAULT_FWD_COMM = "e4m3"
 DEFAULT_BWD_COMM = "e5m2"
+
+# That pair is fwd_comm / bwd_comm everywhere (docs/architecture.md, "Names"). The planner and
+# the simulator called it fwd_fmt / bwd_fmt before; their documented entries take the old
+# keywords still, with a DeprecationWarning.
+_OLD_COMM_KEYWORDS = {"fwd_fmt": "fwd_comm", "bwd_fmt": "bwd_comm"}
+
+
+def accepts_old_comm_keywords(fn: Callable) -> Callable:
+    """`fn` (which takes fwd_comm / bwd_comm) also taking fwd_fmt= / bwd_fmt=, with a warning;
+    a TypeError when a call names both spellings of one argument."""
+    name = f"{fn.__module__}.{fn.__qualname__.removesuffix('.__init__')}"
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        for old, new in _OLD_COMM_KEYWORDS.items():
+            if old not in kwargs:
+                continue
+            if new in kwargs:
+                raise TypeError(f"{name}: got both {new} and {old}, its old name")
+            warnings.warn(f"{name}: {old} is now called {new}", DeprecationWarning,
+                          stacklevel=2)
+            kwargs[new] = kwargs.pop(old)
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def get_format(fmt: str, op: str, arg: str = "fmt") -> WireFormat:

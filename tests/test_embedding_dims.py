@@ -64,7 +64,9 @@ def test_proposal_meets_the_budget_by_halving_the_largest(seed, keep):
     wire = [TableWire(f"t{i}", int(rng.choice([16, 32, 64, 128])), 1,
                       int(rng.integers(0, 10_000)), int(rng.integers(1_000, 1_000_000)))
             for i in range(int(rng.integers(2, 12)))]
-    dims = propose_dims(wire, keep, fwd_fmt="e4m3", bwd_fmt="bf16")
+    dims = propose_dims(wire, keep, fwd_comm="e4m3", bwd_comm="bf16")
+    with pytest.warns(DeprecationWarning):  # the keywords docs/planner.md had
+        assert propose_dims(wire, keep, fwd_fmt="e4m3", bwd_fmt="bf16") == dims
     before = sum(w.rows for w in wire)
     after = sum(_rows(w, dims[w.table]) for w in wire)
     for w in wire:
@@ -181,5 +183,5 @@ def test_trainer_takes_the_proposal(tmp_path, path):
     assert len(wire) == len(dims) == m["tables"] and min(dims.values()) < 16
     c = m["config"]
     fwd, bwd = (c["baseline_comms"],) * 2 if path else (c["fwd_comm"], c["bwd_comm"])
-    assert dims == propose_dims([TableWire(**w) for w in wire], 0.5, fwd_fmt=fwd, bwd_fmt=bwd)
+    assert dims == propose_dims([TableWire(**w) for w in wire], 0.5, fwd_comm=fwd, bwd_comm=bwd)
     json.dumps(m)  # the metrics stay JSON

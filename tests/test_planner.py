@@ -124,7 +124,7 @@ def _aligned(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-def brute_force(plan, tables, batches, fwd_fmt, bwd_fmt):
+def brute_force(plan, tables, batches, fwd_comm, bwd_comm):
     """The same count with Python sets and loops, from the rules of recxla's sharded module:
     per (source, owner) one block of lengths, ids (raw, or unique plus a 2-byte inverse
     index where smaller), 8-byte aligned, plus a (6 + 1) x int64 size row per rank pair;
@@ -171,8 +171,8 @@ def brute_force(plan, tables, batches, fwd_fmt, bwd_fmt):
             out["ids_received"][d] += u
             for collective, nbytes, to_owner in (
                 ("ids", block, True),
-                ("fwd", b * wire_rows * row_bytes(wire, fwd_fmt), False),
-                ("bwd", b * wire_rows * row_bytes(wire, bwd_fmt), True),
+                ("fwd", b * wire_rows * row_bytes(wire, fwd_comm), False),
+                ("bwd", b * wire_rows * row_bytes(wire, bwd_comm), True),
             ):
                 out[f"{collective}_bytes_{'received' if to_owner else 'sent'}"][d] += nbytes
                 out[f"{collective}_bytes_{'sent' if to_owner else 'received'}"][s] += nbytes
@@ -212,8 +212,11 @@ def test_count_rank_loads_rejects_bad_input():
     pooling = random_pooling(tables)
     plan = random_plan(tables, 2)
     batches = [random_batch(tables, 8, pooling) for _ in range(2)]
-    with pytest.raises(ValueError, match="count_rank_loads: fwd_fmt must be one of"):
-        count_rank_loads(plan, tables, batches, fwd_fmt="int4")
+    with pytest.raises(ValueError, match="count_rank_loads: fwd_comm must be one of"):
+        count_rank_loads(plan, tables, batches, fwd_comm="int4")
+    with pytest.warns(DeprecationWarning, match="bwd_fmt is now called bwd_comm"), \
+            pytest.raises(ValueError, match="count_rank_loads: bwd_comm must be one of"):
+        count_rank_loads(plan, tables, batches, bwd_fmt="int4")  # the name docs/planner.md had
     with pytest.raises(ValueError, match="on rank 1, outside the 1 ranks"):
         count_rank_loads(table_wise_plan(tables, 1), tables, batches[:1])
     with pytest.raises(ValueError, match="one batch per rank"):

@@ -39,8 +39,8 @@ def random_workload() -> Workload:
 
 def random_config(**fixed) -> StepConfig:
     config = dict(
-        topology=random.choice(["1d", "2d"]), fwd_fmt=random.choice(FORMATS),
-        bwd_fmt=random.choice(FORMATS), overlap=random.random() < 0.5,
+        topology=random.choice(["1d", "2d"]), fwd_comm=random.choice(FORMATS),
+        bwd_comm=random.choice(FORMATS), overlap=random.random() < 0.5,
         micro_batches=random.randint(1, 8), sync=random.choice(["grads", "weights"]),
         sync_every=random.randint(1, 100), imbalance=random.uniform(1.0, 2.0),
     )
@@ -117,8 +117,8 @@ def test_fewer_bytes_and_better_balance_are_faster():
     for _ in range(100):
         work, hw, nodes, batch = random_case()
         nodes = max(nodes, 2)
-        base = random_config(fwd_fmt="fp32", bwd_fmt="fp32", overlap=False)
-        fp8 = replace(base, fwd_fmt="e4m3", bwd_fmt="e5m2")
+        base = random_config(fwd_comm="fp32", bwd_comm="fp32", overlap=False)
+        fp8 = replace(base, fwd_comm="e4m3", bwd_comm="e5m2")
         b32, b8 = step(work, hw, nodes, batch, base), step(work, hw, nodes, batch, fp8)
         assert b8.output_a2a <= b32.output_a2a and b8.grad_a2a <= b32.grad_a2a
         worse = replace(base, imbalance=base.imbalance * 1.5)
@@ -154,11 +154,21 @@ def test_workload_measure_counts_real_batches():
     assert work.table_bytes == sum(f.num_embeddings for f in profile.features) * 16 * 4
 
 
+def test_old_comm_keywords_still_work():
+    """docs/sim.md documented StepConfig(fwd_fmt=..., bwd_fmt=...) before the pair took the
+    sharder's names."""
+    with pytest.warns(DeprecationWarning, match="fwd_fmt is now called fwd_comm"):
+        old = StepConfig(fwd_fmt="fp32", bwd_fmt="bf16")
+    assert old == StepConfig(fwd_comm="fp32", bwd_comm="bf16")
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="topology must be one of"):
         StepConfig(topology="3d")
-    with pytest.raises(ValueError, match="fwd_fmt must be one of"):
-        StepConfig(fwd_fmt="int8")
+    with pytest.raises(ValueError, match="fwd_comm must be one of"):
+        StepConfig(fwd_comm="int8")
+    with pytest.raises(TypeError, match="got both bwd_comm and bwd_fmt"):
+        StepConfig(bwd_comm="bf16", bwd_fmt="bf16")
     with pytest.raises(ValueError, match="imbalance is max/mean, so >= 1.0"):
         StepConfig(imbalance=0.5)
     with pytest.raises(ValueError, match="nodes must be an int >= 1"):

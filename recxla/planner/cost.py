@@ -121,7 +121,7 @@ class TableLoads:
     """
 
     def __init__(self, tables, world_size: int, bounds, unique, occurrences, batch_size: float,
-                 fwd_fmt: str, bwd_fmt: str, growth=None):
+                 fwd_comm: str, bwd_comm: str, growth=None):
         self.tables = list(tables)
         self.index = {c.name: t for t, c in enumerate(self.tables)}
         self.world_size = world_size
@@ -130,14 +130,14 @@ class TableLoads:
         self.cum_unique = torch.cat([zero, unique.cumsum(1)], 1)
         self.cum_occurrences = torch.cat([zero, occurrences.cumsum(1)], 1)
         self.batch_size = float(batch_size)
-        self.fwd_fmt, self.bwd_fmt = fwd_fmt, bwd_fmt
+        self.fwd_comm, self.bwd_comm = fwd_comm, bwd_comm
         # Distinct ids of k sources ~ one source's x k ** growth, per table (1: no repeats).
         self.growth = torch.ones(len(self.tables), dtype=torch.float64) if growth is None \
             else growth
 
     @classmethod
-    def measure(cls, tables, sample_batches, world_size: int, fwd_fmt: str = DEFAULT_FWD_COMM,
-                bwd_fmt: str = DEFAULT_BWD_COMM) -> "TableLoads":
+    def measure(cls, tables, sample_batches, world_size: int, fwd_comm: str = DEFAULT_FWD_COMM,
+                bwd_comm: str = DEFAULT_BWD_COMM) -> "TableLoads":
         """Count the sample.
 
         Args:
@@ -145,12 +145,12 @@ class TableLoads:
             sample_batches: a few batches of one rank's size (KeyedJaggedTensor or
                 recxla.data.Batch); their mean stands for every rank's batch.
             world_size: R >= 1.
-            fwd_fmt / bwd_fmt: wire formats of pooled rows and of their gradients.
+            fwd_comm / bwd_comm: wire formats of pooled rows and of their gradients.
         """
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
             raise ValueError(f"{OP}: world_size must be an int >= 1, got {world_size!r}")
-        get_format(fwd_fmt, OP, "fwd_fmt")
-        get_format(bwd_fmt, OP, "bwd_fmt")
+        get_format(fwd_comm, OP, "fwd_comm")
+        get_format(bwd_comm, OP, "bwd_comm")
         if len(sample_batches) < 1:
             raise ValueError(f"{OP}: sample_batches must hold at least one batch")
         bounds = row_wise_bounds([c.num_embeddings for c in tables], world_size)
@@ -163,7 +163,7 @@ class TableLoads:
         return cls(
             tables, world_size, bounds, mean_unique,
             occurrences.to(torch.float64).mean(0), float(sizes.to(torch.float64).mean()),
-            fwd_fmt, bwd_fmt, growth,
+            fwd_comm, bwd_comm, growth,
         )
 
     def _cumulative(self, t: int, row: int) -> Tuple[float, float]:
@@ -200,8 +200,8 @@ class TableLoads:
         wire_rows = features * b * (cols // width)
         per_source = (
             wire.encoded_ids_bytes(n, u, id_bytes) + features * b * wire.LENGTH_BYTES,
-            wire_rows * row_bytes(width, self.fwd_fmt),
-            wire_rows * row_bytes(width, self.bwd_fmt),
+            wire_rows * row_bytes(width, self.fwd_comm),
+            wire_rows * row_bytes(width, self.bwd_comm),
         )
         owner = tuple((self.world_size - 1) * x for x in per_source)
         rows = row_end - row_start

@@ -20,7 +20,9 @@ proposal, which only compares tables' dim-dependent bytes, holds for them too.
 import dataclasses
 from typing import Dict, List, Sequence
 
-from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, row_bytes
+from recxla.formats import (
+    DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, accepts_old_comm_keywords, row_bytes,
+)
 from recxla.planner.loads import (
     ShardPlacement,
     block_counts,
@@ -52,8 +54,9 @@ class TableWire:
         return self.ids + self.rows
 
 
-def table_wire_bytes(tables: Sequence, batches: Sequence, fwd_fmt: str = DEFAULT_FWD_COMM,
-                     bwd_fmt: str = DEFAULT_BWD_COMM) -> List[TableWire]:
+@accepts_old_comm_keywords
+def table_wire_bytes(tables: Sequence, batches: Sequence, fwd_comm: str = DEFAULT_FWD_COMM,
+                     bwd_comm: str = DEFAULT_BWD_COMM) -> List[TableWire]:
     """Each table's bytes per step (module doc), on `batches` (one per rank: batch r is rank
     r's; recxla.data.Batch or KeyedJaggedTensor). tables: EmbeddingBagConfigs."""
     world = len(batches)
@@ -65,7 +68,7 @@ def table_wire_bytes(tables: Sequence, batches: Sequence, fwd_fmt: str = DEFAULT
         shards = [ShardPlacement(t.name, i % world, 0, t.num_embeddings, 0, t.embedding_dim)]
         bounds = shard_block_bounds(shards, [t])
         loads = loads_from_counts(shards, [t], bounds, *block_counts(batches, [t], bounds),
-                                  fwd_fmt, bwd_fmt)
+                                  fwd_comm, bwd_comm)
         ids = int(loads.ids_bytes_sent.sum())
         rows = int(loads.fwd_bytes_sent.sum() + loads.bwd_bytes_sent.sum()
                    + loads.allreduce_bytes.sum())
@@ -74,15 +77,16 @@ def table_wire_bytes(tables: Sequence, batches: Sequence, fwd_fmt: str = DEFAULT
     return [dataclasses.replace(w, share=w.bytes / total) for w in out]
 
 
-def _rows_at(wire: TableWire, dim: int, fwd_fmt: str, bwd_fmt: str) -> float:
+def _rows_at(wire: TableWire, dim: int, fwd_comm: str, bwd_comm: str) -> float:
     """The table's row bytes at another dim: per row, the format's bytes of `dim` values."""
-    per_row = row_bytes(wire.dim, fwd_fmt) + row_bytes(wire.dim, bwd_fmt)
-    return wire.rows * (row_bytes(dim, fwd_fmt) + row_bytes(dim, bwd_fmt)) / per_row
+    per_row = row_bytes(wire.dim, fwd_comm) + row_bytes(wire.dim, bwd_comm)
+    return wire.rows * (row_bytes(dim, fwd_comm) + row_bytes(dim, bwd_comm)) / per_row
 
 
+@accepts_old_comm_keywords
 def propose_dims(wire: Sequence[TableWire], keep: float = DEFAULT_KEEP,
-                 min_dim: int = MIN_DIM, fwd_fmt: str = DEFAULT_FWD_COMM,
-                 bwd_fmt: str = DEFAULT_BWD_COMM) -> Dict[str, int]:
+                 min_dim: int = MIN_DIM, fwd_comm: str = DEFAULT_FWD_COMM,
+                 bwd_comm: str = DEFAULT_BWD_COMM) -> Dict[str, int]:
     """Dims under a budget of `keep` times the tables' row bytes: the dim of the table whose
     rows carry most bytes is halved (not below `min_dim`, a multiple of 4 as the FP8 codec's
     vector loads want), again and again, until the budget holds or no table can shrink.
@@ -102,13 +106,13 @@ def propose_dims(wire: Sequence[TableWire], keep: float = DEFAULT_KEEP,
             break
         name = max(shrinkable, key=lambda n: (rows[n], -list(dims).index(n)))
         dims[name] //= 2
-        rows[name] = _rows_at(by_name[name], dims[name], fwd_fmt, bwd_fmt)
+        rows[name] = _rows_at(by_name[name], dims[name], fwd_comm, bwd_comm)
     return dims
 
 
 def wire_report(wire: Sequence[TableWire], proposed: Dict[str, int],
-                link_bits_per_s: float = 0.0, fwd_fmt: str = DEFAULT_FWD_COMM,
-                bwd_fmt: str = DEFAULT_BWD_COMM) -> List[str]:
+                link_bits_per_s: float = 0.0, fwd_comm: str = DEFAULT_FWD_COMM,
+                bwd_comm: str = DEFAULT_BWD_COMM) -> List[str]:
     """Markdown lines: each table's dim, bytes per step, share of the wire, and with a link
     rate its milliseconds a step on the link; the proposed dim and bytes beside them."""
     ms = "| ms a step on the link " if link_bits_per_s else ""
@@ -116,7 +120,7 @@ def wire_report(wire: Sequence[TableWire], proposed: Dict[str, int],
              "|---|---|---|---|---" + ("|---" if link_bits_per_s else "") + "|---|---|"]
     before = after = 0.0
     for w in sorted(wire, key=lambda w: -w.bytes):
-        new = w.ids + _rows_at(w, proposed[w.table], fwd_fmt, bwd_fmt)
+        new = w.ids + _rows_at(w, proposed[w.table], fwd_comm, bwd_comm)
         before, after = before + w.bytes, after + new
         link = f"| {w.bytes * 8 / link_bits_per_s * 1e3:.1f} " if link_bits_per_s else ""
         lines.append(f"| {w.table} | {w.features} | {w.dim} | {w.bytes / 1e6:.3f} | "

@@ -30,7 +30,9 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format, row_bytes
+from recxla.formats import (
+    DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, accepts_old_comm_keywords, get_format, row_bytes,
+)
 from recxla.ops.dedup import bucketize_by_rank, segmented_unique
 from recxla.torchrec import id_wire_format as wire
 from recxla.torchrec.shard_layout import Shard, ShardLayout, TableInfo
@@ -268,12 +270,13 @@ def shard_block_bounds(shards: Sequence[ShardPlacement], tables) -> torch.Tensor
     return torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], dtype=torch.int64)
 
 
+@accepts_old_comm_keywords
 def count_rank_loads(
     plan,
     tables,
     batches,
-    fwd_fmt: str = DEFAULT_FWD_COMM,
-    bwd_fmt: str = DEFAULT_BWD_COMM,
+    fwd_comm: str = DEFAULT_FWD_COMM,
+    bwd_comm: str = DEFAULT_BWD_COMM,
     module_path: str = "",
 ) -> RankLoads:
     """Per-rank load of one training step of `plan` on real batches, as recxla's sharded
@@ -284,7 +287,7 @@ def count_rank_loads(
         tables: the EmbeddingBagConfig of the module's tables.
         batches: R batches (KeyedJaggedTensor or recxla.data.Batch): batch s is source rank
             s's, so len(batches) is the world size.
-        fwd_fmt / bwd_fmt: wire formats of the pooled rows and of their gradients
+        fwd_comm / bwd_comm: wire formats of the pooled rows and of their gradients
             (`recxla.FORMATS`).
     Returns:
         RankLoads with int64 tensors [R].
@@ -292,8 +295,8 @@ def count_rank_loads(
         ValueError: an unknown format, a plan that does not tile a table or names a rank
             outside [0, len(batches)), ids outside a table.
     """
-    get_format(fwd_fmt, OP, "fwd_fmt")
-    get_format(bwd_fmt, OP, "bwd_fmt")
+    get_format(fwd_comm, OP, "fwd_comm")
+    get_format(bwd_comm, OP, "bwd_comm")
     world_size = len(batches)
     if world_size < 1:
         raise ValueError(f"{OP}: batches must hold one batch per rank, got none")
@@ -306,7 +309,7 @@ def count_rank_loads(
             )
     bounds = shard_block_bounds(shards, tables)
     counts = block_counts(batches, tables, bounds)
-    return loads_from_counts(shards, tables, bounds, *counts, fwd_fmt, bwd_fmt)
+    return loads_from_counts(shards, tables, bounds, *counts, fwd_comm, bwd_comm)
 
 
 def module_layout(shards: Sequence[ShardPlacement], tables, world_size: int) -> ShardLayout:
@@ -325,7 +328,7 @@ def module_layout(shards: Sequence[ShardPlacement], tables, world_size: int) -> 
 
 
 def loads_from_counts(shards, tables, bounds, unique, occurrences, batch_sizes, union,
-                      fwd_fmt, bwd_fmt) -> RankLoads:
+                      fwd_comm, bwd_comm) -> RankLoads:
     """RankLoads of `shards` from `block_counts` output (source s is rank s)."""
     world_size = unique.shape[0]
     loads = RankLoads(*(torch.zeros(world_size, dtype=torch.int64) for _ in fields(RankLoads)))
@@ -360,7 +363,7 @@ def loads_from_counts(shards, tables, bounds, unique, occurrences, batch_sizes, 
     loads.ids_bytes_sent += meta
     loads.ids_bytes_received += meta
     width = layout.wire_row_dim
-    fwd_row, bwd_row = row_bytes(width, fwd_fmt), row_bytes(width, bwd_fmt)
+    fwd_row, bwd_row = row_bytes(width, fwd_comm), row_bytes(width, bwd_comm)
     for d in range(world_size):
         slots = len(layout.slots[d])
         id_bytes = wire.owner_id_bytes(lt.rows for lt in layout.local_tables[d])

@@ -32,7 +32,7 @@ from torchrec.distributed.planner.proposers import GreedyProposer
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
 from torchrec.distributed.types import ShardingType
 
-from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM
+from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, accepts_old_comm_keywords
 from recxla.ops.dedup import row_wise_bounds
 from recxla.planner.cost import CostModel, TableLoads, rank_totals
 from recxla.planner.partitioner import (
@@ -323,7 +323,7 @@ class BalancedShardingPlanner:
         topology: TorchRec Topology (any world size; no process group needed).
         sample_batches: a few batches of one rank (KeyedJaggedTensor or recxla.data.Batch);
             their size is the per-rank batch size.
-        fwd_fmt / bwd_fmt: wire formats of pooled rows and of their gradients.
+        fwd_comm / bwd_comm: wire formats of pooled rows and of their gradients.
         cost: seconds per wire byte and per byte looked up.
         sharding_types: the splits allowed (table_wise required; column_wise, row_wise).
         min_cw_cols: narrowest column-wise block.
@@ -332,15 +332,16 @@ class BalancedShardingPlanner:
     `torchrec_planner` (the EmbeddingShardingPlanner that produced the plan).
     """
 
-    def __init__(self, topology: Topology, sample_batches, fwd_fmt: str = DEFAULT_FWD_COMM,
-                 bwd_fmt: str = DEFAULT_BWD_COMM, cost: CostModel = CostModel(),
+    @accepts_old_comm_keywords
+    def __init__(self, topology: Topology, sample_batches, fwd_comm: str = DEFAULT_FWD_COMM,
+                 bwd_comm: str = DEFAULT_BWD_COMM, cost: CostModel = CostModel(),
                  sharding_types: Sequence[str] = SPLIT_TYPES, min_cw_cols: int = 4,
                  fixed_splits: Optional[Dict[str, TableSplit]] = None):
         if not isinstance(topology, Topology):
             raise TypeError(f"{OP}.BalancedShardingPlanner: topology must be a TorchRec Topology")
         self.topology = topology
         self.sample_batches = list(sample_batches)
-        self.fwd_fmt, self.bwd_fmt = fwd_fmt, bwd_fmt
+        self.fwd_comm, self.bwd_comm = fwd_comm, bwd_comm
         self.cost = cost
         self.sharding_types = tuple(sharding_types)
         self.min_cw_cols = min_cw_cols
@@ -373,7 +374,7 @@ class BalancedShardingPlanner:
         if not tables:
             raise ValueError(f"{OP}.BalancedShardingPlanner: module has no EmbeddingBagCollection")
         self.loads = TableLoads.measure(tables, self.sample_batches, self.topology.world_size,
-                                        self.fwd_fmt, self.bwd_fmt)
+                                        self.fwd_comm, self.bwd_comm)
         self.splits = choose_splits(self.loads, self.cost, self.sharding_types, self.min_cw_cols,
                                     fixed_splits=self.fixed_splits)
         self.torchrec_planner = EmbeddingShardingPlanner(

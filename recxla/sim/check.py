@@ -54,7 +54,7 @@ def compare_runs(runs: List[dict]) -> List[Dict[str, object]]:
             profile = criteo_kaggle_profile(max_rows=key[2])
             workloads[key] = Workload.measure(profile, dim=key[0], batch_size=key[1])
         config = StepConfig(
-            topology=run["topology"], fwd_fmt=run["fwd_comm"], bwd_fmt=run["bwd_comm"],
+            topology=run["topology"], fwd_comm=run["fwd_comm"], bwd_comm=run["bwd_comm"],
             overlap=bool(run["overlap"]), micro_batches=int(run.get("micro_batches", 1)),
             imbalance=float(run.get("imbalance", 1.0)),
         )
@@ -64,7 +64,7 @@ def compare_runs(runs: List[dict]) -> List[Dict[str, object]]:
             "run": i,
             "nodes x ranks": f"{run['nodes']}x{run['ranks_per_node']}",
             "link_gbit": run["link_gbit"],
-            "config": f"{config.topology} {config.fwd_fmt}/{config.bwd_fmt} "
+            "config": f"{config.topology} {config.fwd_comm}/{config.bwd_comm} "
                       f"overlap={'on' if config.overlap else 'off'}",
             "measured examples/s": float(run["examples_per_s"]),
             "modeled examples/s": modeled.examples_per_s,

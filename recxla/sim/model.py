@@ -33,7 +33,9 @@ overlap each other are assumed to get their full links.
 from dataclasses import dataclass, fields
 from typing import Dict, Iterable, List
 
-from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
+from recxla.formats import (
+    DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, accepts_old_comm_keywords, get_format,
+)
 from recxla.sim.hardware import Hardware
 from recxla.sim.workload import Workload
 
@@ -48,7 +50,7 @@ class StepConfig:
 
     topology: "1d" (one all-to-all over all ranks) or "2d" (all-to-all inside a node, replicas
         synced across nodes).
-    fwd_fmt / bwd_fmt: wire formats of pooled rows and their gradients (recxla.FORMATS).
+    fwd_comm / bwd_comm: wire formats of pooled rows and their gradients (recxla.FORMATS).
     overlap: the FWP/DBP schedule on, or every term in sequence.
     micro_batches: M of FWP (1 = no split inside a batch).
     sync / sync_every: 2D replica sync, "grads" (touched rows all-gathered every step) or
@@ -57,8 +59,8 @@ class StepConfig:
     """
 
     topology: str = "1d"
-    fwd_fmt: str = DEFAULT_FWD_COMM
-    bwd_fmt: str = DEFAULT_BWD_COMM
+    fwd_comm: str = DEFAULT_FWD_COMM
+    bwd_comm: str = DEFAULT_BWD_COMM
     overlap: bool = True
     micro_batches: int = 4
     sync: str = "grads"
@@ -69,8 +71,8 @@ class StepConfig:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"{OP}.StepConfig: topology must be one of {TOPOLOGIES}, got "
                              f"{self.topology!r}")
-        get_format(self.fwd_fmt, f"{OP}.StepConfig", "fwd_fmt")
-        get_format(self.bwd_fmt, f"{OP}.StepConfig", "bwd_fmt")
+        get_format(self.fwd_comm, f"{OP}.StepConfig", "fwd_comm")
+        get_format(self.bwd_comm, f"{OP}.StepConfig", "bwd_comm")
         if self.sync not in SYNCS:
             raise ValueError(f"{OP}.StepConfig: sync must be one of {SYNCS}, got {self.sync!r}")
         if self.micro_batches < 1 or self.sync_every < 1:
@@ -78,6 +80,10 @@ class StepConfig:
         if not self.imbalance >= 1.0:
             raise ValueError(f"{OP}.StepConfig: imbalance is max/mean, so >= 1.0, got "
                              f"{self.imbalance}")
+
+
+# StepConfig(fwd_fmt=..., bwd_fmt=...), as documented before the rename, still works.
+StepConfig.__init__ = accepts_old_comm_keywords(StepConfig.__init__)
 
 
 @dataclass(frozen=True)
@@ -170,13 +176,13 @@ def step(workload: Workload, hw: Hardware, nodes: int, batch_per_rank: int,
     group = g if config.topology == "2d" else ranks
     skew = config.imbalance
     ids_bytes = b * workload.id_bytes * skew
-    fwd_bytes = b * workload.pooled_bytes(config.fwd_fmt) * skew
-    bwd_bytes = b * workload.pooled_bytes(config.bwd_fmt) * skew
+    fwd_bytes = b * workload.pooled_bytes(config.fwd_comm) * skew
+    bwd_bytes = b * workload.pooled_bytes(config.bwd_comm) * skew
     ids_a2a = all_to_all_seconds(ids_bytes, group, g, hw)
     output_a2a = all_to_all_seconds(fwd_bytes, group, g, hw)
     grad_a2a = all_to_all_seconds(bwd_bytes, group, g, hw)
     fp32 = b * workload.pooled_bytes("fp32")
-    coded = [f for f in (config.fwd_fmt, config.bwd_fmt) if f != "fp32"]
+    coded = [f for f in (config.fwd_comm, config.bwd_comm) if f != "fp32"]
     codec = len(coded) * fp32 / hw.codec_bytes_per_s if group > 1 else 0.0
     lookup = b * workload.lookup_bytes * skew / hw.memory_bytes_per_s
     mean_dim = sum(workload.dims) / len(workload.dims)
@@ -188,7 +194,7 @@ def step(workload: Workload, hw: Hardware, nodes: int, batch_per_rank: int,
         if config.sync == "grads":
             # Every replica's touched rows of this rank's shard, gathered from the N - 1 others.
             rows = b * workload.unique_per_example
-            sync_bytes = (nodes - 1) * rows * (workload.pooled_bytes(config.bwd_fmt)
+            sync_bytes = (nodes - 1) * rows * (workload.pooled_bytes(config.bwd_comm)
                                                / len(workload.dims) + 8)
         else:
             sync_bytes = 2 * (nodes - 1) / nodes * workload.table_bytes / g / config.sync_every

@@ -60,9 +60,9 @@ def pinterest(hw: Hardware = A100_P4D, batch: int = 4096,
     """Pinterest's before/after scaling and all-to-all times against the model."""
     base = workload or Workload.measure(dim=128, batch_size=batch)
     before_w, after_w = base.with_dims(128), base.with_dims(64)
-    before = StepConfig(topology="1d", fwd_fmt="fp32", bwd_fmt="fp32", overlap=False,
+    before = StepConfig(topology="1d", fwd_comm="fp32", bwd_comm="fp32", overlap=False,
                         micro_batches=1, imbalance=torchrec_imbalance)
-    after = StepConfig(topology="2d", fwd_fmt="e4m3", bwd_fmt="bf16", overlap=False,
+    after = StepConfig(topology="2d", fwd_comm="e4m3", bwd_comm="bf16", overlap=False,
                        micro_batches=1, imbalance=recxla_imbalance)
     rows = []
     for n, value in ((2, 1.13), (4, 1.21)):
@@ -74,7 +74,7 @@ def pinterest(hw: Hardware = A100_P4D, batch: int = 4096,
         rows.append(Comparison("Pinterest", f"speedup after, {n} nodes, {hw.name}", value,
                                point.speedup))
     # The post credits the 78 -> 13 ms to the flipped 2D topology alone: the same step in 1D.
-    one_d = StepConfig(topology="1d", fwd_fmt="e4m3", bwd_fmt="bf16", overlap=False,
+    one_d = StepConfig(topology="1d", fwd_comm="e4m3", bwd_comm="bf16", overlap=False,
                        micro_batches=1, imbalance=recxla_imbalance)
     a2a_1d = _a2a_ms(step(after_w, hw, 2, batch, one_d))
     a2a_2d = _a2a_ms(step(after_w, hw, 2, batch, after))
@@ -123,7 +123,7 @@ def pinterest_one_point(hw: Hardware = A100_P4D, batch: int = 4096,
     Pinterest's 1.13x at 2 nodes before; the other published figures then follow from the
     model's communication terms alone. Returns (dense factor, comparisons of the rest)."""
     base = workload or Workload.measure(dim=128, batch_size=batch)
-    before = StepConfig(topology="1d", fwd_fmt="fp32", bwd_fmt="fp32", overlap=False,
+    before = StepConfig(topology="1d", fwd_comm="fp32", bwd_comm="fp32", overlap=False,
                         micro_batches=1, imbalance=TORCHREC_IMBALANCE_8)
     k = dense_scale_for(1.13, base.with_dims(128), hw, 2, batch, before)
     heavy = replace(base, dense_flops_per_example=base.dense_flops_per_example * k)

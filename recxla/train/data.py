@@ -388,7 +388,7 @@ class TrainData:
             batches = [self.rank_sample(r).sparse_features for r in range(self.world_size)]
             fwd, bwd = self.config.comms
             self.wire = table_wire_bytes(tables, batches, fwd, bwd)
-            self._table_dims = propose_dims(self.wire, spec[1], fwd_fmt=fwd, bwd_fmt=bwd)
+            self._table_dims = propose_dims(self.wire, spec[1], fwd_comm=fwd, bwd_comm=bwd)
         return self._table_dims
 
     @property

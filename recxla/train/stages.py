@@ -120,7 +120,7 @@ def report_embedding_dims(config, place, data) -> None:
     dims = data.table_dims(data.tables(data.embedding_dim))
     print(f"recxla-train: --embedding-dims {config.embedding_dims[0]}: each table's bytes a "
           f"step on {place.world_size} ranks ({fwd}/{bwd}), and the proposal:\n"
-          + "\n".join(wire_report(data.wire, dims, fwd_fmt=fwd, bwd_fmt=bwd)), flush=True)
+          + "\n".join(wire_report(data.wire, dims, fwd_comm=fwd, bwd_comm=bwd)), flush=True)
 
 
 def plan_and_shard(config, place, device, watchdog, data, tables, model) -> Sharded:
