@@ -55,8 +55,14 @@ def test_closing_stops_the_workers(seed):
 def test_a_workers_error_is_raised_here(seed):
     batches = synthetic_batches(_dataset(seed), [0, -1, 2], 1)
     assert _same(next(batches), _dataset(seed).batch(0))
-    with pytest.raises(ValueError, match="(?s)worker process 0.*index must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"^recxla.data: loader worker 0 \(pid \d+\) failed "
+                       r"making synthetic batch -1: ValueError: SyntheticRankingDataset: index "
+                       r"must be an int >= 0, got -1$") as raised:
         next(batches)
+    # One line; the worker's traceback rides along for whoever wants it.
+    assert raised.value.loader_worker.startswith("loader worker 0 (pid ")
+    assert "in batch" in raised.value.worker_traceback
+    assert raised.value.worker_traceback.rstrip().endswith("got -1")
     assert multiprocessing.active_children() == []
 
 

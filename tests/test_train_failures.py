@@ -13,7 +13,13 @@ import torch
 from test_train_cli import SMALL, start_ranks, wait_ranks
 
 from recxla.train.loop import EXIT_NON_FINITE_LOSS, NonFiniteLoss, Progress, run_steps
-from recxla.train.watchdog import EXIT_PEER_FAILED, EXIT_STALLED, Watchdog, intervals
+from recxla.train.watchdog import (
+    EXIT_PEER_FAILED,
+    EXIT_STALLED,
+    FAILURE_CHARS,
+    Watchdog,
+    intervals,
+)
 
 TIMEOUT = 12.0  # --timeout of these runs: the survivors must be gone within it
 
@@ -311,3 +317,34 @@ def test_a_probe_that_raises_is_no_wait():
         time.sleep(0.05)
     dogs[0].stop()
     assert exits == {0: EXIT_STALLED} and time.monotonic() - start <= timeout + 0.5
+
+
+def test_a_failure_reaches_the_peers_as_its_first_line():
+    """A rank publishes the first line of its error, cut at FAILURE_CHARS from the end, never
+    from the start (the peers once printed the last 2,000 characters of a traceback, starting
+    mid-line), saying where the rest is."""
+    store, dogs, _, _ = _watchdogs(2, 30.0)
+    dogs[0].start()
+    dogs[1].report_failure("ValueError: bad batch\nTraceback (most recent call last):\n  ...")
+    assert dogs[0].culprit(wait=False) == ("rank 1 failed: ValueError: bad batch (rank 1's "
+                                           "output has the rest)")
+    long = "ValueError: " + "x" * 5000
+    dogs[1].report_failure(long)
+    got = dogs[0].culprit(wait=False)
+    assert got == (f"rank 1 failed: {long[:FAILURE_CHARS - 3]}... (rank 1's output has the "
+                   "rest)")
+    dogs[0].stop()
+
+
+def test_an_exit_message_starts_on_a_line_of_its_own():
+    """Rank 0's progress bar (or another rank's output) may end without a newline: the exit
+    message begins with one."""
+    _, dogs, exits, lines = _watchdogs(2, 30.0)
+    dogs[0].start()
+    dogs[1].report_failure("ValueError: bad batch")
+    start = time.monotonic()
+    while not exits and time.monotonic() - start < 10:
+        time.sleep(0.05)
+    dogs[0].stop()
+    assert exits == {0: EXIT_PEER_FAILED}
+    assert lines[0] == "\nrecxla-train: rank 0: exiting: rank 1 failed: ValueError: bad batch"

@@ -10,6 +10,7 @@ saves alone, and a resume with another --transform or --join names it."""
 
 import json
 import os
+import re
 import shutil
 import types
 
@@ -534,3 +535,44 @@ def test_a_batch_slower_than_the_timeout_from_a_live_worker_is_no_hang(raw, tmp_
     out = ranks[1].output()
     assert "\nrecxla-train: rank 1: waiting " in out, out[-3000:]
     assert "s for loader worker 0 (pid " in out and "it is alive" in out, out[-3000:]
+
+
+FAILS_ON_RANK_1 = '''
+import os
+
+import torch.utils.data
+
+
+def fails(batch):
+    if torch.utils.data.get_worker_info() is not None and os.environ.get("RANK") == "1":
+        raise ValueError("no price for this row")
+    return batch
+'''
+
+
+def test_an_error_in_a_loader_worker_is_one_line_on_each_rank(raw, tmp_path):
+    """A transform raises in rank 1's loader worker during training: rank 1 prints one line
+    naming the worker, the table, the transform and the original error (the tracebacks go to
+    a file it names), and rank 0 prints that line after "rank 1 failed: ", on a line of its
+    own; neither prints a traceback."""
+    (raw.root / "fails.py").write_text(FAILS_ON_RANK_1)
+    name = f"{raw.root / 'fails.py'}:fails"
+    ranks = start_ranks([*MODEL, *raw.args, "--transform", name, "--steps", "4"],
+                        _logs(tmp_path, "ranks"))
+    codes = wait_ranks(ranks, 150)
+    out = [r.output() for r in ranks]
+    assert codes == [3, 1], "\n".join(o[-3000:] for o in out)
+    error = (r"recxla.data: loader worker 0 \(pid \d+\) failed reading \S+ \(epoch 0, shuffle "
+             r"window \d+, rows \d+..\d+ of this rank's share\): TransformError: "
+             rf"recxla.data.transforms: transform {re.escape(name)} raised on {raw.log}: \S+ "
+             r"row group \d+: ValueError: no price for this row")
+    mine = re.search(rf"\nrecxla-train: rank 1: error: {error}\nrecxla-train: rank 1: the "
+                     r"tracebacks: (\S+)\n", out[1])
+    assert mine, out[1][-3000:]
+    with open(mine.group(1)) as f:
+        saved = f.read()
+    os.remove(mine.group(1))
+    assert 'raise ValueError("no price for this row")' in saved, saved
+    assert re.search(rf"\nrecxla-train: rank 0: exiting: rank 1 failed: {error}( \(this rank "
+                     r"saw: [^\n]*\))?\n", out[0]), out[0][-3000:]
+    assert all("Traceback" not in o for o in out), out

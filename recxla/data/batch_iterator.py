@@ -4,8 +4,8 @@ position after the last batch handed out (`state_dict`), and optional background
 A position is a small JSON-able dict: where to continue, {"epoch": e, "batch": k} (k batches of
 epoch e are done), plus what the sequence depends on (seed, batch size, world size, shuffle and
 shuffle window, the dataset's fingerprint), so that resuming with other settings fails loudly
-instead of silently reading another sequence. The rank is not in it: all ranks at the same step hold the same
-position, so a trainer can checkpoint rank 0's.
+instead of silently reading another sequence. The rank is not in it: all ranks at the same step
+hold the same position, so a trainer can checkpoint rank 0's.
 """
 
 import queue

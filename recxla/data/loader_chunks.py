@@ -7,11 +7,16 @@ whose iterator tells whether its consumer waits for a live worker (`WorkerRuns.w
 `recxla.data.synthetic_loader` build on it.
 """
 
+import dataclasses
 import functools
 import os
+import re
 import select
+import signal
+import sys
 import threading
 import time
+import traceback
 from typing import Iterable, Optional, Tuple
 
 import torch
@@ -37,6 +42,92 @@ def encode_chunk(dataset: ParquetDataset, epoch: int, window: int, lo: int, hi: 
 
 def _as_is(item):
     return item
+
+
+OP = "recxla.data"
+
+
+class LoaderWorkerError(RuntimeError):
+    """A loader worker process failed: it ended (killed, out of memory) while making an item,
+    or raised an exception that cannot be raised again here as its own type.
+
+    Every error of a worker raised by `in_worker_processes` (this class, or the worker's own
+    exception type) carries `loader_worker` ("loader worker 0 (pid 4242)") and
+    `worker_traceback` (the traceback in the worker, or None), and its message is one line:
+    which worker, what it was making, the original type and message."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """What a worker sends back instead of an item when making it raised (plain strings: the
+    exception's class may not be importable in the consumer)."""
+
+    worker: int
+    pid: int
+    what: str
+    module: str
+    qualname: str
+    message: str
+    traceback: str
+
+
+class _Guarded(torch.utils.data.Dataset):
+    """`dataset[item]`, or a _Failure when it raises: torch's own wrapping of a worker's
+    exception buries the message under the traceback (and every rank printed it)."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, item):
+        try:
+            return self.dataset[item]
+        except Exception as e:  # noqa: BLE001 - raised again in the consumer, typed
+            info = torch.utils.data.get_worker_info()
+            describe = getattr(self.dataset, "describe", None)
+            return _Failure(info.id if info is not None else 0, os.getpid(),
+                            describe(item) if describe is not None else f"item {item!r}",
+                            type(e).__module__, type(e).__qualname__, str(e),
+                            traceback.format_exc())
+
+
+def _failure_error(f: _Failure) -> Exception:
+    """A worker's exception to raise here: its own type when this process has it and it takes
+    a message (a ValueError stays a ValueError for the caller), else LoaderWorkerError."""
+    worker = f"loader worker {f.worker} (pid {f.pid})"
+    cls = sys.modules.get(f.module)
+    for part in f.qualname.split("."):
+        cls = getattr(cls, part, None)
+    error = None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        message = f"{OP}: {worker} failed {f.what}: {f.qualname}: {f.message}"
+        try:
+            error = cls(message)
+        except Exception:  # noqa: BLE001 - a constructor of other arguments
+            error = None
+        if error is not None and str(error) != message:  # KeyError quotes its argument
+            error = None
+    if error is None:
+        name = f.qualname if f.module == "builtins" else f"{f.module}.{f.qualname}"
+        error = LoaderWorkerError(f"{OP}: {worker} failed {f.what}: {name}: {f.message}")
+    error.loader_worker, error.worker_traceback = worker, f.traceback
+    return error
+
+
+def _ended(workers) -> Optional[str]:
+    """"loader worker i (pid p) ended (how)" for the first worker process that has ended."""
+    for i, w in enumerate(workers):
+        code = w.exitcode
+        if code is None:
+            continue
+        if code < 0:
+            try:
+                how = f"killed by signal {-code} ({signal.Signals(-code).name})"
+            except ValueError:
+                how = f"killed by signal {-code}"
+        else:
+            how = f"exit status {code}"
+        return f"loader worker {i} (pid {w.pid}) ended ({how})"
+    return None
 
 
 # How often a worker without pidfds (Linux < 5.3) looks for its consumer.
@@ -106,12 +197,48 @@ class WorkerRuns:
             raise StopIteration
         self._since = time.monotonic()
         try:
-            return next(self._results)
+            item = next(self._results)
+        except StopIteration:
+            self.close()
+            raise
+        except Exception as e:
+            error = self._clearer(e)
+            if error is None:
+                raise
+            raise error from None
         except BaseException:
             self.close()
             raise
         finally:
             self._since = None
+        if isinstance(item, _Failure):
+            self.close()
+            raise _failure_error(item)
+        return item
+
+    def _clearer(self, e: Exception) -> Optional[Exception]:
+        """`e` from torch's loader as one line naming the worker (None: `e` as it is): a worker
+        that ended (torch: "DataLoader worker (pid(s) 4242) exited unexpectedly"), or an
+        exception outside `dataset[item]` (loading the dataset in the worker), which torch
+        wraps with the worker's traceback in the message. Stops the workers."""
+        workers = list(getattr(self._results, "_workers", ()))
+        self.close()
+        ended = _ended(workers)
+        if ended is not None:
+            first = str(e).splitlines()[0] if str(e) else repr(e)
+            error = LoaderWorkerError(f"{OP}: {ended} while making a batch (torch: {first})")
+            error.loader_worker, error.worker_traceback = ended.split(" ended")[0], None
+            return error
+        head, _, rest = str(e).partition("\nOriginal Traceback (most recent call last):\n")
+        caught = _CAUGHT.match(head)
+        if caught is None or not rest:
+            return None
+        kind, _, message = rest.rstrip().splitlines()[-1].partition(": ")
+        module, _, qualname = kind.rpartition(".")
+        worker = int(caught.group(1))
+        pid = workers[worker].pid if worker < len(workers) else -1
+        return _failure_error(_Failure(worker, pid, "starting", module or "builtins", qualname,
+                                       message, "Traceback (most recent call last):\n" + rest))
 
     def waiting(self) -> Optional[Tuple[str, float]]:
         """(what the consumer waits for, time.monotonic() when the wait began) while it waits
@@ -144,11 +271,14 @@ def in_worker_processes(dataset: torch.utils.data.Dataset, items: Iterable,
                         num_workers: int, prefetch: int) -> WorkerRuns:
     """dataset[item] for each of `items`, in order, made by `num_workers` worker processes
     (torch's DataLoader: items go to the workers round-robin, `prefetch` ahead each, and come
-    back in order; a worker's exception is raised here, naming it). `close()` (or running to
-    the end) stops the workers at once; a worker ends as soon as the process that started it
-    ends, however that ends (`_end_with_consumer`)."""
+    back in order). A worker's exception is raised here as one line naming the worker, what it
+    was making (`dataset.describe(item)` when the dataset has it) and the original type and
+    message, as that type when it takes a message, else LoaderWorkerError; the worker's
+    traceback is its `worker_traceback`. A worker that ends is a LoaderWorkerError naming it.
+    `close()` (or running to the end) stops the workers at once; a worker ends as soon as the
+    process that started it ends, however that ends (`_end_with_consumer`)."""
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=None, sampler=items, num_workers=num_workers,
+        _Guarded(dataset), batch_size=None, sampler=items, num_workers=num_workers,
         prefetch_factor=prefetch, collate_fn=_as_is,
         # Without a generator of its own, DataLoader draws its workers' seed from torch's
         # global generator: a trainer that starts its loader after restoring a checkpoint's
@@ -158,3 +288,7 @@ def in_worker_processes(dataset: torch.utils.data.Dataset, items: Iterable,
         worker_init_fn=functools.partial(_end_with_consumer, os.getpid()),
     )  # fmt: skip
     return WorkerRuns(loader)
+
+
+# The first line of torch's message for an exception in a worker (ExceptionWrapper).
+_CAUGHT = re.compile(r"Caught \S+ in DataLoader worker process (\d+)\.$")

@@ -33,6 +33,12 @@ class _ChunkReader(torch.utils.data.Dataset):
     def __getitem__(self, chunk):
         return chunk[0], encode_chunk(self.dataset, *chunk, compress=self.compress)
 
+    def describe(self, chunk) -> str:
+        """What reading `chunk` is, for an error in a worker."""
+        epoch, window, lo, hi = chunk
+        return (f"reading {self.dataset.info.path} (epoch {epoch}, shuffle window {window}, "
+                f"rows {lo}..{hi} of this rank's share)")
+
 
 class _Chunks:
     """The sampler: every chunk of the dataset from its start position, in order."""
@@ -48,9 +54,11 @@ class LocalLoader:
     """Batches of `dataset` read by `num_workers` worker processes on this machine.
 
     Built on torch's DataLoader: chunks go to the workers round-robin and come back in order;
-    an exception in a worker is raised here, naming the worker; a worker that dies is reported
-    instead of waited for. Batches travel as CompactBatch buffers (zstd when `compress`: worth
-    it only where the link is slower than zstd, not between local processes).
+    an exception in a worker is raised here as one line naming the worker, what it read and
+    the original error (recxla.data.loader_chunks.in_worker_processes); a worker that dies is
+    reported instead of waited for. Batches travel as CompactBatch buffers (zstd when
+    `compress`: worth it only where the link is slower than zstd, not between local
+    processes).
 
     Args:
         dataset: what to read (its position, epochs and sharding apply).

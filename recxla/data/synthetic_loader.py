@@ -28,6 +28,10 @@ class _Indexed(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Batch:
         return self.dataset.batch(index)
 
+    def describe(self, index: int) -> str:
+        """What making item `index` is, for an error in a worker."""
+        return f"making synthetic batch {index!r}"
+
 
 def synthetic_batches(dataset: SyntheticRankingDataset, indices: Sequence[int],
                       num_workers: int) -> Iterator[Batch]:

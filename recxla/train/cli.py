@@ -133,22 +133,47 @@ def _leave_hangs_to_the_watchdog(timeout_s: float) -> None:
 def _exit_failed(e: BaseException, watchdog, rank: int) -> None:
     """Ends this rank after `e`: EXIT_PEER_FAILED naming the rank that caused it when the
     heartbeats tell (or the store is gone), else this rank's own failure, published for its
-    peers: a NonFiniteLoss's status and message, or EXIT_FAILED with the traceback."""
+    peers: a NonFiniteLoss's status and message, an error of a loader worker as its one line
+    (the tracebacks go to a file it names), or EXIT_FAILED with the traceback. Each message
+    starts on a line of its own: rank 0's progress bar may hold the terminal's line."""
     culprit = watchdog.culprit(wait=_is_comm_error(e))
     if culprit is not None:
         saw = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        print(f"recxla-train: rank {rank}: exiting: {culprit} (this rank saw: "
+        print(f"\nrecxla-train: rank {rank}: exiting: {culprit} (this rank saw: "
               f"{saw if len(saw) <= 160 else saw[:157] + '...'})", file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_FAILED)
-    watchdog.report_failure(f"{type(e).__name__}: {e}")
+    worker = getattr(e, "loader_worker", None)
+    # A loader worker's error names its type in its one line (recxla.data.loader_chunks).
+    watchdog.report_failure(str(e) if worker is not None else f"{type(e).__name__}: {e}")
+    code = EXIT_FAILED
     if isinstance(e, NonFiniteLoss):  # the message says what to check; no traceback
         code = e.exit_status
-        print(f"recxla-train: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        print(f"\nrecxla-train: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+    elif worker is not None:
+        print(f"\nrecxla-train: rank {rank}: error: {e}\n"
+              + _worker_traceback_note(e, worker, rank), file=sys.stderr, flush=True)
     else:
-        code = EXIT_FAILED
+        print(file=sys.stderr)
         traceback.print_exc()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _worker_traceback_note(e: BaseException, worker: str, rank: int) -> str:
+    """A line naming the file that now holds the loader worker's traceback and this rank's
+    (written to the temporary folder); the tracebacks themselves when it cannot be written."""
+    import tempfile
+
+    text = (f"The traceback in {worker}:\n"
+            + (getattr(e, "worker_traceback", None) or "(none: the worker ended)\n")
+            + f"\nWhere rank {rank} waited for it:\n" + "".join(traceback.format_exception(e)))
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"recxla-rank{rank}-loader-error-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+    except OSError:
+        return text
+    return f"recxla-train: rank {rank}: the tracebacks: {path}"
 
 
 def _train(config, conn, watchdog, meter) -> dict:

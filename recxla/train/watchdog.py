@@ -40,6 +40,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 EXIT_FAILED = 1
 EXIT_PEER_FAILED = 3
 EXIT_STALLED = 4
+# The most of a failed rank's first line that its peers print.
+FAILURE_CHARS = 1000
 
 
 def intervals(timeout: float) -> Tuple[float, float, float]:
@@ -115,9 +117,17 @@ class Watchdog:
         self._probe = probe
 
     def report_failure(self, message: str) -> None:
-        """Publish this rank's error so that its peers exit naming it (best effort)."""
+        """Publish this rank's error so that its peers exit naming it (best effort): its
+        first line, which the peers print after "rank R failed: ", cut at FAILURE_CHARS; the
+        rest is in this rank's own output."""
+        lines = message.strip().splitlines() or [""]
+        first = lines[0]
+        if len(first) > FAILURE_CHARS:
+            first, lines = first[:FAILURE_CHARS - 3] + "...", lines + ["(cut)"]
+        if len(lines) > 1:
+            first += f" (rank {self.rank}'s output has the rest)"
         try:
-            self.store.set(self._key("failed", self.rank), message[-2000:])
+            self.store.set(self._key("failed", self.rank), first)
         except Exception:  # the store may be gone too; the peers then see the silence
             pass
 
@@ -238,7 +248,9 @@ class Watchdog:
 
     def _exit(self, message: str, code: int) -> None:
         self.exit_message = message
-        print(f"recxla-train: rank {self.rank}: exiting: {message}", file=self.out, flush=True)
+        # On a line of its own: another rank's progress bar or output may end without one.
+        print(f"\nrecxla-train: rank {self.rank}: exiting: {message}", file=self.out,
+              flush=True)
         self.exit_fn(code)
 
 
