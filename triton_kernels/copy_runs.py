@@ -3,17 +3,17 @@
 One launch per wave and (source, target) pair: a program walks BLOCK elements of one run (the
 second grid axis picks the run), so a launch moves every run of its pair in that wave. Waves
 keep the runs' order where it matters, as the CUDA kernel's do: copies (disjoint) first, then
-each target's k-th add run in wave k. Arguments are checked as the C++ kernels check them
-(recxla.ops.copy_runs.check_runs).
+each target's k-th add run in wave k. Its runs are checked as the C++ kernels check them
+(recxla.ops.copy_runs.check_runs, before the call).
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from recxla.ops.copy_runs import RUN_FIELDS, Run, check_runs
+from recxla.copy_runs_layout import RUN_FIELDS, Run
 
 BLOCK = 1024
 MAX_BLOCKS_PER_RUN = 1024
@@ -62,9 +62,9 @@ def _round_to_bf16(x):
 
 
 def copy_runs_triton(sources: List[torch.Tensor], targets: List[torch.Tensor],
-                     runs: Sequence[int]) -> None:
-    """recxla.ops.copy_runs.copy_runs with Triton kernels."""
-    read = check_runs(sources, targets, runs)
+                     read: List[Run]) -> None:
+    """recxla.ops.copy_runs.copy_runs with Triton kernels; `read`: the checked runs
+    (recxla.ops.copy_runs.check_runs)."""
     adds_into = [0] * len(targets)
     launches: Dict[Tuple[int, int, int], List[Run]] = {}
     for run in read:

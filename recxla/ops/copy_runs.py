@@ -20,41 +20,14 @@ written: a bad one raises a ValueError naming the run and the limit.
 The plain-PyTorch reference, the tests' oracle: recxla/reference/copy_runs.py.
 """
 
-from typing import Iterable, List, NamedTuple, Sequence
+from typing import List, Sequence
 
 import torch
 
 from recxla import _extension
+from recxla.copy_runs_layout import RUN_FIELDS, Run, pack  # noqa: F401  (the op's contract)
 
 OP = "recxla.copy_runs"
-RUN_FIELDS = 9
-
-
-class Run(NamedTuple):
-    """One run (see the module docstring); `pack` flattens runs into the op's ints."""
-
-    source: int
-    source_offset: int
-    source_stride: int
-    target: int
-    target_offset: int
-    target_stride: int
-    rows: int
-    width: int
-    add: int = 0
-
-    def transposed(self) -> "Run":
-        """The run that moves the target's elements back to the source (a copy: the
-        transpose of an add into a sum reads the sum's gradient once per part)."""
-        return Run(self.target, self.target_offset, self.target_stride, self.source,
-                   self.source_offset, self.source_stride, self.rows, self.width, 0)
-
-
-def pack(runs: Iterable[Run]) -> List[int]:
-    """The op's `runs` argument: RUN_FIELDS ints per run."""
-    return [field for run in runs for field in run]
-
-
 def check_runs(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
                runs: Sequence[int]) -> List[Run]:
     """The C++ kernels' checks (csrc/include/recxla/copy_runs_checks.h), for the Triton path:
@@ -137,7 +110,8 @@ def copy_runs(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
     if backend == "triton":
         from recxla.triton_kernels.copy_runs import copy_runs_triton
 
-        copy_runs_triton(list(sources), list(targets), list(runs))
+        # The Triton kernels trust their runs: checked here as the C++ kernels check them.
+        copy_runs_triton(list(sources), list(targets), check_runs(sources, targets, runs))
         return
     torch.ops.recxla.copy_runs(list(sources), list(targets), list(runs))
 

@@ -179,8 +179,8 @@ class MicroBatchGradientSync:
         self.world = dist.get_world_size(self.group)
         # The running step's DenseAllReduce (None outside a step: DDP's own all-reduce), and
         # whether this backward is the step's last (the one that all-reduces).
-        self._step: Optional[DenseAllReduce] = None
-        self._last = True
+        self.running: Optional[DenseAllReduce] = None
+        self.last_micro_batch = True
         # Deferring needs the buckets to be the gradients' storage (see the module docstring).
         self.can_defer = bool(getattr(ddp, "gradient_as_bucket_view", False))
         # The deferred buckets (_DeferredBucket), in order.
@@ -197,12 +197,12 @@ class MicroBatchGradientSync:
     def begin_step(self, allreduce: DenseAllReduce) -> None:
         """A pipeline step starts: its all-reduce goes as `allreduce` says, deferred to
         wait(), after the last micro-batch's backward."""
-        self._step, self._last = allreduce, True
+        self.running, self.last_micro_batch = allreduce, True
 
     def micro_batch(self, last: bool) -> None:
         """The next backward is the step's last micro-batch's (it all-reduces) or not (its
         gradients accumulate in place)."""
-        self._last = last
+        self.last_micro_batch = last
 
     def compressor(self, wire: str, nodes=None, **options) -> CompressedAllReduce:
         """The CompressedAllReduce of compressed wire `wire` ("fp8", "powersgd") for node
@@ -238,16 +238,16 @@ class MicroBatchGradientSync:
         self.wait()
         for made, _ in self._compressors.values():
             made.drop_pending()
-        self._step, self._last = None, True
+        self.running, self.last_micro_batch = None, True
 
     @staticmethod
     def _hook(state: "MicroBatchGradientSync", bucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
-        if not state._last:
+        if not state.last_micro_batch:
             done = torch.futures.Future()
             done.set_result(buffer)
             return done
-        step = state._step
+        step = state.running
         wire = None if step is None else step.dtype
         deferred = step is not None and state.can_defer
         if wire in COMPRESSED:
