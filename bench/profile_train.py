@@ -19,6 +19,14 @@ rank 0, forward and backward): per step, by the innermost line of Python that ma
 torch itself (recxla's, TorchRec's, the model's), the lines with the most calls first. On a CPU
 every such call costs a few microseconds of dispatch whatever its size, and on a GPU it is a
 kernel launch: this says which lines to batch.
+
+With --host-syncs it counts the step's calls that read a tensor's values back to the host, or
+whose result's size depends on its values (on a GPU each waits for the device): ATen's
+_local_scalar_dense (`item()`, `int(t)`, ...), nonzero, masked_select, unique, bincount,
+equal, is_nonzero, repeat_interleave without output_size, indexing by a boolean mask, and
+Tensor.tolist; by the site that made them (path and function of the innermost caller outside
+torch, rank 0, the synthetic batches' making left out). docs/gpu.md lists each site with why
+it stays; tests/test_host_syncs.py holds the step to that list.
 """
 
 import argparse
@@ -76,6 +84,94 @@ class _CallsByLine:
         self._mode.__exit__(None, None, None)
 
 
+# ATen ops that read values back to the host or size their result by the values.
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2",
+            "unique_dim", "unique_consecutive", "unique_dim_consecutive", "bincount", "equal",
+            "is_nonzero"}
+
+
+def sync_op(func, args, kwargs) -> str:
+    """The name of ATen op `func` when the call reads values back or sizes its result by them
+    (see SYNC_OPS and the module docstring), else ""."""
+    import torch
+
+    name = func._schema.name.split("::")[-1]
+    if name in SYNC_OPS:
+        return name
+    if name == "repeat_interleave" and func._overloadname != "self_int" and \
+            (kwargs or {}).get("output_size") is None:
+        return name
+    if name == "index" and len(args) > 1 and any(
+            getattr(i, "dtype", None) in (torch.bool, torch.uint8) for i in args[1]):
+        return "index (mask)"
+    return ""
+
+
+class _HostSyncs:
+    """Counts the calls sync_op names, and Tensor.tolist, by site ("path:function" of the
+    innermost caller outside torch) and op while active (start / stop): `counts` maps
+    (site, op) to calls."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        this_file = os.path.abspath(__file__)
+        counts = self.counts = Counter()
+
+        def site() -> str:
+            frame = sys._getframe(2)
+            while frame is not None and (frame.f_code.co_filename.startswith(torch_dir)
+                                         or frame.f_code.co_filename == this_file):
+                frame = frame.f_back
+            return "(torch only)" if frame is None else \
+                f"{_short_path(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                op = sync_op(func, args, kwargs)
+                if op:
+                    counts[(site(), op)] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(tensor):
+            counts[(site(), "tolist")] += 1
+            return self._tolist(tensor)
+
+        self._counting_tolist = tolist
+
+    def start(self) -> None:
+        import torch
+
+        torch.Tensor.tolist = self._counting_tolist
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        import torch
+
+        self._mode.__exit__(None, None, None)
+        torch.Tensor.tolist = self._tolist
+
+
+def sync_sites(counts: Counter, steps: int) -> dict:
+    """{(site, op): calls per step} of the step's own syncs (the synthetic batches' making,
+    DATA_CODE, left out)."""
+    return {key: calls / steps for key, calls in sorted(counts.items())
+            if not key[0].startswith(DATA_CODE)}
+
+
+def sync_table(counts: Counter, steps: int) -> str:
+    """sync_sites as a markdown table."""
+    lines = ["| site | op | calls / step |", "|---|---|---|"]
+    for (where, op), per_step in sync_sites(counts, steps).items():
+        lines.append(f"| `{where}` | `{op}` | {per_step:g} |")
+    return "\n".join(lines)
+
+
 def _short_path(path: str) -> str:
     """A source path relative to site-packages or to the current directory."""
     marker = os.sep + "site-packages" + os.sep
@@ -85,10 +181,11 @@ def _short_path(path: str) -> str:
 
 
 def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
-                port: int = 0, calls_by_line: bool = False):
+                port: int = 0, calls_by_line: bool = False, host_syncs: bool = False):
     """Run recxla-train ARGV as rank `rank` of `world` (port: the rendezvous's, 0 for a free
     one); returns (key averages of the measured steps, or with calls_by_line the Counter of
-    ATen calls by line, steps), profiled on rank 0 only."""
+    ATen calls by line, with host_syncs the Counter of _HostSyncs, steps), profiled on rank 0
+    only."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -101,7 +198,7 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
     captured = {}
 
     def profiled(pipeline, batches, first, last, meter, progress, on_step_done, log=None):
-        prof = _CallsByLine() if calls_by_line else \
+        prof = _HostSyncs() if host_syncs else _CallsByLine() if calls_by_line else \
             profile(activities=[ProfilerActivity.CPU], record_shapes=False)
 
         def step_done(done: int) -> None:
@@ -114,7 +211,8 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
         finally:
             if rank == 0:
                 prof.stop()
-                captured["averages"] = prof.counts if calls_by_line else prof.key_averages()
+                captured["averages"] = prof.counts if calls_by_line or host_syncs else \
+                    prof.key_averages()
             captured["steps"] = last - first - warmup
 
     stages.run_steps = profiled
@@ -178,6 +276,8 @@ def main(argv=None) -> int:
                    "profiled)")
     p.add_argument("--calls-by-line", action="store_true",
                    help="count ATen calls by the line of Python that made them, not time ops")
+    p.add_argument("--host-syncs", action="store_true",
+                   help="count the calls that read values back to the host, by site")
     args = p.parse_args(argv)
     train = ["--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--eval-batches",
              "1", "--no-progress", "--label", args.schedule, *SCHEDULES[args.schedule], *extra]
@@ -188,15 +288,19 @@ def main(argv=None) -> int:
               for r in range(1, args.ranks)]
     for process in others:
         process.start()
-    averages, steps = profile_run(train, args.warmup, 0, args.ranks, port, args.calls_by_line)
+    averages, steps = profile_run(train, args.warmup, 0, args.ranks, port, args.calls_by_line,
+                                  args.host_syncs)
     for process in others:
         process.join()
     print(f"\nrecxla-train {' '.join(train)} on {args.ranks} rank(s): {steps} steps profiled "
           f"on rank 0; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")
-    print(top_lines(averages, steps, args.top) if args.calls_by_line else
-          markdown(top_entries(averages, steps, args.top)))
+    if args.host_syncs:
+        print(sync_table(averages, steps))
+    else:
+        print(top_lines(averages, steps, args.top) if args.calls_by_line else
+              markdown(top_entries(averages, steps, args.top)))
     return 0
 
 

@@ -285,6 +285,7 @@ class ShardedFusedOptimizer(KeyedOptimizer):
         lr_decay applied (lr / (1 + (step - 1) * lr_decay))."""
         kinds, states, hparams = [], [], []
         last = len(self._local_tables) if last is None else last
+        step = float(self._step)  # one read of the (host) count for every table
         for local in range(first, last):
             t = self._local_tables[local]
             update = self._updates[t]
@@ -297,7 +298,7 @@ class ShardedFusedOptimizer(KeyedOptimizer):
             where = f"{OWNER}: table {t}"
             lr = _finite_number(group["lr"], "lr", where)
             if update.kind != SGD:
-                lr = lr / (1 + (float(self._step) - 1) * float(group.get("lr_decay", 0.0)))
+                lr = lr / (1 + (step - 1) * float(group.get("lr_decay", 0.0)))
             hparams += [lr, _finite_number(group.get("eps", 0.0), "eps", where),
                         _finite_number(group.get("weight_decay", 0.0), "weight_decay", where),
                         -1.0 if group.get("maximize", False) else 1.0]
