@@ -10,8 +10,8 @@ Runs `recxla-train` in this process as a job of one rank (no communication leave
 the trainer's default model and options plus the schedule's flags, and profiles the steps after
 warm-up (record_shapes off). With --ranks N it runs N processes over loopback and profiles rank
 0: its codec, row exchange and gloo work included (the ranks share this machine's cores, so read
-the CPU shares, not the wall time). Prints the top operators and labelled ranges by self CPU time: their
-share of all self CPU time recorded, milliseconds and calls per step. The profiler's own cost
+the CPU shares, not the wall time). Prints the top operators and labelled ranges by self CPU
+time: their share of all self CPU time recorded, milliseconds and calls per step. The profiler's own cost
 inflates ops with many small calls; read the shares, not the absolute times.
 
 With --calls-by-line it counts ATen calls instead (a TorchDispatchMode over the same steps on

@@ -135,7 +135,8 @@ def check_permutation(permutation, batch: int, device, op: str) -> torch.Tensor:
     """permutation as an int64 [B] tensor on `device` holding each of range(B) once: O(B) (a
     range check and a presence count, no sort)."""
     if not isinstance(permutation, torch.Tensor) or permutation.dtype != torch.int64:
-        got = permutation.dtype if isinstance(permutation, torch.Tensor) else type(permutation).__name__
+        got = permutation.dtype if isinstance(permutation, torch.Tensor) else \
+            type(permutation).__name__
         raise TypeError(f"{op}: permutation must be an int64 tensor, got {got}")
     if permutation.shape != (batch,):
         raise ValueError(

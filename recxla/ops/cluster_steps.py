@@ -215,7 +215,8 @@ def order_samples(
     group_in_order = start.cumsum(0) - 1
     group = torch.empty_like(group_in_order).index_copy_(0, perm, group_in_order)
     bins = refine_bins(bags, perm, start, group, group_in_order, weights, num_micro_batches)
-    return perm.index_select(0, torch.sort(bins.index_select(0, group_in_order), stable=True).indices)
+    order = torch.sort(bins.index_select(0, group_in_order), stable=True).indices
+    return perm.index_select(0, order)
 
 
 def group_key_pairs(bags, perm, start, group, weights: list, group_bits: int):

@@ -83,7 +83,8 @@ def _check_out(op: str, out, shape, dtype: torch.dtype, source: torch.Tensor, so
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{op}: out must have shape {list(shape)}, got {list(out.shape)}")
     if out.device != source.device:
-        raise ValueError(f"{op}: out must be on {source.device} like {source_name}, got {out.device}")
+        raise ValueError(f"{op}: out must be on {source.device} like {source_name}, got "
+                         f"{out.device}")
     if not out.is_contiguous():
         raise ValueError(f"{op}: out must be contiguous (it is written as one dense buffer)")
     if _shares_memory(out, source):

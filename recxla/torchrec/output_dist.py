@@ -313,20 +313,21 @@ class OutputDist:
     Args:
         layout: the module's ShardLayout.
         group: the process group.
-        fwd, bwd: wire formats of the embeddings and of their gradients.
+        fwd_comm, bwd_comm: wire formats of the embeddings and of their gradients.
         stats: counters this dist adds its bytes to.
         assembly: the receiver's side: PooledAssembly (default) or
             sequence_output.ExpandedAssembly.
     """
 
-    def __init__(self, layout: ShardLayout, group, fwd: str, bwd: str, stats: CommStats,
-                 assembly=None):
-        self.layout, self.group, self.fwd, self.bwd, self.stats = layout, group, fwd, bwd, stats
+    def __init__(self, layout: ShardLayout, group, fwd_comm: str, bwd_comm: str,
+                 stats: CommStats, assembly=None):
+        self.layout, self.group, self.stats = layout, group, stats
+        self.fwd_comm, self.bwd_comm = fwd_comm, bwd_comm
         self.assembly = assembly if assembly is not None else PooledAssembly(layout)
         self.row_dim = layout.wire_row_dim
         self.owner_dims = [layout.output_dim(d) for d in range(layout.world_size)]
-        self.fwd_row_bytes = get_format(fwd, layout.owner, "fwd_comm").row_bytes(self.row_dim)
-        self.bwd_row_bytes = get_format(bwd, layout.owner, "bwd_comm").row_bytes(self.row_dim)
+        self.fwd_row_bytes = get_format(fwd_comm, layout.owner, "fwd_comm").row_bytes(self.row_dim)
+        self.bwd_row_bytes = get_format(bwd_comm, layout.owner, "bwd_comm").row_bytes(self.row_dim)
         world = layout.world_size
         self.group_cols = [g.cols for r in range(world) for g in layout.row_groups(r)]
         self.group_base = [0]
@@ -428,7 +429,7 @@ class OutputDist:
         from each, every one a multiple of wire_row_dim -> its handle (wait() gives
         [sum(recv) / wire_row_dim, wire_row_dim]; its backward sends the gradient back)."""
         self._count(send, recv, forward=True)
-        return self._exchange(flat, recv, send, self.fwd)
+        return self._exchange(flat, recv, send, self.fwd_comm)
 
     def assemble(self, received: torch.Tensor, message: Message,
                  bag_lengths: Optional[torch.Tensor]) -> torch.Tensor:
@@ -473,18 +474,19 @@ class OutputDist:
         to_owners = _owner_totals(message)
         from_sources = self.send_sizes(source_batches, rows, message.micro_batch)
         self._count(to_owners, from_sources, forward=False)
-        handle = self._exchange(grad, from_sources, to_owners, self.bwd)
+        handle = self._exchange(grad, from_sources, to_owners, self.bwd_comm)
         return _DividedGradientHandle(handle, self), from_sources
 
     def _exchange(self, flat: torch.Tensor, recv: List[int], send: List[int], wire: str):
         """Starts the all-to-all of `flat` (values: `send` to each rank, `recv` from each) in
-        `wire` format (the gradient, if any, goes back in self.bwd) -> its in-flight handle."""
+        `wire` format (the gradient, if any, goes back in self.bwd_comm) -> its in-flight handle."""
         rows = flat.view(-1, self.row_dim)
         if self.layout.world_size == 1:
             return _LocalExchange(rows)
         return quantized_all_to_all(rows, [n // self.row_dim for n in recv],
                                     [n // self.row_dim for n in send], group=self.group,
-                                    fwd=wire, bwd=self.bwd, async_op=True, validate_splits=False)
+                                    fwd=wire, bwd=self.bwd_comm, async_op=True,
+                                    validate_splits=False)
 
 
 def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:

@@ -5,9 +5,9 @@ One function for both of recxla's sharded modules (types.py): the pooled
 tables (TableInfo, the configs, the unsharded weights), the plan and their options, and get
 back the layout, the local shards and their optimizer state, the fused optimizer, the input
 and output dists. What differs between the two is passed in: which tables are exchanged as
-rows (the sequence module: all) and the receiver's assembly (pooling or expanding). The modules register the local
-shards as their Parameters under their own attribute (`embedding_bags` or `embeddings`,
-`weight_prefix`; `table_holders`).
+rows (the sequence module: all) and the receiver's assembly (pooling or expanding). The
+modules register the local shards as their Parameters under their own attribute
+(`embedding_bags` or `embeddings`, `weight_prefix`; `table_holders`).
 
 Weights: each rank holds, per table, one float32 Parameter per local shard (an empty one where
 it holds none). They start as copies of the unsharded module's weights when those have values

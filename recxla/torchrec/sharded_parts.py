@@ -101,6 +101,6 @@ class ShardedParts:
     def describe(self) -> str:
         """The module's extra_repr: its tables, wire formats and this rank's shards."""
         local = self.layout.local_tables[self.layout.rank]
-        return (f"tables={self.tables.names}, fwd_comm={self.output.fwd!r}, "
-                f"bwd_comm={self.output.bwd!r}, local tables="
+        return (f"tables={self.tables.names}, fwd_comm={self.output.fwd_comm!r}, "
+                f"bwd_comm={self.output.bwd_comm!r}, local tables="
                 f"{[self.tables.names[lt.table] for lt in local]}")
