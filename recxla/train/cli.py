@@ -97,7 +97,6 @@ def run(config, place) -> dict:
         keep_freed_memory()
     torch.set_num_threads(config.threads)
     conn = connect(place, config.device, config.timeout)
-    _leave_hangs_to_the_watchdog(config.timeout)
     watchdog = Watchdog(conn.watchdog_store, place.rank, place.world_size, config.timeout)
     watchdog.start()
     meter = CommMeter(ranks_per_node=place.local_world_size)
@@ -109,25 +108,6 @@ def run(config, place) -> dict:
     watchdog.stop()
     conn.close()
     return summary
-
-
-# How long a collective may wait once the process group is up: torch's default for gloo. The
-# watchdog ends a hang within --timeout; this only bounds a wait for a peer whose loader is slow
-# but alive, which the watchdog lets run.
-COLLECTIVE_TIMEOUT_S = 1800.0
-
-
-def _leave_hangs_to_the_watchdog(timeout_s: float) -> None:
-    """The process group was made with --timeout, which bounds joining the job. Past that, a
-    collective whose peer waits on its own live loader worker (a transform slower than
-    --timeout on one batch) is no hang, and the watchdog, which tells the two apart, ends real
-    hangs within --timeout: the group's own timeout becomes the longer COLLECTIVE_TIMEOUT_S."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if dist.is_initialized() and timeout_s < COLLECTIVE_TIMEOUT_S:
-        dist.set_timeout(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
 def _exit_failed(e: BaseException, watchdog, rank: int) -> None:

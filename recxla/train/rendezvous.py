@@ -5,9 +5,10 @@ the store itself (TORCHELASTIC_USE_AGENT_STORE=True), so the store outlives any 
 any other way with those variables (the emulated-cluster benchmark does so), rank 0 hosts it.
 Without them, `python -m recxla.train` is a job of one rank on this machine.
 
-The process group is gloo on CPU and NCCL on GPU, with the run's --timeout, built on a client of
-that store. The watchdog gets a client of its own, so that its heartbeats never queue behind a
-call of the training loop.
+The process group is gloo on CPU and NCCL on GPU, with the run's --timeout to join (then
+COLLECTIVE_TIMEOUT_S: the watchdog ends hangs), built on a client of that store. The watchdog
+gets a client of its own, so that its heartbeats never queue behind a call of the training
+loop.
 
 A store recxla hosts listens on MASTER_ADDR alone, not on every interface as torch's TCPStore
 server does (it binds the wildcard address): the store is unauthenticated, and with
@@ -166,6 +167,12 @@ class Connection:
             pass
 
 
+# How long a collective may wait once the process group is up: torch's default for gloo. The
+# watchdog ends a hang within --timeout; this only bounds a wait for a peer whose loader is slow
+# but alive, which the watchdog lets run.
+COLLECTIVE_TIMEOUT_S = 1800.0
+
+
 def connect(place: RankPlace, device_type: str, timeout_s: float) -> Connection:
     """Create the store clients and the process group of this rank."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -182,5 +189,11 @@ def connect(place: RankPlace, device_type: str, timeout_s: float) -> Connection:
         backend, store=dist.PrefixStore(prefix + "pg", store), rank=place.rank,
         world_size=place.world_size, timeout=timeout,
     )
+    # --timeout bounds joining the job. Past that, a collective whose peer waits on its own
+    # live loader worker (a transform slower than --timeout on one batch) is no hang, and the
+    # watchdog, which tells the two apart, ends real hangs within --timeout: the group's own
+    # timeout becomes the longer COLLECTIVE_TIMEOUT_S.
+    if timeout_s < COLLECTIVE_TIMEOUT_S:
+        dist.set_timeout(datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return Connection(place, device, backend, store, dist.PrefixStore(prefix, watchdog_store),
                       store if hosting else None)
