@@ -3,8 +3,6 @@ CPU) and, on a GPU, the CUDA kernel against the plain-PyTorch reference on fresh
 column runs that tile a target, add runs on top (the row-sharded sums), contiguous blocks; the
 errors that name the op, the run and the limit; PackRuns' gradient against torch.cat's."""
 
-import importlib
-import os
 import random
 
 import pytest
@@ -157,17 +155,9 @@ def test_opcheck():
 def interpreted_triton():
     """recxla.triton_kernels.copy_runs with its kernels built for the Triton interpreter."""
     pytest.importorskip("triton")
-    module = importlib.import_module("recxla.triton_kernels.copy_runs")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield importlib.reload(module)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET")
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-        importlib.reload(module)
+    from recxla.triton_kernels import interpreted
+
+    return interpreted("copy_runs")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -179,9 +169,15 @@ def test_triton_interpreted_equals_reference(interpreted_triton, dtype):
 
 
 def test_triton_path_dispatch(interpreted_triton, monkeypatch):
+    """The op's Triton path checks the runs first, then runs the kernels."""
+    import sys
+
     monkeypatch.setattr(_extension, "backend_for", lambda t, op: "triton")
+    monkeypatch.setitem(sys.modules, "recxla.triton_kernels.copy_runs", interpreted_triton)
     got, want = run_both(*random_case(torch.float32), copy_runs)
     assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"recxla::copy_runs: run 0 reads sources\[1\] of 1"):
+        copy_runs([torch.zeros(3)], [torch.zeros(3)], pack([Run(1, 0, 0, 0, 0, 0, 1, 1)]))
 
 
 @pytest.mark.gpu

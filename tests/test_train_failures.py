@@ -200,6 +200,19 @@ def test_watchdog_names_a_rank_that_falls_silent():
                                                           dogs[1].exit_message))
 
 
+def _both_stall(dogs, exits, timeout: float) -> float:
+    """Waits (up to timeout + 2 s) until both ranks' watchdogs have ended them, stops every
+    watchdog, checks both ended as stalled; -> the seconds waited."""
+    start = time.monotonic()
+    while len(exits) < 2 and time.monotonic() - start < timeout + 2:
+        time.sleep(0.05)
+    waited = time.monotonic() - start
+    for d in dogs:
+        d.stop()
+    assert exits == {0: EXIT_STALLED, 1: EXIT_STALLED}
+    return waited
+
+
 def test_watchdog_names_the_rank_behind_when_progress_stalls():
     timeout = 3.0
     _, dogs, exits, _ = _watchdogs(2, timeout)
@@ -207,13 +220,8 @@ def test_watchdog_names_the_rank_behind_when_progress_stalls():
         d.start()
     for _ in range(3):
         dogs[0].progress("step 3")  # rank 0 moves on, then waits for rank 1 forever
-    start = time.monotonic()
-    while len(exits) < 2 and time.monotonic() - start < timeout + 2:
-        time.sleep(0.05)
-    for d in dogs:
-        d.stop()
-    assert exits == {0: EXIT_STALLED, 1: EXIT_STALLED}
-    assert time.monotonic() - start <= timeout
+    waited = _both_stall(dogs, exits, timeout)
+    assert waited <= timeout
     assert "furthest behind: rank 1" in dogs[0].exit_message
     assert "rank 1 made no progress" in dogs[1].exit_message
 
@@ -296,13 +304,8 @@ def test_a_wait_on_a_live_loader_is_progress_for_the_rank_and_its_peers():
     assert value.split(" ", 3)[3].startswith("start-up; waiting ") and \
         value.endswith("s for loader worker 0 (pid 4242), alive"), value
     wait["on"] = None  # the batch came; then nothing moves any more
-    start = time.monotonic()
-    while len(exits) < 2 and time.monotonic() - start < timeout + 2:
-        time.sleep(0.05)
-    for d in dogs:
-        d.stop()
-    assert exits == {0: EXIT_STALLED, 1: EXIT_STALLED}
-    assert time.monotonic() - start <= timeout + 0.5
+    waited = _both_stall(dogs, exits, timeout)
+    assert waited <= timeout + 0.5
 
 
 def test_a_probe_that_raises_is_no_wait():
