@@ -27,26 +27,24 @@ from recxla.reference.copy_runs import copy_runs_ref
 WORLD, BATCH, TABLES, DIM = 4, 1024, 26, 64
 
 
-def layout():
-    """(flat message, block offsets and widths, column runs into the output)."""
+def layout(batch: int = BATCH, dim: int = DIM):
+    """(block offsets, widths, column runs into the output [batch, TABLES * dim]): WORLD owner
+    blocks, each its tables in turn, the tables dealt table-wise (rank 0's message)."""
     owned = [[t for t in range(TABLES) if t % WORLD == r] for r in range(WORLD)]
-    widths = [len(tables) * DIM for tables in owned]
-    offsets = [sum(BATCH * w for w in widths[:r]) for r in range(WORLD)]
-    runs = []
-    for r, tables in enumerate(owned):
-        for j, t in enumerate(tables):
-            runs.append(Run(0, offsets[r] + j * DIM, widths[r], 0, t * DIM, TABLES * DIM, BATCH,
-                            DIM))
-    flat = torch.randn(sum(BATCH * w for w in widths), generator=torch.Generator().manual_seed(0))
-    return flat, offsets, widths, runs
+    widths = [len(tables) * dim for tables in owned]
+    offsets = [sum(batch * w for w in widths[:r]) for r in range(WORLD)]
+    runs = [Run(0, offsets[r] + j * dim, widths[r], 0, t * dim, TABLES * dim, batch, dim)
+            for r, tables in enumerate(owned) for j, t in enumerate(tables)]
+    return offsets, widths, runs
 
 
-def torch_cat(flat, offsets, widths, runs):
-    blocks = [flat[o: o + BATCH * w].view(BATCH, w) for o, w in zip(offsets, widths)]
+def torch_cat(flat, offsets, widths, runs, batch: int = BATCH):
+    """The same move in torch ops: the blocks viewed [batch, width], a slice per range, one
+    cat in the output's column order."""
+    blocks = [flat[o: o + batch * w].view(batch, w) for o, w in zip(offsets, widths)]
     pieces = []
     for run in sorted(runs, key=lambda r: r.target_offset):
-        r = next(b for b, o in enumerate(offsets) if o <= run.source_offset < o + BATCH *
-                 widths[b])
+        r = max(b for b, o in enumerate(offsets) if o <= run.source_offset)
         column = run.source_offset - offsets[r]
         pieces.append(blocks[r][:, column: column + run.width])
     return torch.cat(pieces, dim=1)
@@ -61,7 +59,9 @@ def test_column_move(benchmark, provider, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(1 if threads == "1" else before)
     try:
-        flat, offsets, widths, runs = layout()
+        offsets, widths, runs = layout()
+        flat = torch.randn(sum(BATCH * w for w in widths),
+                           generator=torch.Generator().manual_seed(0))
         out = torch.empty(BATCH, TABLES * DIM)
         packed = pack(runs)
         want = torch.empty(BATCH, TABLES * DIM)

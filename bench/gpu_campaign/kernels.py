@@ -2,7 +2,7 @@
 stage in a process of its own (a crash or a poisoned CUDA context ends only that family).
 
 MODULE is a module of this package with `run(device, dry_run) -> {"rows", "choices"}` (timing.py
-says what a row holds): fp8_rows, dedup, cluster, embedding_bag. A dry run runs it on CPU with
+says what a row holds): fp8_rows, dedup, cluster, embedding_bag, copy_runs. A dry run runs it on CPU with
 Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is first imported).
 """
 
@@ -14,7 +14,8 @@ import sys
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_campaign.kernels")
-    p.add_argument("module", choices=("fp8_rows", "dedup", "cluster", "embedding_bag"))
+    p.add_argument("module", choices=("fp8_rows", "dedup", "cluster", "embedding_bag",
+                                      "copy_runs"))
     p.add_argument("--out", required=True)
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)

@@ -8,7 +8,7 @@ On a GPU machine (recorded in docs/gpu.md as it was planned: about 8 minutes in 
 | build | 200 | `pip install --no-build-isolation --no-deps .` for the device's architecture on all cores (the README's path), the extension put beside the sources | `setup.py build_ext --inplace` (the nvcc build, incremental) |
 | tests-cuda, tests-triton | 170 each | `pytest -m gpu` with RECXLA_BACKEND=cuda / triton, 90 s per test | the GPU tests are collected |
 | memcheck, racecheck | 150 each | compute-sanitizer over small calls of every CUDA kernel and variant (sanitize_cases.py) | the same calls on CPU tensors |
-| kernels | 4 x 50 | each family's variants checked, then timed against plain PyTorch, torch.compile and a device copy; the winner per family | the same code on CPU, small sizes, Triton interpreted |
+| kernels | 5 x 50 | each family's variants checked, then timed against plain PyTorch, torch.compile and a device copy; the winner per family | the same code on CPU, small sizes, Triton interpreted |
 | trainer | 240 | the trainer on one GPU, pipelined against sequential and against its batches made inline (where pipelined and sequential differ, each of pipelined's features alone too), a torch.profiler trace and its stream overlap; the sequence model (`--model history`) pipelined against sequential | the same on CPU, 2 ranks of gloo, a few steps |
 
 The tests and sanitizer stages only check, so they run at once; the timing stages run alone.
@@ -23,7 +23,7 @@ import xml.etree.ElementTree as ElementTree
 
 from bench.gpu_campaign.run import ROOT, Campaign, StageResult
 
-KERNEL_MODULES = ("fp8_rows", "dedup", "cluster", "embedding_bag")
+KERNEL_MODULES = ("fp8_rows", "dedup", "cluster", "embedding_bag", "copy_runs")
 # A dry run's CPU stands in for the GPU and may share its 2 cores with other jobs: its stages get
 # this much whatever their GPU budget (the deadline still bounds the whole run).
 DRY_RUN_BUDGET_S = 240
