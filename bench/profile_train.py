@@ -11,8 +11,9 @@ the trainer's default model and options plus the schedule's flags, and profiles 
 warm-up (record_shapes off). With --ranks N it runs N processes over loopback and profiles rank
 0: its codec, row exchange and gloo work included (the ranks share this machine's cores, so read
 the CPU shares, not the wall time). Prints the top operators and labelled ranges by self CPU
-time: their share of all self CPU time recorded, milliseconds and calls per step. The profiler's own cost
-inflates ops with many small calls; read the shares, not the absolute times.
+time: their share of all self CPU time recorded, milliseconds and calls per step. The
+profiler's own cost inflates ops with many small calls; read the shares, not the absolute
+times.
 
 With --calls-by-line it counts ATen calls instead (a TorchDispatchMode over the same steps on
 rank 0, forward and backward): per step, by the innermost line of Python that made them outside

@@ -2,8 +2,8 @@
 stage in a process of its own (a crash or a poisoned CUDA context ends only that family).
 
 MODULE is a module of this package with `run(device, dry_run) -> {"rows", "choices"}` (timing.py
-says what a row holds): fp8_rows, dedup, cluster, embedding_bag, copy_runs. A dry run runs it on CPU with
-Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is first imported).
+says what a row holds): fp8_rows, dedup, cluster, embedding_bag, copy_runs. A dry run runs it
+on CPU with Triton's interpreter (TRITON_INTERPRET=1 must be set before triton is first imported).
 """
 
 import argparse

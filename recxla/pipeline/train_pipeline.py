@@ -62,9 +62,9 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple, Union
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.pipeline.choices import DBP_LOOKUPS, SPLITS
 from recxla.pipeline.copy_stream import CopyStream
-from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.pipeline.dense_sync import (
     COMPRESSED,
     DenseAllReduce,
