@@ -2,9 +2,10 @@
 
 Each family (`families()`: `fp8_quantize`, `fp8_dequantize`, `dedup`, `cluster`) has several
 GPU kernels that give the same result bit for bit; which is fastest depends on the
-architecture. The default per architecture is the winner the GPU campaign measured there (`make gpu-campaign`,
-bench/results/gpu.md), kept in one table in csrc/gpu_variants.cpp. `use_variant` overrides it
-for a block of code (the campaign checks and times every variant that way).
+architecture. The default per architecture is the winner the GPU campaign measured there
+(`make gpu-campaign`, bench/results/gpu.md), kept in one table in csrc/gpu_variants.cpp.
+`use_variant` overrides it for a block of code (the campaign checks and times every variant
+that way).
 """
 
 import contextlib
