@@ -8,9 +8,10 @@ features, 4 ranks), one thread.
 - The owner's reorder of the ids it received (recxla/torchrec/id_decoder.py): the sources'
   blocks arrive (source, slot) and the lookup takes them (slot, source). Rank 0 owns 7 of the
   26 tables (two multi-hot), 4 sources; ids int64, with and without per-id weights.
-  Providers: `fbgemm` (FBGEMM's permute_2D_sparse_data, recxla's CPU path), `gather` (a gather
-  index over every id, then index_select: the path before, and other devices' path), `memcpy`
-  (a copy of the ids and weights).
+  Providers: `recxla` (recxla::decode_id_blocks over the sources' raw blocks: the reorder,
+  and the bags' bounds besides), `fbgemm` (FBGEMM's permute_2D_sparse_data: the path before
+  the op), `gather` (a gather index over every id, then index_select: the path before that),
+  `memcpy` (a copy of the ids and weights).
 - The padded sparse arch of `--embedding-dims auto` (recxla/train/models.py): the pooled values
   of 22 features at dim 32 and 4 at 16 (the trainer's proposal on 4 ranks, in TorchRec's
   output order) to DLRM's [1024, 26, 64], forward and backward. Providers: `runs`
@@ -21,8 +22,11 @@ features, 4 ranks), one thread.
 import pytest
 import torch
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
 from bench.bench_dedup import MULTI_HOT, TABLE_ROWS
-from recxla.torchrec.id_decoder import _permute_segments, segment_gather
+from recxla.ops.id_blocks import decode_id_blocks
+from recxla.reference.id_blocks import encode_id_blocks_ref
 from recxla.train.models import PadFeatures, feature_runs
 
 BATCH = 1024
@@ -31,15 +35,40 @@ OWNED_TABLES = [0, 2, 4, 8, 11, 16, 24]  # rank 0's tables, two multi-hot (2, 11
 
 
 def received_ids(weighted: bool):
-    """(sizes int64 [sources, slots, 1], ids, weights or None) as rank 0 receives them."""
+    """(sizes int64 [sources, slots, 1], ids, weights or None, bag lengths int64 [sources,
+    slots, BATCH]) as rank 0 receives them."""
     g = torch.Generator().manual_seed(0)
-    sizes = torch.tensor([[[int(torch.randint(1, 4, (BATCH,), generator=g).sum())
-                            if t in MULTI_HOT else BATCH] for t in OWNED_TABLES]
-                          for _ in range(SOURCES)])
+    lengths = torch.stack([torch.stack([torch.randint(1, 4, (BATCH,), generator=g)
+                                        if t in MULTI_HOT else
+                                        torch.ones(BATCH, dtype=torch.int64)
+                                        for t in OWNED_TABLES]) for _ in range(SOURCES)])
+    sizes = lengths.sum(2, keepdim=True)
     total = int(sizes.sum())
     ids = torch.randint(0, min(TABLE_ROWS), (total,), generator=g)
     weights = torch.rand(total, generator=g) if weighted else None
-    return sizes, ids, weights
+    return sizes, ids, weights, lengths
+
+
+def segment_gather(sizes: torch.Tensor, total: int) -> torch.Tensor:
+    """The gather index that puts segments laid out in the row-major order of `sizes` (int64
+    [world, groups, micro-batches]) in (group, micro-batch, world) order."""
+    flat = sizes.flatten()
+    start = (torch.cumsum(flat, 0) - flat).view(sizes.shape)
+    target_sizes = sizes.permute(1, 2, 0).flatten()
+    target_start = torch.cumsum(target_sizes, 0) - target_sizes
+    shift = torch.repeat_interleave(start.permute(1, 2, 0).flatten() - target_start,
+                                    target_sizes, output_size=total)
+    return torch.arange(total, device=sizes.device) + shift
+
+
+def reorder_by_fbgemm(sizes, ids, weights):
+    """FBGEMM's permute_2D_sparse_data: each segment copied whole."""
+    world, groups, micro = sizes.shape
+    order = torch.arange(world * groups * micro, dtype=torch.int32)
+    order = order.view(world, groups, micro).permute(1, 2, 0).flatten()
+    _, ids, weights = torch.ops.fbgemm.permute_2D_sparse_data(
+        order, sizes.reshape(-1, 1), ids, weights, ids.numel())
+    return ids, weights
 
 
 def reorder_by_gather(sizes, ids, weights):
@@ -51,7 +80,29 @@ def reorder_memcpy(sizes, ids, weights):
     return ids.clone(), None if weights is None else weights.clone()
 
 
-REORDER = {"fbgemm": _permute_segments, "gather": reorder_by_gather, "memcpy": reorder_memcpy}
+def decoder(sizes, ids, weights, lengths):
+    """The owner's decode op over the same ids as the sources' raw blocks (int64 on the wire)
+    -> a function of (sizes, ids, weights) that decodes them (it also makes the bag bounds)."""
+    starts = torch.cumsum(sizes.flatten(), 0) - sizes.flatten()
+    sources = []
+    for s in range(SOURCES):
+        first, count = int(starts[s * len(OWNED_TABLES)]), int(sizes[s].sum())
+        sources.append({"lengths": lengths[s], "ids": ids[first: first + count],
+                        "micro": [BATCH], "encoding": 0,
+                        "weights": weights[first: first + count] if weights is not None
+                        else None})
+    weighted = weights is not None
+    received, blocks = encode_id_blocks_ref(sources, len(OWNED_TABLES), 1, 0, 8, weighted)
+
+    def decode(*_):
+        out = decode_id_blocks(received, blocks, len(OWNED_TABLES), 1, 0, 8, weighted)
+        return out.values, out.weights if weighted else None
+
+    return decode
+
+
+REORDER = {"recxla": decoder, "fbgemm": lambda *_: reorder_by_fbgemm,
+           "gather": lambda *_: reorder_by_gather, "memcpy": lambda *_: reorder_memcpy}
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["ids", "ids+weights"])
@@ -60,15 +111,17 @@ def test_owner_reorder(benchmark, provider, weighted):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        args = received_ids(weighted)
+        sizes, ids, weights, lengths = received_ids(weighted)
+        args = (sizes, ids, weights)
+        fn = REORDER[provider](sizes, ids, weights, lengths)
         if provider != "memcpy":
             want = reorder_by_gather(*args)
-            got = REORDER[provider](*args)
+            got = fn(*args)
             assert torch.equal(got[0], want[0])
             assert (got[1] is None) == (want[1] is None)
             assert got[1] is None or torch.equal(got[1], want[1])
-        benchmark.extra_info.update(ids=args[1].numel())
-        benchmark(REORDER[provider], *args)
+        benchmark.extra_info.update(ids=ids.numel())
+        benchmark(fn, *args)
     finally:
         torch.set_num_threads(before)
 

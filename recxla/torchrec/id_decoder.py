@@ -2,19 +2,21 @@
 lookup (`LookupInput`).
 
 The sizes' all-to-all gives every block's size (`IdDecoder.block_sizes`); after the ids'
-all-to-all, the inverse index re-expands the ids, the bags of all sources are put slot by slot
-(micro-batch by micro-batch, then sources in rank order, so bag b of source s in micro-batch k
-is owner sample sum over earlier micro-batches + sum(earlier sources' part of k) + b), and one
-`unique_keys` pass per local table gives the lookup its unique rows.
+all-to-all, one op (recxla.ops.decode_id_blocks, a host op) re-expands the ids through their
+inverse index and puts the bags of all sources slot by slot (micro-batch by micro-batch, then
+sources in rank order, so bag b of source s in micro-batch k is owner sample sum over earlier
+micro-batches + sum(earlier sources' part of k) + b), and one `unique_keys` pass per local
+table gives the lookup its unique rows.
 """
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import List, Optional
 
-import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 import torch
 
 from recxla.ops.dedup import segmented_unique
+from recxla.ops.id_blocks import decode_id_blocks
 from recxla.torchrec import id_wire_format as wire
 from recxla.torchrec.row_exchange import RowInput, RowRouting
 from recxla.torchrec.shard_layout import ShardLayout
@@ -136,124 +138,35 @@ class IdDecoder:
 
     def decode(self, received: torch.Tensor, meta: List[List[int]]) -> LookupInput:
         """The owner's LookupInput from the received bytes (uint8, the sources' blocks one
-        after another) and the sources' sizes rows."""
+        after another) and the sources' sizes rows: recxla.ops.decode_id_blocks puts the
+        sources' ids, weights, bags and row ids in the owner's order (where each section
+        starts comes from the wire format), then one unique pass per local table."""
         num_slots = self.num_slots
-        id_bytes = self.id_bytes
-        id_dtype = wire.id_dtype(id_bytes)
         micro = [wire.micro_batch_sizes(row) for row in meta]
         num_micro = len(micro[0])
-        world = len(meta)
         total_batch = sum(row[1] for row in meta)
-        lengths, ids, weights, counts = [], [], [], []
-        start = 0
         my_groups = self.row_groups
-        row_sizes, row_ids = [], []
-        for s, row in enumerate(meta):
+        blocks, start = [], 0
+        for row, sizes_of_micro in zip(meta, micro):
             _, batch, n, u, encoding, num_row_ids = wire.BlockMeta.of(row)
-            sizes = wire.section_bytes(num_slots, batch, n, u, encoding, id_bytes,
+            sizes = wire.section_bytes(num_slots, batch, n, u, encoding, self.id_bytes,
                                        self.is_weighted, my_groups * num_micro, num_row_ids)
-            bounds = [start]
-            for size in sizes:
-                bounds.append(bounds[-1] + size)
+            bounds = list(accumulate(sizes, initial=start))
             start = bounds[-1]
-            block_lengths = received[bounds[0]: bounds[0] + num_slots * batch * 4] \
-                .view(torch.int32).view(num_slots, batch)
-            lengths.append(block_lengths)
-            # ids of each (slot, micro-batch) of this source
-            edges = torch.tensor([0] + list(_cumsum(micro[s])), device=self.device)
-            cumulative = torch.nn.functional.pad(
-                torch.cumsum(block_lengths, 1, dtype=torch.int64), (1, 0))
-            at_edges = cumulative.index_select(1, edges)
-            counts.append((at_edges[:, 1:] - at_edges[:, :-1]).flatten())
-            if encoding == wire.RAW:
-                ids.append(received[bounds[1]: bounds[1] + n * id_bytes].view(id_dtype))
-            else:
-                unique = received[bounds[1]: bounds[1] + u * id_bytes].view(id_dtype)
-                if encoding == wire.DEDUP16:
-                    index = received[bounds[2]: bounds[2] + n * 2].view(torch.int16)
-                    index = index.to(torch.int32) & 0xFFFF  # unsigned on the wire
-                else:
-                    index = received[bounds[2]: bounds[2] + n * 4].view(torch.int32)
-                ids.append(unique.index_select(0, index))
-            if self.is_weighted:
-                weights.append(received[bounds[3]: bounds[3] + n * 4].view(torch.float32))
-            if my_groups:
-                row_sizes.append(received[bounds[4]: bounds[4] + my_groups * num_micro * 4]
-                                 .view(torch.int32).to(torch.int64))
-                row_ids.append(received[bounds[5]: bounds[5] + num_row_ids * id_bytes]
-                               .view(id_dtype).to(torch.int64))
-        # One cat at the wire's width, then one widening pass.
-        values = torch.cat(ids).to(torch.int64) if ids else \
-            torch.zeros(0, dtype=torch.int64, device=self.device)
-        psw = torch.cat(weights) if self.is_weighted else None
-        all_lengths = torch.cat(lengths, dim=1) if lengths else \
-            torch.zeros((num_slots, 0), dtype=torch.int32, device=self.device)
-        if num_micro > 1 and world > 1:
-            # Columns (source, sample) -> (micro-batch, source, sample).
-            source_start = list(_cumsum([0] + [row[1] for row in meta]))[:-1]
-            columns = [torch.arange(source_start[s] + sum(micro[s][:k]),
-                                    source_start[s] + sum(micro[s][:k + 1]))
-                       for k in range(num_micro) for s in range(world)]
-            all_lengths = all_lengths.index_select(1, torch.cat(columns).to(self.device))
-        if values.numel() and (world > 1 or num_micro > 1) and num_slots > 0:
-            # ids in segments (source, slot, micro-batch) -> (slot, micro-batch, source)
-            sizes = torch.stack(counts).view(world, num_slots, num_micro)
-            values, psw = _permute_segments(sizes, values, psw)
-        offsets = torch.zeros(num_slots * total_batch + 1, dtype=torch.int64,
-                              device=self.device)
-        torch.cumsum(all_lengths.flatten(), 0, out=offsets[1:])
+            blocks += [batch, n, u, encoding, num_row_ids, *bounds[:-1], *sizes_of_micro]
+        decoded = decode_id_blocks(received, blocks, num_slots, num_micro, my_groups,
+                                   self.id_bytes, self.is_weighted)
+        offsets = decoded.offsets
         table_bounds = offsets.index_select(
-            0, torch.tensor(self.table_first_slot, device=self.device) * total_batch)
-        unique_values, unique_offsets, inverse = segmented_unique(values, table_bounds)
+            0, torch.tensor(self.table_first_slot) * total_batch)
+        unique_values, unique_offsets, inverse = segmented_unique(decoded.values, table_bounds)
         rows = None
         if my_groups:
-            # (source, group, micro-batch) runs -> (group, micro-batch, source)
-            sizes = torch.stack(row_sizes).view(world, my_groups, num_micro)
-            ordered, _ = _permute_segments(sizes, torch.cat(row_ids))
-            counts = sizes.permute(1, 2, 0).tolist()
+            counts = decoded.row_counts.tolist()  # [group][micro-batch][source]
             per_group = [sum(sum(c) for c in group) for group in counts]
-            rows = RowInput(list(torch.split(ordered, per_group)), counts)
+            rows = RowInput(list(torch.split(decoded.row_ids, per_group)), counts)
         slot_id_bounds = offsets[::total_batch].tolist() if total_batch else \
             [0] * (num_slots + 1)
-        return LookupInput(unique_values, unique_offsets, inverse, offsets, psw, micro, rows,
+        return LookupInput(unique_values, unique_offsets, inverse, offsets,
+                           decoded.weights if self.is_weighted else None, micro, rows,
                            unique_offsets.tolist(), slot_id_bounds)
-
-
-def _cumsum(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total
-
-
-def _permute_segments(sizes: torch.Tensor, values: torch.Tensor,
-                      weights: Optional[torch.Tensor] = None):
-    """values (and weights alike) lie in segments of the lengths `sizes` (int64 [world, groups,
-    micro-batches], row-major): -> the same segments in (group, micro-batch, world) order.
-
-    On CPU, FBGEMM's permute_2D_sparse_data copies each segment whole: about 6x faster than a
-    gather index over every value. A GPU may have FBGEMM's CPU-only build (docs/gpu.md), so
-    other devices take the gather (`segment_gather`, a few torch ops)."""
-    if values.device.type != "cpu":
-        gather = segment_gather(sizes, values.numel())
-        return (values.index_select(0, gather),
-                None if weights is None else weights.index_select(0, gather))
-    world, groups, micro = sizes.shape
-    order = torch.arange(world * groups * micro, dtype=torch.int32)
-    order = order.view(world, groups, micro).permute(1, 2, 0).flatten()
-    _, values, weights = torch.ops.fbgemm.permute_2D_sparse_data(
-        order, sizes.reshape(-1, 1), values, weights, values.numel())
-    return values, weights
-
-
-def segment_gather(sizes: torch.Tensor, total: int) -> torch.Tensor:
-    """The gather index of _permute_segments: segments in the row-major order of `sizes`
-    (int64 [world, groups, micro-batches]) to (group, micro-batch, world). total: the sum of
-    sizes."""
-    flat = sizes.flatten()
-    start = (torch.cumsum(flat, 0) - flat).view(sizes.shape)
-    target_sizes = sizes.permute(1, 2, 0).flatten()
-    target_start = torch.cumsum(target_sizes, 0) - target_sizes
-    shift = torch.repeat_interleave(start.permute(1, 2, 0).flatten() - target_start,
-                                    target_sizes, output_size=total)
-    return torch.arange(total, device=sizes.device) + shift
