@@ -110,3 +110,102 @@ def test_opcheck():
     received, blocks = encode_id_blocks_ref(sources, 3, 2, 1, 8, True)
     torch.library.opcheck(torch.ops.recxla.decode_id_blocks.default,
                           (received, blocks, 3, 2, 1, 8, True))
+
+
+def random_send(world, id_bytes, weighted):
+    """A sender's inputs for `world` destinations (recxla.ops.pack_id_blocks): its blocks laid
+    out back to back (8-byte aligned sections), each destination's ids in one or two
+    local-table segments with their unique values and inverse index."""
+    from recxla.ops.id_blocks import PackedBlock
+
+    high = 2**31 - 1 if id_bytes == 4 else 2**40
+    batch = random.randint(0, 5)
+    slots = [random.randint(0, 3) for _ in range(world)]
+    slot_lengths = torch.randint(0, 4, (sum(slots) * batch,), dtype=torch.int32)
+    ids, unique, inverse, row_ids, row_counts, blocks = [], [], [], [], [], []
+    at, n_all, u_all, slot_first, runs_all, rows_all = 0, 0, 0, 0, 0, 0
+
+    def aligned(n):
+        return (n + 7) // 8 * 8
+
+    for d in range(world):
+        count = int(slot_lengths[slot_first * batch: (slot_first + slots[d]) * batch].sum())
+        pool = torch.randint(0, high, (max(1, count // 2),))
+        part = pool[torch.randint(0, pool.numel(), (count,))]
+        values, index = torch.unique(part, return_inverse=True)
+        encoding = random.randint(0, 2) if count else 0
+        runs = random.randint(0, 3)
+        counts = [random.randint(0, 3) for _ in range(runs)]
+        rows = torch.randint(0, high, (sum(counts),))
+        width = 2 if encoding == 1 else 4
+        sizes = [aligned(slots[d] * batch * 4),
+                 aligned((count if encoding == 0 else values.numel()) * id_bytes),
+                 aligned(count * width if encoding else 0), aligned(count * 4 if weighted else 0),
+                 aligned(runs * 4), aligned(sum(counts) * id_bytes)]
+        sections = tuple(at + sum(sizes[:k]) for k in range(6))
+        blocks.append(PackedBlock(slot_first * batch, slots[d] * batch, n_all, n_all + count,
+                                  u_all, u_all + values.numel(), encoding, id_bytes, runs_all,
+                                  runs_all + runs, rows_all, rows_all + sum(counts), sections))
+        ids.append(part)
+        unique.append(values)
+        inverse.append(index + u_all)
+        row_ids.append(rows)
+        row_counts += counts
+        at += sum(sizes)
+        n_all, u_all, slot_first = n_all + count, u_all + values.numel(), slot_first + slots[d]
+        runs_all, rows_all = runs_all + runs, rows_all + sum(counts)
+    long = dict(dtype=torch.int64)
+
+    def cat(parts):
+        return torch.cat(parts).to(torch.int64) if parts else torch.zeros(0, **long)
+
+    weights = torch.rand(n_all) if weighted else None
+    return (slot_lengths, cat(ids), cat(unique), cat(inverse), weights, cat(row_ids),
+            row_counts, blocks, at), batch, slots
+
+
+@pytest.mark.parametrize("id_bytes", [4, 8])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pack_equals_reference_and_decodes_back(id_bytes, weighted):
+    from recxla.ops.id_blocks import pack_id_blocks
+    from recxla.reference.id_blocks import pack_id_blocks_ref
+
+    for _ in range(30):
+        args, batch, slots = random_send(random.randint(1, 4), id_bytes, weighted)
+        got = pack_id_blocks(*args)
+        assert torch.equal(got, pack_id_blocks_ref(*args))
+        # Each destination decodes its own block back to the ids it was sent.
+        _, ids, _, _, weights, row_ids, row_counts, blocks, _ = args
+        for b, s in zip(blocks, slots):
+            counts = list(row_counts[b.runs0: b.runs1])
+            fields = [batch, b.id1 - b.id0, b.u1 - b.u0, b.encoding, b.r1 - b.r0,
+                      *b.sections, batch]
+            decoded = decode_id_blocks(got, fields, s, 1, len(counts), id_bytes, weighted)
+            assert torch.equal(decoded.values, ids[b.id0: b.id1])
+            assert torch.equal(decoded.row_ids, row_ids[b.r0: b.r1])
+            assert decoded.row_counts.flatten().tolist() == counts
+            if weighted:
+                assert torch.equal(decoded.weights, weights[b.id0: b.id1])
+
+
+def test_pack_refuses_what_does_not_fit():
+    from recxla.ops.id_blocks import PackedBlock, pack_id_blocks
+
+    args, _, _ = random_send(2, 4, False)
+    slot_lengths, ids, unique, inverse, weights, row_ids, row_counts, blocks, total = args
+    first = blocks[0]
+    with pytest.raises(ValueError, match=r"destination 0's ids \[0, 10\) is outside"):
+        pack_id_blocks(slot_lengths, ids[:0], unique, inverse[:0], weights, row_ids,
+                       row_counts, [first._replace(id0=0, id1=10, encoding=0)], total)
+    with pytest.raises(ValueError, match=r"id \[0\] = 8589934592 does not fit its 4 wire"):
+        pack_id_blocks(torch.zeros(1, dtype=torch.int32), torch.tensor([2**33]),
+                       torch.tensor([2**33]), torch.tensor([0]), None,
+                       torch.zeros(0, dtype=torch.int64), [],
+                       [first._replace(lengths_first=0, lengths_count=1, id0=0, id1=1, u0=0,
+                                       u1=1, encoding=0, runs0=0, runs1=0, r0=0, r1=0,
+                                       sections=(0, 8, 16, 16, 16, 16))], 16)
+    empty = torch.zeros(0, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"destination 0's lengths section \(2 x 4 bytes at "
+                                         r"byte 0\) is misaligned or ends past the 4 bytes"):
+        pack_id_blocks(torch.ones(2, dtype=torch.int32), empty, empty, empty, None, empty, [],
+                       [PackedBlock(0, 2, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, (0, 8, 8, 8, 8, 8))], 4)

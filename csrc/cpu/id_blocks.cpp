@@ -1,4 +1,5 @@
-// The owner's decode of the input dist's id blocks on CPU, in two passes over the bags: the
+// The input dist's id blocks on CPU. The sender's pack writes every destination's sections
+// into one buffer. The owner's decode runs two passes over the bags: the
 // first checks each source's block (sections inside the buffer, lengths, the inverse index) and
 // finds each (slot, micro-batch) segment of its ids; the second writes the ids, weights and bag
 // bounds in the owner's order. It replaces a dozen torch calls per source block and a segment
@@ -8,6 +9,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -221,8 +224,142 @@ Decoded decode_id_blocks_cpu(const at::Tensor& received, at::IntArrayRef blocks_
                                          weighted);
 }
 
+constexpr const char* kPackOp = "recxla::pack_id_blocks";
+constexpr int64_t kDestFields = 18;
+
+void check_source(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, kPackOp, ": ", name, " must be ", dtype, ", got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.dim() == 1 && t.is_contiguous(), kPackOp, ": ",
+                    name, " must be a contiguous 1-D CPU tensor");
+}
+
+void check_range(int64_t d, const char* name, int64_t first, int64_t last, int64_t size) {
+  TORCH_CHECK_VALUE(0 <= first && first <= last && last <= size, kPackOp, ": destination ", d,
+                    "'s ", name, " [", first, ", ", last, ") is outside [0, ", size, ")");
+}
+
+// The section of `count` elements of `width` bytes at byte `at`, inside the buffer and aligned.
+uint8_t* section(uint8_t* out, int64_t total, int64_t d, const char* name, int64_t at,
+                 int64_t count, int64_t width) {
+  TORCH_CHECK_VALUE(at >= 0 && at % width == 0 && count <= (total - at) / width, kPackOp,
+                    ": destination ", d, "'s ", name, " section (", count, " x ", width,
+                    " bytes at byte ", at, ") is misaligned or ends past the ", total,
+                    " bytes");
+  return out + at;
+}
+
+// ids[first, last) as id_t, each checked to fit.
+template <typename id_t>
+void write_ids(const int64_t* ids, int64_t first, int64_t last, uint8_t* to, int64_t d,
+               const char* name) {
+  id_t* out = reinterpret_cast<id_t*>(to);
+  for (int64_t i = first; i < last; ++i) {
+    TORCH_CHECK_VALUE(ids[i] >= std::numeric_limits<id_t>::min() &&
+                          ids[i] <= std::numeric_limits<id_t>::max(), kPackOp,
+                      ": destination ", d, "'s ", name, " [", i, "] = ", ids[i],
+                      " does not fit its ", sizeof(id_t), " wire bytes");
+    out[i - first] = static_cast<id_t>(ids[i]);
+  }
+}
+
+void write_id_section(const int64_t* ids, int64_t first, int64_t last, int64_t id_bytes,
+                      uint8_t* to, int64_t d, const char* name) {
+  if (id_bytes == 4) {
+    write_ids<int32_t>(ids, first, last, to, d, name);
+  } else {
+    write_ids<int64_t>(ids, first, last, to, d, name);
+  }
+}
+
+at::Tensor pack_id_blocks_cpu(const at::Tensor& slot_lengths, const at::Tensor& ids,
+                              const at::Tensor& unique, const at::Tensor& inverse,
+                              const std::optional<at::Tensor>& weights, const at::Tensor& row_ids,
+                              at::IntArrayRef row_counts, at::IntArrayRef dests,
+                              int64_t total_bytes) {
+  check_source(slot_lengths, "slot_lengths", at::kInt);
+  check_source(ids, "ids", at::kLong);
+  check_source(unique, "unique", at::kLong);
+  check_source(inverse, "inverse", at::kLong);
+  check_source(row_ids, "row_ids", at::kLong);
+  if (weights.has_value()) check_source(*weights, "weights", at::kFloat);
+  TORCH_CHECK_VALUE(inverse.numel() == ids.numel(), kPackOp, ": inverse must have one entry per "
+                    "id (", ids.numel(), "), got ", inverse.numel());
+  TORCH_CHECK_VALUE(!weights.has_value() || weights->numel() == ids.numel(), kPackOp,
+                    ": weights must have one entry per id (", ids.numel(), "), got ",
+                    weights->numel());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(dests.size()) % kDestFields == 0, kPackOp,
+                    ": dests must hold ", kDestFields, " ints per destination, got ",
+                    dests.size());
+  TORCH_CHECK_VALUE(total_bytes >= 0, kPackOp, ": total_bytes must be >= 0, got ", total_bytes);
+  at::Tensor buffer = at::zeros({total_bytes}, at::TensorOptions().dtype(at::kByte));
+  uint8_t* out = buffer.data_ptr<uint8_t>();
+  const int32_t* lengths = slot_lengths.const_data_ptr<int32_t>();
+  const int64_t* id = ids.const_data_ptr<int64_t>();
+  const int64_t* uniq = unique.const_data_ptr<int64_t>();
+  const int64_t* inv = inverse.const_data_ptr<int64_t>();
+  const int64_t* rows = row_ids.const_data_ptr<int64_t>();
+  const int64_t world = static_cast<int64_t>(dests.size()) / kDestFields;
+  for (int64_t d = 0; d < world; ++d) {
+    const int64_t* f = dests.data() + d * kDestFields;
+    const int64_t lengths_first = f[0], lengths_count = f[1], id0 = f[2], id1 = f[3];
+    const int64_t u0 = f[4], u1 = f[5], encoding = f[6], id_bytes = f[7];
+    const int64_t runs0 = f[8], runs1 = f[9], r0 = f[10], r1 = f[11];
+    const int64_t* at = f + 12;
+    TORCH_CHECK_VALUE(id_bytes == 4 || id_bytes == 8, kPackOp, ": destination ", d,
+                      "'s id bytes must be 4 or 8, got ", id_bytes);
+    TORCH_CHECK_VALUE(encoding == kRaw || encoding == kDedup16 || encoding == kDedup32,
+                      kPackOp, ": destination ", d, "'s encoding must be 0, 1 or 2, got ",
+                      encoding);
+    check_range(d, "lengths", lengths_first, lengths_first + lengths_count,
+                slot_lengths.numel());
+    check_range(d, "ids", id0, id1, ids.numel());
+    check_range(d, "unique ids", u0, u1, unique.numel());
+    check_range(d, "row runs", runs0, runs1, static_cast<int64_t>(row_counts.size()));
+    check_range(d, "row ids", r0, r1, row_ids.numel());
+    std::memcpy(section(out, total_bytes, d, "lengths", at[0], lengths_count, 4),
+                lengths + lengths_first, lengths_count * 4);
+    if (encoding == kRaw) {
+      write_id_section(id, id0, id1, id_bytes,
+                       section(out, total_bytes, d, "ids", at[1], id1 - id0, id_bytes), d,
+                       "id");
+    } else {
+      write_id_section(uniq, u0, u1, id_bytes,
+                       section(out, total_bytes, d, "ids", at[1], u1 - u0, id_bytes), d,
+                       "unique id");
+      const int64_t width = encoding == kDedup16 ? 2 : 4;
+      uint8_t* index = section(out, total_bytes, d, "inverse index", at[2], id1 - id0, width);
+      for (int64_t i = id0; i < id1; ++i) {
+        const int64_t k = inv[i] - u0;
+        TORCH_CHECK_VALUE(k >= 0 && k < u1 - u0 && (width == 4 || k <= 0xFFFF), kPackOp,
+                          ": destination ", d, "'s inverse [", i, "] = ", inv[i],
+                          " is outside its unique ids [", u0, ", ", u1, ")");
+        if (width == 2) {
+          reinterpret_cast<uint16_t*>(index)[i - id0] = static_cast<uint16_t>(k);
+        } else {
+          reinterpret_cast<int32_t*>(index)[i - id0] = static_cast<int32_t>(k);
+        }
+      }
+    }
+    if (weights.has_value()) {
+      std::memcpy(section(out, total_bytes, d, "weights", at[3], id1 - id0, 4),
+                  weights->const_data_ptr<float>() + id0, (id1 - id0) * 4);
+    }
+    int32_t* counts = reinterpret_cast<int32_t*>(
+        section(out, total_bytes, d, "row counts", at[4], runs1 - runs0, 4));
+    for (int64_t r = runs0; r < runs1; ++r) counts[r - runs0] = static_cast<int32_t>(row_counts[r]);
+    write_id_section(rows, r0, r1, id_bytes,
+                     section(out, total_bytes, d, "row ids", at[5], r1 - r0, id_bytes), d,
+                     "row id");
+  }
+  return buffer;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(recxla, CPU, m) { m.impl("decode_id_blocks", &decode_id_blocks_cpu); }
+TORCH_LIBRARY_IMPL(recxla, CPU, m) {
+  m.impl("pack_id_blocks", &pack_id_blocks_cpu);
+  m.impl("decode_id_blocks", &decode_id_blocks_cpu);
+}
 
 }  // namespace recxla

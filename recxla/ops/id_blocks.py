@@ -1,9 +1,13 @@
-"""The owner's decode of the input dist's id blocks (`recxla::decode_id_blocks`).
+"""The input dist's id blocks: the sender's pack (`recxla::pack_id_blocks`) and the owner's
+decode (`recxla::decode_id_blocks`).
 
 Each source rank sends an owner one block of bytes per step: its bags' lengths for the owner's
 slots, the ids (raw, or unique ids plus an inverse index), the per-sample weights, and the row
 groups' counts and ids (recxla.torchrec.id_wire_format, which also says where each section
-starts). The op turns the sources' blocks into the owner's order in two passes over the bags:
+starts). The pack writes every destination's block into one buffer in one pass (a check of
+each range and of each id against its wire width first), where torch ops took a slice, a cast,
+a byte view and a pad per section. The decode turns the sources' blocks into the owner's order
+in two passes over the bags:
 ids in segments (slot, micro-batch, source), the bags' bounds slot-major with their columns in
 (micro-batch, source, sample) order, the row ids in segments (group, micro-batch, source). It
 checks every block first (sections inside the buffer, lengths that sum to the block's ids, an
@@ -11,20 +15,42 @@ inverse index inside the unique ids, row counts that sum to the row ids) and rai
 ValueError naming the source and the limit. Done with torch ops it was a dozen calls per block
 and a segment permutation.
 
-A host op by design, like recxla.ops.route_ids: ids travel and are decoded on the CPU
-whatever device holds the tables, so it has a C++ CPU kernel (csrc/cpu/id_blocks.cpp) and no
-GPU kernel. Its oracle: recxla/reference/id_blocks.py.
+Host ops by design, like recxla.ops.route_ids: ids travel and are encoded and decoded on the
+CPU whatever device holds the tables, so they have C++ CPU kernels (csrc/cpu/id_blocks.cpp) and
+no GPU kernel. Their oracles: recxla/reference/id_blocks.py.
 """
 
-from typing import NamedTuple, Sequence
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from recxla import _extension
 
 OP = "recxla.decode_id_blocks"
+PACK_OP = "recxla.pack_id_blocks"
 # The ints of one source in `blocks`, before its micro-batch sizes.
 BLOCK_FIELDS = 11
+# The ints of one destination in `dests`.
+DEST_FIELDS = 18
+
+
+class PackedBlock(NamedTuple):
+    """Where one destination's block comes from and goes (pack_id_blocks' `dests`)."""
+
+    lengths_first: int   # its bag lengths: slot_lengths[lengths_first, + lengths_count)
+    lengths_count: int
+    id0: int             # its ids: ids[id0, id1)
+    id1: int
+    u0: int              # its unique ids: unique[u0, u1) (deduplicated encodings)
+    u1: int
+    encoding: int        # id_wire_format's RAW, DEDUP16, DEDUP32
+    id_bytes: int        # 4 or 8
+    runs0: int           # its row runs: row_counts[runs0, runs1)
+    runs1: int
+    r0: int              # its row ids: row_ids[r0, r1)
+    r1: int
+    sections: Tuple[int, int, int, int, int, int]  # byte offsets: lengths, ids, inverse
+    #                                                 index, weights, row counts, row ids
 
 
 class DecodedBlocks(NamedTuple):
@@ -35,6 +61,33 @@ class DecodedBlocks(NamedTuple):
     offsets: torch.Tensor     # int64 [slots * B + 1]: bag bounds, slot-major
     row_ids: torch.Tensor     # int64 [R]: row ids, segments (group, micro-batch, source)
     row_counts: torch.Tensor  # int64 [groups, micro-batches, sources]
+
+
+@_extension.register_fake("recxla::pack_id_blocks")
+def _pack_fake(slot_lengths, ids, unique, inverse, weights, row_ids, row_counts, dests,
+               total_bytes):
+    return ids.new_empty(total_bytes, dtype=torch.uint8)
+
+
+def pack_id_blocks(slot_lengths: torch.Tensor, ids: torch.Tensor, unique: torch.Tensor,
+                   inverse: torch.Tensor, weights: Optional[torch.Tensor],
+                   row_ids: torch.Tensor, row_counts: Sequence[int],
+                   blocks: List[PackedBlock], total_bytes: int) -> torch.Tensor:
+    """Every destination's block in one uint8 buffer of total_bytes (padding zero).
+
+    slot_lengths int32 [slots * B]; ids int64 [N], send slot by send slot; unique, inverse
+    int64: the unique values of each (destination, local table) segment and each id's index
+    into them (recxla.ops.segmented_unique); weights float32 [N] or None; row_ids int64 [R]
+    and row_counts (ints) of the row groups; blocks: a PackedBlock per destination. All on
+    the CPU."""
+    for name, t in (("slot_lengths", slot_lengths), ("ids", ids)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise ValueError(f"{PACK_OP}: {name} must be a CPU tensor (ids are packed on the "
+                             "host)")
+    _extension.backend_for(ids, PACK_OP)  # the error of a build without the extension
+    dests = [v for b in blocks for v in (*b[:-1], *b.sections)]
+    return torch.ops.recxla.pack_id_blocks(slot_lengths, ids, unique, inverse, weights, row_ids,
+                                           list(row_counts), dests, total_bytes)
 
 
 @_extension.register_fake("recxla::decode_id_blocks")

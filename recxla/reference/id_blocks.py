@@ -119,3 +119,33 @@ def encode_id_blocks_ref(sources: Sequence[dict], num_slots: int, num_micro: int
                    *src["micro"]]
     received = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8)
     return received, blocks
+
+
+def pack_id_blocks_ref(slot_lengths: torch.Tensor, ids: torch.Tensor, unique: torch.Tensor,
+                       inverse: torch.Tensor, weights, row_ids: torch.Tensor,
+                       row_counts: Sequence[int], blocks, total_bytes: int) -> torch.Tensor:
+    """Same arguments and result as `recxla.ops.id_blocks.pack_id_blocks` (valid inputs):
+    each section cast to its wire dtype, viewed as bytes and put at its offset."""
+    out = torch.zeros(total_bytes, dtype=torch.uint8)
+
+    def put(at: int, values: torch.Tensor) -> None:
+        raw = values.contiguous().view(-1).view(torch.uint8)
+        out[at: at + raw.numel()] = raw
+
+    for b in blocks:
+        id_dtype = torch.int32 if b.id_bytes == 4 else torch.int64
+        lengths_at, ids_at, index_at, weights_at, counts_at, rows_at = b.sections
+        put(lengths_at, slot_lengths[b.lengths_first: b.lengths_first + b.lengths_count])
+        if b.encoding == 0:
+            put(ids_at, ids[b.id0: b.id1].to(id_dtype))
+        else:
+            put(ids_at, unique[b.u0: b.u1].to(id_dtype))
+            index = inverse[b.id0: b.id1] - b.u0
+            # A 16-bit index travels unsigned: its low two bytes.
+            put(index_at, index.to(torch.int32) if b.encoding == 2 else
+                index.to(torch.int32).view(torch.uint8).view(-1, 4)[:, :2].contiguous())
+        if weights is not None:
+            put(weights_at, weights[b.id0: b.id1].to(torch.float32))
+        put(counts_at, torch.tensor(list(row_counts[b.runs0: b.runs1]), dtype=torch.int32))
+        put(rows_at, row_ids[b.r0: b.r1].to(id_dtype))
+    return out

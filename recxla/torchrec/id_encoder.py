@@ -14,6 +14,7 @@ Per step:
 """
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import List, Optional
 
 import torch
@@ -21,6 +22,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.sparse.jagged_tensor_validator import validate_keyed_jagged_tensor
 
 from recxla.ops.dedup import segmented_unique
+from recxla.ops.id_blocks import PackedBlock, pack_id_blocks
 from recxla.ops.route_ids import route_ids
 from recxla.torchrec import id_wire_format as wire
 from recxla.torchrec.comm_stats import CommStats
@@ -214,50 +216,37 @@ class IdEncoder:
 
     def _pack(self, local_ids, slot_lengths, group_bounds, weights, batch, value_bytes,
               length_bytes, rows, num_micro: int) -> SendBlocks:
+        """One block per destination, laid out by the wire format, written into one buffer
+        by recxla.ops.pack_id_blocks."""
         world, me = self.layout.world_size, self.layout.rank
         unique, unique_offsets, inverse = segmented_unique(local_ids, group_bounds)
         group_bounds_list = group_bounds.tolist()
         unique_list = unique_offsets.tolist()
-        pieces: List[torch.Tensor] = []
         blocks = SendBlocks(batch)
-        row_run_bounds = [0]
+        row_run_bounds, row_ids, row_counts = [0], None, []
         if rows is not None:
             blocks.row_bags, row_ids, row_counts = rows
             for count in row_counts:
                 row_run_bounds.append(row_run_bounds[-1] + count)
+        packed, start = [], 0
         for d in range(world):
             g0, g1 = self.dest_groups[d]
             id0, id1 = group_bounds_list[g0], group_bounds_list[g1]
             u0, u1 = unique_list[g0], unique_list[g1]
             n, u = id1 - id0, u1 - u0
-            id_dtype = wire.id_dtype(self.id_bytes[d])
             encoding = wire.choose_encoding(n, u, self.id_bytes[d], self.dedup)
             runs = (self.rows.group_base[d] * num_micro, self.rows.group_base[d + 1] * num_micro)
             r0, r1 = row_run_bounds[runs[0]] if rows else 0, row_run_bounds[runs[1]] if rows else 0
             sizes = wire.section_bytes(self.num_slots[d], batch, n, u, encoding,
                                        self.id_bytes[d], weights is not None, runs[1] - runs[0],
                                        r1 - r0)
-            lengths_d = slot_lengths[self.slot_base[d] * batch: self.slot_base[d + 1] * batch]
-            sections = [lengths_d]
-            if encoding == wire.RAW:
-                sections += [local_ids[id0:id1].to(id_dtype), None]
-            else:
-                index = inverse[id0:id1] - u0
-                sections += [unique[u0:u1].to(id_dtype),
-                             index.to(wire.index_dtype(encoding))]
-            sections.append(weights[id0:id1] if weights is not None else None)
-            if rows is not None:
-                sections.append(torch.tensor(row_counts[runs[0]:runs[1]], dtype=torch.int32,
-                                             device=self.device))
-                sections.append(row_ids[r0:r1].to(id_dtype))
+            lengths_first = self.slot_base[d] * batch
+            lengths_count = (self.slot_base[d + 1] - self.slot_base[d]) * batch
+            packed.append(PackedBlock(lengths_first, lengths_count, id0, id1, u0, u1, encoding,
+                                      self.id_bytes[d], *runs, r0, r1,
+                                      tuple(accumulate(sizes[:-1], initial=start))))
+            start += sum(sizes)
             blocks.num_row_ids.append(r1 - r0)
-            for section, size in zip(sections, sizes):
-                if section is None:
-                    continue
-                raw = section.contiguous().view(torch.uint8)
-                pieces.append(raw)
-                if size > raw.numel():
-                    pieces.append(raw.new_zeros(size - raw.numel()))
             blocks.num_ids.append(n)
             blocks.num_unique.append(u)
             blocks.encoding.append(encoding)
@@ -267,8 +256,10 @@ class IdEncoder:
                 # The ids of row tables cost TorchRec its usual bags too.
                 row_bags = 0 if rows is None else blocks.row_bags.ids_to(d, self.rows)
                 self.stats.id_bytes_without_dedup += (
-                    lengths_d.numel() * length_bytes + (n + row_bags) * value_bytes
+                    lengths_count * length_bytes + (n + row_bags) * value_bytes
                     + ((n + row_bags) * 4 if weights is not None else 0))
-        blocks.buffer = torch.cat(pieces) if pieces else \
-            torch.empty(0, dtype=torch.uint8, device=self.device)
+        if row_ids is None:
+            row_ids = local_ids.new_empty(0)
+        blocks.buffer = pack_id_blocks(slot_lengths, local_ids, unique, inverse, weights,
+                                       row_ids, row_counts, packed, start)
         return blocks
