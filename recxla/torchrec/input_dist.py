@@ -104,18 +104,15 @@ class IdRouter:
             blocks, error = None, e
             micro = [0] * (1 if micro_batch_sizes is None else len(micro_batch_sizes))
         world = self.layout.world_size
-        # One sizes row per destination, its fields in wire.BlockMeta's order.
-        meta = torch.zeros((world, wire.META_FIELDS + len(micro)), dtype=torch.int64)
+        # One sizes row per destination, its fields in wire.BlockMeta's order (made on the
+        # host in one call).
         if blocks is None:
-            meta[:, 0] = wire.STATUS_BAD_INPUT
+            rows = [[wire.STATUS_BAD_INPUT] + [0] * (wire.META_FIELDS - 1 + len(micro))] * world
         else:
-            meta[:, 0] = wire.STATUS_OK
-            meta[:, 1] = blocks.batch
-            meta[:, 2] = torch.tensor(blocks.num_ids)
-            meta[:, 3] = torch.tensor(blocks.num_unique)
-            meta[:, 4] = torch.tensor(blocks.encoding)
-            meta[:, 5] = torch.tensor(blocks.num_row_ids)
-            meta[:, wire.META_FIELDS:] = torch.tensor(micro)
+            rows = [[*wire.BlockMeta(wire.STATUS_OK, blocks.batch, blocks.num_ids[d],
+                                     blocks.num_unique[d], blocks.encoding[d],
+                                     blocks.num_row_ids[d]), *micro] for d in range(world)]
+        meta = torch.tensor(rows, dtype=torch.int64)
         # The sizes cross the links too: one row to and from each other rank.
         self.stats.id_bytes_sent += (world - 1) * wire.meta_row_bytes(len(micro))
         self.stats.id_bytes_received += (world - 1) * wire.meta_row_bytes(len(micro))
