@@ -66,7 +66,7 @@ class FrozenWindow:
         self._message_is_gradient = self.num_micro == 1 and not self.rows
         self.gradient = self.pooled.new_empty(self.pooled.shape) \
             if self._pooled_gradient and not self._message_is_gradient else None
-        self.row_gradients = [r.new_empty(r.shape) for r in self.rows]
+        self.row_gradients = _empty_like_each(self.rows)
         self._messages = [steps.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
         self.early_rows = early_rows
@@ -160,3 +160,20 @@ class FrozenWindow:
         if outputs:
             torch.autograd.backward(outputs, grads)
         self.output, self.row_output = None, ()
+
+
+def _empty_like_each(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """An uninitialized tensor shaped like each of `tensors` ([rows, cols], one dtype): those
+    of one width back to back share one allocation, split in one call, not one each."""
+    out: List[torch.Tensor] = []
+    i = 0
+    while i < len(tensors):
+        j = i + 1
+        while j < len(tensors) and tensors[j].shape[1] == tensors[i].shape[1]:
+            j += 1
+        run = tensors[i:j]
+        whole = run[0].new_empty((sum(t.shape[0] for t in run), run[0].shape[1]))
+        out.extend(whole.split_with_sizes([t.shape[0] for t in run]) if len(run) > 1
+                   else (whole,))
+        i = j
+    return out

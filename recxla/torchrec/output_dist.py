@@ -503,9 +503,21 @@ def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:
 
 
 def _group_rows(flat: torch.Tensor, message: Message) -> List[torch.Tensor]:
-    """Each row group's rows in a message laid out as `message` ([U_g, cols] views of flat)."""
-    return [flat.as_strided((count, cols), (cols, 1), flat.storage_offset() + offset)
-            for offset, _, count, cols in message.rows]
+    """Each row group's rows in a message laid out as `message` ([U_g, cols] views of flat):
+    the groups that lie back to back with one width (an owner's) as one view split in one
+    call, not a view each."""
+    runs: List[Tuple[int, int, List[int]]] = []  # (offset, cols, each group's rows)
+    for offset, _, count, cols in message.rows:
+        if runs and runs[-1][1] == cols and \
+                runs[-1][0] + sum(runs[-1][2]) * cols == offset:
+            runs[-1][2].append(count)
+        else:
+            runs.append((offset, cols, [count]))
+    views: List[torch.Tensor] = []
+    for offset, cols, counts in runs:
+        run = flat.as_strided((sum(counts), cols), (cols, 1), flat.storage_offset() + offset)
+        views.extend(run.split_with_sizes(counts) if len(counts) > 1 else (run,))
+    return views
 
 
 def _owner_totals(message: Message) -> List[int]:
