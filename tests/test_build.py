@@ -114,9 +114,10 @@ def test_build_reports_what_it_built():
         f"build did: {recxla.built_with_cuda()}. Rebuild with `make setup`.")
 
 
-# Ops whose inputs live on the host by design: a sharded module routes its ids on the CPU, where
-# the loader delivers them, whatever device holds the tables (recxla/ops/route_ids.py).
-HOST_OPS = {"recxla::route_ids"}
+# Ops whose inputs live on the host by design: a sharded module routes, packs and decodes its ids
+# on the CPU, where the loader delivers them, whatever device holds the tables
+# (recxla/ops/route_ids.py, recxla/ops/id_blocks.py).
+HOST_OPS = {"recxla::route_ids", "recxla::pack_id_blocks", "recxla::decode_id_blocks"}
 
 
 def test_every_cpu_op_has_a_cuda_kernel():
