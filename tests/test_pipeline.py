@@ -248,8 +248,11 @@ def test_pipeline_with_fp8_comms_matches_sequential(seed):
     # Over 16 seeds (both ranks) the largest relative errors were 1.5e-5 (m=3) and 5.3e-5 (bf16,
     # m=2: the micro-batches' sum rounds to bf16 once, the loop's one gradient too, and the two
     # differ by a bf16 step now and then); the sequential schedule sends what torch's hook sends,
-    # bit for bit.
-    bounds = {"fwp+dbp m=3": 1e-2, "bf16 dense all-reduce": 1e-2,
+    # bit for bit. Now and then one row moves by up to the learning rate: its row-wise Adagrad
+    # state is near zero (3e-6), so a gradient that rounds to another bf16 value on the wire
+    # changes that row's first steps by about lr (RECXLA_TEST_SEED=1931970883: one row of 53,
+    # 0.0065 apart, 1.7e-2 relative to the table). A wrong row or micro-batch moves every row.
+    bounds = {"fwp+dbp m=3": 5e-2, "bf16 dense all-reduce": 5e-2,
               "bf16 dense all-reduce, sequential": 0.0}
     for rank, per_config in enumerate(results):
         for name, (trained, error, _, _, _) in per_config.items():
