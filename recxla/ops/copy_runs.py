@@ -28,6 +28,8 @@ from recxla import _extension
 from recxla.copy_runs_layout import RUN_FIELDS, Run, pack  # noqa: F401  (the op's contract)
 
 OP = "recxla.copy_runs"
+
+
 def check_runs(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
                runs: Sequence[int]) -> List[Run]:
     """The C++ kernels' checks (csrc/include/recxla/copy_runs_checks.h), for the Triton path:

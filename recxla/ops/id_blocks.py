@@ -26,12 +26,10 @@ import torch
 
 from recxla import _extension
 
-OP = "recxla.decode_id_blocks"
 PACK_OP = "recxla.pack_id_blocks"
+DECODE_OP = "recxla.decode_id_blocks"
 # The ints of one source in `blocks`, before its micro-batch sizes.
 BLOCK_FIELDS = 11
-# The ints of one destination in `dests`.
-DEST_FIELDS = 18
 
 
 class PackedBlock(NamedTuple):
@@ -119,10 +117,10 @@ def decode_id_blocks(received: torch.Tensor, blocks: Sequence[int], num_slots: i
             groups; id_bytes: 4 (int32 ids on the wire) or 8; weighted: blocks carry weights.
     """
     if not isinstance(received, torch.Tensor):
-        raise TypeError(f"{OP}: received must be a torch.Tensor")
+        raise TypeError(f"{DECODE_OP}: received must be a torch.Tensor")
     if received.device.type != "cpu":
-        raise ValueError(f"{OP}: received must be on the CPU (ids are decoded on the host), "
+        raise ValueError(f"{DECODE_OP}: received must be on the CPU (ids are decoded on the host), "
                          f"got {received.device}")
-    _extension.backend_for(received, OP)  # the error of a build without the extension
+    _extension.backend_for(received, DECODE_OP)  # the error of a build without the extension
     return DecodedBlocks(*torch.ops.recxla.decode_id_blocks(
         received, list(blocks), num_slots, num_micro, row_groups, id_bytes, weighted))

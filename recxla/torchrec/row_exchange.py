@@ -295,11 +295,10 @@ def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.
     if not tables:
         return
     device = weights[0].device
-    values = torch.cat([i.to(torch.int64) for i in ids])
-    bounds = torch.zeros(tables + 1, dtype=torch.int64, device=device)
-    bounds[1:] = torch.cumsum(torch.tensor([i.numel() for i in ids], device=device), 0)
-    unique, unique_offsets, inverse = segmented_unique(values, bounds)
     counts = [i.numel() for i in ids]
+    values = torch.cat([i.to(torch.int64) for i in ids])
+    bounds = torch.tensor(list(accumulate(counts, initial=0)), device=device)
+    unique, unique_offsets, inverse = segmented_unique(values, bounds)
     batch = max(counts, default=0)
     # Bag b of table t holds gradient row b when b < counts[t], else nothing: the bags' ends are
     # cumulative sums of those lengths, and the gradients sit side by side, a table's columns
@@ -309,10 +308,10 @@ def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.
     offsets = torch.zeros(tables * batch + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     dims = [w.shape[1] for w in weights]
-    grad_output = torch.zeros((batch, sum(dims)), device=device)
-    columns = [sum(dims[:t]) for t in range(tables)]
+    columns = list(accumulate(dims, initial=0))  # each table's first column, then the width
+    grad_output = torch.zeros((batch, columns[-1]), device=device)
     copy_runs([g.contiguous() for g in grads], [grad_output],
-              pack(Run(t, 0, dims[t], 0, columns[t], sum(dims), counts[t], dims[t])
+              pack(Run(t, 0, dims[t], 0, columns[t], columns[-1], counts[t], dims[t])
                    for t in range(tables)))
     lookup = BagLookup(list(weights), unique, unique_offsets, inverse, offsets, None,
                        list(range(tables)), [SUM] * tables, batch)
