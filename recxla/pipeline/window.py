@@ -53,20 +53,23 @@ class FrozenWindow:
         # L: one lookup for every micro-batch, its autograd nodes kept for the update.
         self.row_output = steps.lookup_rows(lookup_input)
         if early is None:
-            self.output = steps.lookup_pooled(lookup_input, rows_follow=bool(self.row_output))
+            self.output = steps.lookup_pooled(lookup_input,
+                                              rows_follow=self.row_output is not None)
             self.pooled = self.output.detach()
         else:
             self.output = early.output
             self.pooled = early.corrected()
-        self.rows = [r.detach() for r in self.row_output]
+        self.rows = None if self.row_output is None else self.row_output.detach()
         self.out_dim = self.pooled.shape[1]
         self._pooled_gradient = self.output.requires_grad
         # With one micro-batch and pooled rows only, the gradient message is laid out as the
         # buffer (each source's rows in turn) and becomes it (receive_gradient): no copy.
-        self._message_is_gradient = self.num_micro == 1 and not self.rows
+        self._message_is_gradient = self.num_micro == 1 and self.rows is None
         self.gradient = self.pooled.new_empty(self.pooled.shape) \
             if self._pooled_gradient and not self._message_is_gradient else None
-        self.row_gradients = _empty_like_each(self.rows)
+        # Every requested row's gradient arrives (its bags' rows past a group's count are not
+        # read by the update): no fill.
+        self.row_gradient = None if self.rows is None else torch.empty_like(self.rows)
         self._messages = [steps.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
         self.early_rows = early_rows
@@ -86,7 +89,7 @@ class FrozenWindow:
 
     @property
     def needs_gradient(self) -> bool:
-        return self._pooled_gradient or bool(self.rows)
+        return self._pooled_gradient or self.rows is not None
 
     def start_output(self, k: int) -> None:
         """O(k): micro-batch k's pooled rows and requested rows to the ranks that use them."""
@@ -140,7 +143,7 @@ class FrozenWindow:
             return
         self.steps.unpack_gradient(flat, self.input.micro_batch_rows(k), self.input.rows, k,
                                    self.input.micro_batch_start(k), self.gradient,
-                                   self.row_gradients)
+                                   self.row_gradient)
 
     def pending_gradients(self) -> List[int]:
         return [k for k, h in enumerate(self._returning) if h is not None]
@@ -153,27 +156,10 @@ class FrozenWindow:
         if self.gradient is not None and self.output.requires_grad:
             outputs.append(self.output)
             grads.append(self.gradient)
-        for out, grad in zip(self.row_output, self.row_gradients):
-            if out.requires_grad:
-                outputs.append(out)
-                grads.append(grad)
+        if self.row_output is not None and self.row_output.requires_grad:
+            outputs.append(self.row_output)
+            grads.append(self.row_gradient)
         if outputs:
             torch.autograd.backward(outputs, grads)
-        self.output, self.row_output = None, ()
+        self.output, self.row_output = None, None
 
-
-def _empty_like_each(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
-    """An uninitialized tensor shaped like each of `tensors` ([rows, cols], one dtype): those
-    of one width back to back share one allocation, split in one call, not one each."""
-    out: List[torch.Tensor] = []
-    i = 0
-    while i < len(tensors):
-        j = i + 1
-        while j < len(tensors) and tensors[j].shape[1] == tensors[i].shape[1]:
-            j += 1
-        run = tensors[i:j]
-        whole = run[0].new_empty((sum(t.shape[0] for t in run), run[0].shape[1]))
-        out.extend(whole.split_with_sizes([t.shape[0] for t in run]) if len(run) > 1
-                   else (whole,))
-        i = j
-    return out

@@ -198,6 +198,8 @@ class EarlyRows:
                 [i.numel() for i in self.late_input.ids]))
         self._early_rows = [w.detach().index_select(0, ids)
                             for w, ids in zip(row_weights, self.early_input.ids)]
+        # Each row group's columns in the row block that start_late is given.
+        self._row_columns = list(accumulate((w.shape[1] for w in row_weights), initial=0))
         # The masks to the ranks that asked: per source, micro-batch by micro-batch, its bags
         # (sample by sample, slot by slot) then its rows group by group.
         groups = len(next_rows.ids)
@@ -284,13 +286,16 @@ class EarlyRows:
             self._early.append((self.output.start_values(flat, send, recv), recv))
         self._early_pooled, self._early_rows = None, None
 
-    def start_late(self, k: int, pooled: torch.Tensor, row_outputs: Sequence[torch.Tensor]):
+    def start_late(self, k: int, pooled: torch.Tensor, row_block: Optional[torch.Tensor]):
         """After the update: starts exchange k's late cells (pooled: the owner's pooled rows of
-        every sample, as the update's tables give them; row_outputs: lookup_rows' rows,
-        detached) -> its handle (wait() gives the late wire rows)."""
+        every sample, as the update's tables give them; row_block: lookup_rows' row block,
+        detached, or None without row groups) -> its handle (wait() gives the late wire
+        rows)."""
         self.send()
-        late_rows = [rows.index_select(0, index)
-                     for rows, index in zip(row_outputs, self.late_index)]
+        columns = self._row_columns
+        late_rows = [] if row_block is None else \
+            [row_block[:, columns[g]: columns[g + 1]].index_select(0, index)
+             for g, index in enumerate(self.late_index)]
         flat, send = self._message(k, pooled, late_rows, self.late_input, late=True)
         recv = [int(n) * self.output.row_dim for n in self._per_owner(self._flags(k), k)]
         return self.output.start_values(flat, send, recv)

@@ -35,6 +35,7 @@ row before it travels; a sum of divided terms is the divided sum, so it is divid
 """
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -333,6 +334,11 @@ class OutputDist:
         self.group_base = [0]
         for r in range(world):
             self.group_base.append(self.group_base[-1] + len(layout.row_groups(r)))
+        # This owner's row block (row_exchange.RequestedRows): its local groups' first
+        # columns, then the block's width.
+        me = layout.rank
+        self.row_block_columns = list(accumulate(
+            self.group_cols[self.group_base[me]: self.group_base[me + 1]], initial=0))
 
     # -------------------------------------------------------------- gradient division
 
@@ -388,38 +394,43 @@ class OutputDist:
     # -------------------------------------------------------------- forward exchange
 
     def start(self, pooled: torch.Tensor, source_batches: List[int], message: Message,
-              row_outputs: Sequence[torch.Tensor] = (), rows: Optional[RowInput] = None):
+              row_block: Optional[torch.Tensor] = None, rows: Optional[RowInput] = None):
         """Starts exchange `message.micro_batch`. pooled: float32 [sum(source_batches),
-        D_me], the owner's pooled rows for each source in turn; row_outputs: per local row
-        group, its gathered rows [R_g, cols] (rows.ids order). -> (in-flight handle, values
-        sent to each rank, values expected from each rank)."""
+        D_me], the owner's pooled rows for each source in turn; row_block: the owner's
+        requested rows (row_exchange.RequestedRows: group g's rows, rows.ids order, in its
+        columns), or None without row groups. -> (in-flight handle, values sent to each rank,
+        values expected from each rank)."""
         k = message.micro_batch
         send = self.send_sizes(source_batches, rows, k)
         recv = _owner_totals(message)
-        sources = [pooled.contiguous(), *(out.contiguous() for out in row_outputs)]
-        runs = self.owner_message_runs(source_batches, rows, k, 0, len(row_outputs))
+        sources = [pooled.contiguous()] if row_block is None else \
+            [pooled.contiguous(), row_block.contiguous()]
+        runs = self.owner_message_runs(source_batches, rows, k, 0, row_block is not None)
         flat = PackRuns.apply(runs, sum(send), *sources)
         if flat.requires_grad:
             flat = _DivideGradient.apply(flat, self)
         return self.start_values(flat, send, recv), send, recv
 
     def owner_message_runs(self, source_batches: Sequence[int], rows: Optional[RowInput],
-                           k: int, first_sample: int, num_groups: int) -> List[Run]:
+                           k: int, first_sample: int, with_rows: bool) -> List[Run]:
         """The layout of this owner's message of exchange k (forward rows, or the gradient
         coming back) as runs into target 0, the flat message: for each source rank in turn its
         samples' pooled rows (source 0, [samples, D_owner], from sample `first_sample` on),
-        then the rows it asked of each of the owner's `num_groups` row groups (source 1 + g,
-        [rows, cols] in rows.ids order)."""
+        then, with_rows, the rows it asked of each of the owner's row groups (source 1, the row
+        block: group g's rows in rows.ids order, in its columns)."""
         dim = self.owner_dims[self.layout.rank]
-        group_cols = self.group_cols[self.group_base[self.layout.rank]:]
+        columns = self.row_block_columns
+        width = columns[-1]
+        groups = len(columns) - 1 if with_rows else 0
         runs, at, sample = [], 0, first_sample
         for s, samples in enumerate(source_batches):
             runs.append(Run(0, sample * dim, 0, 0, at, 0, 1, samples * dim))
             at += samples * dim
             sample += samples
-            for g in range(num_groups):
-                count, cols = rows.rows(g, k, s), group_cols[g]
-                runs.append(Run(1 + g, rows.start(g, k, s) * cols, 0, 0, at, 0, 1, count * cols))
+            for g in range(groups):
+                count, cols = rows.rows(g, k, s), columns[g + 1] - columns[g]
+                runs.append(Run(1, rows.start(g, k, s) * width + columns[g], width, 0, at, cols,
+                                count, cols))
                 at += count * cols
         return runs
 

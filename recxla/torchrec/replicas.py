@@ -39,7 +39,8 @@ from recxla.distributed.gather import all_gather_flat
 from recxla.ops.embedding_bag import NONE, BagLookup, backward_update, pooled_forward, unique_grad
 from recxla.torchrec.choices import REPLICA_PRECISIONS as PRECISIONS
 from recxla.torchrec.choices import REPLICA_SYNCS as SYNCS
-from recxla.torchrec.row_exchange import apply_row_gradients
+from recxla.torchrec.row_exchange import (RequestedRows, apply_row_gradients,
+                                          update_requested_rows)
 from recxla.torchrec.shard_layout import OWNER
 from recxla.torchrec.types import PooledTables
 
@@ -172,29 +173,24 @@ class ReplicatedLookup(torch.autograd.Function):
         return (None,) * 8 + (None,) * len(weights)
 
 
-def apply_replicated_row_gradients(replicas: ReplicaSync, optim,
-                                   weights: Sequence[torch.Tensor],
-                                   states: Sequence[torch.Tensor],
-                                   ids: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                                   kinds: Sequence[int], hparams: Sequence[float]) -> None:
-    """row_exchange.apply_row_gradients for a module with 2D replicas (its RowLookup's update,
-    with `replicas` and `optim`, the module's ShardedFusedOptimizer, bound), kept in step per
-    `replicas`: "gradients" sums each requested row's gradient on this rank, then over the
-    replicas (the union of the rows they touched, as the pooled tables' sum_over_replicas), so
-    every replica applies the same update to the same rows; "weights" updates from this node's
-    gradients and averages the row tables and their state every sync_every steps. The other
-    arguments as apply_row_gradients's (ids int64 [R_t], repeats allowed)."""
+def update_replicated_rows(replicas: ReplicaSync, optim, requested: RequestedRows,
+                           states: Sequence[torch.Tensor], grad: torch.Tensor,
+                           kinds: Sequence[int], hparams: Sequence[float]) -> None:
+    """row_exchange.update_requested_rows for a module with 2D replicas (its RowLookup's
+    update, with `replicas` and `optim`, the module's ShardedFusedOptimizer, bound), kept in
+    step per `replicas`: "gradients" sums each requested row's gradient on this rank, then over
+    the replicas (the union of the rows they touched, as the pooled tables' sum_over_replicas),
+    so every replica applies the same update to the same rows; "weights" updates from this
+    node's gradients and averages the row tables and their state every sync_every steps. The
+    other arguments as update_requested_rows's."""
+    weights = requested.lookup.weights
     if replicas.sync == "weights":
-        apply_row_gradients(weights, states, ids, grads, kinds, hparams)
+        update_requested_rows(requested, states, grad, kinds, hparams)
         if optim.step_count % replicas.sync_every == 0:
             average_replicas(weights, states, replicas.group)
         return
-    rows, sums = [], []
-    for table_ids, grad in zip(ids, grads):
-        unique, inverse = torch.unique(table_ids.to(torch.int64), return_inverse=True)
-        rows.append(unique)
-        sums.append(grad.new_zeros((unique.numel(), grad.shape[1])).index_add_(0, inverse, grad))
-    union, summed = sum_over_replicas(rows, sums, replicas)
+    sums = unique_grad(grad, requested.lookup)
+    union, summed = sum_over_replicas(requested.unique_rows(), sums, replicas)
     apply_row_gradients(weights, states, union, summed, kinds, hparams)
 
 

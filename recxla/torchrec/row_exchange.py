@@ -25,7 +25,7 @@ import torch
 from recxla.ops.cluster import even_sizes
 from recxla.ops.copy_runs import Run, copy_runs, pack
 from recxla.ops.dedup import segmented_unique
-from recxla.ops.embedding_bag import SUM, BagLookup, backward_update
+from recxla.ops.embedding_bag import SUM, BagLookup, backward_update, pooled_forward
 from recxla.torchrec.shard_layout import ShardLayout
 
 
@@ -285,67 +285,110 @@ class RowInput:
         return self.counts[group][k][source]
 
 
-def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.Tensor],
-                        ids: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                        kinds: Sequence[int], hparams: Sequence[float]) -> None:
-    """The fused optimizer of each table once per distinct id, with the sum of that id's
-    gradients: ids int64 [R_t] (repeats allowed), grads float32 [R_t, D_t]. Runs
-    backward_update with one bag per gradient row, so the kernel sums the repeats."""
+@dataclass(frozen=True)
+class RequestedRows:
+    """The owner's requested rows of its row groups in one batch, as one lookup with a bag per
+    requested row: group g's bag b holds its b-th id (rows.ids order) for b < counts[g], none
+    after. Its pooled output, the row block, is float32 [max_g R_g, sum_g D_g]: group g's rows
+    in columns columns[g] .. columns[g + 1], zero past its count. So one `pooled_forward`
+    gathers every group's rows, and one `backward_update` of the block's gradient applies the
+    fused update once per distinct row with the sum of its gradients (the repeats: rows several
+    ranks or micro-batches asked for)."""
+
+    lookup: BagLookup
+    counts: List[int]
+    columns: List[int]
+
+    @property
+    def width(self) -> int:
+        return self.columns[-1]
+
+    def group_views(self, block: torch.Tensor) -> List[torch.Tensor]:
+        """Each group's rows [R_g, D_g] of a row block (or of its gradient), as views."""
+        return [block[:n, start:end] for n, start, end
+                in zip(self.counts, self.columns, self.columns[1:])]
+
+    def unique_rows(self) -> List[torch.Tensor]:
+        """Each group's distinct requested rows, ascending (unique_grad's rows)."""
+        bounds = self.lookup.unique_offsets.tolist()
+        return [self.lookup.unique_values[bounds[g]: bounds[g + 1]]
+                for g in range(len(self.counts))]
+
+
+def requested_rows(weights: Sequence[torch.Tensor],
+                   ids: Sequence[torch.Tensor]) -> RequestedRows:
+    """The RequestedRows of `ids` (int [R_t] per table of `weights`, repeats allowed)."""
     tables = len(weights)
-    if not tables:
-        return
     device = weights[0].device
     counts = [i.numel() for i in ids]
     values = torch.cat([i.to(torch.int64) for i in ids])
     bounds = torch.tensor(list(accumulate(counts, initial=0)), device=device)
     unique, unique_offsets, inverse = segmented_unique(values, bounds)
     batch = max(counts, default=0)
-    # Bag b of table t holds gradient row b when b < counts[t], else nothing: the bags' ends are
-    # cumulative sums of those lengths, and the gradients sit side by side, a table's columns
-    # each (one copy_runs for all the tables).
+    # Bag b of table t holds row b when b < counts[t], else nothing: the bags' ends are the
+    # running sums of those lengths.
     lengths = (torch.arange(batch, device=device) < torch.tensor(counts, device=device)
                .unsqueeze(1)).view(-1)
     offsets = torch.zeros(tables * batch + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths, 0, out=offsets[1:])
-    dims = [w.shape[1] for w in weights]
-    columns = list(accumulate(dims, initial=0))  # each table's first column, then the width
-    grad_output = torch.zeros((batch, columns[-1]), device=device)
-    copy_runs([g.contiguous() for g in grads], [grad_output],
-              pack(Run(t, 0, dims[t], 0, columns[t], columns[-1], counts[t], dims[t])
-                   for t in range(tables)))
     lookup = BagLookup(list(weights), unique, unique_offsets, inverse, offsets, None,
                        list(range(tables)), [SUM] * tables, batch)
-    backward_update(grad_output, lookup, list(states), list(kinds), list(hparams))
+    return RequestedRows(lookup, counts, list(accumulate((w.shape[1] for w in weights),
+                                                         initial=0)))
+
+
+def update_requested_rows(requested: RequestedRows, states: Sequence[torch.Tensor],
+                          grad: torch.Tensor, kinds: Sequence[int],
+                          hparams: Sequence[float]) -> None:
+    """RowLookup's update: each requested row's fused optimizer step, once per distinct row
+    with the sum of its gradients. grad: float32 [max R_g, sum D_g], the row block's gradient
+    (its rows past a group's count are not read)."""
+    backward_update(grad, requested.lookup, list(states), list(kinds), list(hparams))
+
+
+def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.Tensor],
+                        ids: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                        kinds: Sequence[int], hparams: Sequence[float]) -> None:
+    """The fused optimizer of each table once per distinct id, with the sum of that id's
+    gradients: ids int64 [R_t] (repeats allowed), grads float32 [R_t, D_t]."""
+    if not weights:
+        return
+    requested = requested_rows(weights, ids)
+    columns = requested.columns
+    grad = torch.zeros((requested.lookup.batch_size, requested.width),
+                       device=weights[0].device)
+    copy_runs([g.contiguous() for g in grads], [grad],
+              pack(Run(t, 0, g.shape[1], 0, columns[t], requested.width, g.shape[0],
+                       g.shape[1]) for t, g in enumerate(grads)))
+    update_requested_rows(requested, states, grad, kinds, hparams)
 
 
 class RowLookup(torch.autograd.Function):
-    """The owner's gather of its row groups' rows: forward weight[ids] per group; backward the
-    fused update of every requested row once (`apply_gradients`, apply_row_gradients's
-    signature: apply_row_gradients itself, or 2D's replicas.apply_replicated_row_gradients).
+    """The owner's gather of its row groups' requested rows, one lookup for every group:
+    forward the row block of `requested` (RequestedRows); backward the fused update of every
+    requested row once (`apply_gradients`, update_requested_rows's signature: that itself, or
+    2D's replicas.update_replicated_rows).
 
-    Inputs: (optimizer step callback, apply_gradients, ids per group (tuple), *weights) -> one
-    [R_g, D_g] output per group.
+    Inputs: (optimizer step callback, apply_gradients, requested, *weights) -> the row block
+    float32 [max R_g, sum D_g].
     """
 
     @staticmethod
-    def forward(ctx, optimizer_step, apply_gradients, ids, *weights):
+    def forward(ctx, optimizer_step, apply_gradients, requested, *weights):
         ctx.optimizer_step = optimizer_step
         ctx.apply_gradients = apply_gradients
-        ctx.ids = ids
-        ctx.weights = weights
+        ctx.requested = requested
         # forward runs without autograd: the weights need no detach.
-        return tuple(w.index_select(0, i) for w, i in zip(weights, ids))
+        return pooled_forward(requested.lookup)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, grad):
         kinds, states, hparams = ctx.optimizer_step()
         # Updated in place under no_grad: the weights need no detach.
-        weights = list(ctx.weights)
-        grads = [g if g is not None else w.new_zeros(i.numel(), w.shape[1])
-                 for g, i, w in zip(grads, ctx.ids, weights)]
+        weights = ctx.requested.lookup.weights
         states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
         with torch.no_grad():
-            ctx.apply_gradients(weights, states, ctx.ids, [g.float() for g in grads], kinds,
+            ctx.apply_gradients(ctx.requested, states, grad.contiguous().float(), kinds,
                                 hparams)
         return (None, None, None) + (None,) * len(weights)
 

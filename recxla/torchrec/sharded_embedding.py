@@ -7,13 +7,14 @@ values. recxla's sends each row a rank's batch needs once:
 
     input_dist   every table's ids deduplicated per (owner, row group, micro-batch) and sent to
                  their owners (row_exchange.py, through input_dist.py)
-    compute      the owner gathers the requested rows (row_exchange.RowLookup)
+    compute      the owner gathers the requested rows, one lookup for every table
+                 (row_exchange.RowLookup)
     output_dist  each unique row once to each rank that asked, FP8 row-wise by default
                  (recxla.quantized_all_to_all); the rank expands them to the positions of its
                  ids (sequence_output.py)
     backward     the rank sums each row's gradients over its positions and sends one gradient
                  per unique row; the owner applies the fused optimizer once per row over every
-                 rank's (row_exchange.apply_row_gradients)
+                 rank's (row_exchange.update_requested_rows)
 
 It is recxla's pooled module (sharded_embedding_bag.py) with every table exchanged as rows and
 an expanding receiver: the same parts (sharded_builder.py), steps (sharded_steps.py, which

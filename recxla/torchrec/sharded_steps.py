@@ -41,9 +41,10 @@ from recxla.torchrec.early_lookup import EarlyLookup
 from recxla.torchrec.early_rows import EarlyRows
 from recxla.torchrec.input_dist import LookupInput, SizesInFlight
 from recxla.torchrec.output_dist import Message
-from recxla.torchrec.replicas import ReplicatedLookup, apply_replicated_row_gradients
+from recxla.torchrec.replicas import ReplicatedLookup, update_replicated_rows
 from recxla.torchrec.replicas import average_replicas as average_replica_tensors
-from recxla.torchrec.row_exchange import RowBags, RowInput, RowLookup, apply_row_gradients
+from recxla.torchrec.row_exchange import (RowBags, RowInput, RowLookup, requested_rows,
+                                          update_requested_rows)
 from recxla.torchrec.shard_layout import ShardLayout
 from recxla.torchrec.sharded_parts import ShardedParts
 from recxla.torchrec.types import PooledTables, TablesVersion
@@ -115,24 +116,25 @@ class ShardedSteps:
 
     def lookup(self, lookup_input: LookupInput):
         """compute() without a context: (lookup_pooled, lookup_rows)."""
-        row_outputs = self.lookup_rows(lookup_input)
-        return self.lookup_pooled(lookup_input, rows_follow=bool(row_outputs)), row_outputs
+        row_block = self.lookup_rows(lookup_input)
+        return self.lookup_pooled(lookup_input, rows_follow=row_block is not None), row_block
 
-    def lookup_rows(self, lookup_input: LookupInput):
-        """The owner's gather of its row-exchange tables: lookup_input (on the module's
-        device) -> per local row group the rows every rank asked for, float32 [R_g, cols_g]
-        in lookup_input.rows order (RowLookup: its backward applies the fused update once per
-        row); () without row tables."""
+    def lookup_rows(self, lookup_input: LookupInput) -> Optional[torch.Tensor]:
+        """The owner's gather of its row-exchange tables, one lookup for all of them:
+        lookup_input (on the module's device) -> the row block float32 [max_g R_g, sum_g
+        cols_g], local row group g's requested rows (lookup_input.rows order) in its columns
+        (row_exchange.RequestedRows; RowLookup: its backward applies the fused update once
+        per row); None without row tables."""
         tables = self.parts.tables
         if not tables.row_weights:
-            return ()
-        apply_gradients = apply_row_gradients if self.parts.replicas is None else \
-            functools.partial(apply_replicated_row_gradients, self.parts.replicas,
-                              self.parts.optim)
+            return None
+        apply_gradients = update_requested_rows if self.parts.replicas is None else \
+            functools.partial(update_replicated_rows, self.parts.replicas, self.parts.optim)
         optim = self.parts.optim
-        return tuple(RowLookup.apply(lambda: optim.step_arguments(tables.num_pooled),
-                                     apply_gradients, tuple(lookup_input.rows.ids),
-                                     *tables.row_weights))
+        return RowLookup.apply(lambda: optim.step_arguments(tables.num_pooled),
+                               apply_gradients,
+                               requested_rows(tables.row_weights, lookup_input.rows.ids),
+                               *tables.row_weights)
 
     def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
         """The owner's pooled lookup of every source's bags: lookup_input (on the module's
@@ -252,14 +254,14 @@ class ShardedSteps:
         return self.parts.output.receive_layout(batch, row_bags, micro_batch)
 
     def start_output(self, pooled: torch.Tensor, source_batches: List[int], message: Message,
-                     row_outputs: Sequence[torch.Tensor] = (), rows: Optional[RowInput] = None):
+                     row_block: Optional[torch.Tensor] = None,
+                     rows: Optional[RowInput] = None):
         """Starts the owner's output all-to-all for `message`'s exchange. pooled: float32
         [sum(source_batches), D_owner], the pooled rows for each source rank in turn (a slice
-        of lookup_pooled's output); row_outputs: lookup_rows's rows per local row group
-        [R_g, cols_g] (`rows`: the LookupInput's RowInput). Differentiable w.r.t. pooled and
-        row_outputs. -> (handle whose wait() gives the received rows float32
+        of lookup_pooled's output); row_block: lookup_rows's output (`rows`: the
+        LookupInput's RowInput). Differentiable w.r.t. pooled and row_block. -> (handle whose wait() gives the received rows float32
         [R, wire_row_dim], values sent to each rank, values expected from each rank)."""
-        return self.parts.output.start(pooled, source_batches, message, row_outputs, rows)
+        return self.parts.output.start(pooled, source_batches, message, row_block, rows)
 
     def assemble_output(self, received: torch.Tensor, message: Message,
                         lengths: Optional[torch.Tensor],
@@ -291,14 +293,16 @@ class ShardedSteps:
     def unpack_gradient(self, flat: torch.Tensor, source_batches: List[int],
                         rows: Optional[RowInput], k: int, first_sample: int,
                         gradient: Optional[torch.Tensor],
-                        row_gradients: Sequence[torch.Tensor]) -> None:
+                        row_gradient: Optional[torch.Tensor]) -> None:
         """The owner's gradient message of exchange k (flat, what start_gradient's handle gave)
         into the gradient buffers, one op: its pooled rows into `gradient` [B, D_owner] from
-        sample `first_sample` on (None: the message has no pooled values to keep), each row
-        group's rows into row_gradients[g] (rows.ids order)."""
+        sample `first_sample` on (None: the message has no pooled values to keep), its row
+        groups' rows into row_gradient, shaped as lookup_rows's row block (None: no row
+        tables)."""
         runs = self.parts.output.owner_message_runs(source_batches, rows, k, first_sample,
-                                                    len(row_gradients))
+                                                    row_gradient is not None)
         if gradient is None:
             runs = [r for r in runs if r.source != 0]
             gradient = flat.new_empty((0,))
-        copy_runs([flat], [gradient, *row_gradients], pack(r.transposed() for r in runs))
+        targets = [gradient] if row_gradient is None else [gradient, row_gradient]
+        copy_runs([flat], targets, pack(r.transposed() for r in runs))

@@ -102,7 +102,7 @@ class TorchRecFace:
 
     def compute(self, ctx: ShardedContext, dist_input: KJTList):
         """The owner's lookup. -> (pooled float32 [sum of the sources' batches, D_owner],
-        per row group its gathered rows [R_g, cols_g])."""
+        the row block of its row groups' requested rows or None: ShardedSteps.lookup_rows)."""
         lookup_input: LookupInput = self.steps.to_device(dist_input[0])
         ctx.source_batches = lookup_input.batch_sizes
         ctx.rows = lookup_input.rows
@@ -112,10 +112,10 @@ class TorchRecFace:
 
     def output_dist(self, ctx: ShardedContext, output) -> LazyAwaitable:
         """Starts the embeddings' all-to-all. -> LazyAwaitable of the module's output."""
-        pooled, row_outputs = output
+        pooled, row_block = output
         message = self.steps.output_message(ctx.batch_size, ctx.row_bags)
         handle, send, _ = self.steps.start_output(pooled, ctx.source_batches, message,
-                                                  row_outputs, ctx.rows)
+                                                  row_block, ctx.rows)
         return _OutputAwaitable(self, handle, send, message, ctx)
 
     def finish_output(self, handle, sent: List[int], message: Message, ctx: ShardedContext):

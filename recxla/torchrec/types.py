@@ -66,7 +66,7 @@ class EmbeddingSteps(Protocol):
     def to_device(self, lookup_input):
         ...
 
-    def lookup_rows(self, lookup_input) -> Tuple[torch.Tensor, ...]:
+    def lookup_rows(self, lookup_input) -> Optional[torch.Tensor]:
         ...
 
     def lookup_pooled(self, lookup_input, rows_follow: bool = False) -> torch.Tensor:
@@ -82,7 +82,7 @@ class EmbeddingSteps(Protocol):
         ...
 
     def start_output(self, pooled: torch.Tensor, source_batches: List[int], message,
-                     row_outputs: Sequence[torch.Tensor] = (), rows=None):
+                     row_block: Optional[torch.Tensor] = None, rows=None):
         ...
 
     def assemble_output(self, received: torch.Tensor, message,
@@ -99,7 +99,7 @@ class EmbeddingSteps(Protocol):
 
     def unpack_gradient(self, flat: torch.Tensor, source_batches: List[int], rows, k: int,
                         first_sample: int, gradient: Optional[torch.Tensor],
-                        row_gradients: Sequence[torch.Tensor]) -> None:
+                        row_gradient: Optional[torch.Tensor]) -> None:
         ...
 
     def stage_output(self, output: Union[Any, Callable[[], Any]]) -> None:
