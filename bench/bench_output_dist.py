@@ -4,10 +4,11 @@ on the message a rank gets in the trainer's default 4-rank job, no communication
     .venv/bin/python -m pytest bench/bench_output_dist.py --benchmark-only
 
 The message: rank 0 of 4, batch 1024, 26 one-feature tables of dim 64, table-wise; 24 of them
-in row exchange (the trainer's plan on 4 ranks), each sending the ~31% unique rows that the
-batch's bags read, the other 2 their pooled bags. One call is the forward pass (the module's
-output columns, every row group's bags pooled from the rows) and the backward pass (the output's
-gradient back into the message's layout, reduced per unique row). Providers:
+in row exchange (the trainer's plan on 4 ranks), each sending the unique rows that the batch's
+bags read (ids drawn from 31% as many rows as bags), the other 2 their pooled bags. One call is
+the forward pass (the module's output columns, every row group's bags pooled from the rows) and
+the backward pass (the output's gradient back into the message's layout, reduced per unique
+row). Providers:
 - recxla: `PooledAssembly.assemble` and `split`: one multi-table lookup for all row groups, one
   `recxla::copy_runs` per direction for the column ranges (and one for the row gradients);
 - per group: the same arithmetic as torch ops, how the output dist worked before: one lookup
@@ -21,6 +22,7 @@ so its receiver only permutes columns (the training results compare the two whol
 extra_info as bench/common.py: bytes = the message and the output, read and written, both ways.
 """
 
+import dataclasses
 from typing import List
 
 import pytest
@@ -28,6 +30,7 @@ import torch
 
 from bench.common import run_and_record
 from recxla.ops.embedding_bag import SUM, BagLookup, pooled_forward, unique_grad
+from recxla.ops.row_ids import encode_row_ids
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.output_dist import OutputDist
 from recxla.torchrec.row_exchange import RowBags
@@ -44,18 +47,21 @@ def _dist() -> OutputDist:
 
 
 def _bags(groups: int, generator) -> RowBags:
-    """This rank's bags: one id per bag, into UNIQUE x BATCH rows per group."""
+    """This rank's bags: one id per bag (table g's feature is input slot g), drawn from
+    UNIQUE x BATCH rows per group."""
     unique = int(UNIQUE * BATCH)
-    counts = torch.full((groups, 1), unique, dtype=torch.int64)
-    inverse = torch.randint(0, unique, (groups * BATCH,), generator=generator)
-    bounds = [g * BATCH for g in range(groups + 1)]
-    lengths = torch.ones(groups, 1, BATCH, dtype=torch.int64)
-    return RowBags(counts, inverse, bounds, lengths, None, [BATCH])
+    long = dict(dtype=torch.int64)
+    group = torch.arange(groups, **long).repeat_interleave(BATCH)
+    sample = torch.arange(BATCH, **long).repeat(groups)
+    ids = torch.randint(0, unique, (groups * BATCH,), generator=generator)
+    encoded = encode_row_ids(group, group.clone(), sample, ids, None, [0] * groups,
+                             [1] * groups, [BATCH])
+    return RowBags.encoded(encoded, encoded.counts.flatten().tolist(), encoded.bounds.tolist(),
+                           [BATCH], [1] * groups)
 
 
 def _recxla(dist, bags, flat, grad_out, bag_lengths):
-    message = dist.receive_layout(BATCH, RowBags(bags.counts, bags.inverse, bags.bounds,
-                                                 bags.lengths, None, bags.micro))
+    message = dist.receive_layout(BATCH, dataclasses.replace(bags))  # its bags made anew
     out = dist.assembly.assemble(flat, message, bag_lengths)
     return out, dist.assembly.split(grad_out, flat, message, bag_lengths)
 
@@ -67,9 +73,7 @@ def _group_bags(bags: RowBags, g: int):
     unique = torch.arange(count, dtype=torch.int64)
     bounds = torch.zeros(2, dtype=torch.int64)
     bounds[1] = count
-    lengths = bags.lengths[g, :1, :BATCH].reshape(-1)
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
+    offsets = torch.arange(BATCH + 1, dtype=torch.int64)  # one id per bag
     return unique, bounds, bags.inverse[first:last], offsets
 
 

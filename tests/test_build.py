@@ -116,8 +116,9 @@ def test_build_reports_what_it_built():
 
 # Ops whose inputs live on the host by design: a sharded module routes, packs and decodes its ids
 # on the CPU, where the loader delivers them, whatever device holds the tables
-# (recxla/ops/route_ids.py, recxla/ops/id_blocks.py).
-HOST_OPS = {"recxla::route_ids", "recxla::pack_id_blocks", "recxla::decode_id_blocks"}
+# (recxla/ops/route_ids.py, recxla/ops/id_blocks.py, recxla/ops/row_ids.py).
+HOST_OPS = {"recxla::route_ids", "recxla::pack_id_blocks", "recxla::decode_id_blocks",
+            "recxla::encode_row_ids"}
 
 
 def test_every_cpu_op_has_a_cuda_kernel():

@@ -5,35 +5,45 @@ import pytest
 import torch
 
 from recxla.ops.embedding_bag import MEAN, SUM, BagLookup, pooled_forward, unique_grad
+from recxla.ops.row_ids import encode_row_ids
 from recxla.torchrec.row_exchange import RowBags
 
 
 def _random_bags(generator, features, micro, weighted):
-    """RowBags as encode_rows lays them out, and per (group, micro-batch, feature, sample) the
-    bag's ids into that (group, micro-batch)'s unique rows (with their weights)."""
-    groups, batch, max_features = len(features), sum(micro), max(features)
-    lengths = torch.zeros(groups, max_features, batch, dtype=torch.int64)
-    inverse, weights, bounds, counts, bags = [], [], [0], torch.zeros(groups, len(micro),
-                                                                       dtype=torch.int64), {}
-    for g, num_features in enumerate(features):
+    """RowBags of random routed ids (encode_rows's op) and per (group, micro-batch, feature,
+    sample) the bag's ids into that (group, micro-batch)'s unique rows (with their weights)."""
+    groups, batch = len(features), sum(micro)
+    slot_of = [(g, f) for g in range(groups) for f in range(features[g])]
+    group, slot, sample, ids, weights = [], [], [], [], []
+    for s, (g, _) in enumerate(slot_of):
+        for b in range(batch):
+            n = int(torch.randint(0, 4, (), generator=generator))
+            group += [g] * n
+            slot += [s] * n
+            sample += [b] * n
+            ids += torch.randint(0, 6, (n,), generator=generator).tolist()
+            weights += torch.rand(n, generator=generator).tolist()
+    long = dict(dtype=torch.int64)
+    group, slot, sample, ids = (torch.tensor(v, **long) for v in (group, slot, sample, ids))
+    weights = torch.tensor(weights) if weighted else None
+    encoded = encode_row_ids(group, slot, sample, ids, weights, [f for _, f in slot_of],
+                             features, micro)
+    counts, bounds = encoded.counts.flatten().tolist(), encoded.bounds.tolist()
+    row_bags = RowBags.encoded(encoded, counts, bounds, micro, features)
+    unique = encoded.unique.split(counts)
+    bags = {}
+    for g in range(groups):
         for k, size in enumerate(micro):
-            unique = int(torch.randint(0, 6, (), generator=generator))
-            start = sum(micro[:k])
-            run = 0
-            for f in range(num_features):
+            run = unique[g * len(micro) + k].tolist()
+            for f in range(features[g]):
                 for b in range(size):
-                    n = int(torch.randint(0, 4, (), generator=generator)) if unique else 0
-                    ids = torch.randint(0, max(unique, 1), (n,), generator=generator)
-                    w = torch.rand(n, generator=generator)
-                    bags[g, k, f, b] = (ids, w)
-                    lengths[g, f, start + b] = n
-                    inverse.append(ids)
-                    weights.append(w)
-                    run += n
-            counts[g, k] = unique
-            bounds.append(bounds[-1] + run)
-    row_bags = RowBags(counts, torch.cat(inverse), bounds, lengths,
-                       torch.cat(weights) if weighted else None, list(micro))
+                    first = sum(micro[:k]) + b
+                    members = [i for i in range(ids.numel()) if group[i] == g and
+                               slot_of[slot[i]][1] == f and sample[i] == first]
+                    bags[g, k, f, b] = (
+                        torch.tensor([run.index(int(ids[i])) for i in members], **long),
+                        torch.tensor([1.0 if weights is None else float(weights[i])
+                                      for i in members]))
     return row_bags, bags
 
 
@@ -47,8 +57,8 @@ def test_message_bags_pool_and_reduce_as_each_bag_alone(seed, micro, weighted):
     for k, size in enumerate(micro):
         rows = [torch.randn(int(row_bags.counts[g, k]), c, generator=generator)
                 for g, c in enumerate(cols)]
-        m = row_bags.message_bags(k, features)
-        assert row_bags.message_bags(k, features) is m  # built once for forward and backward
+        m = row_bags.message_bags(k)
+        assert row_bags.message_bags(k) is m  # built once for forward and backward
         lookup = BagLookup(rows, m.unique_values, m.unique_offsets, m.inverse, m.offsets,
                            m.weights, m.feature_table, pooling, size)
         out = pooled_forward(lookup)

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "dedup_cpu.h"
 #include "dedup_sort.h"
 #include "recxla/dedup.h"
 
@@ -446,6 +447,12 @@ int64_t segmented_unique_out_cpu(
 }
 
 }  // namespace
+
+std::vector<int64_t> dedup_cpu::dedup_int64_segments(const int64_t* keys, const int64_t* off,
+                                                     int64_t segments, int64_t n,
+                                                     int64_t* stage, int64_t* inv) {
+  return dedup_segments<int64_t>(keys, off, segments, n, stage, inv);
+}
 
 TORCH_LIBRARY_IMPL(recxla, CPU, m) {
   m.impl("segmented_unique", &segmented_unique_cpu);

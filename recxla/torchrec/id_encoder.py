@@ -147,7 +147,7 @@ class IdEncoder:
         rows = None
         if self.rows.active:
             rows = encode_rows(self.rows, routed.row_group, routed.row_slot, routed.row_sample,
-                               routed.row_ids, routed.row_weights, micro, batch,
+                               routed.row_ids, routed.row_weights, micro,
                                lengths.view(num_slots_in, batch))
         total_slots = self.slot_base[-1]
         slot_counts = routed.slot_counts

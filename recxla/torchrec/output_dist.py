@@ -248,7 +248,7 @@ class PooledAssembly:
         batch = message.batch
         sources = [flat]
         if message.rows:
-            bags = message.bags.message_bags(message.micro_batch, self.group_features)
+            bags = message.bags.message_bags(message.micro_batch)
             sources.append(pooled_forward(BagLookup(
                 _group_rows(flat, message), bags.unique_values, bags.unique_offsets,
                 bags.inverse, bags.offsets, bags.weights, bags.feature_table, self.group_pooling,
@@ -281,7 +281,7 @@ class PooledAssembly:
         copy_runs([grad_out], targets,
                   pack(r.transposed() for r in self._column_runs(message)))
         if message.rows:
-            bags = message.bags.message_bags(message.micro_batch, self.group_features)
+            bags = message.bags.message_bags(message.micro_batch)
             rows = _group_rows(received.reshape(-1), message)
             row_grads = unique_grad(targets[1], BagLookup(
                 rows, bags.unique_values, bags.unique_offsets, bags.inverse, bags.offsets,

@@ -26,6 +26,7 @@ from recxla.ops.cluster import even_sizes
 from recxla.ops.copy_runs import Run, copy_runs, pack
 from recxla.ops.dedup import segmented_unique
 from recxla.ops.embedding_bag import SUM, BagLookup, backward_update, pooled_forward
+from recxla.ops.row_ids import EncodedRows, PlanSection, encode_row_ids, plan_sections
 from recxla.torchrec.shard_layout import ShardLayout
 
 
@@ -43,17 +44,14 @@ class RowRouting:
         groups = [g for r in range(world) for g in layout.row_groups(r)]
         self.tables = [g.table for g in groups]
         self.features = [len(layout.tables[t].feature_names) for t in self.tables]
-        self.max_features = max(self.features, default=1)
         # Pooling of a group's bags at the receiver: a row-sharded MEAN table's partial sums
         # are divided by the whole bag's length at assembly, as for pooled exchange.
         self.pooling = [SUM if layout.row_sharded(t) else layout.tables[t].pooling
                         for t in self.tables]
         self.cols = [g.cols for g in groups]
         # Per input slot: its feature's position among its table's features.
-        self.slot_position = torch.tensor(
-            [layout.tables[t].feature_names.index(f)
-             for t, f in zip(layout.input_slot_table, layout.input_slot_feature)],
-            dtype=torch.int64, device=device)
+        self.slot_position = [layout.tables[t].feature_names.index(f)
+                              for t, f in zip(layout.input_slot_table, layout.input_slot_feature)]
         # Per input slot: the routes of each of its ids (route_ids writes an id's routes one
         # after another): the column shards of its row block, the same for every block of a
         # table that TorchRec's plans make (one block with column shards, or row blocks of one
@@ -72,27 +70,41 @@ class RowRouting:
 
 @dataclass
 class RowBags:
-    """The sender's bags of its row groups, for the receive side of its own batch.
+    """The sender's bags of its row groups, for the receive side of its own batch
+    (recxla.ops.row_ids.encode_row_ids made them).
 
     counts: int64 [G, M] unique rows per (global row group, micro-batch); inverse: int64 [P]
     each id's index into its (group, micro-batch)'s unique rows, ids ordered by (group,
     micro-batch, feature, sample); bounds: P-offsets of the (group, micro-batch) runs
-    ([G * M + 1] ints); lengths: int64 [G, max features, B] bag lengths (samples in
-    micro-batch order); weights: float32 [P] or None; micro: the M micro-batch sizes;
-    positions: int64 [P] (expanded rows only, else None) each id's position in its
-    micro-batch's output (input slot by input slot, sample by sample, in bag order).
+    ([G * M + 1] ints); micro: the M micro-batch sizes; plan: int64, every micro-batch's
+    message bags, laid out as `sections` says (recxla.ops.row_ids.plan_sections);
+    message_weights: float32 [P] in the plan's order, or None; features: per global row group,
+    its feature count; positions: int64 [P] (expanded rows only, else None) each id's position
+    in its micro-batch's output (input slot by input slot, sample by sample, in bag order).
     """
 
     counts: torch.Tensor
     inverse: torch.Tensor
     bounds: List[int]
-    lengths: torch.Tensor
-    weights: Optional[torch.Tensor]
     micro: List[int]
+    plan: torch.Tensor
+    message_weights: Optional[torch.Tensor]
+    features: List[int]
+    sections: List[PlanSection]
     positions: Optional[torch.Tensor] = None
     # message_bags() per micro-batch: the forward pass (pooling) and the backward (gradients
     # per unique row) each ask for the same ones.
     _message_bags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def encoded(cls, encoded: EncodedRows, counts: List[int], bounds: List[int],
+                micro: Sequence[int], features: Sequence[int],
+                positions: Optional[torch.Tensor] = None) -> "RowBags":
+        """The bags of encode_row_ids' result (counts, bounds: its counts and bounds as host
+        ints; micro, features: as it was given them)."""
+        return cls(encoded.counts, encoded.inverse, bounds, list(micro), encoded.plan,
+                   encoded.message_weights, list(features),
+                   plan_sections(counts, bounds, micro, features), positions)
 
     def to(self, device: torch.device) -> "RowBags":
         """The bags on `device` (counts stay where they are: they are read on the host)."""
@@ -100,8 +112,9 @@ class RowBags:
         if self.inverse.device == device:
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return RowBags(self.counts, move(self.inverse), self.bounds, move(self.lengths),
-                       move(self.weights), self.micro, move(self.positions))
+        return RowBags(self.counts, move(self.inverse), self.bounds, self.micro, move(self.plan),
+                       move(self.message_weights), self.features, self.sections,
+                       move(self.positions))
 
     def ids_to(self, dest: int, routing: "RowRouting") -> int:
         """Id occurrences (before dedup) this rank routes to dest's row groups."""
@@ -109,11 +122,17 @@ class RowBags:
         return (self.bounds[routing.group_base[dest + 1] * num_micro]
                 - self.bounds[routing.group_base[dest] * num_micro])
 
-    def message_bags(self, k: int, features: Sequence[int]) -> "MessageBags":
+    def message_bags(self, k: int) -> "MessageBags":
         """Every row group's bags of micro-batch k as one multi-table lookup over the rows that
-        micro-batch's message brings (group after group); features: per global row group, its
-        feature count."""
-        return self.cached(k, lambda: self._make_message_bags(k, features))
+        micro-batch's message brings (group after group): views of the plan."""
+        def make():
+            section, plan = self.sections[k], self.plan
+            weights = self.message_weights
+            return MessageBags(plan[section.unique_values], plan[section.unique_offsets],
+                               plan[section.inverse], plan[section.offsets],
+                               None if weights is None else weights[section.weights],
+                               [g for g, f in enumerate(self.features) for _ in range(f)])
+        return self.cached(k, make)
 
     def cached(self, key, make):
         """make() once per key for these bags (what a receiver derives from them per
@@ -146,38 +165,6 @@ class RowBags:
             shift, self.on_device(ids), output_size=total)
         return (lambda x: x.index_select(0, index)), ids
 
-    def _make_message_bags(self, k: int, features: Sequence[int]) -> "MessageBags":
-        groups = self.counts.shape[0]
-        device = self.inverse.device
-        on_device = self.on_device
-        counts = self.counts[:, k]
-        unique_rows = int(counts.sum())
-        # Each group's rows are numbered from 0 in its own table.
-        unique_offsets = on_device(list(accumulate(counts.tolist(), initial=0)))
-        unique_values = torch.arange(unique_rows, dtype=torch.int64, device=device) - \
-            torch.repeat_interleave(unique_offsets[:-1], on_device(counts),
-                                    output_size=unique_rows)
-        take, ids = self.micro_batch_ids(k)
-        total = sum(ids)
-        ids_per_group = on_device(ids)
-        # Each id's index into its group's rows -> into the message's rows.
-        inverse = take(self.inverse) + torch.repeat_interleave(
-            unique_offsets[:-1], ids_per_group, output_size=total)
-        weights = None if self.weights is None else take(self.weights)
-        # Bags (group, feature, sample) in that order; a group has only its own features.
-        start = sum(self.micro[:k])
-        max_features = self.lengths.shape[1]
-        lengths = self.lengths[:, :, start: start + self.micro[k]]
-        if any(f != max_features for f in features):
-            valid = on_device([g * max_features + f for g in range(groups)
-                               for f in range(features[g])])
-            lengths = lengths.reshape(groups * max_features, -1).index_select(0, valid)
-        lengths = lengths.reshape(-1)
-        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
-        torch.cumsum(lengths, 0, out=offsets[1:])
-        return MessageBags(unique_values, unique_offsets, inverse, offsets, weights,
-                           [g for g in range(groups) for _ in range(features[g])])
-
 
 @dataclass(frozen=True)
 class MessageBags:
@@ -197,10 +184,9 @@ class MessageBags:
 
 def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
                 sample: torch.Tensor, local_ids: torch.Tensor, weights: Optional[torch.Tensor],
-                micro: Sequence[int], batch: int,
-                input_lengths: Optional[torch.Tensor] = None
+                micro: Sequence[int], input_lengths: Optional[torch.Tensor] = None
                 ) -> Tuple[RowBags, torch.Tensor, List[int]]:
-    """The sender's half for the ids routed to row groups.
+    """The sender's half for the ids routed to row groups (recxla.ops.row_ids.encode_row_ids).
 
     group, slot, sample, local_ids: int64 [P], per id (one entry per route of an id, in input
     order): its global row group, input slot, sample (micro-batch order) and row local to the
@@ -209,33 +195,19 @@ def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
     -> (RowBags, unique ids int64 [sum of counts] in (group, micro-batch) order,
         unique counts per (group, micro-batch) as G * M ints).
     """
-    num_micro = len(micro)
-    device = local_ids.device
-    micro_of_sample = torch.repeat_interleave(
-        torch.arange(num_micro, device=device), torch.tensor(list(micro), device=device),
-        output_size=batch)
-    k = micro_of_sample.index_select(0, sample)
-    position = routing.slot_position.index_select(0, slot)
-    fmax = routing.max_features
-    run = group * num_micro + k
-    order = torch.sort((run * fmax + position) * max(batch, 1) + sample, stable=True).indices
-    sorted_ids = local_ids.index_select(0, order)
-    run_counts = torch.bincount(run, minlength=routing.total * num_micro)
-    bounds = torch.zeros(routing.total * num_micro + 1, dtype=torch.int64, device=device)
-    torch.cumsum(run_counts, 0, out=bounds[1:])
-    unique, unique_offsets, inverse = segmented_unique(sorted_ids, bounds)
-    starts = torch.repeat_interleave(unique_offsets[:-1], run_counts, output_size=order.numel())
-    lengths = torch.bincount((group * fmax + position) * batch + sample,
-                             minlength=routing.total * fmax * batch).view(routing.total, fmax,
-                                                                          batch)
-    counts = unique_offsets.diff().view(routing.total, num_micro)
+    encoded = encode_row_ids(group, slot, sample, local_ids, weights, routing.slot_position,
+                             routing.features, micro)
+    counts, bounds = encoded.counts.flatten().tolist(), encoded.bounds.tolist()
     positions = None
     if routing.expand:
-        positions = output_positions(routing, slot, k, input_lengths, micro).index_select(0, order)
-    bags = RowBags(counts, inverse - starts, bounds.tolist(), lengths,
-                   None if weights is None else weights.index_select(0, order), list(micro),
-                   positions)
-    return bags, unique, counts.flatten().tolist()
+        device = local_ids.device
+        micro_of_sample = torch.repeat_interleave(
+            torch.arange(len(micro), device=device), torch.tensor(list(micro), device=device),
+            output_size=sum(micro))
+        positions = output_positions(routing, slot, micro_of_sample.index_select(0, sample),
+                                     input_lengths, micro).index_select(0, encoded.order)
+    return (RowBags.encoded(encoded, counts, bounds, micro, routing.features, positions),
+            encoded.unique, counts)
 
 
 def output_positions(routing: RowRouting, slot: torch.Tensor, k: torch.Tensor,
