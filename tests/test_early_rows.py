@@ -30,7 +30,7 @@ def test_split_requests_matches_by_hand_split(seed):
         ids.append(torch.randint(0, 1000, (n,), generator=g))
         counts.append(per.tolist())
         masks.append(torch.rand(n, generator=g) < 0.4)
-    early, late = split_requests(RowInput(ids, counts), torch.cat(masks))
+    early, late = split_requests(RowInput(torch.cat(ids), counts), torch.cat(masks))
     for group, (i, c, m) in enumerate(zip(ids, counts, masks)):
         start = 0
         want_early, want_late = [], []

@@ -69,14 +69,15 @@ class _Exchange:
         me, lo = self.rank, sum(send_splits[:self.rank])
         hi = lo + send_splits[me]
         self.kept = rows[lo:hi]
-        before, after = rows[:lo], rows[hi:]
+        after = rows.shape[0] - hi
         row_bytes = get_format(fmt, OP).row_bytes(self.dim)
-        if before.shape[0] and after.shape[0]:
-            send = empty_buffer((lo + after.shape[0], row_bytes), torch.uint8, rows.device)
-            quantize_rows(before, fmt, out=send[:lo])
-            quantize_rows(after, fmt, out=send[lo:])
+        # Slices only where there are rows: each is a call (a launch on a GPU).
+        if lo and after:
+            send = empty_buffer((lo + after, row_bytes), torch.uint8, rows.device)
+            quantize_rows(rows[:lo], fmt, out=send[:lo])
+            quantize_rows(rows[hi:], fmt, out=send[lo:])
         else:
-            send = quantize_rows(after if lo == 0 else before, fmt)
+            send = quantize_rows(rows[hi:] if lo == 0 else rows[:lo], fmt)
         recv = empty_buffer((sum(recv_splits) - recv_splits[me], row_bytes), torch.uint8,
                             rows.device)
         if self.world > 1:
@@ -103,7 +104,8 @@ class _Exchange:
                 dequantize_rows(recv[:lo], self.dim, fmt, out=out[:lo])
             out[lo:lo + kept.shape[0]].copy_(kept)
             if lo < recv.shape[0]:
-                dequantize_rows(recv[lo:], self.dim, fmt, out=out[lo + kept.shape[0]:])
+                dequantize_rows(recv[lo:] if lo else recv, self.dim, fmt,
+                                out=out[lo + kept.shape[0]:])
         # Only now may the send and receive buffers serve another exchange.
         self.work, self.buffers, self.kept = None, [], None
         return out

@@ -95,6 +95,8 @@ def split_batch(batch: Any, num_micro_batches: int, split: str = "contiguous") -
 def _merge(outputs: List[Any], sizes: List[int], order: Optional[torch.Tensor]) -> Any:
     first = outputs[0]
     if isinstance(first, torch.Tensor):
+        if len(outputs) == 1:  # one micro-batch: its output is the batch's (x 1.0, no cat)
+            return first.detach()
         if first.dim() == 0:
             # Empty micro-batches are left out: their mean over no sample is NaN.
             total = sum(sizes)

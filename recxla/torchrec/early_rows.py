@@ -53,7 +53,7 @@ POOLED_EARLY_MIN = 0.5
 
 
 def split_requests(rows: RowInput, late: torch.Tensor) -> Tuple[RowInput, RowInput]:
-    """rows: the owner's requests; late: bool [sum_g R_g], rows.ids concatenated, the requests
+    """rows: the owner's requests; late: bool [sum_g R_g], one per rows.values, the requests
     that come late. -> (the early requests, the late ones), each a RowInput in rows' order."""
     sizes = [c for counts in rows.counts for per_micro in counts for c in per_micro]
     ends = torch.tensor(list(accumulate(sizes, initial=0)), dtype=torch.int64,
@@ -62,9 +62,8 @@ def split_requests(rows: RowInput, late: torch.Tensor) -> Tuple[RowInput, RowInp
     torch.cumsum(late, 0, out=running[1:])
     late_per = running.index_select(0, ends).diff().tolist()
     early_per = [s - n for s, n in zip(sizes, late_per)]
-    flat = torch.cat(rows.ids) if rows.ids else late.new_empty(0, dtype=torch.int64)
-    early_ids, late_ids = flat[~late], flat[late]
-    early_counts, late_counts, early_totals, late_totals = [], [], [], []
+    early_ids, late_ids = rows.values[~late], rows.values[late]
+    early_counts, late_counts = [], []
     run = 0
     for counts in rows.counts:
         width = len(counts[0]) if counts else 0
@@ -73,11 +72,8 @@ def split_requests(rows: RowInput, late: torch.Tensor) -> Tuple[RowInput, RowInp
                              for k in range(len(counts))])
         late_counts.append([late_per[run + k * width: run + (k + 1) * width]
                             for k in range(len(counts))])
-        early_totals.append(sum(early_per[run: run + n]))
-        late_totals.append(sum(late_per[run: run + n]))
         run += n
-    return (RowInput(list(early_ids.split(early_totals)), early_counts),
-            RowInput(list(late_ids.split(late_totals)), late_counts))
+    return RowInput(early_ids, early_counts), RowInput(late_ids, late_counts)
 
 
 def late_bags(next_input: LookupInput, current_input: LookupInput,
@@ -120,21 +116,20 @@ def _rows_read(values: torch.Tensor, bounds: Sequence[int], table_rows: Sequence
     return read
 
 
-def _late_requests(next_ids: Sequence[torch.Tensor], current_ids: Sequence[torch.Tensor],
-                   table_rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """bool per request of next_ids (concatenated): the current batch requested that row of
+def _late_requests(next_rows: RowInput, current_rows: RowInput, table_rows: Sequence[int],
+                   device: torch.device) -> torch.Tensor:
+    """bool per request of next_rows (its values): the current batch requested that row of
     that group too."""
-    if not next_ids:
+    if not next_rows.counts:
         return torch.zeros(0, dtype=torch.bool, device=device)
-    current = [i.to(torch.int64) for i in current_ids]
-    read = _rows_read(torch.cat(current), list(accumulate((i.numel() for i in current),
-                                                          initial=0)), table_rows, device)
+    read = _rows_read(current_rows.values, list(accumulate(current_rows.sizes, initial=0)),
+                      table_rows, device)
     base = torch.tensor(list(accumulate(table_rows, initial=0))[:-1], dtype=torch.int64,
                         device=device)
-    sizes = [i.numel() for i in next_ids]
+    sizes = next_rows.sizes
     shift = torch.repeat_interleave(base, torch.tensor(sizes, dtype=torch.int64, device=device),
                                     output_size=sum(sizes))
-    return read.index_select(0, torch.cat(next_ids).to(torch.int64) + shift)
+    return read.index_select(0, next_rows.values + shift)
 
 
 class EarlyRows:
@@ -169,14 +164,14 @@ class EarlyRows:
         world, me, row_dim = layout.world_size, layout.rank, output.row_dim
         self.sizes = next_input.micro_batch_sizes  # [W][M] samples per source and micro-batch
         self.num_micro = len(self.sizes[me])
-        next_rows = next_input.rows if next_input.rows is not None else RowInput([], [])
-        current_rows = current_input.rows if current_input.rows is not None else \
-            RowInput([], [])
+        no_rows = RowInput(torch.zeros(0, dtype=torch.int64, device=device), [])
+        next_rows = next_input.rows if next_input.rows is not None else no_rows
+        current_rows = current_input.rows if current_input.rows is not None else no_rows
         # Owner: the late pooled bags, as flags per wire row of the pooled block, and the late
         # requests of the row groups.
         bags = late_bags(next_input, current_input, tables)
-        rows = _late_requests(next_rows.ids, current_rows.ids,
-                              [w.shape[0] for w in row_weights], device)
+        rows = _late_requests(next_rows, current_rows, [w.shape[0] for w in row_weights],
+                              device)
         cols = torch.tensor(layout.slot_cols(me), dtype=torch.float32, device=device)
         early_values = float(((~bags).to(torch.float32) * cols).sum()) if bags.numel() else 0.0
         total_values = float(cols.sum()) * bags.shape[0]
@@ -190,19 +185,19 @@ class EarlyRows:
         self._late_wire = _wire_flags(bags, layout.slot_cols(me), row_dim)
         self.early_input, self.late_input = split_requests(next_rows, rows)
         positions = rows.nonzero().flatten()
-        group_starts = list(accumulate((i.numel() for i in next_rows.ids), initial=0))
+        group_starts = list(accumulate(next_rows.sizes, initial=0))
+        late_sizes = self.late_input.sizes
         self.late_index = list((positions - torch.repeat_interleave(
             torch.tensor(group_starts[:-1], dtype=torch.int64, device=device),
-            torch.tensor([i.numel() for i in self.late_input.ids], dtype=torch.int64,
-                         device=device), output_size=positions.numel())).split(
-                [i.numel() for i in self.late_input.ids]))
+            torch.tensor(late_sizes, dtype=torch.int64, device=device),
+            output_size=positions.numel())).split(late_sizes))
         self._early_rows = [w.detach().index_select(0, ids)
                             for w, ids in zip(row_weights, self.early_input.ids)]
         # Each row group's columns in the row block that start_late is given.
         self._row_columns = list(accumulate((w.shape[1] for w in row_weights), initial=0))
         # The masks to the ranks that asked: per source, micro-batch by micro-batch, its bags
         # (sample by sample, slot by slot) then its rows group by group.
-        groups = len(next_rows.ids)
+        groups = len(next_rows.counts)
         run_sizes = [c for counts in next_rows.counts for per_micro in counts for c in per_micro]
         run_starts = list(accumulate(run_sizes, initial=0))
         bag_flat = bags.reshape(-1)
@@ -235,7 +230,7 @@ class EarlyRows:
                       for o in range(world)]
         flat = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.bool, device=device)
         self._masks_in_flight = _MasksInFlight(flat, send_sizes, recv_sizes, group)
-        early_cells = int((~bags).sum()) + sum(i.numel() for i in self.early_input.ids)
+        early_cells = int((~bags).sum()) + self.early_input.values.numel()
         output.stats.rows_sent_early += early_cells
         output.stats.rows_sent_late += bags.numel() + rows.numel() - early_cells
         self._early: List[Optional[tuple]] = []

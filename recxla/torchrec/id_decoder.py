@@ -83,7 +83,7 @@ class LookupInput:
                 t = t.pin_memory()
             return t.to(device, non_blocking=True)
 
-        rows = None if self.rows is None else RowInput([move(i) for i in self.rows.ids],
+        rows = None if self.rows is None else RowInput(move(self.rows.values),
                                                        self.rows.counts)
         return LookupInput(move(self.unique_values), move(self.unique_offsets),
                            move(self.inverse), move(self.offsets), move(self.per_sample_weights),
@@ -92,7 +92,7 @@ class LookupInput:
 
     def tensors(self) -> List[torch.Tensor]:
         """Every tensor the input holds (the requested rows' ids included)."""
-        rows = [] if self.rows is None else list(self.rows.ids)
+        rows = [] if self.rows is None else [self.rows.values]
         return [t for t in (self.unique_values, self.unique_offsets, self.inverse, self.offsets,
                             self.per_sample_weights, *rows) if t is not None]
 
@@ -163,8 +163,7 @@ class IdDecoder:
         rows = None
         if my_groups:
             counts = decoded.row_counts.tolist()  # [group][micro-batch][source]
-            per_group = [sum(sum(c) for c in group) for group in counts]
-            rows = RowInput(list(torch.split(decoded.row_ids, per_group)), counts)
+            rows = RowInput(decoded.row_ids, counts)
         slot_id_bounds = offsets[::total_batch].tolist() if total_batch else \
             [0] * (num_slots + 1)
         return LookupInput(unique_values, unique_offsets, inverse, offsets,

@@ -241,12 +241,23 @@ def output_positions(routing: RowRouting, slot: torch.Tensor, k: torch.Tensor,
 
 @dataclass
 class RowInput:
-    """The owner's row groups for one batch: per local row group, the ids every rank asked for
-    (int64 [R_g], micro-batch by micro-batch, rank by rank inside one) and the counts
-    ([M][W] ints) that cut them."""
+    """The owner's row groups for one batch: the ids every rank asked for, int64 [sum_g R_g],
+    group after group, inside a group micro-batch by micro-batch and rank by rank inside one
+    (one tensor: it moves to a device in one copy), and per group the counts ([M][W] ints)
+    that cut them."""
 
-    ids: List[torch.Tensor]
+    values: torch.Tensor
     counts: List[List[List[int]]]
+
+    @property
+    def sizes(self) -> List[int]:
+        """R_g: each group's requested ids."""
+        return [sum(sum(per_micro) for per_micro in group) for group in self.counts]
+
+    @property
+    def ids(self) -> List[torch.Tensor]:
+        """Each group's ids, int64 [R_g] (views of values)."""
+        return list(self.values.split(self.sizes))
 
     def start(self, group: int, k: int, source: int = 0) -> int:
         """Index of (micro-batch k, source)'s first row in group's ids."""
@@ -287,13 +298,13 @@ class RequestedRows:
                 for g in range(len(self.counts))]
 
 
-def requested_rows(weights: Sequence[torch.Tensor],
-                   ids: Sequence[torch.Tensor]) -> RequestedRows:
-    """The RequestedRows of `ids` (int [R_t] per table of `weights`, repeats allowed)."""
+def requested_rows(weights: Sequence[torch.Tensor], values: torch.Tensor,
+                   counts: Sequence[int]) -> RequestedRows:
+    """The RequestedRows of `values` (int64 [sum of counts]: counts[t] ids of each table of
+    `weights` in turn, repeats allowed)."""
     tables = len(weights)
     device = weights[0].device
-    counts = [i.numel() for i in ids]
-    values = torch.cat([i.to(torch.int64) for i in ids])
+    counts = list(counts)
     bounds = torch.tensor(list(accumulate(counts, initial=0)), device=device)
     unique, unique_offsets, inverse = segmented_unique(values, bounds)
     batch = max(counts, default=0)
@@ -325,7 +336,8 @@ def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.
     gradients: ids int64 [R_t] (repeats allowed), grads float32 [R_t, D_t]."""
     if not weights:
         return
-    requested = requested_rows(weights, ids)
+    requested = requested_rows(weights, torch.cat([i.to(torch.int64) for i in ids]),
+                               [i.numel() for i in ids])
     columns = requested.columns
     grad = torch.zeros((requested.lookup.batch_size, requested.width),
                        device=weights[0].device)

@@ -133,7 +133,8 @@ class ShardedSteps:
         optim = self.parts.optim
         return RowLookup.apply(lambda: optim.step_arguments(tables.num_pooled),
                                apply_gradients,
-                               requested_rows(tables.row_weights, lookup_input.rows.ids),
+                               requested_rows(tables.row_weights, lookup_input.rows.values,
+                                              lookup_input.rows.sizes),
                                *tables.row_weights)
 
     def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
