@@ -21,6 +21,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recxla.data import hashing
+from recxla.ops.copy_runs import Run, copy_runs, pack
 from recxla.train.config import TrainConfig
 
 _TAG_INIT = 0x1A17
@@ -168,29 +169,46 @@ def feature_runs(keys: Sequence[str], dims: Sequence[int],
 
 class PadFeatures(torch.autograd.Function):
     """values [B, sum of the features' dims] -> [B, F, D]: feature f's columns at [:, f, :d_f],
-    zeros after them. Each pass writes every element once: forward one copy and one fill per
-    run, backward one copy per run into the values' gradient."""
+    zeros after them. Each pass is one `recxla::copy_runs` that writes every element once:
+    forward the features' columns and the zeros of their padding (read from a [D] zero row
+    with stride 0), backward the features' columns into the values' gradient."""
 
     @staticmethod
     def forward(ctx, values, runs: List[FeatureRun], num_features: int, dim: int):
-        ctx.runs = runs
-        batch = values.shape[0]
+        batch, total = values.shape
+        copies, pads = _pad_runs(runs, batch, total, num_features, dim)
+        ctx.copies, ctx.total = copies, total
         out = values.new_empty((batch, num_features, dim))
-        for first, count, width, column in runs:
-            out[:, first: first + count, :width].copy_(
-                values[:, column: column + count * width].reshape(batch, count, width))
-            out[:, first: first + count, width:].zero_()
+        sources = [values.contiguous()]
+        if pads:
+            sources.append(values.new_zeros((dim,)))
+        copy_runs(sources, [out], pack(copies + pads))
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        batch = grad.shape[0]
-        total = sum(count * width for _, count, width, _ in ctx.runs)
-        grad_values = grad.new_empty((batch, total))
-        for first, count, width, column in ctx.runs:
-            grad_values[:, column: column + count * width].view(batch, count, width).copy_(
-                grad[:, first: first + count, :width])
+        grad_values = grad.new_empty((grad.shape[0], ctx.total))
+        copy_runs([grad.contiguous()], [grad_values], pack(r.transposed() for r in ctx.copies))
         return grad_values, None, None, None
+
+
+def _pad_runs(runs: List[FeatureRun], batch: int, total: int, num_features: int,
+              dim: int) -> Tuple[List[Run], List[Run]]:
+    """PadFeatures' runs: (the copies of the features' columns, source 0: values [batch,
+    total] -> target [batch, num_features, dim]; the zeros after each narrower feature, source
+    1: a [dim] zero row)."""
+    copies, pads = [], []
+    for first, count, width, column in runs:
+        if width == dim:  # the run's features lie side by side in the output too
+            copies.append(Run(0, column, total, 0, first * dim, num_features * dim, batch,
+                              count * width))
+            continue
+        for j in range(count):
+            at = (first + j) * dim
+            copies.append(Run(0, column + j * width, total, 0, at, num_features * dim, batch,
+                              width))
+            pads.append(Run(1, 0, 0, 0, at + width, num_features * dim, batch, dim - width))
+    return copies, pads
 
 
 class FixedPooledEmbeddings(torch.nn.Module):
