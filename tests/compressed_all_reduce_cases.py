@@ -39,16 +39,26 @@ def node_layouts(world):
 
 
 class Bucket:
-    """What a DDP comm hook reads of a bucket."""
+    """What a DDP comm hook reads of a bucket. flat: the gradients are views of the bucket's
+    buffer, one after another (DDP's layout; the averages land in the buffer); else the
+    gradients are the tensors given (written in place) and the buffer a copy of them."""
 
-    def __init__(self, params, grads, last):
-        self._params, self._grads, self._last = params, grads, last
+    def __init__(self, params, grads, last, flat=False):
+        self._params, self._last = params, last
         self._buffer = torch.cat([g.flatten() for g in grads])
+        if flat:
+            starts = [0]
+            for g in grads:
+                starts.append(starts[-1] + g.numel())
+            grads = [self._buffer[a:b].view_as(g) for a, b, g in zip(starts, starts[1:], grads)]
+        self._grads = grads
+        self.gradient_reads = 0  # calls of gradients()
 
     def parameters(self):
         return self._params
 
     def gradients(self):
+        self.gradient_reads += 1
         return self._grads
 
     def buffer(self):
@@ -112,25 +122,33 @@ def regroup_and_resume_body(rank, world, cls_name, kwargs, seed, shapes, steps, 
 
     cls = getattr(recxla.distributed, cls_name)
 
-    def run(buckets, resume_at=None):
+    def run(buckets, resume_at=None, flat=False):
         params = params_of(shapes)
         named = [(f"p{i}", p) for i, p in enumerate(params)]
         sync = cls(named, **kwargs)
-        results = []
+        results, reads = [], []
         for step in range(steps):
             if step == resume_at:  # a new state from the saved one, as a resumed run
                 saved = {k: v.clone() for k, v in sync.state_dict().items()}
                 sync = cls(named, **kwargs)
                 sync.load_state_dict(saved)
             grads = grads_of(seed, rank, step, shapes)
-            handles = [sync.start_bucket(Bucket([params[i] for i in b], [grads[i] for i in b],
-                                                k + 1 == len(buckets)))
-                       for k, b in enumerate(buckets)]
+            made = [Bucket([params[i] for i in b], [grads[i] for i in b],
+                           k + 1 == len(buckets), flat) for k, b in enumerate(buckets)]
+            handles = [sync.start_bucket(bucket) for bucket in made]
             sync.finish([h for h in handles if h is not None])
-            results.append(torch.cat([t.flatten() for t in grads]))
-        return torch.stack(results)
+            reads.append(sum(bucket.gradient_reads for bucket in made))
+            averaged = {i: g for b, bucket in zip(buckets, made)
+                        for i, g in zip(b, bucket.gradients())}
+            results.append(torch.cat([averaged[i].flatten() for i in range(len(shapes))]))
+        return torch.stack(results), reads
 
-    whole = run([list(range(len(shapes)))])
-    return {"regrouped": torch.equal(whole, run(split)),
-            "resumed": torch.equal(whole, run(split, resume_at=steps // 2)),
-            "changes": not torch.equal(whole[0], whole[-1])}
+    # The whole set in one flat bucket (DDP's layout) against split buckets of separate
+    # gradients and of flat buffers: the same bits whatever holds the gradients.
+    whole, reads = run([list(range(len(shapes)))], flat=True)
+    return {"regrouped": torch.equal(whole, run(split)[0]) and
+            torch.equal(whole, run(split, flat=True)[0]),
+            "resumed": torch.equal(whole, run(split, resume_at=steps // 2)[0]),
+            "changes": not torch.equal(whole[0], whole[-1]),
+            # the all-reduce's gradients() calls per step on the flat whole set
+            "gradient_reads": reads}

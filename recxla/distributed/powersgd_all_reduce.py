@@ -37,6 +37,7 @@ Every call issues its collectives from the calling thread, in program order (nev
 completion callback), so every rank issues them in the same order on each group.
 """
 
+from itertools import accumulate
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -46,6 +47,7 @@ from recxla.data import hashing
 from recxla.distributed.all_reduce_by_node import all_reduce_by_node
 from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.distributed.traffic import carrying
+from recxla.ops.copy_runs import Run, copy_runs, pack
 
 OP = "recxla.distributed.PowerSGDAllReduce"
 # Averages before a parameter is compressed. torch's hook defaults to 1,000 for long runs and
@@ -91,17 +93,17 @@ class PowerSGDAllReduceHandle:
     completes the first all-reduce and starts the second; `wait()` completes it and writes the
     averages into the gradients.
 
-    Args (from PowerSGDAllReduce.start): indices and grads of the set, in parameter order;
-    whole: flat views of the gradients that travel whole, in the buffer's order; compressed:
-    (position in the set, parameter index, M_w [n, m]) of each compressed gradient; factors:
-    their P [n, r], views of `buffer`; buffer: float32, the whole gradients then the factors,
-    being summed by `work`."""
+    Args (from PowerSGDAllReduce.start): indices of the set's parameters, in parameter order;
+    whole: the gradients that travel whole, as a _WholeGradients; compressed: (parameter
+    index, M_w [n, m], the gradient viewed [n, m]) of each compressed gradient; factors: their
+    P [n, r], views of `buffer`; buffer: float32, the whole gradients then the factors, being
+    summed by `work`."""
 
     def __init__(self, owner: "PowerSGDAllReduce", indices: List[int],
-                 grads: List[torch.Tensor], whole: List[torch.Tensor],
-                 compressed: List[Tuple[int, int, torch.Tensor]], factors: List[torch.Tensor],
-                 buffer: torch.Tensor, work):
-        self._owner, self._indices, self._grads = owner, indices, grads
+                 whole: "_WholeGradients",
+                 compressed: List[Tuple[int, torch.Tensor, torch.Tensor]],
+                 factors: List[torch.Tensor], buffer: torch.Tensor, work):
+        self._owner, self._indices = owner, indices
         self._whole, self._compressed, self._factors = whole, compressed, factors
         self._buffer, self._work = buffer, work
         self._q_sum: Optional[torch.Tensor] = None
@@ -115,19 +117,18 @@ class PowerSGDAllReduceHandle:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self._whole:
-            sizes = [g.numel() for g in self._whole]
-            averaged = self._buffer[:sum(sizes)].div_(owner.world)
-            torch._foreach_copy_(self._whole, list(torch.split(averaged, sizes)))
+        if self._whole.numel:
+            self._whole.write(self._buffer[:self._whole.numel].div_(owner.world))
         if not self._compressed:
             self._q_sum = self._buffer.new_empty(0)
             return
         orthonormalize_columns(self._factors)
-        shapes = [owner.q[i].shape for _, i, _ in self._compressed]
+        shapes = [owner.q[i].shape for i, _, _ in self._compressed]
         self._q_sum = self._buffer.new_empty(sum(m * r for m, r in shapes))
-        self._q_parts = [part.view(shape) for part, shape in zip(
-            torch.split(self._q_sum, [m * r for m, r in shapes]), shapes)]
-        for (_, _, matrix), p, q in zip(self._compressed, self._factors, self._q_parts):
+        starts = accumulate((m * r for m, r in shapes), initial=0)
+        self._q_parts = [self._q_sum.as_strided((m, r), (r, 1), at)
+                         for (m, r), at in zip(shapes, starts)]
+        for (_, matrix, _), p, q in zip(self._compressed, self._factors, self._q_parts):
             torch.mm(matrix.t(), p, out=q)
         self._work = owner.sum_async(self._q_sum)
 
@@ -140,23 +141,59 @@ class PowerSGDAllReduceHandle:
             self._work.wait()
             self._work = None
         self._q_sum.div_(owner.world)
-        for (position, i, matrix), p, q in zip(self._compressed, self._factors, self._q_parts):
-            grad = self._grads[position]
-            if grad.dtype == torch.float32 and grad.is_contiguous():
-                average = torch.mm(p, q.t(), out=grad.view(matrix.shape))
+        for (i, matrix, grad), p, q in zip(self._compressed, self._factors, self._q_parts):
+            if grad.dtype == torch.float32:
+                average = torch.mm(p, q.t(), out=grad)
             else:
                 average = p @ q.t()
-                grad.copy_(average.view(grad.shape))
+                grad.copy_(average)
             if owner.error_feedback:
                 torch.sub(matrix, average, out=owner.residual_matrices[i])
         if self._compressed:
-            torch._foreach_copy_([owner.q[i] for _, i, _ in self._compressed], self._q_parts)
+            torch._foreach_copy_([owner.q[i] for i, _, _ in self._compressed], self._q_parts)
         if len(self._indices) == len(owner.names):
             owner.averages.add_(1)
         else:
             owner.averages.index_add_(0, torch.tensor(self._indices),
                                       torch.ones(len(self._indices), dtype=torch.int64))
         self._done = True
+
+
+class _WholeGradients:
+    """The gradients of a set that travel whole, read from where they lie and written back
+    there: pieces of flat, contiguous sources (a DDP bucket's buffer, or a gradient of its
+    own). In float32, one copy_runs each way (the first `numel` values of the set's buffer, in
+    parameter order); otherwise a cast and a cat, and a copy per gradient back.
+
+    Args: sources: the contiguous tensors holding the gradients; pieces: per whole gradient
+    in parameter order, (source, element offset, numel)."""
+
+    def __init__(self, sources: List[torch.Tensor], pieces: List[Tuple[int, int, int]]):
+        self.sources, self.pieces = sources, pieces
+        self.numel = sum(n for _, _, n in pieces)
+        self._float32 = all(s.dtype == torch.float32 for s in sources)
+        at, self._runs = 0, []
+        for source, offset, n in pieces:
+            self._runs.append(Run(source, offset, 0, 0, at, 0, 1, n))
+            at += n
+
+    def _views(self) -> List[torch.Tensor]:
+        return [self.sources[s].view(-1)[offset: offset + n] for s, offset, n in self.pieces]
+
+    def read(self, into: torch.Tensor) -> None:
+        """The gradients, in parameter order, into `into` (float32 [numel])."""
+        if self._float32:
+            copy_runs(self.sources, [into], pack(self._runs))
+        else:
+            torch.cat([v.float() for v in self._views()], out=into)
+
+    def write(self, averages: torch.Tensor) -> None:
+        """`averages` (float32 [numel], read's order) into the gradients."""
+        if self._float32:
+            copy_runs([averages], self.sources, pack(r.transposed() for r in self._runs))
+        else:
+            torch._foreach_copy_(self._views(), list(torch.split(
+                averages, [n for _, _, n in self.pieces])))
 
 
 class PowerSGDAllReduce(CompressedAllReduce):
@@ -205,8 +242,10 @@ class PowerSGDAllReduce(CompressedAllReduce):
                                                 device=self.device)
                 self.residual_matrices[i] = self.residuals[i].view(_matrix_shape(p))
                 self.q[i] = self._first_q(i, seed)
-        # The buckets of this backward held back by start_bucket: (parameters, gradients).
-        self._held: List[Tuple[list, list]] = []
+        # The buckets of this backward held back by start_bucket: (parameters, and where their
+        # gradients lie: _bucket_sources); per bucket layout, whether its buffer holds them.
+        self._held: List[Tuple[list, List[torch.Tensor], List[Tuple[int, int]]]] = []
+        self._flat_layouts: Dict[Tuple[int, ...], bool] = {}
 
     def _factor_columns(self, p: torch.Tensor) -> int:
         """The factors' columns of `p` (0: it travels whole)."""
@@ -267,61 +306,98 @@ class PowerSGDAllReduce(CompressedAllReduce):
         (the set travels in the order of the named_parameters)."""
         indices = self.indices_of(params)
         grads = list(grads)
-        if not indices or len(grads) != len(indices) or len(set(indices)) != len(indices):
-            raise ValueError(f"{OP}: start needs one gradient per parameter, each parameter "
-                             f"once, at least one; got {len(indices)} parameters and "
-                             f"{len(grads)} gradients")
+        if len(grads) != len(indices):
+            raise ValueError(f"{OP}: start needs one gradient per parameter, got "
+                             f"{len(indices)} parameters and {len(grads)} gradients")
         for i, g in zip(indices, grads):
             if g.shape != self.parameters[i].shape:
                 raise ValueError(f"{OP}: the gradient of {self.names[i]!r} is shaped "
                                  f"{list(g.shape)}, its parameter "
                                  f"{list(self.parameters[i].shape)}")
+        return self._start(indices, grads, [(k, 0) for k in range(len(grads))])
+
+    def start_bucket(self, bucket) -> Optional[PowerSGDAllReduceHandle]:
+        """The buckets of a backward travel as one set, started with the last (the module
+        docstring says why) -> its handle; None for the others. A DDP bucket's gradients are
+        read from its flat buffer, where DDP lays them out one after another in the bucket's
+        parameter order (not one view per gradient a step)."""
+        params = bucket.parameters()
+        self._held.append((params, *self._bucket_sources(bucket, params)))
+        if not bucket.is_last():
+            return None
+        held, self._held = self._held, []
+        sources, places = [], []
+        for _, bucket_sources, bucket_places in held:
+            places += [(len(sources) + source, offset) for source, offset in bucket_places]
+            sources += bucket_sources
+        return self._start(self.indices_of([p for params, _, _ in held for p in params]),
+                           sources, places)
+
+    def _bucket_sources(self, bucket, params: List[torch.Tensor]
+                        ) -> Tuple[List[torch.Tensor], List[Tuple[int, int]]]:
+        """Where the bucket's gradients lie: ([its buffer], each one's (0, offset)) when they
+        are views of the buffer one after another in parameter order (DDP's layout: checked
+        once per bucket layout against its views), else (the gradients, (k, 0))."""
+        offsets = [0]
+        for p in params[:-1]:
+            offsets.append(offsets[-1] + p.numel())
+        key = tuple(id(p) for p in params)
+        if key not in self._flat_layouts:
+            buffer = bucket.buffer()
+            storage = buffer.untyped_storage().data_ptr()
+            self._flat_layouts[key] = all(
+                g.untyped_storage().data_ptr() == storage and g.is_contiguous() and
+                g.storage_offset() - buffer.storage_offset() == offset
+                for g, offset in zip(bucket.gradients(), offsets))
+        if self._flat_layouts[key]:
+            return [bucket.buffer()], [(0, offset) for offset in offsets]
+        return list(bucket.gradients()), [(k, 0) for k in range(len(params))]
+
+    def _start(self, indices: List[int], sources: List[torch.Tensor],
+               places: List[Tuple[int, int]]) -> PowerSGDAllReduceHandle:
+        """The set of parameters `indices` whose gradients lie in `sources` (contiguous) at
+        `places`: per parameter (source, element offset)."""
+        if not indices or len(set(indices)) != len(indices):
+            raise ValueError(f"{OP}: start needs one gradient per parameter, each parameter "
+                             f"once, at least one; got {len(indices)} parameters")
         order = sorted(range(len(indices)), key=lambda k: indices[k])
         indices = [indices[k] for k in order]
-        grads = [grads[k] for k in order]
+        places = [places[k] for k in order]
         averages = self.averages.tolist()  # one read, not one per parameter
-        whole, compressed = [], []
-        for position, (i, g) in enumerate(zip(indices, grads)):
+        pieces, compressed = [], []
+        for i, (source, offset) in zip(indices, places):
+            numel = self.parameters[i].numel()
             if not self.factor_rank[i] or averages[i] < self.start_step:
-                whole.append(g.reshape(-1))
+                pieces.append((source, offset, numel))
             else:
-                compressed.append((position, i, g))
-        orthonormalize_columns([self.q[i] for _, i, _ in compressed])
-        whole_numel = sum(g.numel() for g in whole)
+                grad = sources[source]
+                shape = self.residual_matrices[i].shape
+                compressed.append((i, grad.as_strided(shape, (shape[1], 1),
+                                                      grad.storage_offset() + offset)))
+        whole = _WholeGradients(sources, pieces)
+        orthonormalize_columns([self.q[i] for i, _ in compressed])
         factor_sizes = [self.residual_matrices[i].shape[0] * self.factor_rank[i]
-                        for _, i, _ in compressed]
-        buffer = torch.empty(whole_numel + sum(factor_sizes), dtype=torch.float32,
+                        for i, _ in compressed]
+        buffer = torch.empty(whole.numel + sum(factor_sizes), dtype=torch.float32,
                              device=self.device)
-        pieces = torch.split(buffer, [whole_numel] + factor_sizes)
-        if whole:
-            torch.cat([g.float() if g.dtype != torch.float32 else g for g in whole],
-                      out=pieces[0])
-        matrices, factors = [], []
-        for (position, i, g), piece in zip(compressed, pieces[1:]):
-            matrix = g.reshape(self.residual_matrices[i].shape)
-            matrix = matrix.float() if matrix.dtype != torch.float32 else matrix
+        if whole.numel:
+            whole.read(buffer[:whole.numel])
+        matrices, factors, at = [], [], whole.numel
+        for (i, grad), size in zip(compressed, factor_sizes):
+            matrix = grad.float() if grad.dtype != torch.float32 else grad
             matrix = matrix + self.residual_matrices[i] if self.error_feedback \
                 else matrix.clone()
-            matrices.append((position, i, matrix))
-            factors.append(torch.mm(matrix, self.q[i],
-                                    out=piece.view(matrix.shape[0], self.factor_rank[i])))
+            matrices.append((i, matrix, grad))
+            rank = self.factor_rank[i]
+            factors.append(torch.mm(matrix, self.q[i], out=buffer.as_strided(
+                (matrix.shape[0], rank), (rank, 1), at)))
+            at += size
         work = self.sum_async(buffer)
-        return PowerSGDAllReduceHandle(self, indices, grads, whole, matrices, factors, buffer,
-                                       work)
+        return PowerSGDAllReduceHandle(self, indices, whole, matrices, factors, buffer, work)
 
     def drop_pending(self) -> None:
         super().drop_pending()
         self._held = []
-
-    def start_bucket(self, bucket) -> Optional[PowerSGDAllReduceHandle]:
-        """The buckets of a backward travel as one set, started with the last (the module
-        docstring says why) -> its handle; None for the others."""
-        self._held.append((bucket.parameters(), bucket.gradients()))
-        if not bucket.is_last():
-            return None
-        held, self._held = self._held, []
-        return self.start([p for params, _ in held for p in params],
-                          [g for _, grads in held for g in grads])
 
 
 def powersgd_compress_hook(state: PowerSGDAllReduce,

@@ -250,7 +250,7 @@ class PooledAssembly:
         if message.rows:
             bags = message.bags.message_bags(message.micro_batch)
             sources.append(pooled_forward(BagLookup(
-                _group_rows(flat, message), bags.unique_values, bags.unique_offsets,
+                self._row_tables(flat, message), bags.unique_values, bags.unique_offsets,
                 bags.inverse, bags.offsets, bags.weights, bags.feature_table, self.group_pooling,
                 batch)))
         out = flat.new_empty((batch, self.out_dim))
@@ -282,14 +282,21 @@ class PooledAssembly:
                   pack(r.transposed() for r in self._column_runs(message)))
         if message.rows:
             bags = message.bags.message_bags(message.micro_batch)
-            rows = _group_rows(received.reshape(-1), message)
             row_grads = unique_grad(targets[1], BagLookup(
-                rows, bags.unique_values, bags.unique_offsets, bags.inverse, bags.offsets,
+                self._row_tables(received.reshape(-1), message), bags.unique_values, bags.unique_offsets, bags.inverse, bags.offsets,
                 bags.weights, bags.feature_table, self.group_pooling, batch))
             copy_runs([g.contiguous() for g in row_grads], [flat],
                       pack(Run(g, 0, 0, 0, offset, 0, 1, count * cols)
                            for g, (offset, _, count, cols) in enumerate(message.rows)))
         return grad
+
+    def _row_tables(self, flat: torch.Tensor, message: Message) -> List[torch.Tensor]:
+        """Each row group's rows in the received message (flat), as the receiver's lookup
+        takes its tables: made once per exchange. The backward asks again with the gradient's
+        template, of the same shapes, and gets the forward's views: unique_grad reads only
+        its tables' shapes."""
+        return message.bags.cached(("row tables", message.micro_batch),
+                                   lambda: _group_rows(flat, message))
 
     def _column_runs(self, message: Message) -> List[Run]:
         """The copies of `message` as runs from the received message (source 0; owner block
