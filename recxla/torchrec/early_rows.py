@@ -193,8 +193,8 @@ class EarlyRows:
             output_size=positions.numel())).split(late_sizes))
         self._early_rows = [w.detach().index_select(0, ids)
                             for w, ids in zip(row_weights, self.early_input.ids)]
-        # Each row group's columns in the row block that start_late is given.
-        self._row_columns = list(accumulate((w.shape[1] for w in row_weights), initial=0))
+        # Where each row group's rows lie in the row block that start_late is given.
+        self._row_layout = next_rows.block_layout([w.shape[1] for w in row_weights])
         # The masks to the ranks that asked: per source, micro-batch by micro-batch, its bags
         # (sample by sample, slot by slot) then its rows group by group.
         groups = len(next_rows.counts)
@@ -287,9 +287,8 @@ class EarlyRows:
         detached, or None without row groups) -> its handle (wait() gives the late wire
         rows)."""
         self.send()
-        columns = self._row_columns
         late_rows = [] if row_block is None else \
-            [row_block[:, columns[g]: columns[g + 1]].index_select(0, index)
+            [self._row_layout.group_rows(row_block, g).index_select(0, index)
              for g, index in enumerate(self.late_index)]
         flat, send = self._message(k, pooled, late_rows, self.late_input, late=True)
         recv = [int(n) * self.output.row_dim for n in self._per_owner(self._flags(k), k)]

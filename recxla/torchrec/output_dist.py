@@ -35,7 +35,6 @@ row before it travels; a sum of divided terms is the divided sum, so it is divid
 """
 
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -341,11 +340,9 @@ class OutputDist:
         self.group_base = [0]
         for r in range(world):
             self.group_base.append(self.group_base[-1] + len(layout.row_groups(r)))
-        # This owner's row block (row_exchange.RequestedRows): its local groups' first
-        # columns, then the block's width.
+        # This owner's row groups' widths (the row block's layout: RowInput.block_layout).
         me = layout.rank
-        self.row_block_columns = list(accumulate(
-            self.group_cols[self.group_base[me]: self.group_base[me + 1]], initial=0))
+        self.local_group_cols = self.group_cols[self.group_base[me]: self.group_base[me + 1]]
 
     # -------------------------------------------------------------- gradient division
 
@@ -404,8 +401,8 @@ class OutputDist:
               row_block: Optional[torch.Tensor] = None, rows: Optional[RowInput] = None):
         """Starts exchange `message.micro_batch`. pooled: float32 [sum(source_batches),
         D_me], the owner's pooled rows for each source in turn; row_block: the owner's
-        requested rows (row_exchange.RequestedRows: group g's rows, rows.ids order, in its
-        columns), or None without row groups. -> (in-flight handle, values sent to each rank,
+        requested rows (row_exchange.RequestedRows, laid out as
+        rows.block_layout(local_group_cols)), or None without row groups. -> (in-flight handle, values sent to each rank,
         values expected from each rank)."""
         k = message.micro_batch
         send = self.send_sizes(source_batches, rows, k)
@@ -424,21 +421,20 @@ class OutputDist:
         coming back) as runs into target 0, the flat message: for each source rank in turn its
         samples' pooled rows (source 0, [samples, D_owner], from sample `first_sample` on),
         then, with_rows, the rows it asked of each of the owner's row groups (source 1, the row
-        block: group g's rows in rows.ids order, in its columns)."""
+        block, laid out as rows.block_layout(local_group_cols))."""
         dim = self.owner_dims[self.layout.rank]
-        columns = self.row_block_columns
-        width = columns[-1]
-        groups = len(columns) - 1 if with_rows else 0
+        block = rows.block_layout(self.local_group_cols) if with_rows else None
         runs, at, sample = [], 0, first_sample
         for s, samples in enumerate(source_batches):
             runs.append(Run(0, sample * dim, 0, 0, at, 0, 1, samples * dim))
             at += samples * dim
             sample += samples
-            for g in range(groups):
-                count, cols = rows.rows(g, k, s), columns[g + 1] - columns[g]
-                runs.append(Run(1, rows.start(g, k, s) * width + columns[g], width, 0, at, cols,
-                                count, cols))
-                at += count * cols
+            if block is None:
+                continue
+            for g, cols in enumerate(self.local_group_cols):
+                for offset, n in block.pieces(g, rows.start(g, k, s), rows.rows(g, k, s)):
+                    runs.append(Run(1, offset, block.width, 0, at, cols, n, cols))
+                    at += n * cols
         return runs
 
     def start_values(self, flat: torch.Tensor, send: List[int], recv: List[int]):

@@ -248,6 +248,15 @@ class RowInput:
 
     values: torch.Tensor
     counts: List[List[List[int]]]
+    _layouts: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def block_layout(self, widths: Sequence[int]) -> "RowBlockLayout":
+        """The row block's layout of these requests, the groups `widths` wide (made once: the
+        lookup and each exchange's runs ask for it)."""
+        key = tuple(widths)
+        if key not in self._layouts:
+            self._layouts[key] = RowBlockLayout.of(self.sizes, widths)
+        return self._layouts[key]
 
     @property
     def sizes(self) -> List[int]:
@@ -269,63 +278,119 @@ class RowInput:
 
 
 @dataclass(frozen=True)
-class RequestedRows:
-    """The owner's requested rows of its row groups in one batch, as one lookup with a bag per
-    requested row: group g's bag b holds its b-th id (rows.ids order) for b < counts[g], none
-    after. Its pooled output, the row block, is float32 [max_g R_g, sum_g D_g]: group g's rows
-    in columns columns[g] .. columns[g + 1], zero past its count. So one `pooled_forward`
-    gathers every group's rows, and one `backward_update` of the block's gradient applies the
-    fused update once per distinct row with the sum of its gradients (the repeats: rows several
-    ranks or micro-batches asked for)."""
+class RowBlockLayout:
+    """Where an owner's requested rows lie in its row block, float32 [rows, width]: the block
+    is cut into slots of `rows` rows side by side, a slot holding rows of one group in that
+    group's width; group g's slots come one after another from first_slot[g], and its row r
+    (rows.ids order) sits in slot first_slot[g] + r // rows, at row r % rows. With slots of
+    about half the groups' mean count, the block holds at most about 1.5x the requested rows
+    (plus a slot per group), however unequal the groups' counts: one column block per group,
+    each as tall as the largest group, held 3.9x on the trainer's Zipf tables.
 
-    lookup: BagLookup
+    counts: R_g per group; rows: rows per slot; first_slot: per group its first slot, then
+    the slots in all; columns: per slot its first column, then the block's width."""
+
     counts: List[int]
+    rows: int
+    first_slot: List[int]
     columns: List[int]
+
+    @classmethod
+    def of(cls, counts: Sequence[int], widths: Sequence[int]) -> "RowBlockLayout":
+        """The layout of groups of `counts` requested rows and `widths` columns."""
+        counts = list(counts)
+        groups = len(counts)
+        rows = max(1, -(-sum(counts) // (2 * max(groups, 1))))
+        slots = [max(1, -(-c // rows)) for c in counts]
+        first_slot = list(accumulate(slots, initial=0))
+        columns = list(accumulate((widths[g] for g in range(groups) for _ in range(slots[g])),
+                                  initial=0))
+        return cls(counts, rows, first_slot, columns)
 
     @property
     def width(self) -> int:
         return self.columns[-1]
 
-    def group_views(self, block: torch.Tensor) -> List[torch.Tensor]:
-        """Each group's rows [R_g, D_g] of a row block (or of its gradient), as views."""
-        return [block[:n, start:end] for n, start, end
-                in zip(self.counts, self.columns, self.columns[1:])]
+    @property
+    def slot_group(self) -> List[int]:
+        """The group of each slot."""
+        return [g for g in range(len(self.counts))
+                for _ in range(self.first_slot[g + 1] - self.first_slot[g])]
+
+    def slot_rows(self) -> List[int]:
+        """The requested rows each slot holds (its first ones; the rest of it is padding)."""
+        return [min(max(c - j * self.rows, 0), self.rows) for g, c in enumerate(self.counts)
+                for j in range(self.first_slot[g + 1] - self.first_slot[g])]
+
+    def pieces(self, group: int, start: int, count: int) -> List[Tuple[int, int]]:
+        """Group `group`'s rows start .. start + count - 1 in the flat block: (element offset
+        of the first, rows) per slot they cross (rows `width` elements apart)."""
+        out = []
+        while count > 0:
+            slot, row = divmod(start, self.rows)
+            n = min(count, self.rows - row)
+            out.append((row * self.width + self.columns[self.first_slot[group] + slot], n))
+            start, count = start + n, count - n
+        return out
+
+    def group_rows(self, block: torch.Tensor, group: int) -> torch.Tensor:
+        """Group `group`'s rows of a row block, [R_g, width_g] in rows.ids order (a copy when
+        they span several slots)."""
+        first, last = self.first_slot[group], self.first_slot[group + 1]
+        width = self.columns[first + 1] - self.columns[first]
+        part = block[:, self.columns[first]: self.columns[last]]
+        if last - first > 1:
+            part = part.reshape(self.rows, last - first, width).transpose(0, 1) \
+                .reshape(-1, width)
+        return part[:self.counts[group]]
+
+
+@dataclass(frozen=True)
+class RequestedRows:
+    """The owner's requested rows of its row groups in one batch, as one lookup with a bag per
+    requested row, laid out as `layout` says: slot f's bag b holds the id of its group's row
+    (f - first_slot[g]) * rows + b (rows.ids order) while there is one, none after. Its pooled
+    output is the row block [layout.rows, layout.width]. So one `pooled_forward` gathers every
+    group's rows, and one `backward_update` of the block's gradient applies the fused update
+    once per distinct row with the sum of its gradients (the repeats: rows several ranks or
+    micro-batches asked for)."""
+
+    lookup: BagLookup
+    layout: RowBlockLayout
 
     def unique_rows(self) -> List[torch.Tensor]:
         """Each group's distinct requested rows, ascending (unique_grad's rows)."""
         bounds = self.lookup.unique_offsets.tolist()
         return [self.lookup.unique_values[bounds[g]: bounds[g + 1]]
-                for g in range(len(self.counts))]
+                for g in range(len(self.layout.counts))]
 
 
 def requested_rows(weights: Sequence[torch.Tensor], values: torch.Tensor,
-                   counts: Sequence[int]) -> RequestedRows:
-    """The RequestedRows of `values` (int64 [sum of counts]: counts[t] ids of each table of
-    `weights` in turn, repeats allowed)."""
+                   layout: RowBlockLayout) -> RequestedRows:
+    """The RequestedRows of `values` (int64 [sum of layout.counts]: layout.counts[t] ids of
+    each table of `weights` in turn, repeats allowed) laid out as `layout` (RowBlockLayout.of
+    the counts and the tables' widths)."""
     tables = len(weights)
     device = weights[0].device
-    counts = list(counts)
-    bounds = torch.tensor(list(accumulate(counts, initial=0)), device=device)
+    bounds = torch.tensor(list(accumulate(layout.counts, initial=0)), device=device)
     unique, unique_offsets, inverse = segmented_unique(values, bounds)
-    batch = max(counts, default=0)
-    # Bag b of table t holds row b when b < counts[t], else nothing: the bags' ends are the
-    # running sums of those lengths.
-    lengths = (torch.arange(batch, device=device) < torch.tensor(counts, device=device)
-               .unsqueeze(1)).view(-1)
-    offsets = torch.zeros(tables * batch + 1, dtype=torch.int64, device=device)
+    # Slot f's bag b holds a row when b < slot_rows[f], else nothing: the bags' ends are the
+    # running sums of those lengths (the ids, bag by bag, are each group's in order).
+    lengths = (torch.arange(layout.rows, device=device) < torch.tensor(
+        layout.slot_rows(), device=device).unsqueeze(1)).view(-1)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
     torch.cumsum(lengths, 0, out=offsets[1:])
     lookup = BagLookup(list(weights), unique, unique_offsets, inverse, offsets, None,
-                       list(range(tables)), [SUM] * tables, batch)
-    return RequestedRows(lookup, counts, list(accumulate((w.shape[1] for w in weights),
-                                                         initial=0)))
+                       layout.slot_group, [SUM] * tables, layout.rows)
+    return RequestedRows(lookup, layout)
 
 
 def update_requested_rows(requested: RequestedRows, states: Sequence[torch.Tensor],
                           grad: torch.Tensor, kinds: Sequence[int],
                           hparams: Sequence[float]) -> None:
     """RowLookup's update: each requested row's fused optimizer step, once per distinct row
-    with the sum of its gradients. grad: float32 [max R_g, sum D_g], the row block's gradient
-    (its rows past a group's count are not read)."""
+    with the sum of its gradients. grad: float32, the row block's gradient (its rows past a
+    slot's count are not read)."""
     backward_update(grad, requested.lookup, list(states), list(kinds), list(hparams))
 
 
@@ -337,13 +402,19 @@ def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.
     if not weights:
         return
     requested = requested_rows(weights, torch.cat([i.to(torch.int64) for i in ids]),
-                               [i.numel() for i in ids])
-    columns = requested.columns
-    grad = torch.zeros((requested.lookup.batch_size, requested.width),
-                       device=weights[0].device)
-    copy_runs([g.contiguous() for g in grads], [grad],
-              pack(Run(t, 0, g.shape[1], 0, columns[t], requested.width, g.shape[0],
-                       g.shape[1]) for t, g in enumerate(grads)))
+                               RowBlockLayout.of([i.numel() for i in ids],
+                                                 [w.shape[1] for w in weights]))
+    layout = requested.layout
+    runs = []
+    for t, g in enumerate(grads):  # each table's gradient rows into its slots
+        first = 0
+        for at, n in layout.pieces(t, 0, g.shape[0]):
+            runs.append(Run(t, first * g.shape[1], g.shape[1], 0, at, layout.width, n,
+                            g.shape[1]))
+            first += n
+    # Rows past a slot's count are not read by the update: no fill.
+    grad = torch.empty((layout.rows, layout.width), device=weights[0].device)
+    copy_runs([g.contiguous() for g in grads], [grad], pack(runs))
     update_requested_rows(requested, states, grad, kinds, hparams)
 
 
@@ -354,7 +425,7 @@ class RowLookup(torch.autograd.Function):
     2D's replicas.update_replicated_rows).
 
     Inputs: (optimizer step callback, apply_gradients, requested, *weights) -> the row block
-    float32 [max R_g, sum D_g].
+    float32 [requested.layout.rows, requested.layout.width].
     """
 
     @staticmethod

@@ -121,8 +121,9 @@ class ShardedSteps:
 
     def lookup_rows(self, lookup_input: LookupInput) -> Optional[torch.Tensor]:
         """The owner's gather of its row-exchange tables, one lookup for all of them:
-        lookup_input (on the module's device) -> the row block float32 [max_g R_g, sum_g
-        cols_g], local row group g's requested rows (lookup_input.rows order) in its columns
+        lookup_input (on the module's device) -> the row block, float32, every local row
+        group's requested rows (lookup_input.rows order) where
+        lookup_input.rows.block_layout(the groups' widths) puts them
         (row_exchange.RequestedRows; RowLookup: its backward applies the fused update once
         per row); None without row tables."""
         tables = self.parts.tables
@@ -134,7 +135,8 @@ class ShardedSteps:
         return RowLookup.apply(lambda: optim.step_arguments(tables.num_pooled),
                                apply_gradients,
                                requested_rows(tables.row_weights, lookup_input.rows.values,
-                                              lookup_input.rows.sizes),
+                                              lookup_input.rows.block_layout(
+                                                  [w.shape[1] for w in tables.row_weights])),
                                *tables.row_weights)
 
     def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
