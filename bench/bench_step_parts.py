@@ -15,8 +15,9 @@ features, 4 ranks), one thread.
 - The padded sparse arch of `--embedding-dims auto` (recxla/train/models.py): the pooled values
   of 22 features at dim 32 and 4 at 16 (the trainer's proposal on 4 ranks, in TorchRec's
   output order) to DLRM's [1024, 26, 64], forward and backward. Providers: `runs`
-  (`PadFeatures`, one copy per run of one dim), `pad_cat` (a pad per feature and a cat: the
-  arch before), `memcpy` (a copy of the output and of the values' gradient).
+  (`PadFeatures`: one `recxla::copy_runs` a pass, the padding's zeros included), `pad_cat` (a
+  pad per feature and a cat: the arch before), `memcpy` (a copy of the output and of the
+  values' gradient).
 """
 
 import pytest

@@ -67,8 +67,8 @@ class FrozenWindow:
         self._message_is_gradient = self.num_micro == 1 and self.rows is None
         self.gradient = self.pooled.new_empty(self.pooled.shape) \
             if self._pooled_gradient and not self._message_is_gradient else None
-        # Every requested row's gradient arrives (its bags' rows past a group's count are not
-        # read by the update): no fill.
+        # Every requested row's gradient arrives, and the update reads no padding of the row
+        # block (row_exchange.RowBlockLayout): no fill.
         self.row_gradient = None if self.rows is None else torch.empty_like(self.rows)
         self._messages = [steps.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
@@ -162,4 +162,3 @@ class FrozenWindow:
         if outputs:
             torch.autograd.backward(outputs, grads)
         self.output, self.row_output = None, None
-

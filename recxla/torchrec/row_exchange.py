@@ -284,8 +284,8 @@ class RowBlockLayout:
     group's width; group g's slots come one after another from first_slot[g], and its row r
     (rows.ids order) sits in slot first_slot[g] + r // rows, at row r % rows. With slots of
     about half the groups' mean count, the block holds at most about 1.5x the requested rows
-    (plus a slot per group), however unequal the groups' counts: one column block per group,
-    each as tall as the largest group, held 3.9x on the trainer's Zipf tables.
+    (plus a slot per group) however unequal the groups' counts: 1.3x on the trainer's Zipf
+    tables, where a column block per group, each as tall as the largest group, held 3.9x.
 
     counts: R_g per group; rows: rows per slot; first_slot: per group its first slot, then
     the slots in all; columns: per slot its first column, then the block's width."""
