@@ -20,6 +20,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from bench.bench_dedup import MULTI_HOT
+from bench.common import one_thread
 from recxla.pipeline.micro_batches import slice_samples
 
 BATCH = 1024
@@ -58,9 +59,7 @@ PROVIDERS = {"recxla": slice_samples, "gather": gather}
 @pytest.mark.parametrize("kind", ["trainer", "multi-hot"])
 @pytest.mark.parametrize("provider", ["recxla", "gather", "memcpy"])
 def test_slice_samples(benchmark, provider, kind):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         kjt = batch(kind)
         kjt.offsets()  # computed once per batch, as in the pipeline
         start, stop = 0, BATCH // 2
@@ -73,5 +72,3 @@ def test_slice_samples(benchmark, provider, kind):
         assert torch.equal(got.values(), want.values())
         assert torch.equal(got.lengths(), want.lengths())
         benchmark(PROVIDERS[provider], kjt, start, stop)
-    finally:
-        torch.set_num_threads(before)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from bench.bench_dedup import MULTI_HOT, TABLE_ROWS
+from bench.common import one_thread
 from recxla.ops.route_ids import route_ids, route_ids_torch
 from recxla.reference.route_ids import route_ids_ref
 
@@ -55,9 +56,7 @@ PROVIDERS = {"recxla": route_ids, "torch": route_ids_torch, "memcpy": memcpy}
 @pytest.mark.parametrize("columns", [1, 2], ids=["table-wise", "column-wise-2"])
 @pytest.mark.parametrize("provider", list(PROVIDERS))
 def test_route_ids(benchmark, provider, columns):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         values, lengths, tables, slots = trainer_batch(columns)
         fn = PROVIDERS[provider]
         args = (values, lengths, None, BATCH, *tables, slots)
@@ -68,5 +67,3 @@ def test_route_ids(benchmark, provider, columns):
                        for a, b in zip(got, want))
         benchmark.extra_info.update(ids=values.numel(), routes_per_id=columns)
         benchmark(fn, *args)
-    finally:
-        torch.set_num_threads(before)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from bench.bench_dedup import MULTI_HOT, TABLE_ROWS
+from bench.common import one_thread
 from recxla.ops.row_ids import encode_row_ids, encode_row_ids_torch
 from recxla.reference.row_ids import encode_row_ids_ref
 
@@ -55,9 +56,7 @@ PROVIDERS = {"recxla": encode_row_ids, "torch": encode_row_ids_torch, "memcpy": 
 @pytest.mark.parametrize("num_micro", [1, 2], ids=["m=1", "m=2"])
 @pytest.mark.parametrize("provider", list(PROVIDERS))
 def test_encode_row_ids(benchmark, provider, num_micro):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         args = trainer_rows(num_micro)
         fn = PROVIDERS[provider]
         if provider != "memcpy":
@@ -66,5 +65,3 @@ def test_encode_row_ids(benchmark, provider, num_micro):
             assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want))
         benchmark.extra_info.update(ids=args[0].numel(), micro_batches=num_micro)
         benchmark(fn, *args)
-    finally:
-        torch.set_num_threads(before)

@@ -26,6 +26,7 @@ import torch
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
 
 from bench.bench_dedup import MULTI_HOT, TABLE_ROWS
+from bench.common import one_thread
 from recxla.ops.id_blocks import decode_id_blocks
 from recxla.reference.id_blocks import encode_id_blocks_ref
 from recxla.train.models import PadFeatures, feature_runs
@@ -109,9 +110,7 @@ REORDER = {"recxla": decoder, "fbgemm": lambda *_: reorder_by_fbgemm,
 @pytest.mark.parametrize("weighted", [False, True], ids=["ids", "ids+weights"])
 @pytest.mark.parametrize("provider", list(REORDER))
 def test_owner_reorder(benchmark, provider, weighted):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         sizes, ids, weights, lengths = received_ids(weighted)
         args = (sizes, ids, weights)
         fn = REORDER[provider](sizes, ids, weights, lengths)
@@ -123,8 +122,6 @@ def test_owner_reorder(benchmark, provider, weighted):
             assert got[1] is None or torch.equal(got[1], want[1])
         benchmark.extra_info.update(ids=ids.numel())
         benchmark(fn, *args)
-    finally:
-        torch.set_num_threads(before)
 
 
 DIM = 64
@@ -157,9 +154,7 @@ def pad_memcpy(values, grad):
 
 @pytest.mark.parametrize("provider", ["runs", "pad_cat", "memcpy"])
 def test_padded_sparse_arch(benchmark, provider):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         g = torch.Generator().manual_seed(0)
         values = torch.randn(BATCH, sum(DIMS), generator=g).requires_grad_()
         grad = torch.randn(BATCH, len(FEATURES), DIM, generator=g)
@@ -180,5 +175,3 @@ def test_padded_sparse_arch(benchmark, provider):
             return fn(*a)
 
         benchmark(call, *args)
-    finally:
-        torch.set_num_threads(before)

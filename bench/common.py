@@ -1,4 +1,5 @@
-"""Helpers shared by the microbenchmarks in bench/: bandwidth bookkeeping and the memcpy baseline.
+"""Helpers shared by the microbenchmarks in bench/: bandwidth bookkeeping, the memcpy baseline and
+one thread for the serial kernels.
 
 Bandwidth here is always (bytes read + bytes written) / time, in GB/s (1e9 bytes per second), at
 the median of pytest-benchmark's rounds. A memcpy of B bytes therefore moves 2 * B bytes. The
@@ -13,12 +14,25 @@ Every benchmark records in `benchmark.extra_info`:
 plus whatever the benchmark adds (wire bytes, shapes).
 """
 
+import contextlib
 import time
 from typing import Callable, Dict, Tuple
 
 import torch
 
 _memcpy_cache: Dict[Tuple[int, int, str], float] = {}
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside the block, its count restored after: the host kernels timed
+    with it are serial, and the cluster benchmark runs its ranks on one thread each."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def gbps(nbytes: int, seconds: float) -> float:

@@ -53,6 +53,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from bench.common import one_thread
 from bench.gpu_campaign.timing import (
     Guard, choice, failed_row, least_summed_median, medians_by_group, row, time_calls,
 )
@@ -123,16 +124,6 @@ def _variant(backend: str, variant: str):
         yield
 
 
-@contextlib.contextmanager
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _weights(kjt, key_bytes) -> torch.Tensor:
     from recxla.ops.cluster_checks import key_bytes_tensor
 
@@ -181,7 +172,7 @@ def providers(device: str) -> Dict[str, tuple]:
         out["triton"] = (with_passes(cluster.KeyPasses(triton.feature_gains,
                                                           triton.bag_signatures)),
                          contextlib.nullcontext, "cpu")
-    out[CPU_KERNEL] = (api, _one_thread, "cpu")
+    out[CPU_KERNEL] = (api, one_thread, "cpu")
     out[REFERENCE] = (reference, contextlib.nullcontext, device)
     return out
 
