@@ -5,6 +5,7 @@
     python -m bench.profile_train --ranks 4 -- --threads 1 --sparse-optimizer sgd
 
     python -m bench.profile_train --ranks 4 --calls-by-line -- --dense-allreduce powersgd
+    python -m bench.profile_train --ranks 2 --steps 23 --warmup 3 --side-by-side
 
 Runs `recxla-train` in this process as a job of one rank (no communication leaves the process),
 the trainer's default model and options plus the schedule's flags, and profiles the steps after
@@ -19,7 +20,9 @@ With --calls-by-line it counts ATen calls instead (a TorchDispatchMode over the 
 rank 0, forward and backward): per step, by the innermost line of Python that made them outside
 torch itself (recxla's, TorchRec's, the model's), the lines with the most calls first. On a CPU
 every such call costs a few microseconds of dispatch whatever its size, and on a GPU it is a
-kernel launch: this says which lines to batch.
+kernel launch: this says which lines to batch. With --side-by-side it counts them for recxla's
+default schedule, TorchRec's pipeline and the dense floor (TorchRec's pipeline on fixed pooled
+embeddings: the model's own calls) in turn, and prints one table of the three.
 
 With --host-syncs it counts the step's calls that read a tensor's values back to the host, or
 whose result's size depends on its values (on a GPU each waits for the device): ATen's
@@ -43,7 +46,12 @@ SCHEDULES = {
     "dbp": ["--micro-batches", "1"],
     "fwp-dbp-m2": ["--micro-batches", "2"],
     "torchrec": ["--baseline", "torchrec"],
+    # TorchRec's pipeline on fixed pooled embeddings: the dense work alone (the cluster
+    # benchmark's "dense floor").
+    "dense-floor": ["--baseline", "torchrec", "--dense-floor"],
 }
+# --side-by-side: recxla's default schedule, TorchRec's, and the dense floor.
+SIDE_BY_SIDE = ("dbp", "torchrec", "dense-floor")
 
 
 def _free_port() -> int:
@@ -240,19 +248,34 @@ def top_entries(averages, steps: int, n: int) -> List[dict]:
 DATA_CODE = "recxla/data/"
 
 
-def top_lines(counts: Counter, steps: int, n: int) -> str:
-    """The n lines with the most ATen calls, as a markdown table of calls per step, after the
-    total and its split: the step's own calls and the synthetic batches' making. The
-    pipelines read ahead by different depths (TorchRec's two batches, DBP one), so a short
-    window holds different numbers of batches made: compare the step's own calls."""
+def call_split(counts: Counter, steps: int):
+    """(all ATen calls, the step's own, the synthetic batches' making) per step. The pipelines
+    read ahead by different depths (TorchRec's two batches, DBP one), so a short window holds
+    different numbers of batches made: compare the step's own calls."""
     total = sum(counts.values())
     data = sum(c for where, c in counts.items() if where.startswith(DATA_CODE))
-    lines = [f"all ATen calls: {total / steps:.0f} a step: the step's own "
-             f"{(total - data) / steps:.0f}, the synthetic batches' making ({DATA_CODE}) "
-             f"{data / steps:.0f}", "",
+    return total / steps, (total - data) / steps, data / steps
+
+
+def top_lines(counts: Counter, steps: int, n: int) -> str:
+    """The n lines with the most ATen calls, as a markdown table of calls per step, after the
+    total and its split (call_split)."""
+    total, own, data = call_split(counts, steps)
+    lines = [f"all ATen calls: {total:.0f} a step: the step's own {own:.0f}, the synthetic "
+             f"batches' making ({DATA_CODE}) {data:.0f}", "",
              "| line | calls / step | share |", "|---|---|---|"]
     for where, calls in counts.most_common(n):
-        lines.append(f"| `{where}` | {calls / steps:.1f} | {calls / total:.1%} |")
+        lines.append(f"| `{where}` | {calls / steps:.1f} | {calls / (total * steps):.1%} |")
+    return "\n".join(lines)
+
+
+def side_by_side(results: List[tuple]) -> str:
+    """(schedule, counts, steps) of each path -> a markdown table of their calls a step."""
+    lines = ["| path | the step's own ATen calls | the synthetic batches' making |",
+             "|---|---|---|"]
+    for schedule, counts, steps in results:
+        _, own, data = call_split(counts, steps)
+        lines.append(f"| {schedule} | {own:.0f} | {data:.0f} |")
     return "\n".join(lines)
 
 
@@ -262,6 +285,22 @@ def markdown(entries: List[dict]) -> str:
         lines.append(f"| `{e['name']}` | {e['share']:.1%} | {e['ms_per_step']:.2f} | "
                      f"{e['calls_per_step']:.0f} |")
     return "\n".join(lines)
+
+
+def run_ranks(train: List[str], warmup: int, ranks: int, calls_by_line: bool,
+              host_syncs: bool):
+    """recxla-train TRAIN on `ranks` processes over loopback, rank 0 (this process) profiled:
+    -> profile_run's (averages, steps)."""
+    port = _free_port()
+    context = multiprocessing.get_context("spawn")
+    others = [context.Process(target=profile_run, args=(train, warmup, r, ranks, port))
+              for r in range(1, ranks)]
+    for process in others:
+        process.start()
+    result = profile_run(train, warmup, 0, ranks, port, calls_by_line, host_syncs)
+    for process in others:
+        process.join()
+    return result
 
 
 def main(argv=None) -> int:
@@ -279,20 +318,31 @@ def main(argv=None) -> int:
                    help="count ATen calls by the line of Python that made them, not time ops")
     p.add_argument("--host-syncs", action="store_true",
                    help="count the calls that read values back to the host, by site")
+    p.add_argument("--side-by-side", action="store_true",
+                   help=f"count the ATen calls a step of {', '.join(SIDE_BY_SIDE)} (the "
+                   "trainer options after -- go to each), one table")
     args = p.parse_args(argv)
-    train = ["--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--eval-batches",
-             "1", "--no-progress", "--label", args.schedule, *SCHEDULES[args.schedule], *extra]
+
+    def train_argv(schedule: str) -> List[str]:
+        return ["--steps", str(args.steps), "--warmup-steps", str(args.warmup),
+                "--eval-batches", "1", "--no-progress", "--label", schedule,
+                *SCHEDULES[schedule], *extra]
+
     load = os.getloadavg()
-    port = _free_port()
-    context = multiprocessing.get_context("spawn")
-    others = [context.Process(target=profile_run, args=(train, args.warmup, r, args.ranks, port))
-              for r in range(1, args.ranks)]
-    for process in others:
-        process.start()
-    averages, steps = profile_run(train, args.warmup, 0, args.ranks, port, args.calls_by_line,
-                                  args.host_syncs)
-    for process in others:
-        process.join()
+    if args.side_by_side:
+        results = []
+        for schedule in SIDE_BY_SIDE:
+            counts, steps = run_ranks(train_argv(schedule), args.warmup, args.ranks, True,
+                                      False)
+            results.append((schedule, counts, steps))
+        print(f"\nrecxla-train {' '.join(train_argv('...'))} on {args.ranks} rank(s), rank 0, "
+              f"{results[0][2]} steps each; load average {load[0]:.2f} at start, "
+              f"{os.getloadavg()[0]:.2f} at end")
+        print(side_by_side(results))
+        return 0
+    train = train_argv(args.schedule)
+    averages, steps = run_ranks(train, args.warmup, args.ranks, args.calls_by_line,
+                                args.host_syncs)
     print(f"\nrecxla-train {' '.join(train)} on {args.ranks} rank(s): {steps} steps profiled "
           f"on rank 0; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start, "

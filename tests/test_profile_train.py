@@ -4,6 +4,7 @@ lines with the most calls first, after the total split into the step's own calls
 synthetic batches' making."""
 
 import inspect
+import random
 
 import torch
 
@@ -50,3 +51,20 @@ def test_table_lists_the_most_calls_first():
                         "making (recxla/data/) 2")
     assert lines[4].startswith("| `b.py:2` | 30.0 |") and lines[5].startswith("| `a.py:1` | 10.0 |")
     assert len(lines) == 6
+
+
+def test_side_by_side_table_splits_each_path():
+    from collections import Counter
+
+    from bench.profile_train import side_by_side
+
+    own, data, steps = random.randint(51, 500), random.randint(0, 50), random.randint(1, 9)
+    results = [("dbp", Counter({"recxla/pipeline/window.py:1": own * steps,
+                                "recxla/data/world.py:3": data * steps}), steps),
+               ("torchrec", Counter({"torchrec/x.py:2": 2 * own * steps}), steps)]
+    lines = side_by_side(results).splitlines()
+    assert lines[2] == f"| dbp | {own} | {data} |"
+    assert lines[3] == f"| torchrec | {2 * own} | 0 |"
+    # The shares of the per-line table stay shares of all calls.
+    table = top_lines(results[0][1], steps, 1).splitlines()
+    assert table[4].endswith(f"| {own / (own + data):.1%} |")
