@@ -287,17 +287,28 @@ def markdown(entries: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def _profile_into(queue, *args) -> None:
+    """profile_run(*args) in a process of its own, its result put on `queue`."""
+    queue.put(profile_run(*args))
+
+
 def run_ranks(train: List[str], warmup: int, ranks: int, calls_by_line: bool,
-              host_syncs: bool):
-    """recxla-train TRAIN on `ranks` processes over loopback, rank 0 (this process) profiled:
-    -> profile_run's (averages, steps)."""
+              host_syncs: bool, fresh: bool = False):
+    """recxla-train TRAIN on `ranks` processes over loopback, rank 0 profiled: -> profile_run's
+    (averages, steps). Rank 0 runs in this process, or with `fresh` in a new one like the
+    others (a trainer leaves process-wide state behind: several runs in one process hang)."""
     port = _free_port()
     context = multiprocessing.get_context("spawn")
     others = [context.Process(target=profile_run, args=(train, warmup, r, ranks, port))
               for r in range(1, ranks)]
+    queue = context.Queue() if fresh else None
+    if fresh:
+        others.append(context.Process(target=_profile_into, args=(
+            queue, train, warmup, 0, ranks, port, calls_by_line, host_syncs)))
     for process in others:
         process.start()
-    result = profile_run(train, warmup, 0, ranks, port, calls_by_line, host_syncs)
+    result = queue.get() if fresh else \
+        profile_run(train, warmup, 0, ranks, port, calls_by_line, host_syncs)
     for process in others:
         process.join()
     return result
@@ -323,21 +334,23 @@ def main(argv=None) -> int:
                    "trainer options after -- go to each), one table")
     args = p.parse_args(argv)
 
+    common = ["--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--eval-batches",
+              "1", "--no-progress", *extra]
+
     def train_argv(schedule: str) -> List[str]:
-        return ["--steps", str(args.steps), "--warmup-steps", str(args.warmup),
-                "--eval-batches", "1", "--no-progress", "--label", schedule,
-                *SCHEDULES[schedule], *extra]
+        return [*common, "--label", schedule, *SCHEDULES[schedule]]
 
     load = os.getloadavg()
     if args.side_by_side:
         results = []
         for schedule in SIDE_BY_SIDE:
             counts, steps = run_ranks(train_argv(schedule), args.warmup, args.ranks, True,
-                                      False)
+                                      False, fresh=True)
             results.append((schedule, counts, steps))
-        print(f"\nrecxla-train {' '.join(train_argv('...'))} on {args.ranks} rank(s), rank 0, "
-              f"{results[0][2]} steps each; load average {load[0]:.2f} at start, "
-              f"{os.getloadavg()[0]:.2f} at end")
+        print(f"\nrecxla-train {' '.join(common)} and each path's flags ("
+              + "; ".join(f"{s}: {' '.join(SCHEDULES[s])}" for s in SIDE_BY_SIDE)
+              + f") on {args.ranks} rank(s), rank 0, {results[0][2]} steps each; load average "
+              f"{load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end")
         print(side_by_side(results))
         return 0
     train = train_argv(args.schedule)
