@@ -296,7 +296,9 @@ def run_ranks(train: List[str], warmup: int, ranks: int, calls_by_line: bool,
               host_syncs: bool, fresh: bool = False):
     """recxla-train TRAIN on `ranks` processes over loopback, rank 0 profiled: -> profile_run's
     (averages, steps). Rank 0 runs in this process, or with `fresh` in a new one like the
-    others (a trainer leaves process-wide state behind: several runs in one process hang)."""
+    others: the other ranks are new processes each time, and TorchRec's DMP makes a collective
+    once per process (its collective validation's broadcast), so a rank 0 that trained before
+    would skip it while they wait in it."""
     port = _free_port()
     context = multiprocessing.get_context("spawn")
     others = [context.Process(target=profile_run, args=(train, warmup, r, ranks, port))

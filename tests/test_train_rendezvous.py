@@ -114,3 +114,45 @@ def test_the_host_leaves_after_every_rank_has():
     start = time.monotonic()
     connection(lonely, lonely).close(timeout_s=0.3)
     assert 0.25 < time.monotonic() - start < 3
+
+
+# A model small enough for a few steps in seconds on 2 shared cores (as tests/test_train_cli.py).
+SMALL = ["--profile", "small", "--batch-size", "128", "--embedding-dim", "16",
+         "--dense-arch", "32", "--over-arch", "32", "--eval-batches", "2", "--no-progress",
+         "--steps", "3", "--warmup-steps", "1", "--timeout", "60"]
+
+
+def _train_twice(rank: int, world: int, port: int, folder: str) -> None:
+    """One rank of a job that trains twice in the same process (a notebook, a sweep)."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from recxla.train import cli
+
+    for run in range(2):
+        assert cli.main([*SMALL, "--metrics", f"{folder}/run{run}.json"]) == 0
+
+
+def test_a_process_trains_twice(tmp_path):
+    """Two runs in the same processes, MASTER_PORT unchanged: the second joins (its own keys
+    in the store rank 0 hosted for the first) and trains as the first did, bit for bit."""
+    import json
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    port = rendezvous._free_port()
+    ranks = [context.Process(target=_train_twice, args=(r, 2, port, str(tmp_path)))
+             for r in range(2)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(240)
+    codes = [process.exitcode for process in ranks]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+    assert codes == [0, 0], codes
+    first, second = (json.loads((tmp_path / f"run{r}.json").read_text()) for r in range(2))
+    assert first["final_loss"] == second["final_loss"] and first["auc"] == second["auc"]

@@ -2,8 +2,10 @@
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and hosts
 the store itself (TORCHELASTIC_USE_AGENT_STORE=True), so the store outlives any worker. Started
-any other way with those variables (the emulated-cluster benchmark does so), rank 0 hosts it.
-Without them, `python -m recxla.train` is a job of one rank on this machine.
+any other way with those variables (the emulated-cluster benchmark does so), rank 0 hosts it,
+for as long as its process lives. Without them, `python -m recxla.train` is a job of one rank on
+this machine. A process may train more than once (every rank the same runs in turn): each run
+keys the store under a prefix of its own.
 
 The process group is gloo on CPU and NCCL on GPU, with the run's --timeout to join (then
 COLLECTIVE_TIMEOUT_S: the watchdog ends hangs), built on a client of that store. The watchdog
@@ -22,11 +24,12 @@ is torchrun's: it binds as torch does.
 
 import datetime
 import ipaddress
+import itertools
 import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -173,6 +176,15 @@ class Connection:
 COLLECTIVE_TIMEOUT_S = 1800.0
 
 
+# A process may train more than once (a notebook, a sweep calling recxla.train.cli.main in
+# turn), every rank the same runs in the same order. Each run keys its process group and its
+# watchdog under a prefix of its own: the store may be the same (torchrun's agent store, or the
+# one rank 0 hosts) and still hold the last run's keys. The store rank 0 hosts lives as long as
+# the process: the next run's clients may reach MASTER_PORT before a new server could listen.
+_runs_in_process = itertools.count()
+_hosted_stores: Dict[Tuple[str, int], dist.TCPStore] = {}
+
+
 def connect(place: RankPlace, device_type: str, timeout_s: float) -> Connection:
     """Create the store clients and the process group of this rank."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -182,9 +194,15 @@ def connect(place: RankPlace, device_type: str, timeout_s: float) -> Connection:
     else:
         device, backend = torch.device("cpu"), "gloo"
     hosting = place.rank == 0 and not place.agent_store
-    store = _store(place, timeout, host=hosting)
+    if hosting:
+        where = (place.master_addr, place.master_port)
+        if where not in _hosted_stores:
+            _hosted_stores[where] = _store(place, timeout, host=True)
+        store = _hosted_stores[where]
+    else:
+        store = _store(place, timeout, host=False)
     watchdog_store = _store(place, timeout, host=False)
-    prefix = f"recxla/train/run{place.restart}/"
+    prefix = f"recxla/train/run{place.restart}/{next(_runs_in_process)}/"
     dist.init_process_group(
         backend, store=dist.PrefixStore(prefix + "pg", store), rank=place.rank,
         world_size=place.world_size, timeout=timeout,
