@@ -195,7 +195,8 @@ def _errors_body(rank, world):
         + [lambda: PowerSGDAllReduce([("p", frozen)])]
         + [lambda a=a: sync.start(*a)
            for a in (([torch.nn.Parameter(torch.zeros(3))], [torch.zeros(3)]), ([], []),
-                     ([p, p], [torch.zeros(8, 6)] * 2), ([p], [torch.zeros(6, 8)]))]
+                     ([p, p], [torch.zeros(8, 6)] * 2), ([p], [torch.zeros(6, 8)]),
+                     ([p], [torch.zeros(6, 8).t()]))]
         + [lambda bad=bad: sync.load_state_dict(bad)
            for bad in ({**good, "q.q": torch.zeros(6, 1)}, {**good, "p.q": torch.zeros(8, 1)},
                        {k: v for k, v in good.items() if k != "p.residual"})])
@@ -208,6 +209,7 @@ def test_errors_name_the_op_and_argument():
              "no parameter that requires grad", "not among the named_parameters",
              "one gradient per parameter, each parameter once, at least one; got 0",
              "each parameter once", "the gradient of 'p' is shaped [6, 8], its parameter [8, 6]",
+             "the gradient of 'p' must be contiguous",
              "'q.q' is no state of these parameters", "'p.q' must be shaped [6, 1]",
              "'p.residual' is missing"]
     assert len(messages) == len(wants)

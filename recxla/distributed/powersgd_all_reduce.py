@@ -314,6 +314,9 @@ class PowerSGDAllReduce(CompressedAllReduce):
                 raise ValueError(f"{OP}: the gradient of {self.names[i]!r} is shaped "
                                  f"{list(g.shape)}, its parameter "
                                  f"{list(self.parameters[i].shape)}")
+            if not g.is_contiguous():
+                raise ValueError(f"{OP}: the gradient of {self.names[i]!r} must be contiguous "
+                                 "(the averages are written where it lies)")
         return self._start(indices, grads, [(k, 0) for k in range(len(grads))])
 
     def start_bucket(self, bucket) -> Optional[PowerSGDAllReduceHandle]:
