@@ -282,8 +282,9 @@ class PooledAssembly:
         if message.rows:
             bags = message.bags.message_bags(message.micro_batch)
             row_grads = unique_grad(targets[1], BagLookup(
-                self._row_tables(received.reshape(-1), message), bags.unique_values, bags.unique_offsets, bags.inverse, bags.offsets,
-                bags.weights, bags.feature_table, self.group_pooling, batch))
+                self._row_tables(received.reshape(-1), message), bags.unique_values,
+                bags.unique_offsets, bags.inverse, bags.offsets, bags.weights,
+                bags.feature_table, self.group_pooling, batch))
             copy_runs([g.contiguous() for g in row_grads], [flat],
                       pack(Run(g, 0, 0, 0, offset, 0, 1, count * cols)
                            for g, (offset, _, count, cols) in enumerate(message.rows)))
@@ -402,8 +403,8 @@ class OutputDist:
         """Starts exchange `message.micro_batch`. pooled: float32 [sum(source_batches),
         D_me], the owner's pooled rows for each source in turn; row_block: the owner's
         requested rows (row_exchange.RequestedRows, laid out as
-        rows.block_layout(local_group_cols)), or None without row groups. -> (in-flight handle, values sent to each rank,
-        values expected from each rank)."""
+        rows.block_layout(local_group_cols)), or None without row groups. -> (in-flight
+        handle, values sent to each rank, values expected from each rank)."""
         k = message.micro_batch
         send = self.send_sizes(source_batches, rows, k)
         recv = _owner_totals(message)

@@ -262,8 +262,9 @@ class ShardedSteps:
         """Starts the owner's output all-to-all for `message`'s exchange. pooled: float32
         [sum(source_batches), D_owner], the pooled rows for each source rank in turn (a slice
         of lookup_pooled's output); row_block: lookup_rows's output (`rows`: the
-        LookupInput's RowInput). Differentiable w.r.t. pooled and row_block. -> (handle whose wait() gives the received rows float32
-        [R, wire_row_dim], values sent to each rank, values expected from each rank)."""
+        LookupInput's RowInput). Differentiable w.r.t. pooled and row_block. -> (handle
+        whose wait() gives the received rows float32 [R, wire_row_dim], values sent to each
+        rank, values expected from each rank)."""
         return self.parts.output.start(pooled, source_batches, message, row_block, rows)
 
     def assemble_output(self, received: torch.Tensor, message: Message,
