@@ -270,10 +270,14 @@ def top_lines(counts: Counter, steps: int, n: int) -> str:
 
 
 def side_by_side(results: List[tuple]) -> str:
-    """(schedule, counts, steps) of each path -> a markdown table of their calls a step."""
+    """(schedule, counts, steps) of each path (counts: why, where it failed) -> a markdown
+    table of their calls a step."""
     lines = ["| path | the step's own ATen calls | the synthetic batches' making |",
              "|---|---|---|"]
     for schedule, counts, steps in results:
+        if isinstance(counts, str):  # the path failed: why
+            lines.append(f"| {schedule} | failed: {counts} | |")
+            continue
         _, own, data = call_split(counts, steps)
         lines.append(f"| {schedule} | {own:.0f} | {data:.0f} |")
     return "\n".join(lines)
@@ -309,11 +313,27 @@ def run_ranks(train: List[str], warmup: int, ranks: int, calls_by_line: bool,
             queue, train, warmup, 0, ranks, port, calls_by_line, host_syncs)))
     for process in others:
         process.start()
-    result = queue.get() if fresh else \
-        profile_run(train, warmup, 0, ranks, port, calls_by_line, host_syncs)
-    for process in others:
-        process.join()
+    try:
+        result = _result_of(queue, others[-1]) if fresh else \
+            profile_run(train, warmup, 0, ranks, port, calls_by_line, host_syncs)
+    finally:
+        for process in others:
+            process.join()
     return result
+
+
+def _result_of(queue, rank0) -> tuple:
+    """What rank 0's process puts on `queue`; RuntimeError when it exits without (its error
+    is in the output above)."""
+    import queue as queues
+
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queues.Empty:
+            if not rank0.is_alive() and queue.empty():
+                raise RuntimeError(f"rank 0 exited with code {rank0.exitcode} before its "
+                                   "result (its error is above)") from None
 
 
 def main(argv=None) -> int:
@@ -346,12 +366,16 @@ def main(argv=None) -> int:
     if args.side_by_side:
         results = []
         for schedule in SIDE_BY_SIDE:
-            counts, steps = run_ranks(train_argv(schedule), args.warmup, args.ranks, True,
-                                      False, fresh=True)
+            try:
+                counts, steps = run_ranks(train_argv(schedule), args.warmup, args.ranks, True,
+                                          False, fresh=True)
+            except RuntimeError as e:  # a path these options do not run (the table says so)
+                counts, steps = str(e), 0
             results.append((schedule, counts, steps))
         print(f"\nrecxla-train {' '.join(common)} and each path's flags ("
               + "; ".join(f"{s}: {' '.join(SCHEDULES[s])}" for s in SIDE_BY_SIDE)
-              + f") on {args.ranks} rank(s), rank 0, {results[0][2]} steps each; load average "
+              + f") on {args.ranks} rank(s), rank 0, {args.steps - args.warmup} steps each; "
+              f"load average "
               f"{load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end")
         print(side_by_side(results))
         return 0

@@ -61,10 +61,12 @@ def test_side_by_side_table_splits_each_path():
     own, data, steps = random.randint(51, 500), random.randint(0, 50), random.randint(1, 9)
     results = [("dbp", Counter({"recxla/pipeline/window.py:1": own * steps,
                                 "recxla/data/world.py:3": data * steps}), steps),
-               ("torchrec", Counter({"torchrec/x.py:2": 2 * own * steps}), steps)]
+               ("torchrec", Counter({"torchrec/x.py:2": 2 * own * steps}), steps),
+               ("dense-floor", "rank 0 exited with code 1", 0)]
     lines = side_by_side(results).splitlines()
     assert lines[2] == f"| dbp | {own} | {data} |"
     assert lines[3] == f"| torchrec | {2 * own} | 0 |"
+    assert lines[4] == "| dense-floor | failed: rank 0 exited with code 1 | |"
     # The shares of the per-line table stay shares of all calls.
     table = top_lines(results[0][1], steps, 1).splitlines()
     assert table[4].endswith(f"| {own / (own + data):.1%} |")
