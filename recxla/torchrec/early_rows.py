@@ -194,7 +194,7 @@ class EarlyRows:
         self._early_rows = [w.detach().index_select(0, ids)
                             for w, ids in zip(row_weights, self.early_input.ids)]
         # Where each row group's rows lie in the row block that start_late is given.
-        self._row_layout = next_rows.block_layout([w.shape[1] for w in row_weights])
+        self._row_layout = next_rows.block_layout(output.local_group_cols)
         # The masks to the ranks that asked: per source, micro-batch by micro-batch, its bags
         # (sample by sample, slot by slot) then its rows group by group.
         groups = len(next_rows.counts)

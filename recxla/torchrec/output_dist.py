@@ -341,7 +341,8 @@ class OutputDist:
         self.group_base = [0]
         for r in range(world):
             self.group_base.append(self.group_base[-1] + len(layout.row_groups(r)))
-        # This owner's row groups' widths (the row block's layout: RowInput.block_layout).
+        # This owner's row groups' widths: the one source of the row block's layout
+        # (RowInput.block_layout), for the lookup, the exchanges' runs and the early rows.
         me = layout.rank
         self.local_group_cols = self.group_cols[self.group_base[me]: self.group_base[me + 1]]
 

@@ -41,14 +41,9 @@ class RowRouting:
         self.groups_per_rank = [len(layout.row_groups(r)) for r in range(world)]
         self.group_base = [sum(self.groups_per_rank[:r]) for r in range(world + 1)]
         self.total = self.group_base[-1]
-        groups = [g for r in range(world) for g in layout.row_groups(r)]
-        self.tables = [g.table for g in groups]
-        self.features = [len(layout.tables[t].feature_names) for t in self.tables]
-        # Pooling of a group's bags at the receiver: a row-sharded MEAN table's partial sums
-        # are divided by the whole bag's length at assembly, as for pooled exchange.
-        self.pooling = [SUM if layout.row_sharded(t) else layout.tables[t].pooling
-                        for t in self.tables]
-        self.cols = [g.cols for g in groups]
+        # Per global row group: its table's feature count.
+        self.features = [len(layout.tables[g.table].feature_names)
+                         for r in range(world) for g in layout.row_groups(r)]
         # Per input slot: its feature's position among its table's features.
         self.slot_position = [layout.tables[t].feature_names.index(f)
                               for t, f in zip(layout.input_slot_table, layout.input_slot_feature)]

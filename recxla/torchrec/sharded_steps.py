@@ -123,7 +123,7 @@ class ShardedSteps:
         """The owner's gather of its row-exchange tables, one lookup for all of them:
         lookup_input (on the module's device) -> the row block, float32, every local row
         group's requested rows (lookup_input.rows order) where
-        lookup_input.rows.block_layout(the groups' widths) puts them
+        lookup_input.rows.block_layout(the output dist's local_group_cols) puts them
         (row_exchange.RequestedRows; RowLookup: its backward applies the fused update once
         per row); None without row tables."""
         tables = self.parts.tables
@@ -136,7 +136,7 @@ class ShardedSteps:
                                apply_gradients,
                                requested_rows(tables.row_weights, lookup_input.rows.values,
                                               lookup_input.rows.block_layout(
-                                                  [w.shape[1] for w in tables.row_weights])),
+                                                  self.parts.output.local_group_cols)),
                                *tables.row_weights)
 
     def lookup_pooled(self, lookup_input: LookupInput, rows_follow: bool = False):
