@@ -31,17 +31,24 @@ TORCH_LIBRARY_FRAGMENT(recxla, m) {
       "Tensor inverse, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
       "int[] pooling, int batch_size) -> Tensor");
   // The same into a caller-owned float32 [B, sum_f D_{feature_table[f]}] contiguous tensor: a
-  // training loop that hands in a free buffer every step allocates nothing.
+  // training loop that hands in a free buffer every step allocates nothing. With
+  // feature_columns (F ints), out is [B, C] with adjacent columns and rows at least C apart,
+  // and feature f's columns are [feature_columns[f], + D_f), disjoint and inside [0, C): the
+  // bags are pooled straight into a caller's layout (a module's output columns), and the other
+  // columns are left as they are.
   m.def(
       "embedding_bag_forward_out(Tensor[] weights, Tensor unique_values, Tensor unique_offsets, "
       "Tensor inverse, Tensor offsets, Tensor? per_sample_weights, int[] feature_table, "
-      "int[] pooling, int batch_size, Tensor(a!) out) -> ()");
+      "int[] pooling, int batch_size, Tensor(a!) out, int[]? feature_columns=None) -> ()");
   // -> T float32 tensors [U_t, D_t]: the gradient of every unique row, summed over its ids
   //    (what a dense weight gradient holds at those rows; it is zero everywhere else).
+  //    grad_output: [B, sum_f D_f], or with feature_columns laid out as forward_out's out (each
+  //    feature's gradient read where it lies, the other columns not read).
   m.def(
       "embedding_bag_unique_grad(Tensor grad_output, Tensor[] weights, Tensor unique_values, "
       "Tensor unique_offsets, Tensor inverse, Tensor offsets, Tensor? per_sample_weights, "
-      "int[] feature_table, int[] pooling, int batch_size) -> Tensor[]");
+      "int[] feature_table, int[] pooling, int batch_size, int[]? feature_columns=None) "
+      "-> Tensor[]");
   // Reduces the gradient per unique row as above and applies each table's optimizer to those rows
   // in place. optim: T ints (0 none, 1 SGD, 2 Adagrad, 3 row-wise Adagrad); states: T float32
   // tensors (SGD: any, unused; Adagrad: [E_t, D_t]; row-wise Adagrad: E_t values); hparams:

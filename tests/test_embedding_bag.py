@@ -15,6 +15,7 @@ from torchrec import EmbeddingBagConfig, KeyedJaggedTensor, PoolingType
 import recxla
 from recxla.ops import embedding_bag as ops
 from recxla.ops.dedup import segmented_unique
+from recxla.ops.embedding_bag_checks import check_feature_columns
 from recxla.reference import embedding_bag as ref
 
 
@@ -249,6 +250,13 @@ def test_ops_opcheck():
     torch.library.opcheck(torch.ops.recxla.embedding_bag_backward_update,
                           fused_args(a, ops.ROWWISE_ADAGRAD, grad),
                           test_utils=("test_schema", "test_autograd_registration"))
+    columns, _, _, out = placed_layout(a, torch.Generator().manual_seed(0))
+    torch.library.opcheck(torch.ops.recxla.embedding_bag_forward_out,
+                          [*bag_lookup(a), out, columns])
+    torch.library.opcheck(torch.ops.recxla.embedding_bag_unique_grad,
+                          [torch.randn(out.shape), *bag_lookup(a), columns],
+                          test_utils=("test_schema", "test_autograd_registration",
+                                      "test_faketensor"))
 
 
 def _bad_inputs(a):
@@ -290,6 +298,96 @@ def test_ops_errors_leave_rows_untouched():
     with pytest.raises(ValueError, match=r"feature_table\[1\] = 5 is not a table index"):
         torch.ops.recxla.embedding_bag_forward(*bag_lookup(a)._replace(feature_table=[0, 5, 1, 0]))
     assert all(torch.equal(x, y) for x, y in zip(args[1] + args[2], before))
+
+
+# ---------------------------------------------------------------------------------------------
+# feature_columns: pooled straight into (the gradient read straight from) a caller's layout
+
+
+def placed_layout(a, generator):
+    """A caller's layout for op_inputs' features: the features in a random order with random
+    gaps, inside a column range of a wider tensor. -> (feature_columns, the layout's width C,
+    the wide tensor [B, C + 5], the range of it the ops get: [B, C] at columns 2.., rows
+    C + 5 apart)."""
+    dims = [a["weights"][t].shape[1] for t in a["feature_table"]]
+    order = torch.randperm(len(dims), generator=generator).tolist()
+    columns, at = [0] * len(dims), 0
+    for f in order:
+        at += int(torch.randint(0, 3, (), generator=generator))
+        columns[f] = at
+        at += dims[f]
+    wide = torch.randn(a["batch_size"], at + 5, generator=generator).to(a["weights"][0].device)
+    return columns, at, wide, wide[:, 2: 2 + at]
+
+
+def check_placed_against_reference(forward, grad_fn, a, generator, exact=True):
+    """forward(lookup, out, feature_columns) writes the features' columns of the reference's
+    output where feature_columns says and nothing else; grad_fn(grad_output, lookup,
+    feature_columns) reads each feature's gradient where it lies, as the reference does."""
+    tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-5, atol=1e-5)
+    columns, _, wide, out = placed_layout(a, generator)
+    want = wide.clone()
+    want[:, 2: 2 + out.shape[1]] = ref.place_features_ref(
+        ref.embedding_bag_forward_ref(bag_lookup(a)), bag_lookup(a), out, columns)
+    assert forward(bag_lookup(a), out, columns) is out
+    torch.testing.assert_close(wide, want, **tol)
+    grad_wide = torch.randn(wide.shape, generator=generator).to(wide.device)
+    grad = grad_wide[:, 2: 2 + out.shape[1]]
+    assert_lists_close(grad_fn(grad, bag_lookup(a), columns),
+                       ref.embedding_bag_unique_grad_ref(grad, bag_lookup(a), columns), **tol)
+
+
+@pytest.mark.parametrize("dtype,weighted", [(torch.int64, True), (torch.int32, False)])
+def test_ops_placed_features_match_reference(dtype, weighted):
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    check_placed_against_reference(ops.pooled_forward, ops.unique_grad,
+                                   op_inputs(dtype, weighted, batch=9), generator)
+    # One sample: its row stride does not matter (here 0).
+    a = op_inputs(dtype, weighted, batch=1)
+    columns, width, _, _ = placed_layout(a, generator)
+    out = torch.zeros(width).as_strided((1, width), (0, 1))
+    torch.testing.assert_close(ops.pooled_forward(bag_lookup(a), out, columns),
+                               ref.place_features_ref(ref.embedding_bag_forward_ref(
+                                   bag_lookup(a)), bag_lookup(a), torch.zeros(1, width),
+                                   columns), rtol=0, atol=0)
+
+
+def _bad_placements(a):
+    """(feature_columns, tensor, message) cases of a placed layout, for op_inputs' features
+    (dims 8, 1, 17, 8; 34 columns side by side)."""
+    B = a["batch_size"]
+    side_by_side = [0, 8, 9, 26]
+    return [
+        ([0, 8, 9], torch.zeros(B, 34), r"feature_columns must have one entry per feature \(4\)"),
+        ([0, 8, 9, 27], torch.zeros(B, 34), r"feature_columns\[3\] = 27 puts feature 3's 8 "
+                                            r"columns outside \[0, 34\) of"),
+        ([0, 8, 9, -1], torch.zeros(B, 34), r"feature_columns\[3\] = -1"),
+        ([0, 7, 9, 26], torch.zeros(B, 34), r"features 0 and 1 overlap in"),
+        (side_by_side, torch.zeros(B, 68)[:, ::2], r"columns must be adjacent \(column stride 1\)"),
+        (side_by_side, torch.zeros(B, 34 + B)[:, :34].as_strided((B, 34), (1, 1)),
+         r"rows must not overlap \(row stride >= 34\)"),
+        (side_by_side, torch.zeros(B + 1, 34), r"must be \[batch_size, columns\] = \[9, C\]"),
+    ]
+
+
+def test_ops_placed_errors():
+    a = op_inputs(batch=9)
+    lookup = bag_lookup(a)
+    for columns, tensor, match in _bad_placements(a):
+        before = tensor.clone()
+        with pytest.raises(ValueError, match="recxla::embedding_bag_forward_out: .*" + match):
+            torch.ops.recxla.embedding_bag_forward_out(*lookup, tensor, columns)
+        assert torch.equal(tensor, before)
+        with pytest.raises(ValueError, match="recxla::embedding_bag_unique_grad: .*" + match):
+            ops.unique_grad(tensor, lookup, columns)
+        # The Triton path's checks in Python, the same words.
+        for op, name in (("recxla::embedding_bag_forward_out", "out"),
+                         ("recxla::embedding_bag_unique_grad", "grad_output")):
+            with pytest.raises(ValueError, match=op + ": .*" + match):
+                check_feature_columns(op, lookup, tensor, name, columns)
+    with pytest.raises(ValueError, match="pooled_forward: feature_columns places the features in "
+                                         "`out`, and out is None"):
+        ops.pooled_forward(lookup, feature_columns=[0, 8, 9, 26])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,6 +440,15 @@ def test_triton_interpreted_matches_reference(interpreted_triton, monkeypatch, d
     )
 
 
+def test_triton_interpreted_placed_features(interpreted_triton, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = interpreted_triton
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    check_placed_against_reference(
+        lambda lookup, out, columns: t.embedding_bag_forward_triton(lookup, out, columns),
+        t.embedding_bag_unique_grad_triton, op_inputs(torch.int64, True, batch=5), generator)
+
+
 def test_triton_interpreted_empty(interpreted_triton, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     a = op_inputs(batch=0)
@@ -365,3 +472,6 @@ def test_gpu_ops_match_reference(monkeypatch, backend, dtype, weighted):
     # GPU kernels may contract a multiply and an add into one FMA (Triton): not bit-exact.
     check_backend_against_reference(ops.pooled_forward, ops.unique_grad, ops.backward_update,
                                     to_cuda(op_inputs(dtype, weighted, batch=300)), exact=False)
+    check_placed_against_reference(ops.pooled_forward, ops.unique_grad,
+                                   to_cuda(op_inputs(dtype, weighted, batch=300)),
+                                   torch.Generator().manual_seed(0), exact=False)

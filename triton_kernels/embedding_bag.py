@@ -108,11 +108,13 @@ def _columns(weights, feature_table) -> List[int]:
     return columns + [c]
 
 
-def embedding_bag_forward_triton(lookup, out=None) -> torch.Tensor:
-    """-> float32 [B, total_dim] (written into `out` when given); arguments as
-    recxla.ops.embedding_bag.pooled_forward."""
+def embedding_bag_forward_triton(lookup, out=None, feature_columns=None) -> torch.Tensor:
+    """-> float32 [B, total_dim] (written into `out` when given, each feature at its
+    feature_columns entry when given); arguments as recxla.ops.embedding_bag.pooled_forward."""
     weights, unique_values, _, inverse, offsets, psw, feature_table, pooling, batch_size = lookup
     columns = _columns(weights, feature_table)
+    if feature_columns is not None:
+        columns = list(feature_columns)
     if out is None:
         out = torch.empty(batch_size, columns[-1], dtype=torch.float32,
                           device=unique_values.device)
@@ -130,16 +132,20 @@ def embedding_bag_forward_triton(lookup, out=None) -> torch.Tensor:
     return out
 
 
-def group_ids_by_row(lookup, signs: Optional[Sequence[float]] = None):
+def group_ids_by_row(lookup, signs: Optional[Sequence[float]] = None, feature_columns=None,
+                     row_stride: Optional[int] = None):
     """The ids of each unique row, as a CSR in torch ops: -> (start int64 [U + 1], grad_offset
-    int64 [N] into the flattened grad_output, scale float32 [N] = per-sample weight x
-    (1 / bag length for mean) x sign), entries of a row in id order."""
+    int64 [N] into grad_output (its rows row_stride apart, each feature's columns at
+    feature_columns; by default [B, total_dim] contiguous), scale float32 [N] = per-sample
+    weight x (1 / bag length for mean) x sign), entries of a row in id order."""
     weights, unique_values, _, inverse, offsets, psw, feature_table, pooling, batch_size = lookup
     num_unique = unique_values.numel()
     device = inverse.device
-    columns = torch.tensor(_columns(weights, feature_table)[:-1], dtype=torch.int64, device=device)
+    side_by_side = _columns(weights, feature_table)
+    columns = torch.tensor(side_by_side[:-1] if feature_columns is None else list(feature_columns),
+                           dtype=torch.int64, device=device)
     table = torch.tensor(list(feature_table), dtype=torch.int64, device=device)
-    total_dim = _columns(weights, feature_table)[-1]
+    total_dim = side_by_side[-1] if row_stride is None else row_stride
     lengths = offsets.diff()
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths,
                                   output_size=inverse.numel())
@@ -157,11 +163,16 @@ def group_ids_by_row(lookup, signs: Optional[Sequence[float]] = None):
     return start, grad_offset[order].contiguous(), scale[order].contiguous()
 
 
-def _run_update(grad_output, lookup, states, optim, hparams, outs):
+def _run_update(grad_output, lookup, states, optim, hparams, outs, feature_columns=None):
     weights, unique_values, unique_offsets = lookup[:3]
     signs = [hparams[4 * t + 3] for t in range(len(weights))] if hparams else None
-    start, grad_offset, scale = group_ids_by_row(lookup, signs)
-    grad = grad_output.contiguous().float()
+    if feature_columns is None:
+        grad = grad_output.contiguous().float()
+        start, grad_offset, scale = group_ids_by_row(lookup, signs)
+    else:  # read where it lies: the kernel takes its offsets from the first element
+        grad = grad_output
+        row_stride = grad.stride(0) if grad.shape[0] > 1 else grad.shape[1]
+        start, grad_offset, scale = group_ids_by_row(lookup, signs, feature_columns, row_stride)
     bounds = unique_offsets.tolist()
     for t, w in enumerate(weights):
         n, dim = bounds[t + 1] - bounds[t], w.shape[1]
@@ -177,12 +188,14 @@ def _run_update(grad_output, lookup, states, optim, hparams, outs):
         )
 
 
-def embedding_bag_unique_grad_triton(grad_output, lookup) -> List[torch.Tensor]:
+def embedding_bag_unique_grad_triton(grad_output, lookup,
+                                     feature_columns=None) -> List[torch.Tensor]:
     """-> T float32 [U_t, D_t]; arguments as recxla.ops.embedding_bag.unique_grad."""
     bounds = lookup.unique_offsets.tolist()
     outs = [torch.zeros(bounds[t + 1] - bounds[t], w.shape[1], dtype=torch.float32,
                         device=w.device) for t, w in enumerate(lookup.weights)]
-    _run_update(grad_output, lookup, None, [NONE] * len(lookup.weights), None, outs)
+    _run_update(grad_output, lookup, None, [NONE] * len(lookup.weights), None, outs,
+                feature_columns)
     return outs
 
 

@@ -72,7 +72,7 @@ RECXLA_INLINE void forward_bags(
 #define RECXLA_POOL(D)                                                                          \
   for (int64_t b = begin; b < end; ++b) {                                                     \
     ok &= pool_bag<D>(a, rows, w, dim, offsets[b], offsets[b + 1], feature_end, lo, hi, mean, \
-                      o + b * a.total_dim);                                                   \
+                      o + b * a.row_stride);                                                  \
   }
     switch (dim) {
       case 16: RECXLA_POOL(16); break;
@@ -97,7 +97,8 @@ RECXLA_EB_FORWARD(int32_t, i32)
 RECXLA_EB_FORWARD(int64_t, i64)
 #undef RECXLA_EB_FORWARD
 
-// Pools every bag of the call into out [B, total_dim] (float32, contiguous).
+// Pools every bag of the call into out (float32 [B, total_dim] contiguous, or the columns
+// check_forward_out placed).
 void forward_into(const char* op, const Call& c, at::Tensor& out) {
   const int64_t batch_size = c.l.batch_size;
   if (out.numel() == 0) return;
@@ -136,11 +137,13 @@ void embedding_bag_forward_out_cpu(
     at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
     const at::Tensor& inverse, const at::Tensor& offsets,
     const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
-    at::IntArrayRef pooling, int64_t batch_size, at::Tensor& out) {
+    at::IntArrayRef pooling, int64_t batch_size, at::Tensor& out,
+    at::OptionalIntArrayRef feature_columns) {
   constexpr const char* op = "recxla::embedding_bag_forward_out";
   Call c(op, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
          feature_table, pooling, batch_size, /*increasing=*/false);
-  emb::check_forward_out(op, out, c.l, unique_values.device());
+  emb::check_forward_out(op, out, c.l, unique_values.device(), feature_columns);
+  c.use_layout();
   forward_into(op, c, out);
 }
 

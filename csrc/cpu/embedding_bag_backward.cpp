@@ -110,7 +110,7 @@ RECXLA_INLINE void run_part(
     for (int64_t b = 0; b < B; ++b) {
       const int64_t first = bags[b], last = bags[b + 1];
       if (first == last) continue;
-      const GradRow<kDim> g(src + b * a.total_dim, dim);
+      const GradRow<kDim> g(src + b * a.row_stride, dim);
       const float scale = bag_scale(mean, sign, first, last);
       for (int64_t i = first; i < last; ++i) {
         const int64_t u = a.inverse[i];
@@ -249,7 +249,7 @@ void group_by_row(const Args& a, int64_t t, const std::vector<int64_t>& features
     const int64_t* bags = a.offsets + f * B;
     for (int64_t b = 0; b < B; ++b) {
       const float scale = bag_scale(mean, a.grad_sign[t], bags[b], bags[b + 1]);
-      const int64_t grad_offset = b * a.total_dim + a.feature_column[f];
+      const int64_t grad_offset = b * a.row_stride + a.feature_column[f];
       for (int64_t i = bags[b]; i < bags[b + 1]; ++i) {
         entries[start[a.inverse[i] - lo]++] =
             Entry{grad_offset, a.psw != nullptr ? a.psw[i] * scale : scale};
@@ -361,12 +361,15 @@ std::vector<at::Tensor> embedding_bag_unique_grad_cpu(
     const at::Tensor& grad_output, at::TensorList weights, const at::Tensor& unique_values,
     const at::Tensor& unique_offsets, const at::Tensor& inverse, const at::Tensor& offsets,
     const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
-    at::IntArrayRef pooling, int64_t batch_size) {
+    at::IntArrayRef pooling, int64_t batch_size, at::OptionalIntArrayRef feature_columns) {
   constexpr const char* op = "recxla::embedding_bag_unique_grad";
   Call c(op, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
          feature_table, pooling, batch_size, /*increasing=*/false);
-  emb::check_grad_output(op, grad_output, c.l);
-  const at::Tensor grad = grad_output.contiguous();
+  emb::check_grad_output(op, grad_output, c.l, feature_columns);
+  c.use_layout();
+  // Placed by feature_columns, the gradient is read where it lies (check_grad_output checked
+  // its strides); otherwise from a contiguous [B, total_dim] copy.
+  const at::Tensor grad = feature_columns.has_value() ? grad_output : grad_output.contiguous();
   std::vector<at::Tensor> out;
   std::vector<float*> out_ptrs;
   for (int64_t t = 0; t < c.l.num_tables; ++t) {

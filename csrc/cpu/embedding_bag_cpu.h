@@ -52,7 +52,7 @@ struct Args {
   const int64_t* unique_offsets;  // [T + 1]
   const float* grad_sign;         // [T] (backward)
   int64_t batch_size;
-  int64_t total_dim;
+  int64_t row_stride;  // elements between two samples' output (gradient) rows
   int64_t num_tables;
   int64_t num_features;
 };
@@ -233,9 +233,16 @@ struct Call {
     args.pooling = l.pooling.data();
     args.unique_offsets = l.unique_offsets.data();
     args.batch_size = l.batch_size;
-    args.total_dim = l.total_dim;
+    args.row_stride = l.row_stride;
     args.num_tables = l.num_tables;
     args.num_features = l.num_features;
+  }
+
+  // The output's (gradient's) layout, after emb::check_forward_out or check_grad_output may
+  // have placed the features elsewhere (feature_columns).
+  void use_layout() {
+    args.feature_column = l.feature_column.data();
+    args.row_stride = l.row_stride;
   }
 };
 

@@ -125,7 +125,7 @@ template <typename index_t>
 __global__ void forward_kernel(
     Meta m, const index_t* __restrict__ rows, const int64_t* __restrict__ inverse,
     const int64_t* __restrict__ offsets, const float* __restrict__ psw, int64_t bags,
-    int64_t batch_size, int64_t total_dim, int64_t smem_dim, float* __restrict__ out) {
+    int64_t batch_size, int64_t row_stride, int64_t smem_dim, float* __restrict__ out) {
   extern __shared__ float smem[];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   float* acc = smem + warp * smem_dim;
@@ -148,7 +148,7 @@ __global__ void forward_kernel(
     }
     const bool mean = m.pooling[t] == static_cast<int64_t>(emb::Pooling::Mean) && last > first;
     const float inv_len = mean ? 1.0f / static_cast<float>(last - first) : 1.0f;
-    float* o = out + b * total_dim + m.feature_column[f];
+    float* o = out + b * row_stride + m.feature_column[f];
     for (int64_t d = lane; d < dim; d += kWarp) o[d] = mean ? acc[d] * inv_len : acc[d];
     __syncwarp();
   }
@@ -302,7 +302,7 @@ void forward_into(const char* op, const Layout& l, at::TensorList weights,
     forward_kernel<index_t><<<blocks_for(bags), kThreads, smem, stream>>>(
         meta.meta, rows.const_data_ptr<index_t>(), inv.const_data_ptr<int64_t>(),
         offs.const_data_ptr<int64_t>(), psw.defined() ? psw.const_data_ptr<float>() : nullptr,
-        bags, l.batch_size, l.total_dim, smem_dim, out.data_ptr<float>());
+        bags, l.batch_size, l.row_stride, smem_dim, out.data_ptr<float>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -327,12 +327,13 @@ void embedding_bag_forward_out_cuda(
     at::TensorList weights, const at::Tensor& unique_values, const at::Tensor& unique_offsets,
     const at::Tensor& inverse, const at::Tensor& offsets,
     const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
-    at::IntArrayRef pooling, int64_t batch_size, at::Tensor& out) {
+    at::IntArrayRef pooling, int64_t batch_size, at::Tensor& out,
+    at::OptionalIntArrayRef feature_columns) {
   constexpr const char* op = "recxla::embedding_bag_forward_out";
-  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
-                                     per_sample_weights, feature_table, pooling, batch_size,
-                                     /*read_unique_offsets=*/false);
-  emb::check_forward_out(op, out, l, unique_values.device());
+  Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
+                               per_sample_weights, feature_table, pooling, batch_size,
+                               /*read_unique_offsets=*/false);
+  emb::check_forward_out(op, out, l, unique_values.device(), feature_columns);
   const c10::cuda::CUDAGuard guard(unique_values.device());
   forward_into(op, l, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
                out);
@@ -351,7 +352,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_ids(
                                                inverse.numel());
   const at::Tensor feature = at::floor_divide(bag, B);
   const at::Tensor column = upload(l.feature_column, at::kLong, dev).index_select(0, feature);
-  const at::Tensor grad_offset = (bag - feature * B) * l.total_dim + column;
+  const at::Tensor grad_offset = (bag - feature * B) * l.row_stride + column;
   std::vector<float> feature_sign;
   std::vector<uint8_t> feature_mean;
   for (int64_t f = 0; f < l.num_features; ++f) {
@@ -378,7 +379,7 @@ void run_update(
     const std::vector<at::Tensor>& grad_out, const at::Tensor& grad_output,
     const at::Tensor& unique_values, const at::Tensor& inverse, const at::Tensor& offsets,
     const std::optional<at::Tensor>& per_sample_weights, const std::vector<int64_t>& optim,
-    const std::vector<Hparams>& h, const at::Tensor& unique_offsets) {
+    const std::vector<Hparams>& h, const at::Tensor& unique_offsets, bool read_in_place) {
   if (l.num_unique == 0) return;
   const int64_t smem_dim = shared_dim(op, l);
   const auto dev = unique_values.device();
@@ -395,7 +396,9 @@ void run_update(
   const DeviceMeta meta = make_meta(l, unique_offsets, weights, states, grad_out, dev);
   const at::Tensor optim_d = upload(optim, at::kLong, dev);
   const at::Tensor hp_d = upload(hp, at::kFloat, dev);
-  const at::Tensor rows = unique_values.contiguous(), grad = grad_output.contiguous();
+  // read_in_place: the gradient's layout was placed by feature_columns (strides checked).
+  const at::Tensor rows = unique_values.contiguous();
+  const at::Tensor grad = read_in_place ? grad_output : grad_output.contiguous();
   const auto stream = at::cuda::getCurrentCUDAStream();
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
   const bool batched = gpu_variants::chosen("embedding_update", 10 * props->major + props->minor) ==
@@ -427,11 +430,11 @@ std::vector<at::Tensor> embedding_bag_unique_grad_cuda(
     const at::Tensor& grad_output, at::TensorList weights, const at::Tensor& unique_values,
     const at::Tensor& unique_offsets, const at::Tensor& inverse, const at::Tensor& offsets,
     const std::optional<at::Tensor>& per_sample_weights, at::IntArrayRef feature_table,
-    at::IntArrayRef pooling, int64_t batch_size) {
+    at::IntArrayRef pooling, int64_t batch_size, at::OptionalIntArrayRef feature_columns) {
   constexpr const char* op = "recxla::embedding_bag_unique_grad";
-  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
-                                     per_sample_weights, feature_table, pooling, batch_size);
-  emb::check_grad_output(op, grad_output, l);
+  Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
+                               per_sample_weights, feature_table, pooling, batch_size);
+  emb::check_grad_output(op, grad_output, l, feature_columns);
   const c10::cuda::CUDAGuard guard(unique_values.device());
   std::vector<at::Tensor> out;
   for (int64_t t = 0; t < l.num_tables; ++t) {
@@ -441,7 +444,7 @@ std::vector<at::Tensor> embedding_bag_unique_grad_cuda(
   const std::vector<int64_t> optim(l.num_tables, static_cast<int64_t>(Optim::None));
   const std::vector<Hparams> h(l.num_tables, Hparams{0.0f, 0.0f, 0.0f, 1.0f});
   run_update(op, l, weights, {}, out, grad_output, unique_values, inverse, offsets,
-             per_sample_weights, optim, h, unique_offsets);
+             per_sample_weights, optim, h, unique_offsets, feature_columns.has_value());
   return out;
 }
 
@@ -452,16 +455,16 @@ void embedding_bag_backward_update_cuda(
     at::IntArrayRef feature_table, at::IntArrayRef pooling, int64_t batch_size,
     at::IntArrayRef optim, at::ArrayRef<double> hparams) {
   constexpr const char* op = "recxla::embedding_bag_backward_update";
-  const Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
-                                     per_sample_weights, feature_table, pooling, batch_size,
-                                     /*read_unique_offsets=*/false);
+  Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
+                               per_sample_weights, feature_table, pooling, batch_size,
+                               /*read_unique_offsets=*/false);
   emb::check_grad_output(op, grad_output, l);
   const std::vector<Hparams> h =
       emb::check_optimizer(op, l, unique_values.device(), states, optim, hparams);
   const c10::cuda::CUDAGuard guard(unique_values.device());
   run_update(op, l, weights, states, {}, grad_output, unique_values, inverse, offsets,
              per_sample_weights, std::vector<int64_t>(optim.begin(), optim.end()), h,
-             unique_offsets);
+             unique_offsets, /*read_in_place=*/false);
 }
 
 }  // namespace

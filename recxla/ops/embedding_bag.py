@@ -24,7 +24,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from recxla import _extension
-from recxla.ops.embedding_bag_checks import check_lookup, check_optimizer
+from recxla.ops.embedding_bag_checks import (check_feature_columns, check_lookup,
+                                              check_optimizer)
 from recxla.ops.embedding_bag_enums import (  # noqa: F401  (the op's codes, public here)
     ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
 )
@@ -40,13 +41,13 @@ def _forward_fake(weights, unique_values, unique_offsets, inverse, offsets, psw,
 
 @_extension.register_fake("recxla::embedding_bag_forward_out")
 def _forward_out_fake(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                      feature_table, pooling, batch_size, out):
+                      feature_table, pooling, batch_size, out, feature_columns=None):
     return None
 
 
 @_extension.register_fake("recxla::embedding_bag_unique_grad")
 def _unique_grad_fake(grad_output, weights, unique_values, unique_offsets, inverse, offsets, psw,
-                      feature_table, pooling, batch_size):
+                      feature_table, pooling, batch_size, feature_columns=None):
     ctx = torch.library.get_ctx()
     return [grad_output.new_empty((ctx.new_dynamic_size(), w.shape[1])) for w in weights]
 
@@ -61,23 +62,26 @@ def _backward_update_fake(grad_output, weights, states, unique_values, unique_of
 # Dispatch (`lookup` already as its op_args)
 
 
-def _forward(lookup: BagLookup, out: Optional[torch.Tensor], backend: str) -> torch.Tensor:
+def _forward(lookup: BagLookup, out: Optional[torch.Tensor], backend: str,
+             feature_columns: Optional[Sequence[int]] = None) -> torch.Tensor:
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_forward_triton
 
-        return embedding_bag_forward_triton(lookup, out=out)
+        return embedding_bag_forward_triton(lookup, out=out, feature_columns=feature_columns)
     if out is None:
         return torch.ops.recxla.embedding_bag_forward(*lookup)
-    torch.ops.recxla.embedding_bag_forward_out(*lookup, out)
+    torch.ops.recxla.embedding_bag_forward_out(*lookup, out, feature_columns)
     return out
 
 
-def _unique_grad(grad_output, lookup: BagLookup, backend: str) -> List[torch.Tensor]:
+def _unique_grad(grad_output, lookup: BagLookup, backend: str,
+                 feature_columns: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_unique_grad_triton
 
-        return embedding_bag_unique_grad_triton(grad_output, lookup)
-    return list(torch.ops.recxla.embedding_bag_unique_grad(grad_output, *lookup))
+        return embedding_bag_unique_grad_triton(grad_output, lookup, feature_columns)
+    return list(torch.ops.recxla.embedding_bag_unique_grad(grad_output, *lookup,
+                                                           feature_columns))
 
 
 def _backward_update(grad_output, lookup: BagLookup, states, optim, hparams,
@@ -92,30 +96,46 @@ def _backward_update(grad_output, lookup: BagLookup, states, optim, hparams,
                                                    hparams)
 
 
-def pooled_forward(lookup: BagLookup, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def pooled_forward(lookup: BagLookup, out: Optional[torch.Tensor] = None,
+                   feature_columns: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Pool the rows of every bag. -> float32 [B, sum_f D_{feature_table[f]}].
 
     lookup: the tables, ids and bags (`BagLookup`: shapes and dtypes there); out: optional
     float32 [B, total_dim] contiguous tensor to write into (returned), so that a loop can reuse
-    one buffer.
+    one buffer. feature_columns (F ints, with `out`): pool straight into a caller's layout
+    instead; out is then [B, C] with adjacent columns and rows at least C apart (a column range
+    of a wider tensor, say), feature f's D columns are out[:, feature_columns[f]:][:, :D], the
+    features' ranges disjoint and inside [0, C), and the other columns are left as they are.
     """
+    if feature_columns is not None and out is None:
+        raise ValueError("recxla.ops.embedding_bag.pooled_forward: feature_columns places the "
+                         "features in `out`, and out is None")
     lookup = lookup.op_args()
     backend = _extension.backend_for(lookup.unique_values,
                                      "recxla.ops.embedding_bag.pooled_forward")
     if backend != "cpu":
         check_lookup("recxla::embedding_bag_forward", lookup, increasing=False)
-    return _forward(lookup, out, backend)
+    if backend == "triton" and feature_columns is not None:  # the C++ kernels check it
+        check_feature_columns("recxla::embedding_bag_forward_out", lookup, out, "out",
+                              feature_columns)
+    return _forward(lookup, out, backend, feature_columns)
 
 
-def unique_grad(grad_output: torch.Tensor, lookup: BagLookup) -> List[torch.Tensor]:
+def unique_grad(grad_output: torch.Tensor, lookup: BagLookup,
+                feature_columns: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
     """grad_output float32 [B, total_dim] -> T float32 [U_t, D_t]: the weight gradient of each
-    table at its unique rows (a dense gradient is zero elsewhere)."""
+    table at its unique rows (a dense gradient is zero elsewhere). feature_columns (F ints):
+    grad_output laid out as pooled_forward's `out` with them, each feature's gradient read
+    where it lies (the other columns are not read)."""
     lookup = lookup.op_args()
     backend = _extension.backend_for(lookup.unique_values,
                                      "recxla.ops.embedding_bag.unique_grad")
     if backend != "cpu":
         check_lookup("recxla::embedding_bag_unique_grad", lookup, increasing=False)
-    return _unique_grad(grad_output, lookup, backend)
+    if backend == "triton" and feature_columns is not None:  # the C++ kernels check it
+        check_feature_columns("recxla::embedding_bag_unique_grad", lookup, grad_output,
+                              "grad_output", feature_columns)
+    return _unique_grad(grad_output, lookup, backend, feature_columns)
 
 
 def backward_update(

@@ -9,7 +9,7 @@ before any CUDA or Triton kernel launches.
 """
 
 import math
-from typing import List
+from typing import List, Sequence
 
 import torch
 
@@ -63,6 +63,39 @@ def _check_layout(op: str, lookup: BagLookup) -> None:
                              + f", got shape {list(x.shape)}")
         if x.device != device:
             raise ValueError(f"{op}: all tensors must be on {device}, got {name} on {x.device}")
+
+
+def check_feature_columns(op: str, lookup: BagLookup, tensor: torch.Tensor, name: str,
+                          feature_columns: Sequence[int]) -> None:
+    """`tensor` (an op's out or grad_output) laid out as feature_columns says, as
+    csrc/include/recxla/embedding_bag_checks.h's place_features checks it: [B, C], adjacent
+    columns, rows at least C apart, each feature's columns inside [0, C) and disjoint."""
+    weights, feature_table, batch_size = lookup.weights, lookup.feature_table, lookup.batch_size
+    if len(feature_columns) != len(feature_table):
+        raise ValueError(f"{op}: feature_columns must have one entry per feature "
+                         f"({len(feature_table)}), got {len(feature_columns)}")
+    if tensor.dim() != 2 or tensor.shape[0] != batch_size:
+        raise ValueError(f"{op}: {name} must be [batch_size, columns] = [{batch_size}, C], got "
+                         f"{list(tensor.shape)}")
+    width = tensor.shape[1]
+    if tensor.stride(1) != 1 and width > 1:
+        raise ValueError(f"{op}: {name}'s columns must be adjacent (column stride 1), got "
+                         f"stride {tensor.stride(1)}")
+    if tensor.shape[0] > 1 and tensor.stride(0) < width:
+        raise ValueError(f"{op}: {name}'s rows must not overlap (row stride >= {width}), got "
+                         f"{tensor.stride(0)}")
+    ranges = []
+    for f, (first, t) in enumerate(zip(feature_columns, feature_table)):
+        dim = weights[t].shape[1]
+        if first < 0 or first + dim > width:
+            raise ValueError(f"{op}: feature_columns[{f}] = {first} puts feature {f}'s {dim} "
+                             f"columns outside [0, {width}) of {name}")
+        if dim:
+            ranges.append((first, first + dim, f))
+    ranges.sort()
+    for (_, end, a), (first, _, b) in zip(ranges, ranges[1:]):
+        if first < end:
+            raise ValueError(f"{op}: features {a} and {b} overlap in {name} (feature_columns)")
 
 
 def check_lookup_data(lookup: BagLookup, increasing: bool) -> torch.Tensor:

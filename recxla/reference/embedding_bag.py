@@ -59,10 +59,13 @@ def embedding_bag_forward_ref(lookup: BagLookup) -> torch.Tensor:
     return torch.cat(outs, dim=1)
 
 
-def embedding_bag_unique_grad_ref(grad_output: torch.Tensor,
-                                  lookup: BagLookup) -> List[torch.Tensor]:
+def embedding_bag_unique_grad_ref(grad_output: torch.Tensor, lookup: BagLookup,
+                                  feature_columns: Optional[Sequence[int]] = None
+                                  ) -> List[torch.Tensor]:
     """grad_output: float32 [B, total_dim] -> T float32 [U_t, D_t], the weight gradient at each
-    unique row (ids' output gradients, scaled by per-sample weight and 1 / bag length for mean)."""
+    unique row (ids' output gradients, scaled by per-sample weight and 1 / bag length for mean).
+    feature_columns: feature f's gradient is grad_output[:, feature_columns[f]:][:, :D]
+    instead of the features side by side."""
     (weights, _, unique_offsets, inverse, offsets, per_sample_weights, feature_table, pooling,
      batch_size) = lookup
     uoff = unique_offsets.tolist()
@@ -76,10 +79,24 @@ def embedding_bag_unique_grad_ref(grad_output: torch.Tensor,
         dim = weights[t].shape[1]
         first, last = offsets[f * batch_size].item(), offsets[(f + 1) * batch_size].item()
         scale = _id_scale(pooling[t], lengths_of_id, per_sample_weights, slice(first, last))
-        g = grad_output[sample_of_id[first:last], column : column + dim] * scale[:, None]
+        at = column if feature_columns is None else feature_columns[f]
+        g = grad_output[sample_of_id[first:last], at : at + dim] * scale[:, None]
         grads[t].index_add_(0, inverse[first:last] - uoff[t], g)
         column += dim
     return grads
+
+
+def place_features_ref(pooled: torch.Tensor, lookup: BagLookup, out: torch.Tensor,
+                       feature_columns: Sequence[int]) -> torch.Tensor:
+    """What pooled_forward(lookup, out, feature_columns) makes of `out`: a copy of it with
+    feature f's columns of `pooled` (embedding_bag_forward_ref's [B, total_dim]) at
+    feature_columns[f]."""
+    placed, column = out.clone(), 0
+    for f, t in enumerate(lookup.feature_table):
+        dim = lookup.weights[t].shape[1]
+        placed[:, feature_columns[f]: feature_columns[f] + dim] = pooled[:, column: column + dim]
+        column += dim
+    return placed
 
 
 def apply_optimizer_ref(

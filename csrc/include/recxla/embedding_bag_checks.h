@@ -6,8 +6,10 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "recxla/embedding_bag.h"
@@ -23,8 +25,9 @@ struct Layout {
   int64_t num_ids = 0;
   int64_t num_unique = 0;
   int64_t total_dim = 0;                // columns of the pooled output
+  int64_t row_stride = 0;               // elements between two samples' output (gradient) rows
   std::vector<int64_t> feature_table;   // [F]
-  std::vector<int64_t> feature_column;  // [F] first output column of the feature
+  std::vector<int64_t> feature_column;  // [F] first output (gradient) column of the feature
   std::vector<int64_t> table_dim;       // [T]
   std::vector<int64_t> table_rows;      // [T]
   std::vector<int64_t> pooling;         // [T] Pooling
@@ -70,6 +73,7 @@ inline Layout check_layout(
     l.feature_column.push_back(l.total_dim);
     l.total_dim += l.table_dim[t];
   }
+  l.row_stride = l.total_dim;
   TORCH_CHECK_VALUE(unique_values.dim() == 1, op, ": unique_values must be 1-D, got ",
                     unique_values.dim(), "-D");
   TORCH_CHECK_TYPE(
@@ -120,29 +124,78 @@ inline Layout check_layout(
   return l;
 }
 
-inline void check_grad_output(const char* op, const at::Tensor& grad_output, const Layout& l) {
+// Where each feature's columns lie in `t` (the out of embedding_bag_forward_out, the
+// grad_output of embedding_bag_unique_grad), when the caller gives feature_columns: t is
+// [B, C] with adjacent columns and rows at least C apart (a column range of a wider tensor, say),
+// and feature f's D columns are [feature_columns[f], + D), inside [0, C) and disjoint from every
+// other feature's. One op then pools straight into (reads straight from) the columns a caller's
+// layout gives each feature, with no copy around it. Columns no feature holds are left alone.
+inline void place_features(const char* op, Layout& l, const at::Tensor& t, const char* name,
+                           at::IntArrayRef feature_columns) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(feature_columns.size()) == l.num_features, op,
+                    ": feature_columns must have one entry per feature (", l.num_features,
+                    "), got ", feature_columns.size());
+  TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == l.batch_size, op, ": ", name,
+                    " must be [batch_size, columns] = [", l.batch_size, ", C], got ", t.sizes());
+  const int64_t width = t.size(1);
+  TORCH_CHECK_VALUE(t.stride(1) == 1 || width <= 1, op, ": ", name,
+                    "'s columns must be adjacent (column stride 1), got stride ", t.stride(1));
+  TORCH_CHECK_VALUE(t.size(0) <= 1 || t.stride(0) >= width, op, ": ", name,
+                    "'s rows must not overlap (row stride >= ", width, "), got ", t.stride(0));
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> ranges;  // (first, end, feature)
+  for (int64_t f = 0; f < l.num_features; ++f) {
+    const int64_t first = feature_columns[f], dim = l.table_dim[l.feature_table[f]];
+    TORCH_CHECK_VALUE(first >= 0 && first + dim <= width, op, ": feature_columns[", f, "] = ",
+                      first, " puts feature ", f, "'s ", dim, " columns outside [0, ", width,
+                      ") of ", name);
+    if (dim > 0) ranges.emplace_back(first, first + dim, f);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    TORCH_CHECK_VALUE(std::get<0>(ranges[k]) >= std::get<1>(ranges[k - 1]), op, ": features ",
+                      std::get<2>(ranges[k - 1]), " and ", std::get<2>(ranges[k]),
+                      " overlap in ", name, " (feature_columns)");
+  }
+  l.feature_column.assign(feature_columns.begin(), feature_columns.end());
+  l.row_stride = t.size(0) > 1 ? t.stride(0) : width;
+}
+
+// The gradient of the pooled output: float32 [B, total_dim] (any strides: the kernels read a
+// contiguous copy), or with feature_columns as place_features says (read where it lies).
+inline void check_grad_output(const char* op, const at::Tensor& grad_output, Layout& l,
+                              at::OptionalIntArrayRef feature_columns = std::nullopt) {
+  TORCH_CHECK_TYPE(grad_output.scalar_type() == at::kFloat, op,
+                   ": grad_output must be float32, got ", grad_output.scalar_type());
+  if (feature_columns.has_value()) {
+    place_features(op, l, grad_output, "grad_output", *feature_columns);
+    return;
+  }
   TORCH_CHECK_VALUE(
       grad_output.dim() == 2 && grad_output.size(0) == l.batch_size &&
           grad_output.size(1) == l.total_dim,
       op, ": grad_output must be [batch_size, total_dim] = [", l.batch_size, ", ", l.total_dim,
       "], got ", grad_output.sizes());
-  TORCH_CHECK_TYPE(grad_output.scalar_type() == at::kFloat, op,
-                   ": grad_output must be float32, got ", grad_output.scalar_type());
 }
 
-// The out= tensor of embedding_bag_forward_out: float32 [B, total_dim], contiguous, on the
-// inputs' device (it is written whole, so its contents do not matter).
-inline void check_forward_out(
-    const char* op, const at::Tensor& out, const Layout& l, const at::Device& device) {
+// The out= tensor of embedding_bag_forward_out, on the inputs' device: float32 [B, total_dim],
+// contiguous (it is written whole, so its contents do not matter), or with feature_columns as
+// place_features says (only the features' columns are written).
+inline void check_forward_out(const char* op, const at::Tensor& out, Layout& l,
+                              const at::Device& device,
+                              at::OptionalIntArrayRef feature_columns = std::nullopt) {
   TORCH_CHECK_TYPE(out.scalar_type() == at::kFloat, op, ": out must be float32, got ",
                    out.scalar_type());
+  TORCH_CHECK_VALUE(out.device() == device, op, ": out is on ", out.device(),
+                    " but unique_values is on ", device);
+  if (feature_columns.has_value()) {
+    place_features(op, l, out, "out", *feature_columns);
+    return;
+  }
   TORCH_CHECK_VALUE(
       out.dim() == 2 && out.size(0) == l.batch_size && out.size(1) == l.total_dim, op,
       ": out must be [batch_size, total_dim] = [", l.batch_size, ", ", l.total_dim, "], got ",
       out.sizes());
   TORCH_CHECK_VALUE(out.is_contiguous(), op, ": out must be contiguous");
-  TORCH_CHECK_VALUE(out.device() == device, op, ": out is on ", out.device(),
-                    " but unique_values is on ", device);
 }
 
 // Reads the per-table optimizer arguments of embedding_bag_backward_update.
