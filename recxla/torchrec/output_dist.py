@@ -13,7 +13,8 @@ forward, the gradient back in the backward format.
 
 The receiver copies each pooled column range to the module's output columns (TorchRec's
 order), pools its own bags of every row group from the rows it got (one multi-table lookup for
-all the groups of a message, a table per group; its gradient likewise), adds the partial sums of
+all the groups of a message, a table per group, which writes each feature straight into its
+output columns; its gradient likewise reads them in place), adds the partial sums of
 row-sharded tables and divides row-sharded MEAN bags by their length (`AssembleOutput`: one
 pass forward, one pass backward, which reduces the row groups' gradients per unique row).
 Every column range of a pass moves in one op, `recxla::copy_runs` (recxla/ops/copy_runs.py),
@@ -217,6 +218,12 @@ class PooledAssembly:
             _check_tiling(copies, "src", widths[block])
         _check_tiling(sorted((c for c in self.copies if not c.add), key=lambda c: c.dst), "dst",
                       self.out_dim)
+        # Each row group's bags are pooled straight into their output columns, and their
+        # gradient read from there, unless a row group's column is a later part of a
+        # row-sharded sum: then the row block goes through the runs.
+        self.row_feature_columns = _row_feature_columns(
+            [c for c in self.copies if c.block == layout.world_size], self.group_features,
+            self.group_cols) if groups else None
         # Rank 0 owns every output column, in the output's order, and nothing is pooled or
         # divided here (a group of one rank): the received rows are the output as they are, so
         # neither pass copies.
@@ -243,17 +250,18 @@ class PooledAssembly:
     def assemble(self, flat: torch.Tensor, message: Message,
                  bag_lengths: torch.Tensor) -> torch.Tensor:
         """The received message (flat) -> the output values [batch, out_dim]: one op moves
-        every column range (copy_runs), after the receiver's pooling of its row groups."""
-        batch = message.batch
+        every column range (copy_runs), and one pools the row groups' bags, straight into
+        their columns (row_feature_columns) or into a block the runs then move."""
+        out = flat.new_empty((message.batch, self.out_dim))
+        placed = message.rows and self.row_feature_columns is not None
         sources = [flat]
         if message.rows:
-            bags = message.bags.message_bags(message.micro_batch)
-            sources.append(pooled_forward(BagLookup(
-                self._row_tables(flat, message), bags.unique_values, bags.unique_offsets,
-                bags.inverse, bags.offsets, bags.weights, bags.feature_table, self.group_pooling,
-                batch)))
-        out = flat.new_empty((batch, self.out_dim))
-        copy_runs(sources, [out], pack(self._column_runs(message)))
+            lookup = self._row_lookup(flat, message)
+            if placed:
+                pooled_forward(lookup, out, self.row_feature_columns)
+            else:
+                sources.append(pooled_forward(lookup))
+        copy_runs(sources, [out], pack(self._column_runs(message, row_block=not placed)))
         for k, (lo, hi) in enumerate(self.mean_ranges):
             out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
         return out
@@ -271,24 +279,31 @@ class PooledAssembly:
                 grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
         grad = grad_out.new_empty(received.shape)
         flat = grad.view(-1)
+        placed = message.rows and self.row_feature_columns is not None
         # Every received column is read by one range (_check_tiling), so the transposed runs
         # write each gradient value once: the pooled blocks' into the message, the row groups'
-        # pooled columns into their own block.
+        # pooled columns into their own block (unless the lookup reads them in place).
         targets = [flat]
-        if message.rows:
+        if message.rows and not placed:
             targets.append(grad_out.new_empty((batch, self.row_block_width)))
-        copy_runs([grad_out], targets,
-                  pack(r.transposed() for r in self._column_runs(message)))
+        copy_runs([grad_out], targets, pack(
+            r.transposed() for r in self._column_runs(message, row_block=not placed)))
         if message.rows:
-            bags = message.bags.message_bags(message.micro_batch)
-            row_grads = unique_grad(targets[1], BagLookup(
-                self._row_tables(received.reshape(-1), message), bags.unique_values,
-                bags.unique_offsets, bags.inverse, bags.offsets, bags.weights,
-                bags.feature_table, self.group_pooling, batch))
+            lookup = self._row_lookup(received.reshape(-1), message)
+            row_grads = unique_grad(grad_out, lookup, self.row_feature_columns) if placed else \
+                unique_grad(targets[1], lookup)
             copy_runs([g.contiguous() for g in row_grads], [flat],
                       pack(Run(g, 0, 0, 0, offset, 0, 1, count * cols)
                            for g, (offset, _, count, cols) in enumerate(message.rows)))
         return grad
+
+    def _row_lookup(self, flat: torch.Tensor, message: Message) -> BagLookup:
+        """The receiver's bags of every row group of `message`, over the rows in the received
+        message (flat), as one multi-table lookup (a table per group)."""
+        bags = message.bags.message_bags(message.micro_batch)
+        return BagLookup(self._row_tables(flat, message), bags.unique_values,
+                         bags.unique_offsets, bags.inverse, bags.offsets, bags.weights,
+                         bags.feature_table, self.group_pooling, message.batch)
 
     def _row_tables(self, flat: torch.Tensor, message: Message) -> List[torch.Tensor]:
         """Each row group's rows in the received message (flat), as the receiver's lookup
@@ -298,18 +313,19 @@ class PooledAssembly:
         return message.bags.cached(("row tables", message.micro_batch),
                                    lambda: _group_rows(flat, message))
 
-    def _column_runs(self, message: Message) -> List[Run]:
+    def _column_runs(self, message: Message, row_block: bool = True) -> List[Run]:
         """The copies of `message` as runs from the received message (source 0; owner block
-        b at message.pooled[b], [batch, owner_dims[b]]) and the receiver's pooling of its row
-        groups (source 1, [batch, row_block_width]) into the output (target 0, [batch,
-        out_dim]); with row-sharded sums, the later parts of a column add to the first."""
+        b at message.pooled[b], [batch, owner_dims[b]]) and, with row_block, the receiver's
+        pooling of its row groups (source 1, [batch, row_block_width]) into the output (target
+        0, [batch, out_dim]); with row-sharded sums, the later parts of a column add to the
+        first."""
         batch, runs = message.batch, []
         for c in self.copies:
             if c.block < len(message.pooled):
                 offset, width = message.pooled[c.block]
                 runs.append(Run(0, offset + c.src, width, 0, c.dst, self.out_dim, batch, c.width,
                                 int(c.add)))
-            else:
+            elif row_block:
                 runs.append(Run(1, c.src, self.row_block_width, 0, c.dst, self.out_dim, batch,
                                 c.width, int(c.add)))
         return runs
@@ -516,6 +532,28 @@ def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:
     if position != width or sum(c.width for c in copies) != width:
         raise RuntimeError(f"{OWNER}: the output columns' {side} ranges do not tile "
                            f"[0, {width}): {copies}")
+
+
+def _row_feature_columns(row_copies: List[ColumnCopy], group_features: Sequence[int],
+                         group_cols: Sequence[int]) -> Optional[List[int]]:
+    """The output column where each feature of the receiver's row lookup (group by group,
+    each group's features in turn, `cols` wide: the row block's layout) starts, from the row
+    block's copies; None when a copy adds to a column (a later part of a row-sharded sum,
+    which the runs add in order) or splits a feature."""
+    if any(c.add for c in row_copies):
+        return None
+    columns, at = [], 0
+    for features, cols in zip(group_features, group_cols):
+        for _ in range(features):
+            if cols == 0:
+                columns.append(0)
+                continue
+            copy = next(c for c in row_copies if c.src <= at < c.src + c.width)
+            if at + cols > copy.src + copy.width:
+                return None
+            columns.append(copy.dst + at - copy.src)
+            at += cols
+    return columns
 
 
 def _group_rows(flat: torch.Tensor, message: Message) -> List[torch.Tensor]:
