@@ -553,9 +553,7 @@ class TrainPipeline:
                 w.start_output(k + 1)
         if training and self._overlap:
             for w in windows:
-                values = w.output_values(k)
-                if values.requires_grad:
-                    values.register_hook(functools.partial(_start_gradient, w, k))
+                w.send_on_arrival(k)
         if early_rows:
             # The masks travelled with O(0): the early rows leave now, during this batch's
             # dense forward and backward.
@@ -577,7 +575,7 @@ class TrainPipeline:
         if not self._overlap:
             with self._span("send gradients", "backward", micro_batch=k):
                 for w in windows:
-                    grad = w.output_values(k).grad
+                    grad = w.arrived_gradient(k)
                     if grad is not None:
                         w.start_gradient(k, grad)
         with self._span("wait gradients", "backward", micro_batch=k):
@@ -608,12 +606,6 @@ def _decoded(batch: PreparedBatch) -> bool:
     """The batch's ids are decoded at the owners (and it has no error)."""
     return batch.micro is not None and batch.error is None and \
         all(state.lookup_input is not None for state in batch.inputs)
-
-
-def _start_gradient(window: FrozenWindow, k: int, grad: torch.Tensor) -> None:
-    """Autograd hook on micro-batch k's embeddings: G(k) leaves as soon as its gradient exists,
-    while the rest of the backward (the dense arch) still runs."""
-    window.start_gradient(k, grad)
 
 
 class _Arrival:

@@ -14,6 +14,7 @@ on NCCL's stream, and waits order the streams without blocking the host. The sam
 both.
 """
 
+import functools
 from typing import Any, List, Optional
 
 import torch
@@ -23,6 +24,25 @@ from recxla.torchrec.early_rows import EarlyRows
 from recxla.torchrec.input_dist import LookupInput
 from recxla.torchrec.row_exchange import RowBags
 from recxla.torchrec.types import EmbeddingSteps
+
+
+class _GradientTap(torch.autograd.Function):
+    """values -> values, whose gradient goes to `arrived(grad)` as the backward hands it over
+    (any strides), not into a leaf's .grad: a leaf copies a gradient whose strides are not its
+    own, and the model's cat and reshape hand over a column range of a wider gradient, which
+    the gradient exchange reads in place. `anchor`: an empty tensor that requires grad, so that
+    the output does; it gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, anchor, values, arrived):
+        ctx.arrived = arrived
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad):
+        arrived, ctx.arrived = ctx.arrived, None
+        arrived(grad)
+        return None, None, None
 
 
 class FrozenWindow:
@@ -75,7 +95,12 @@ class FrozenWindow:
         self.early_rows = early_rows
         self._sent = [None] * self.num_micro
         self._returning = [None] * self.num_micro
-        self._values: List[Optional[torch.Tensor]] = [None] * self.num_micro
+        # What the backward hands each micro-batch's embeddings: sent on arrival (G(k) under
+        # the backward) or kept for the caller (arrived_gradient).
+        self._send_on_arrival = [False] * self.num_micro
+        self._arrived: List[Optional[torch.Tensor]] = [None] * self.num_micro
+        self._anchor = self.pooled.new_empty(0).requires_grad_() if self.needs_gradient \
+            else None
 
     def _my_range(self, k: int):
         start = sum(self.my_rows[:k])
@@ -106,29 +131,43 @@ class FrozenWindow:
 
     def receive_output(self, k: int) -> Any:
         """Waits for O(k); -> this rank's micro-batch k embeddings as the module's forward
-        returns them, their values (`output_values(k)`) a leaf that requires grad (its
-        gradient is what G(k) sends back)."""
+        returns them. Their gradient, when the backward reaches them, is sent (G(k)) if
+        send_on_arrival(k) was called, else kept for arrived_gradient(k)."""
         self.start_output(k)
         handle, _, _ = self._sent[k]
         received = handle.wait()
         if self.early_rows is not None:
             received = self.early_rows.merge(received, self._messages[k])
         lengths = self._lengths(k)
-        self._values[k] = self.steps.assemble_output(received, self._messages[k], lengths,
-                                                     self.needs_gradient)
+        values = self.steps.assemble_output(received, self._messages[k], lengths)
+        if self.needs_gradient and torch.is_grad_enabled():
+            values = _GradientTap.apply(self._anchor, values,
+                                        functools.partial(self._gradient_arrived, k))
         self._sent[k] = None
-        return self.steps.form_output(self._values[k], lengths)
+        return self.steps.form_output(values, lengths)
 
-    def output_values(self, k: int) -> torch.Tensor:
-        """The values of micro-batch k's embeddings (receive_output)."""
-        return self._values[k]
+    def send_on_arrival(self, k: int) -> None:
+        """G(k) leaves as soon as micro-batch k's gradient exists, while the rest of the
+        backward (the dense arch) still runs."""
+        self._send_on_arrival[k] = True
+
+    def arrived_gradient(self, k: int) -> Optional[torch.Tensor]:
+        """The gradient of micro-batch k's embeddings that the backward handed over (None:
+        none, or it was sent on arrival); the window lets go of it."""
+        grad, self._arrived[k] = self._arrived[k], None
+        return grad
+
+    def _gradient_arrived(self, k: int, grad: torch.Tensor) -> None:
+        if self._send_on_arrival[k]:
+            self.start_gradient(k, grad)
+        else:
+            self._arrived[k] = grad
 
     def start_gradient(self, k: int, grad: torch.Tensor) -> None:
         """G(k): the gradient of micro-batch k's embeddings back to their owners."""
         self._returning[k] = self.steps.start_gradient(
             grad, self.input.micro_batch_rows(k), self._messages[k], self._lengths(k),
             self.input.rows)
-        self._values[k] = None
 
     def receive_gradient(self, k: int) -> None:
         """Waits for G(k) and puts its rows into the gradient buffers (A(k))."""

@@ -272,11 +272,14 @@ class PooledAssembly:
         if self.pass_through:
             return grad_out.contiguous().view(received.shape)
         batch = message.batch
-        grad_out = grad_out.contiguous()
         if self.mean_ranges:
-            grad_out = grad_out.clone()
+            grad_out = grad_out.clone(memory_format=torch.contiguous_format)
             for k, (lo, hi) in enumerate(self.mean_ranges):
                 grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
+        elif grad_out.stride(1) != 1:
+            grad_out = grad_out.contiguous()
+        # Read where it lies: the model hands over a column range of its wider gradient.
+        rows, row_stride = _row_span(grad_out)
         grad = grad_out.new_empty(received.shape)
         flat = grad.view(-1)
         placed = message.rows and self.row_feature_columns is not None
@@ -286,8 +289,8 @@ class PooledAssembly:
         targets = [flat]
         if message.rows and not placed:
             targets.append(grad_out.new_empty((batch, self.row_block_width)))
-        copy_runs([grad_out], targets, pack(
-            r.transposed() for r in self._column_runs(message, row_block=not placed)))
+        copy_runs([rows], targets, pack(r.transposed() for r in self._column_runs(
+            message, row_block=not placed, out_stride=row_stride)))
         if message.rows:
             lookup = self._row_lookup(received.reshape(-1), message)
             row_grads = unique_grad(grad_out, lookup, self.row_feature_columns) if placed else \
@@ -313,20 +316,22 @@ class PooledAssembly:
         return message.bags.cached(("row tables", message.micro_batch),
                                    lambda: _group_rows(flat, message))
 
-    def _column_runs(self, message: Message, row_block: bool = True) -> List[Run]:
+    def _column_runs(self, message: Message, row_block: bool = True,
+                     out_stride: Optional[int] = None) -> List[Run]:
         """The copies of `message` as runs from the received message (source 0; owner block
         b at message.pooled[b], [batch, owner_dims[b]]) and, with row_block, the receiver's
         pooling of its row groups (source 1, [batch, row_block_width]) into the output (target
-        0, [batch, out_dim]); with row-sharded sums, the later parts of a column add to the
-        first."""
+        0, [batch, out_dim], rows out_stride apart: out_dim by default); with row-sharded sums,
+        the later parts of a column add to the first."""
         batch, runs = message.batch, []
+        out_stride = self.out_dim if out_stride is None else out_stride
         for c in self.copies:
             if c.block < len(message.pooled):
                 offset, width = message.pooled[c.block]
-                runs.append(Run(0, offset + c.src, width, 0, c.dst, self.out_dim, batch, c.width,
+                runs.append(Run(0, offset + c.src, width, 0, c.dst, out_stride, batch, c.width,
                                 int(c.add)))
             elif row_block:
-                runs.append(Run(1, c.src, self.row_block_width, 0, c.dst, self.out_dim, batch,
+                runs.append(Run(1, c.src, self.row_block_width, 0, c.dst, out_stride, batch,
                                 c.width, int(c.add)))
         return runs
 
@@ -532,6 +537,14 @@ def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:
     if position != width or sum(c.width for c in copies) != width:
         raise RuntimeError(f"{OWNER}: the output columns' {side} ranges do not tile "
                            f"[0, {width}): {copies}")
+
+
+def _row_span(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """t [B, C] with adjacent columns -> (the contiguous 1-D span of memory its rows lie in,
+    starting at its first element, as copy_runs takes a source; the rows' stride in it)."""
+    batch, width = t.shape
+    stride = t.stride(0) if batch > 1 else width
+    return t.as_strided((max(batch - 1, 0) * stride + width if batch else 0,), (1,)), stride
 
 
 def _row_feature_columns(row_copies: List[ColumnCopy], group_features: Sequence[int],

@@ -268,16 +268,12 @@ class ShardedSteps:
         return self.parts.output.start(pooled, source_batches, message, row_block, rows)
 
     def assemble_output(self, received: torch.Tensor, message: Message,
-                        lengths: Optional[torch.Tensor],
-                        requires_grad: bool = False) -> torch.Tensor:
+                        lengths: Optional[torch.Tensor]) -> torch.Tensor:
         """The received rows (start_output's handle.wait()) as this rank's output values:
         pooled float32 [message.batch, sum of dims] (the model-parallel tables' columns);
         sequence float32 [ids of the exchange's samples, dim]. lengths: this exchange's rows
-        of receive_lengths. requires_grad: make the values a leaf that requires grad (its
-        .grad is what start_gradient sends back)."""
-        values = self.parts.output.assemble(received, message, lengths)
-        values.requires_grad_(requires_grad)
-        return values
+        of receive_lengths. Their gradient, any strides, is what start_gradient sends back."""
+        return self.parts.output.assemble(received, message, lengths)
 
     def form_output(self, values: torch.Tensor, lengths: Optional[torch.Tensor]):
         """assemble_output's values as the module's output: a KeyedTensor of the module's

@@ -86,8 +86,7 @@ class EmbeddingSteps(Protocol):
         ...
 
     def assemble_output(self, received: torch.Tensor, message,
-                        lengths: Optional[torch.Tensor],
-                        requires_grad: bool = False) -> torch.Tensor:
+                        lengths: Optional[torch.Tensor]) -> torch.Tensor:
         ...
 
     def form_output(self, values: torch.Tensor, lengths: Optional[torch.Tensor]) -> Any:
