@@ -135,6 +135,43 @@ def embedding_bag(device: str) -> None:
                 kjt = KeyedJaggedTensor(["f0", "f1", "f2"], values, lengths=lengths).to(dev)
                 out = _counted(module, kjt).values()
                 _counted(out.backward, torch.randn_like(out))
+    _placed_embedding_bag(dev)
+
+
+def _placed_embedding_bag(dev: torch.device) -> None:
+    """The lookup pooled into a column range of a wider tensor, each feature at its own column
+    (out of table order, with gaps), and the gradient read where it lies: the output dist's
+    receiver path (feature_columns)."""
+    from recxla.ops.embedding_bag import SUM, MEAN, BagLookup, pooled_forward, unique_grad
+    from recxla.reference.embedding_bag import (embedding_bag_forward_ref,
+                                                embedding_bag_unique_grad_ref, place_features_ref)
+
+    batch, rows, dims, feature_table = 30, (50, 3, 300), (8, 33, 64), [2, 0, 1]
+    lengths = torch.randint(0, 9, (len(feature_table) * batch,))
+    ids = [torch.randint(0, rows[t], (int(n),))
+           for t, n in zip(feature_table, lengths.view(-1, batch).sum(1))]
+    bounds = [0, *itertools.accumulate(rows)]
+    lookup = BagLookup([torch.randn(r, d) for r, d in zip(rows, dims)],
+                       torch.cat([torch.arange(r) for r in rows]), torch.tensor(bounds),
+                       torch.cat([i + bounds[t] for i, t in zip(ids, feature_table)]),
+                       torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+                       None, feature_table, [SUM, MEAN, SUM], batch)
+    columns = [45, 1, 10]  # 110 columns: feature 1 at 1, feature 2 at 10, feature 0 at 45
+    wide, grad_wide = torch.randn(batch, 115), torch.randn(batch, 115)
+    want = wide.clone()
+    want[:, 3:113] = place_features_ref(embedding_bag_forward_ref(lookup), lookup,
+                                        wide[:, 3:113], columns)
+    want_grad = embedding_bag_unique_grad_ref(grad_wide[:, 3:113], lookup, columns)
+    on_dev = BagLookup(*[([w.to(dev) for w in x] if isinstance(x, list) and x and
+                          isinstance(x[0], torch.Tensor) else
+                          x.to(dev) if isinstance(x, torch.Tensor) else x) for x in lookup])
+    got = wide.to(dev)
+    _counted(pooled_forward, on_dev, got[:, 3:113], columns)
+    got_grad = _counted(unique_grad, grad_wide.to(dev)[:, 3:113], on_dev, columns)
+    close = dict(rtol=1e-5, atol=1e-5)
+    if not torch.allclose(got.cpu(), want, **close) or not all(
+            torch.allclose(g.cpu(), w, **close) for g, w in zip(got_grad, want_grad)):
+        raise AssertionError("embedding_bag with feature_columns: differs from the reference")
 
 
 def copy_runs(device: str) -> None:
