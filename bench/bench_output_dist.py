@@ -9,8 +9,10 @@ bags read (ids drawn from 31% as many rows as bags), the other 2 their pooled ba
 the forward pass (the module's output columns, every row group's bags pooled from the rows) and
 the backward pass (the output's gradient back into the message's layout, reduced per unique
 row). Providers:
-- recxla: `PooledAssembly.assemble` and `split`: one multi-table lookup for all row groups, one
-  `recxla::copy_runs` per direction for the column ranges (and one for the row gradients);
+- recxla: `PooledAssembly.assemble` and `split`: one multi-table lookup for all row groups that
+  pools each feature straight into its output columns (its backward reads the gradient there),
+  one `recxla::copy_runs` per direction for the owners' pooled column ranges (and one for the
+  row gradients);
 - per group: the same arithmetic as torch ops, how the output dist worked before: one lookup
   call per row group with its bags built per group, the column ranges moved by slicing and
   torch.cat (one cat forward, one per source block backward), the row gradients copied one

@@ -15,7 +15,7 @@ both.
 """
 
 import functools
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -43,6 +43,17 @@ class _GradientTap(torch.autograd.Function):
         arrived, ctx.arrived = ctx.arrived, None
         arrived(grad)
         return None, None, None
+
+
+_ANCHORS: Dict[torch.device, torch.Tensor] = {}
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """The gradient tap's anchor on `device`: one per device, made once (it never gets a
+    gradient, so windows can share it)."""
+    if device not in _ANCHORS:
+        _ANCHORS[device] = torch.empty(0, device=device, requires_grad=True)
+    return _ANCHORS[device]
 
 
 class FrozenWindow:
@@ -99,8 +110,6 @@ class FrozenWindow:
         # the backward) or kept for the caller (arrived_gradient).
         self._send_on_arrival = [False] * self.num_micro
         self._arrived: List[Optional[torch.Tensor]] = [None] * self.num_micro
-        self._anchor = self.pooled.new_empty(0).requires_grad_() if self.needs_gradient \
-            else None
 
     def _my_range(self, k: int):
         start = sum(self.my_rows[:k])
@@ -141,7 +150,7 @@ class FrozenWindow:
         lengths = self._lengths(k)
         values = self.steps.assemble_output(received, self._messages[k], lengths)
         if self.needs_gradient and torch.is_grad_enabled():
-            values = _GradientTap.apply(self._anchor, values,
+            values = _GradientTap.apply(_anchor(values.device), values,
                                         functools.partial(self._gradient_arrived, k))
         self._sent[k] = None
         return self.steps.form_output(values, lengths)
