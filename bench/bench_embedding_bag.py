@@ -224,6 +224,8 @@ def interleaved(benchmark, steps: Dict[str, Callable[[int], object]], rounds: in
     names = list(steps)
     times: Dict[str, List[tuple]] = {name: [] for name in names}
     counter = iter(range(10**9))
+    if benchmark.disabled:  # --benchmark-disable: one round, run to check, not to time
+        warmup = 0
 
     def one_round():
         r = next(counter)
