@@ -95,6 +95,12 @@ def test_row_groups_pooled_in_place_as_through_the_row_block(seed):
     copies = [n for n in calls.names if n.split(".")[1] in ("clone", "copy_", "cat", "_to_copy")]
     assert copies == []
     assert torch.equal(got, through_block.split(grad_out.contiguous(), flat, message, lengths))
+    # A gradient broadcast over the samples (rows 0 apart, as (values * w).sum() gives) and one
+    # whose columns are apart are read from a contiguous copy.
+    for odd in (wide[0, :placed.out_dim].expand(batch, placed.out_dim),
+                torch.randn(placed.out_dim, batch, generator=generator).t()):
+        assert torch.equal(placed.split(odd, flat, message, lengths),
+                           through_block.split(odd.contiguous(), flat, message, lengths))
 
 
 def test_a_row_sharded_sum_goes_through_the_row_block(seed):

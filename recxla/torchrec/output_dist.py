@@ -253,7 +253,7 @@ class PooledAssembly:
         every column range (copy_runs), and one pools the row groups' bags, straight into
         their columns (row_feature_columns) or into a block the runs then move."""
         out = flat.new_empty((message.batch, self.out_dim))
-        placed = message.rows and self.row_feature_columns is not None
+        placed = bool(message.rows) and self.row_feature_columns is not None
         sources = [flat]
         if message.rows:
             lookup = self._row_lookup(flat, message)
@@ -276,13 +276,13 @@ class PooledAssembly:
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
             for k, (lo, hi) in enumerate(self.mean_ranges):
                 grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
-        elif grad_out.stride(1) != 1:
-            grad_out = grad_out.contiguous()
+        elif grad_out.stride(1) != 1 or (batch > 1 and grad_out.stride(0) < grad_out.shape[1]):
+            grad_out = grad_out.contiguous()  # columns apart, or rows that overlap (broadcast)
         # Read where it lies: the model hands over a column range of its wider gradient.
         rows, row_stride = _row_span(grad_out)
         grad = grad_out.new_empty(received.shape)
         flat = grad.view(-1)
-        placed = message.rows and self.row_feature_columns is not None
+        placed = bool(message.rows) and self.row_feature_columns is not None
         # Every received column is read by one range (_check_tiling), so the transposed runs
         # write each gradient value once: the pooled blocks' into the message, the row groups'
         # pooled columns into their own block (unless the lookup reads them in place).
