@@ -95,6 +95,7 @@ VARIANTS = {
     "recxla rows+AR": ["--no-overlap", "--no-dbp", "--dense-allreduce", "bf16"],
     "recxla DBP": ["--dense-allreduce", "bf16"],
     "recxla DBP ring AR": ["--dense-allreduce", "bf16", "--no-dense-allreduce-by-node"],
+    "recxla DBP 4 MB buckets": ["--dense-allreduce", "bf16", "--ddp-bucket-mb", "4"],
     "recxla DBP own plan": ["--dense-allreduce", "bf16", "--data-parallel-tables"],
     "recxla DBP fp8 AR": ["--dense-allreduce", "fp8"],
     "recxla DBP dims auto": ["--dense-allreduce", "bf16", "--embedding-dims", "auto"],
