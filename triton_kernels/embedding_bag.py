@@ -145,12 +145,12 @@ def group_ids_by_row(lookup, signs: Optional[Sequence[float]] = None, feature_co
     columns = torch.tensor(side_by_side[:-1] if feature_columns is None else list(feature_columns),
                            dtype=torch.int64, device=device)
     table = torch.tensor(list(feature_table), dtype=torch.int64, device=device)
-    total_dim = side_by_side[-1] if row_stride is None else row_stride
+    stride = side_by_side[-1] if row_stride is None else row_stride  # between samples' rows
     lengths = offsets.diff()
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths,
                                   output_size=inverse.numel())
     feature = bag // max(batch_size, 1)
-    grad_offset = (bag % max(batch_size, 1)) * total_dim + columns[feature]
+    grad_offset = (bag % max(batch_size, 1)) * stride + columns[feature]
     mean = torch.tensor([p == MEAN for p in pooling] + [False], device=device)[table][feature]
     sign = torch.tensor(list(signs) if signs is not None else [1.0] * len(weights) + [1.0],
                         dtype=torch.float32, device=device)
