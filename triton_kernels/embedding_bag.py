@@ -112,9 +112,8 @@ def embedding_bag_forward_triton(lookup, out=None, feature_columns=None) -> torc
     """-> float32 [B, total_dim] (written into `out` when given, each feature at its
     feature_columns entry when given); arguments as recxla.ops.embedding_bag.pooled_forward."""
     weights, unique_values, _, inverse, offsets, psw, feature_table, pooling, batch_size = lookup
-    columns = _columns(weights, feature_table)
-    if feature_columns is not None:
-        columns = list(feature_columns)
+    columns = _columns(weights, feature_table) if feature_columns is None else \
+        list(feature_columns)
     if out is None:
         out = torch.empty(batch_size, columns[-1], dtype=torch.float32,
                           device=unique_values.device)
