@@ -23,3 +23,25 @@ TORCH_LIBRARY_FRAGMENT(recxla, m) {
       "int[] slot_position, int[] group_features, int[] micro) -> (Tensor, Tensor, Tensor, "
       "Tensor, Tensor, Tensor, Tensor)");
 }
+
+// Schema of the receiver's plan for expanded rows (the sequence module), made by the sender
+// with the encoding (kernel: csrc/cpu/expand_rows.cpp; Python API, fake kernel and the torch
+// path: recxla/ops/row_ids.py; reference: recxla/reference/row_ids.py). A host op, as
+// encode_row_ids.
+TORCH_LIBRARY_FRAGMENT(recxla, m) {
+  // order, inverse, counts, bounds: encode_row_ids' results; slot, sample int64 [P]: as given to
+  // encode_row_ids (input order: slot by slot, id by id, each id's routes_per_slot[slot] routes
+  // one after another); input_lengths int32/int64 [slots, batch]: the batch's bag lengths
+  // (samples in micro-batch order); micro: the micro-batch sizes; group_chunks, group_first_chunk:
+  // per row group the wire rows of one of its rows and the first chunk of the output row it
+  // fills; chunks_per_row: wire rows per output row.
+  // -> int64: per micro-batch k, the lookup that expands its message's wire rows [W_k] to its
+  //    output's chunks [C_k] (one bag of one wire row per chunk): unique values [W_k]
+  //    (0 .. W_k - 1), unique offsets [2] (0, W_k), index [C_k] (each chunk's wire row), bag
+  //    offsets [C_k + 1] (0 .. C_k). Output chunks: input slot by slot, sample by sample, in bag
+  //    order, chunks_per_row per id.
+  m.def(
+      "expand_row_plan(Tensor order, Tensor inverse, Tensor counts, Tensor bounds, Tensor slot, "
+      "Tensor sample, Tensor input_lengths, int[] routes_per_slot, int[] micro, "
+      "int[] group_chunks, int[] group_first_chunk, int chunks_per_row) -> Tensor");
+}

@@ -160,3 +160,135 @@ def encode_row_ids_torch(group, slot, sample, ids, weights, slot_position, group
         first_sample += size
     return EncodedRows(order, unique, counts, bounds, inverse, torch.cat(plan),
                        None if weights is None else torch.cat(message_weights))
+
+
+# -------------------------------------------------------------- the expanded rows' plan
+
+EXPAND_OP = "recxla.expand_row_plan"
+
+
+class ExpandSection(NamedTuple):
+    """Where micro-batch k's expansion lies in expand_row_plan's result: [start, end) of each
+    part of the lookup that fills its output's chunks from its message's wire rows."""
+
+    unique_values: slice   # int64 [W_k]: 0 .. W_k - 1 (the message's wire rows)
+    unique_offsets: slice  # int64 [2]: 0, W_k
+    index: slice           # int64 [C_k]: each output chunk's wire row
+    offsets: slice         # int64 [C_k + 1]: 0 .. C_k (one wire row a bag)
+
+
+def expand_sections(counts: Sequence[int], bounds: Sequence[int], micro: Sequence[int],
+                    group_chunks: Sequence[int]) -> List[ExpandSection]:
+    """expand_row_plan's layout per micro-batch, from encode_row_ids' counts and bounds as
+    host ints (G * M and G * M + 1, run order), the micro-batch sizes and each row group's
+    wire rows per row. W_k: the wire rows of micro-batch k's message; C_k: its output's chunks
+    (each route fills its group's chunks of its id's row)."""
+    num_micro = len(micro)
+    sections, at = [], 0
+    for k in range(num_micro):
+        runs = [(g * num_micro + k, chunks) for g, chunks in enumerate(group_chunks)]
+        wire_rows = sum(counts[r] * chunks for r, chunks in runs)
+        output_chunks = sum((bounds[r + 1] - bounds[r]) * chunks for r, chunks in runs)
+        ends = list(accumulate((wire_rows, 2, output_chunks, output_chunks + 1), initial=at))
+        sections.append(ExpandSection(*(slice(a, b) for a, b in zip(ends, ends[1:]))))
+        at = ends[-1]
+    return sections
+
+
+@_extension.register_fake("recxla::expand_row_plan")
+def _expand_row_plan_fake(order, inverse, counts, bounds, slot, sample, input_lengths,
+                          routes_per_slot, micro, group_chunks, group_first_chunk,
+                          chunks_per_row):
+    return order.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
+
+
+def expand_row_plan(order: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor,
+                    bounds: torch.Tensor, slot: torch.Tensor, sample: torch.Tensor,
+                    input_lengths: torch.Tensor, routes_per_slot: Sequence[int],
+                    micro: Sequence[int], group_chunks: Sequence[int],
+                    group_first_chunk: Sequence[int], chunks_per_row: int) -> torch.Tensor:
+    """The receiver's plan for expanded rows (the sequence module), made with the encoding:
+    per micro-batch k, the lookup (`recxla.ops.embedding_bag.pooled_forward`, one bag of one
+    wire row per output chunk) that fills its output (input slot by slot, sample by sample, in
+    bag order; chunks_per_row chunks an id) from the wire rows its message brings (row group
+    after row group, each group's distinct ids in order, group_chunks[g] wire rows each).
+
+    order, inverse, counts, bounds: encode_row_ids' results for the routed ids slot, sample
+    (int64 [P], input order: slot by slot, id by id, each id's routes_per_slot[slot] routes one
+    after another); input_lengths: int32/int64 [slots, batch], the batch's bag lengths; micro:
+    the micro-batch sizes; group_chunks, group_first_chunk: per row group the wire rows of one
+    of its rows and the first chunk of the output row they fill. -> int64, laid out as
+    `expand_sections` says. Bad input (a chunk no route fills or two routes fill, lengths that
+    disagree with the ids) raises a ValueError or TypeError naming the op, the argument and
+    the limit.
+    """
+    for name, t in (("order", order), ("inverse", inverse), ("counts", counts),
+                    ("bounds", bounds), ("slot", slot), ("sample", sample),
+                    ("input_lengths", input_lengths)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{EXPAND_OP}: {name} must be a torch.Tensor, got "
+                            f"{type(t).__name__}")
+    args = (order, inverse, counts, bounds, slot, sample, input_lengths, list(routes_per_slot),
+            list(micro), list(group_chunks), list(group_first_chunk), int(chunks_per_row))
+    if order.is_cuda:
+        return expand_row_plan_torch(*args)
+    _extension.backend_for(order, EXPAND_OP)
+    return torch.ops.recxla.expand_row_plan(*args)
+
+
+def expand_row_plan_torch(order, inverse, counts, bounds, slot, sample, input_lengths,
+                          routes_per_slot, micro, group_chunks, group_first_chunk,
+                          chunks_per_row) -> torch.Tensor:
+    """`expand_row_plan` in torch ops (the path of ids on a GPU; no checks beyond torch's).
+    Arguments and result as expand_row_plan's."""
+    device = order.device
+    num_micro = len(micro)
+    on_device = lambda values: torch.tensor(list(values), dtype=torch.int64,  # noqa: E731
+                                            device=device)
+    lengths = input_lengths.to(torch.int64)
+    # Each route's id index in its slot, and its position in its micro-batch's output.
+    per_slot = on_device(routes_per_slot)
+    slot_ids = lengths.sum(1)
+    slot_routes = slot_ids * per_slot
+    slot_first_route = torch.cumsum(slot_routes, 0) - slot_routes
+    route = torch.arange(slot.numel(), device=device)
+    in_slot = torch.div(route - slot_first_route.index_select(0, slot),
+                        per_slot.index_select(0, slot), rounding_mode="floor")
+    edges = on_device(accumulate(micro, initial=0))
+    running = torch.nn.functional.pad(torch.cumsum(lengths, 1), (1, 0))
+    per_micro = running.index_select(1, edges).diff(dim=1)  # ids per (slot, micro-batch)
+    earlier_micro = torch.cumsum(per_micro, 1) - per_micro
+    earlier_slots = torch.cumsum(per_micro, 0) - per_micro
+    shift = (earlier_slots - earlier_micro).flatten()
+    micro_of_sample = torch.repeat_interleave(torch.arange(num_micro, device=device),
+                                              on_device(micro), output_size=sum(micro))
+    k_of = micro_of_sample.index_select(0, sample)
+    position = (in_slot + shift.index_select(0, slot * num_micro + k_of)).index_select(0, order)
+    counts_host, bounds_host = counts.flatten().tolist(), bounds.tolist()
+    parts = []
+    for k in range(num_micro):
+        runs = [g * num_micro + k for g in range(len(group_chunks))]
+        ids = [bounds_host[r + 1] - bounds_host[r] for r in runs]
+        sizes = [counts_host[r] * c for r, c in zip(runs, group_chunks)]
+        wire_rows = sum(sizes)
+        take = torch.cat([torch.arange(bounds_host[r], bounds_host[r + 1], device=device)
+                          for r in runs]) if runs else on_device([])
+        group = torch.repeat_interleave(torch.arange(len(runs), device=device), on_device(ids),
+                                        output_size=sum(ids))
+        chunks = on_device(group_chunks).index_select(0, group)
+        source = on_device(accumulate(sizes[:-1], initial=0)).index_select(0, group) + \
+            inverse.index_select(0, take) * chunks
+        target = position.index_select(0, take) * chunks_per_row + \
+            on_device(group_first_chunk).index_select(0, group)
+        # A column-sharded row is several wire rows: one entry per chunk it fills.
+        expanded = int(sum(c * n for c, n in zip(group_chunks, ids)))
+        entry = torch.repeat_interleave(torch.arange(take.numel(), device=device), chunks,
+                                        output_size=expanded)
+        step = torch.arange(expanded, device=device) - \
+            (torch.cumsum(chunks, 0) - chunks).index_select(0, entry)
+        index = torch.empty(expanded, dtype=torch.int64, device=device)
+        index.index_copy_(0, target.index_select(0, entry) + step,
+                          source.index_select(0, entry) + step)
+        parts += [torch.arange(wire_rows, device=device), on_device([0, wire_rows]), index,
+                  torch.arange(expanded + 1, device=device)]
+    return torch.cat(parts)

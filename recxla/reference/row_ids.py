@@ -61,3 +61,46 @@ def encode_row_ids_ref(group, slot, sample, ids, weights, slot_position, group_f
         torch.tensor(counts, **long).view(groups, num_micro), torch.tensor(bounds, **long),
         torch.tensor(inverse, **long), torch.tensor(plan, **long),
         None if weights is None else torch.tensor(message_weights, dtype=torch.float32))
+
+
+def expand_row_plan_ref(order, inverse, counts, bounds, slot, sample, input_lengths,
+                        routes_per_slot, micro, group_chunks, group_first_chunk,
+                        chunks_per_row) -> torch.Tensor:
+    """Same arguments and result as `recxla.ops.row_ids.expand_row_plan` (CPU tensors): walks
+    each micro-batch's output row by row (slot by slot, sample by sample, in bag order) and
+    fills each row's chunks from the routes of its id."""
+    order, inverse, slot, sample = (t.tolist() for t in (order, inverse, slot, sample))
+    counts, bounds, lengths = counts.tolist(), bounds.tolist(), input_lengths.tolist()
+    groups, num_micro = len(group_chunks), len(micro)
+    micro_of = [k for k, size in enumerate(micro) for _ in range(size)]
+    # Each route's (input index) row group, micro-batch and index into its run's distinct ids.
+    run_of_route = {}
+    for g in range(groups):
+        for k in range(num_micro):
+            r = g * num_micro + k
+            for j in range(bounds[r], bounds[r + 1]):
+                run_of_route[order[j]] = (g, k, inverse[j])
+    plan = []
+    for k in range(num_micro):
+        sizes = [counts[g][k] * group_chunks[g] for g in range(groups)]
+        row_base = [sum(sizes[:g]) for g in range(groups)]
+        index, route = [], 0
+        for s, slot_lengths in enumerate(lengths):
+            for b, length in enumerate(slot_lengths):
+                for _ in range(length):
+                    routes = range(route, route + routes_per_slot[s])
+                    route += routes_per_slot[s]
+                    if micro_of[b] != k:
+                        continue
+                    row = [None] * chunks_per_row
+                    for i in routes:
+                        g, run_k, u = run_of_route[i]
+                        assert run_k == k and slot[i] == s and sample[i] == b
+                        for c in range(group_chunks[g]):
+                            assert row[group_first_chunk[g] + c] is None
+                            row[group_first_chunk[g] + c] = row_base[g] + u * group_chunks[g] + c
+                    assert None not in row
+                    index += row
+        wire_rows = sum(sizes)
+        plan += list(range(wire_rows)) + [0, wire_rows] + index + list(range(len(index) + 1))
+    return torch.tensor(plan, dtype=torch.int64)
