@@ -101,7 +101,7 @@ class IdEncoder:
             first_route.append(first_route[-1] + len(r))
         self.block_first_route = torch.tensor(first_route, dtype=torch.int64, device=device)
         flat = [route for r in routes for route in r]
-        self.rows = RowRouting(layout, device, expand_rows)
+        self.rows = RowRouting(layout, expand_rows)
         # A route goes to a send slot (pooled tables) or to a global row group, never both.
         self.route_send_slot = torch.tensor(
             [self.slot_base[r.dest] + r.dest_slot if r.row_group < 0 else -1 for r in flat],

@@ -18,15 +18,17 @@ micro-batch and rank by rank: the rows to gather and send, and where their gradi
 
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from recxla.ops.cluster import even_sizes
 from recxla.ops.copy_runs import Run, copy_runs, pack
 from recxla.ops.dedup import segmented_unique
 from recxla.ops.embedding_bag import SUM, BagLookup, backward_update, pooled_forward
-from recxla.ops.row_ids import EncodedRows, PlanSection, encode_row_ids, plan_sections
+from recxla.ops.row_ids import (EncodedRows, ExpandSection, PlanSection, encode_row_ids,
+                                expand_row_plan, expand_sections, plan_sections)
 from recxla.torchrec.shard_layout import ShardLayout
 
 
@@ -35,7 +37,7 @@ class RowRouting:
     expand: the receiver expands each unique row to the positions of its ids (the sequence
     module) instead of pooling bags: the sender then also records each id's position."""
 
-    def __init__(self, layout: ShardLayout, device: torch.device, expand: bool = False):
+    def __init__(self, layout: ShardLayout, expand: bool = False):
         world = layout.world_size
         self.expand = expand
         self.groups_per_rank = [len(layout.row_groups(r)) for r in range(world)]
@@ -55,8 +57,23 @@ class RowRouting:
         if expand and any(len(r) != 1 for r in routes):
             raise ValueError(f"{layout.owner}: expanded rows need every row block of a table "
                              "cut into the same column shards")
-        self.routes_per_slot = torch.tensor([min(r) for r in routes] if expand else [],
-                                            dtype=torch.int64, device=device)
+        self.routes_per_slot = [min(r) for r in routes] if expand else []
+        # Expanded rows: per global row group the wire rows of one of its rows and the first
+        # chunk of the output row they fill, and the wire rows of an output row (every table
+        # of the sequence module has one dim).
+        self.group_chunks: List[int] = []
+        self.group_first_chunk: List[int] = []
+        self.chunks_per_row = 0
+        if expand and self.total:
+            wire = layout.wire_row_dim
+            groups = [g for r in range(world) for g in layout.row_groups(r)]
+            self.group_chunks = [g.cols // wire for g in groups]
+            self.group_first_chunk = [g.shard.col_offset // wire for g in groups]
+            dims = {t.embedding_dim for t in layout.tables}
+            if len(dims) != 1:
+                raise ValueError(f"{layout.owner}: expanded rows need tables of one dim, got "
+                                 f"dims {sorted(dims)}")
+            self.chunks_per_row = dims.pop() // wire
 
     @property
     def active(self) -> bool:
@@ -74,8 +91,9 @@ class RowBags:
     ([G * M + 1] ints); micro: the M micro-batch sizes; plan: int64, every micro-batch's
     message bags, laid out as `sections` says (recxla.ops.row_ids.plan_sections);
     message_weights: float32 [P] in the plan's order, or None; features: per global row group,
-    its feature count; positions: int64 [P] (expanded rows only, else None) each id's position
-    in its micro-batch's output (input slot by input slot, sample by sample, in bag order).
+    its feature count; expand_plan: int64 (expanded rows only, else None) every micro-batch's
+    expansion of its message's rows to its output (recxla.ops.row_ids.expand_row_plan), laid
+    out as `expand_sections` says.
     """
 
     counts: torch.Tensor
@@ -86,7 +104,8 @@ class RowBags:
     message_weights: Optional[torch.Tensor]
     features: List[int]
     sections: List[PlanSection]
-    positions: Optional[torch.Tensor] = None
+    expand_plan: Optional[torch.Tensor] = None
+    expand_sections: List[ExpandSection] = field(default_factory=list)
     # message_bags() per micro-batch: the forward pass (pooling) and the backward (gradients
     # per unique row) each ask for the same ones.
     _message_bags: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -94,12 +113,16 @@ class RowBags:
     @classmethod
     def encoded(cls, encoded: EncodedRows, counts: List[int], bounds: List[int],
                 micro: Sequence[int], features: Sequence[int],
-                positions: Optional[torch.Tensor] = None) -> "RowBags":
+                expand_plan: Optional[torch.Tensor] = None,
+                group_chunks: Sequence[int] = ()) -> "RowBags":
         """The bags of encode_row_ids' result (counts, bounds: its counts and bounds as host
-        ints; micro, features: as it was given them)."""
+        ints; micro, features: as it was given them), with expand_row_plan's result and the
+        row groups' chunks it was given for expanded rows."""
         return cls(encoded.counts, encoded.inverse, bounds, list(micro), encoded.plan,
                    encoded.message_weights, list(features),
-                   plan_sections(counts, bounds, micro, features), positions)
+                   plan_sections(counts, bounds, micro, features), expand_plan,
+                   [] if expand_plan is None else
+                   expand_sections(counts, bounds, micro, group_chunks))
 
     def to(self, device: torch.device) -> "RowBags":
         """The bags on `device` (counts stay where they are: they are read on the host)."""
@@ -109,7 +132,7 @@ class RowBags:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return RowBags(self.counts, move(self.inverse), self.bounds, self.micro, move(self.plan),
                        move(self.message_weights), self.features, self.sections,
-                       move(self.positions))
+                       move(self.expand_plan), self.expand_sections)
 
     def ids_to(self, dest: int, routing: "RowRouting") -> int:
         """Id occurrences (before dedup) this rank routes to dest's row groups."""
@@ -135,30 +158,6 @@ class RowBags:
         if key not in self._message_bags:
             self._message_bags[key] = make()
         return self._message_bags[key]
-
-    def on_device(self, values) -> torch.Tensor:
-        """Host ints as an int64 tensor where the bags are, without a synchronizing copy (the
-        small index tables are built on the host, where counts and bounds live)."""
-        return torch.as_tensor(values, dtype=torch.int64).to(self.inverse.device,
-                                                              non_blocking=True)
-
-    def micro_batch_ids(self, k: int) -> Tuple[Callable[[torch.Tensor], torch.Tensor],
-                                               List[int]]:
-        """The ids of micro-batch k, group after group: (take: a per-id tensor [P] -> its
-        entries of micro-batch k's runs (g, k), g = 0 .. G-1, in order; the ids of each
-        group)."""
-        num_micro, groups = len(self.micro), self.counts.shape[0]
-        # The ids of run (g, k) for every g: one slice with one micro-batch, else a gather.
-        first = self.bounds[k::num_micro][:groups]
-        ids = [self.bounds[g * num_micro + k + 1] - first[g] for g in range(groups)]
-        if num_micro == 1:
-            return (lambda x: x[self.bounds[0]: self.bounds[groups]]), ids
-        total = sum(ids)
-        before = accumulate(ids, initial=0)
-        shift = self.on_device([f - b for f, b in zip(first, before)])
-        index = torch.arange(total, device=self.inverse.device) + torch.repeat_interleave(
-            shift, self.on_device(ids), output_size=total)
-        return (lambda x: x.index_select(0, index)), ids
 
 
 @dataclass(frozen=True)
@@ -193,45 +192,15 @@ def encode_rows(routing: RowRouting, group: torch.Tensor, slot: torch.Tensor,
     encoded = encode_row_ids(group, slot, sample, local_ids, weights, routing.slot_position,
                              routing.features, micro)
     counts, bounds = encoded.counts.flatten().tolist(), encoded.bounds.tolist()
-    positions = None
+    expand_plan = None
     if routing.expand:
-        device = local_ids.device
-        micro_of_sample = torch.repeat_interleave(
-            torch.arange(len(micro), device=device), torch.tensor(list(micro), device=device),
-            output_size=sum(micro))
-        positions = output_positions(routing, slot, micro_of_sample.index_select(0, sample),
-                                     input_lengths, micro).index_select(0, encoded.order)
-    return (RowBags.encoded(encoded, counts, bounds, micro, routing.features, positions),
+        expand_plan = expand_row_plan(encoded.order, encoded.inverse, encoded.counts,
+                                      encoded.bounds, slot, sample, input_lengths,
+                                      routing.routes_per_slot, micro, routing.group_chunks,
+                                      routing.group_first_chunk, routing.chunks_per_row)
+    return (RowBags.encoded(encoded, counts, bounds, micro, routing.features, expand_plan,
+                            routing.group_chunks),
             encoded.unique, counts)
-
-
-def output_positions(routing: RowRouting, slot: torch.Tensor, k: torch.Tensor,
-                     input_lengths: torch.Tensor, micro: Sequence[int]) -> torch.Tensor:
-    """Each routed id's position in its micro-batch's output (the sequence module's jagged
-    values: input slot by input slot, then sample by sample, in bag order).
-
-    slot, k: int64 [P] each route's input slot and micro-batch, routes in input order (an id's
-    routes.routes_per_slot routes one after another); input_lengths: int [S, B] (samples in
-    micro-batch order). -> int64 [P]."""
-    lengths = input_lengths.to(torch.int64)
-    device = lengths.device
-    per_slot = routing.routes_per_slot
-    slot_ids = lengths.sum(1)
-    slot_first_id = torch.cumsum(slot_ids, 0) - slot_ids
-    slot_routes = slot_ids * per_slot
-    slot_first_route = torch.cumsum(slot_routes, 0) - slot_routes
-    route = torch.arange(slot.numel(), device=device)
-    id_index = slot_first_id.index_select(0, slot) + torch.div(
-        route - slot_first_route.index_select(0, slot), per_slot.index_select(0, slot),
-        rounding_mode="floor")
-    # ids per (slot, micro-batch): the lengths' running sum at the micro-batches' edges
-    edges = torch.tensor(list(accumulate(micro, initial=0)), device=device)
-    running = torch.nn.functional.pad(torch.cumsum(lengths, 1), (1, 0))
-    per_micro = running.index_select(1, edges).diff(dim=1)  # [S, M]
-    earlier_micro = torch.cumsum(per_micro, 1) - per_micro
-    earlier_slots = torch.cumsum(per_micro, 0) - per_micro
-    shift = (earlier_slots - earlier_micro - slot_first_id.unsqueeze(1)).flatten()
-    return id_index + shift.index_select(0, slot * len(micro) + k)
 
 
 @dataclass
@@ -369,12 +338,14 @@ def requested_rows(weights: Sequence[torch.Tensor], values: torch.Tensor,
     device = weights[0].device
     bounds = torch.tensor(list(accumulate(layout.counts, initial=0)), device=device)
     unique, unique_offsets, inverse = segmented_unique(values, bounds)
-    # Slot f's bag b holds a row when b < slot_rows[f], else nothing: the bags' ends are the
-    # running sums of those lengths (the ids, bag by bag, are each group's in order).
-    lengths = (torch.arange(layout.rows, device=device) < torch.tensor(
-        layout.slot_rows(), device=device).unsqueeze(1)).view(-1)
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
-    torch.cumsum(lengths, 0, out=offsets[1:])
+    # Slot f's bag b holds a row when b < slot_rows[f], else nothing (the ids, bag by bag, are
+    # each group's in order), so bag (f, b) ends at the slots' rows before f plus
+    # min(b + 1, slot_rows[f]): made on the host, where the layout is, in one copy to a device.
+    slot_rows = np.array(layout.slot_rows(), dtype=np.int64)
+    ends = np.minimum(np.arange(1, layout.rows + 1), slot_rows[:, None]) + \
+        (np.cumsum(slot_rows) - slot_rows)[:, None]
+    offsets = torch.from_numpy(np.concatenate(([0], ends.reshape(-1)))).to(device,
+                                                                            non_blocking=True)
     lookup = BagLookup(list(weights), unique, unique_offsets, inverse, offsets, None,
                        layout.slot_group, [SUM] * tables, layout.rows)
     return RequestedRows(lookup, layout)

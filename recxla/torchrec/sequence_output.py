@@ -9,9 +9,9 @@ in bag order), where TorchRec's sequence all-to-all carries one row per id.
 One pass does it for every sharding type. The message is rows of `wire_row_dim` values (it
 divides every shard's width): a table-wise or row-wise row is one wire row, a column-wise row
 one wire row per column shard. Each output row [dim] is dim / wire_row_dim wire rows, each
-from one row group's unique row; the sender recorded each id's output position
-(`RowBags.positions`), so the receiver builds, per micro-batch, the index of the wire row that
-fills every output chunk, and:
+from one row group's unique row. The sender, which is this rank, made with the encoding the index
+of the wire row that fills every output chunk of every micro-batch (`recxla::expand_row_plan`,
+one host op: `RowBags.expand_plan`), so the receiver only slices it, and:
 
     forward   output chunks = the message's wire rows gathered by that index
     backward  the message's gradient = the output chunks' gradients summed per wire row
@@ -64,12 +64,7 @@ class ExpandedAssembly:
         self.row_dim = layout.wire_row_dim
         dims = {t.embedding_dim for t in layout.tables}
         self.out_dim = dims.pop() if len(dims) == 1 else 0
-        self.chunks_per_row = self.out_dim // self.row_dim if self.row_dim else 0
         self.embedding_names = list(layout.embedding_names)
-        groups = [g for r in range(layout.world_size) for g in layout.row_groups(r)]
-        # Per global row group: wire rows per unique row, and the first output chunk it fills.
-        self.group_chunks = [g.cols // self.row_dim for g in groups]
-        self.group_first_chunk = [g.shard.col_offset // self.row_dim for g in groups]
 
     def receive_lengths(self, input_lengths: torch.Tensor,
                         device: torch.device) -> torch.Tensor:
@@ -129,34 +124,12 @@ class ExpandedAssembly:
 
     def _make_plan(self, message) -> ExpandPlan:
         bags, k = message.bags, message.micro_batch
-        on_device = bags.on_device
-        device = bags.inverse.device
-        take, ids = bags.micro_batch_ids(k)
-        total = sum(ids)
-        per_group = on_device(ids)
-        # Where each group's unique rows start in the message, in wire rows.
-        row_base = on_device([offset // self.row_dim for offset, _, _, _ in message.rows])
-        group = torch.repeat_interleave(torch.arange(len(ids), device=device), per_group,
-                                        output_size=total)
-        chunks = on_device(self.group_chunks).index_select(0, group)
-        source = row_base.index_select(0, group) + take(bags.inverse) * chunks
-        target = take(bags.positions) * self.chunks_per_row + \
-            on_device(self.group_first_chunk).index_select(0, group)
-        if any(c != 1 for c in self.group_chunks):
-            # A column-sharded row is several wire rows: one entry per chunk it fills.
-            expanded = int(sum(c * n for c, n in zip(self.group_chunks, ids)))
-            entry = torch.repeat_interleave(torch.arange(total, device=device), chunks,
-                                            output_size=expanded)
-            first = torch.cumsum(chunks, 0) - chunks
-            step = torch.arange(expanded, device=device) - first.index_select(0, entry)
-            source = source.index_select(0, entry) + step
-            target = target.index_select(0, entry) + step
-        index = torch.empty_like(source)
-        index.index_copy_(0, target, source)
-        wire_rows = message.total // self.row_dim if self.row_dim else 0
-        return ExpandPlan(
-            unique_values=torch.arange(wire_rows, dtype=torch.int64, device=device),
-            unique_offsets=on_device([0, wire_rows]),
-            index=index,
-            offsets=torch.arange(index.numel() + 1, dtype=torch.int64, device=device))
-
+        section, plan = bags.expand_sections[k], bags.expand_plan
+        wire_rows = section.unique_values.stop - section.unique_values.start
+        if wire_rows * self.row_dim != message.total:
+            raise RuntimeError(f"{self.layout.owner}: the expansion of micro-batch {k} reads "
+                               f"{wire_rows} wire rows of {self.row_dim} values, but its "
+                               f"message holds {message.total} values")
+        return ExpandPlan(unique_values=plan[section.unique_values],
+                          unique_offsets=plan[section.unique_offsets],
+                          index=plan[section.index], offsets=plan[section.offsets])
