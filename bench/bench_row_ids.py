@@ -15,6 +15,13 @@ group; one micro-batch, and two. Providers, all returning the EncodedRows of the
 - memcpy: a copy of the bytes the op must read and write at least (four int64 per id in, an
   order, an inverse and the plan's inverse out);
 on one thread (the kernel is serial; the cluster benchmark runs its ranks on one thread each).
+
+The sequence module's expansion (`recxla::expand_row_plan`, test_expand_row_plan) on the
+history model's batch: 1024 samples' histories of 20-200 ids (mean 110, skewed), one table, whole
+rows (one row group) or cut into two column shards (two routes an id); one micro-batch and two.
+Providers: recxla, the C++ kernel; torch, `expand_row_plan_torch` (the positions and per
+micro-batch gather plan in torch ops that the module ran before, and that GPU ids still run);
+memcpy, a copy of four int64 per route in and the plan out.
 """
 
 import pytest
@@ -22,8 +29,9 @@ import torch
 
 from bench.bench_dedup import MULTI_HOT, TABLE_ROWS
 from bench.common import one_thread
-from recxla.ops.row_ids import encode_row_ids, encode_row_ids_torch
-from recxla.reference.row_ids import encode_row_ids_ref
+from recxla.ops.row_ids import (encode_row_ids, encode_row_ids_torch, expand_row_plan,
+                                expand_row_plan_torch)
+from recxla.reference.row_ids import encode_row_ids_ref, expand_row_plan_ref
 
 BATCH = 1024
 ROW_TABLES = 24
@@ -64,4 +72,44 @@ def test_encode_row_ids(benchmark, provider, num_micro):
             got = fn(*args)
             assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(got, want))
         benchmark.extra_info.update(ids=args[0].numel(), micro_batches=num_micro)
+        benchmark(fn, *args)
+
+
+def history_rows(num_micro: int, shards: int):
+    """expand_row_plan's arguments for the history model's batch: one input slot, its table
+    in `shards` column shards (row groups 0 .. shards - 1), 64 columns in wire rows of 64 /
+    shards."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 201, (1, BATCH), generator=g)
+    n = int(lengths.sum())
+    ids = (torch.rand(n, generator=g) ** 3 * 100_000).long()
+    long = dict(dtype=torch.int64)
+    sample = torch.repeat_interleave(torch.arange(BATCH), lengths[0]).repeat_interleave(shards)
+    group = torch.arange(shards).repeat(n)
+    micro = [BATCH // num_micro] * num_micro
+    encoded = encode_row_ids(group, torch.zeros(n * shards, **long), sample,
+                             ids.repeat_interleave(shards), None, [0], [1] * shards, micro)
+    return (encoded.order, encoded.inverse, encoded.counts, encoded.bounds,
+            torch.zeros(n * shards, **long), sample, lengths, [shards], micro,
+            [1] * shards, list(range(shards)), shards)
+
+
+def expand_memcpy(order, inverse, counts, bounds, slot, sample, *_):
+    return torch.cat([order, inverse, slot, sample, order, inverse, slot])
+
+
+EXPAND_PROVIDERS = {"recxla": expand_row_plan, "torch": expand_row_plan_torch,
+                    "memcpy": expand_memcpy}
+
+
+@pytest.mark.parametrize("shards", [1, 2], ids=["whole rows", "2 column shards"])
+@pytest.mark.parametrize("num_micro", [1, 2], ids=["m=1", "m=2"])
+@pytest.mark.parametrize("provider", list(EXPAND_PROVIDERS))
+def test_expand_row_plan(benchmark, provider, num_micro, shards):
+    with one_thread():
+        args = history_rows(num_micro, shards)
+        fn = EXPAND_PROVIDERS[provider]
+        if provider != "memcpy" and shards == 1 and num_micro == 1:
+            assert torch.equal(fn(*args), expand_row_plan_ref(*args))
+        benchmark.extra_info.update(routes=args[0].numel(), micro_batches=num_micro)
         benchmark(fn, *args)
