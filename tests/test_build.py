@@ -118,7 +118,7 @@ def test_build_reports_what_it_built():
 # on the CPU, where the loader delivers them, whatever device holds the tables
 # (recxla/ops/route_ids.py, recxla/ops/id_blocks.py, recxla/ops/row_ids.py).
 HOST_OPS = {"recxla::route_ids", "recxla::pack_id_blocks", "recxla::decode_id_blocks",
-            "recxla::encode_row_ids"}
+            "recxla::encode_row_ids", "recxla::expand_row_plan"}
 
 
 def test_every_cpu_op_has_a_cuda_kernel():
