@@ -71,6 +71,20 @@ RECXLA_INLINE void apply_row(
   }
 }
 
+// Starts the loads of unique row r's update (its weights, and its optimizer state) a few rows
+// ahead of it: a table's updated rows lie far apart, and each update would otherwise wait for
+// its lines from memory. Prefetched for writing, as the update writes them.
+RECXLA_INLINE void prefetch_update(Optim kind, const float* row, const float* state, int64_t r,
+                                   int64_t dim) {
+  if (kind == Optim::None) return;
+  for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(row + d, 1);
+  if (kind == Optim::Adagrad) {
+    for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(state + r * dim + d, 1);
+  } else if (kind == Optim::RowwiseAdagrad) {
+    __builtin_prefetch(state + r, 1);
+  }
+}
+
 // One id in the gather order: where its output-gradient row starts, and its scale (per-sample
 // weight x 1 / bag length for mean x grad_sign, rounded as the accumulate order rounds it).
 struct Entry {
@@ -123,6 +137,10 @@ RECXLA_INLINE void run_part(
   float* state = a.states != nullptr ? a.states[t] : nullptr;
   const int64_t segment = a.unique_offsets[t];
   for (int64_t u = lo; u < hi; ++u) {
+    if (u + kPrefetchAhead < hi) {
+      const int64_t ahead = rows[u + kPrefetchAhead];
+      prefetch_update(kind, w + ahead * dim, state, ahead, dim);
+    }
     const int64_t r = rows[u];
     apply_row(kind, h, dim, w + r * dim, state, r, acc + (u - lo) * dim,
               grad_out != nullptr ? grad_out + (u - segment) * dim : nullptr);
@@ -153,7 +171,8 @@ RECXLA_INLINE void run_gather_part(
     }
     sum.store(row_grad);
     if (u + kPrefetchAhead < p.hi) {
-      prefetch_row(w + static_cast<int64_t>(rows[u + kPrefetchAhead]) * dim, dim);
+      const int64_t ahead = rows[u + kPrefetchAhead];
+      prefetch_update(kind, w + ahead * dim, state, ahead, dim);
     }
     const int64_t r = rows[u];
     apply_row(kind, h, dim, w + r * dim, state, r, row_grad,
