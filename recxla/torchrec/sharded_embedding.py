@@ -43,6 +43,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection, get_embeddin
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, get_format
+from recxla.nn.table_config import check_sharded_table_options
 from recxla.ops.embedding_bag import SUM
 from recxla.torchrec.data_parallel import SequenceDataParallelTables, is_data_parallel
 from recxla.torchrec.replicas import ReplicaSync
@@ -61,10 +62,12 @@ SEQUENCE_SHARDING_TYPES = list(SUPPORTED_SHARDING_TYPES)
 
 def check_sequence_configs(configs, plan: Dict[str, ParameterSharding]) -> None:
     """The tables of an EmbeddingCollection recxla shards: every one planned, FP32, one dim
-    for all (TorchRec's EmbeddingCollection refuses several; ValueError/TypeError naming the
-    table and the limit)."""
+    for all (TorchRec's EmbeddingCollection refuses several), no option of
+    UNSHARDABLE_TABLE_OPTIONS (ValueError/TypeError/NotImplementedError naming the table and
+    the limit)."""
     dims = {c.embedding_dim for c in configs}
     for config in configs:
+        check_sharded_table_options(config, OWNER)
         if config.name not in plan:
             raise ValueError(f"{OWNER}: the plan has no entry for table '{config.name}'")
         if config.data_type != DataType.FP32:

@@ -46,7 +46,7 @@ from recxla.torchrec.data_parallel import DataParallelTables, OutputMerge, is_da
 from recxla.torchrec.replicas import ReplicaSync
 from recxla.torchrec.shard_layout import OWNER, TableInfo
 from recxla.torchrec.sharded_builder import build_sharded_parts, table_holders
-from recxla.nn.table_config import check_table_config
+from recxla.nn.table_config import check_sharded_table_options, check_table_config
 from recxla.torchrec.sharded_config import (  # noqa: F401  (SUPPORTED_SHARDING_TYPES: public here)
     SUPPORTED_SHARDING_TYPES,
     row_exchange_tables,
@@ -111,6 +111,7 @@ class ShardedEmbeddingBagCollection(TorchRecMethods, TorchRecShardedEmbeddingBag
         for config in configs:
             check_table_config(config, self._is_weighted, OWNER,
                                (DataType.FP32, DataType.FP16))
+            check_sharded_table_options(config, OWNER)
             if config.name not in plan:
                 raise ValueError(f"{OWNER}: the plan has no entry for table '{config.name}'")
         # Data-parallel tables are TorchRec's (data_parallel.py); from here on `configs` are
