@@ -35,7 +35,8 @@ from recxla.torchrec.shard_layout import ShardLayout
 class RowRouting:
     """Static tables of the row groups, from the layout (every rank's view is the same).
     expand: the receiver expands each unique row to the positions of its ids (the sequence
-    module) instead of pooling bags: the sender then also records each id's position."""
+    module) instead of pooling bags: the sender then also makes the receiver's expansion
+    (recxla.ops.row_ids.expand_row_plan) from the static tables here."""
 
     def __init__(self, layout: ShardLayout, expand: bool = False):
         world = layout.world_size
