@@ -187,3 +187,12 @@ def test_overlapping_routes_are_refused():
 def test_opcheck():
     args = random_case()[0]
     torch.library.opcheck(torch.ops.recxla.expand_row_plan.default, args)
+
+
+@pytest.mark.gpu
+def test_ids_on_a_gpu_take_the_torch_path_equal_to_the_reference():
+    for _ in range(10):
+        args = random_case()[0]
+        want = expand_row_plan_ref(*args)
+        got = expand_row_plan(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in args))
+        assert got.is_cuda and torch.equal(got.cpu(), want)

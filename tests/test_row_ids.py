@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from recxla.ops.embedding_bag import SUM, BagLookup, pooled_forward
-from recxla.ops.row_ids import encode_row_ids, encode_row_ids_torch, plan_sections
+from recxla.ops.row_ids import EncodedRows, encode_row_ids, encode_row_ids_torch, plan_sections
 from recxla.reference.row_ids import encode_row_ids_ref
 
 
@@ -133,3 +133,14 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.recxla.encode_row_ids.default,
                           (group, slot, sample, ids, weights, slot_position, group_features,
                            micro))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ids_on_a_gpu_take_the_torch_path_equal_to_the_reference(weighted):
+    for _ in range(10):
+        case = random_case(weighted)
+        got = encode_row_ids(*(a.cuda() if isinstance(a, torch.Tensor) else a for a in case))
+        assert got.order.is_cuda
+        assert_equal(EncodedRows(*(None if t is None else t.cpu() for t in got)),
+                     encode_row_ids_ref(*case))
