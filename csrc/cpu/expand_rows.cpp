@@ -12,38 +12,85 @@
 #include <cstdint>
 #include <vector>
 
+#include "recxla/checks.h"
+
 namespace recxla {
 namespace {
 
 constexpr const char* kOp = "recxla::expand_row_plan";
 
 void check_long_vector(const at::Tensor& t, const char* name, int64_t numel) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, kOp, ": ", name, " must be int64, got ",
-                   t.scalar_type());
-  TORCH_CHECK_VALUE(t.device().is_cpu(), kOp, ": ", name,
-                    " must be on the CPU (the plan is made on the host)");
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), kOp, ": ", name,
-                    " must be 1-D and contiguous");
-  TORCH_CHECK_VALUE(numel < 0 || t.numel() == numel, kOp, ": ", name, " must have ", numel,
-                    " entries, got ", t.numel());
+  check_host_int64_vector(kOp, t, name, numel, "order", "the plan is made on the host");
 }
 
-template <typename length_t>
-at::Tensor expand_row_plan_impl(const at::Tensor& order_t, const at::Tensor& inverse_t,
-                                const at::Tensor& counts_t, const at::Tensor& bounds_t,
-                                const at::Tensor& slot_t, const at::Tensor& sample_t,
-                                const at::Tensor& lengths_t, at::IntArrayRef routes,
-                                at::IntArrayRef micro, at::IntArrayRef group_chunks,
-                                at::IntArrayRef group_first_chunk, int64_t chunks_per_row) {
+at::Tensor expand_row_plan_cpu(const at::Tensor& order_t, const at::Tensor& inverse_t,
+                               const at::Tensor& counts_t, const at::Tensor& bounds_t,
+                               const at::Tensor& slot_t, const at::Tensor& sample_t,
+                               const at::Tensor& input_lengths, at::IntArrayRef routes,
+                               at::IntArrayRef micro, at::IntArrayRef group_chunks,
+                               at::IntArrayRef group_first_chunk, int64_t chunks_per_row) {
+  check_long_vector(order_t, "order", -1);
   const int64_t n = order_t.numel();
+  check_long_vector(inverse_t, "inverse", n);
+  check_long_vector(slot_t, "slot", n);
+  check_long_vector(sample_t, "sample", n);
   const int64_t groups = static_cast<int64_t>(group_chunks.size());
   const int64_t num_micro = static_cast<int64_t>(micro.size());
-  const int64_t slots = lengths_t.size(0), batch = lengths_t.size(1);
-  const length_t* lengths = lengths_t.const_data_ptr<length_t>();
+  TORCH_CHECK_VALUE(num_micro >= 1, kOp, ": micro must hold at least one micro-batch size");
+  int64_t batch = 0;
+  for (int64_t k = 0; k < num_micro; ++k) {
+    TORCH_CHECK_VALUE(micro[k] >= 0, kOp, ": micro-batch ", k, " has a negative size (",
+                      micro[k], ")");
+    batch += micro[k];
+  }
+  TORCH_CHECK_VALUE(static_cast<int64_t>(group_first_chunk.size()) == groups, kOp,
+                    ": group_first_chunk must have ", groups, " entries like group_chunks, got ",
+                    group_first_chunk.size());
+  TORCH_CHECK_VALUE(chunks_per_row >= 1, kOp, ": chunks_per_row must be at least 1, got ",
+                    chunks_per_row);
+  for (int64_t g = 0; g < groups; ++g) {
+    TORCH_CHECK_VALUE(group_chunks[g] >= 1 && group_first_chunk[g] >= 0 &&
+                          group_first_chunk[g] + group_chunks[g] <= chunks_per_row,
+                      kOp, ": row group ", g, " fills chunks [", group_first_chunk[g], ", ",
+                      group_first_chunk[g] + group_chunks[g], "), outside [0, ", chunks_per_row,
+                      ") of an output row (or none)");
+  }
+  TORCH_CHECK_TYPE(counts_t.scalar_type() == at::kLong && bounds_t.scalar_type() == at::kLong, kOp,
+                   ": counts and bounds must be int64");
+  TORCH_CHECK_VALUE(counts_t.device().is_cpu() && counts_t.is_contiguous() && counts_t.dim() == 2 &&
+                        counts_t.size(0) == groups && counts_t.size(1) == num_micro,
+                    kOp, ": counts must be a contiguous CPU tensor [", groups, ", ", num_micro,
+                    "] (row groups, micro-batches), got ", counts_t.sizes());
+  check_long_vector(bounds_t, "bounds", groups * num_micro + 1);
+  const int64_t* bounds = bounds_t.const_data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(bounds[0] == 0 && bounds[groups * num_micro] == n, kOp,
+                    ": bounds must run from 0 to ", n, " (order's entries)");
+  for (int64_t r = 0; r < groups * num_micro; ++r) {
+    TORCH_CHECK_VALUE(bounds[r] <= bounds[r + 1], kOp, ": bounds must not decrease (bounds[",
+                      r + 1, "] = ", bounds[r + 1], " < ", bounds[r], ")");
+  }
+  TORCH_CHECK_TYPE(input_lengths.scalar_type() == at::kLong ||
+                       input_lengths.scalar_type() == at::kInt,
+                   kOp, ": input_lengths must be int32 or int64, got ",
+                   input_lengths.scalar_type());
+  TORCH_CHECK_VALUE(input_lengths.device().is_cpu() && input_lengths.is_contiguous() &&
+                        input_lengths.dim() == 2 && input_lengths.size(1) == batch,
+                    kOp, ": input_lengths must be a contiguous CPU tensor [slots, ", batch,
+                    "] (the micro-batches' samples), got ", input_lengths.sizes());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(routes.size()) == input_lengths.size(0), kOp,
+                    ": routes_per_slot must have one entry per input slot (",
+                    input_lengths.size(0), "), got ", routes.size());
+  for (size_t s = 0; s < routes.size(); ++s) {
+    TORCH_CHECK_VALUE(routes[s] >= 1, kOp, ": routes_per_slot[", s,
+                      "] must be at least 1, got ", routes[s]);
+  }
+  // int32 lengths (a KeyedJaggedTensor's) become int64: [slots, batch], a small copy.
+  const at::Tensor lengths_t = input_lengths.to(at::kLong);
+  const int64_t slots = lengths_t.size(0);
+  const int64_t* lengths = lengths_t.const_data_ptr<int64_t>();
   const int64_t* order = order_t.const_data_ptr<int64_t>();
   const int64_t* inverse = inverse_t.const_data_ptr<int64_t>();
   const int64_t* counts = counts_t.const_data_ptr<int64_t>();
-  const int64_t* bounds = bounds_t.const_data_ptr<int64_t>();
   const int64_t* slot = slot_t.const_data_ptr<int64_t>();
   const int64_t* sample = sample_t.const_data_ptr<int64_t>();
 
@@ -59,7 +106,7 @@ at::Tensor expand_row_plan_impl(const at::Tensor& order_t, const at::Tensor& inv
     for (int64_t k = 0; k < num_micro; ++k) {
       int64_t ids = 0;
       for (int64_t b = micro_start[k]; b < micro_start[k + 1]; ++b) {
-        const int64_t length = static_cast<int64_t>(lengths[s * batch + b]);
+        const int64_t length = lengths[s * batch + b];
         TORCH_CHECK_VALUE(length >= 0, kOp, ": input_lengths[", s, ", ", b, "] is negative (",
                           length, ")");
         ids += length;
@@ -136,77 +183,6 @@ at::Tensor expand_row_plan_impl(const at::Tensor& order_t, const at::Tensor& inv
     }
   }
   return plan_t;
-}
-
-at::Tensor expand_row_plan_cpu(const at::Tensor& order, const at::Tensor& inverse,
-                               const at::Tensor& counts, const at::Tensor& bounds,
-                               const at::Tensor& slot, const at::Tensor& sample,
-                               const at::Tensor& input_lengths, at::IntArrayRef routes_per_slot,
-                               at::IntArrayRef micro, at::IntArrayRef group_chunks,
-                               at::IntArrayRef group_first_chunk, int64_t chunks_per_row) {
-  check_long_vector(order, "order", -1);
-  const int64_t n = order.numel();
-  check_long_vector(inverse, "inverse", n);
-  check_long_vector(slot, "slot", n);
-  check_long_vector(sample, "sample", n);
-  const int64_t groups = static_cast<int64_t>(group_chunks.size());
-  const int64_t num_micro = static_cast<int64_t>(micro.size());
-  TORCH_CHECK_VALUE(num_micro >= 1, kOp, ": micro must hold at least one micro-batch size");
-  int64_t batch = 0;
-  for (int64_t k = 0; k < num_micro; ++k) {
-    TORCH_CHECK_VALUE(micro[k] >= 0, kOp, ": micro-batch ", k, " has a negative size (",
-                      micro[k], ")");
-    batch += micro[k];
-  }
-  TORCH_CHECK_VALUE(static_cast<int64_t>(group_first_chunk.size()) == groups, kOp,
-                    ": group_first_chunk must have ", groups, " entries like group_chunks, got ",
-                    group_first_chunk.size());
-  TORCH_CHECK_VALUE(chunks_per_row >= 1, kOp, ": chunks_per_row must be at least 1, got ",
-                    chunks_per_row);
-  for (int64_t g = 0; g < groups; ++g) {
-    TORCH_CHECK_VALUE(group_chunks[g] >= 1 && group_first_chunk[g] >= 0 &&
-                          group_first_chunk[g] + group_chunks[g] <= chunks_per_row,
-                      kOp, ": row group ", g, " fills chunks [", group_first_chunk[g], ", ",
-                      group_first_chunk[g] + group_chunks[g], "), outside [0, ", chunks_per_row,
-                      ") of an output row (or none)");
-  }
-  TORCH_CHECK_TYPE(counts.scalar_type() == at::kLong && bounds.scalar_type() == at::kLong, kOp,
-                   ": counts and bounds must be int64");
-  TORCH_CHECK_VALUE(counts.device().is_cpu() && counts.is_contiguous() && counts.dim() == 2 &&
-                        counts.size(0) == groups && counts.size(1) == num_micro,
-                    kOp, ": counts must be a contiguous CPU tensor [", groups, ", ", num_micro,
-                    "] (row groups, micro-batches), got ", counts.sizes());
-  check_long_vector(bounds, "bounds", groups * num_micro + 1);
-  const int64_t* b = bounds.const_data_ptr<int64_t>();
-  TORCH_CHECK_VALUE(b[0] == 0 && b[groups * num_micro] == n, kOp,
-                    ": bounds must run from 0 to ", n, " (order's entries)");
-  for (int64_t r = 0; r < groups * num_micro; ++r) {
-    TORCH_CHECK_VALUE(b[r] <= b[r + 1], kOp, ": bounds must not decrease (bounds[", r + 1,
-                      "] = ", b[r + 1], " < ", b[r], ")");
-  }
-  TORCH_CHECK_TYPE(input_lengths.scalar_type() == at::kLong ||
-                       input_lengths.scalar_type() == at::kInt,
-                   kOp, ": input_lengths must be int32 or int64, got ",
-                   input_lengths.scalar_type());
-  TORCH_CHECK_VALUE(input_lengths.device().is_cpu() && input_lengths.is_contiguous() &&
-                        input_lengths.dim() == 2 && input_lengths.size(1) == batch,
-                    kOp, ": input_lengths must be a contiguous CPU tensor [slots, ", batch,
-                    "] (the micro-batches' samples), got ", input_lengths.sizes());
-  TORCH_CHECK_VALUE(static_cast<int64_t>(routes_per_slot.size()) == input_lengths.size(0), kOp,
-                    ": routes_per_slot must have one entry per input slot (",
-                    input_lengths.size(0), "), got ", routes_per_slot.size());
-  for (size_t s = 0; s < routes_per_slot.size(); ++s) {
-    TORCH_CHECK_VALUE(routes_per_slot[s] >= 1, kOp, ": routes_per_slot[", s,
-                      "] must be at least 1, got ", routes_per_slot[s]);
-  }
-  if (input_lengths.scalar_type() == at::kInt) {
-    return expand_row_plan_impl<int32_t>(order, inverse, counts, bounds, slot, sample,
-                                         input_lengths, routes_per_slot, micro, group_chunks,
-                                         group_first_chunk, chunks_per_row);
-  }
-  return expand_row_plan_impl<int64_t>(order, inverse, counts, bounds, slot, sample,
-                                       input_lengths, routes_per_slot, micro, group_chunks,
-                                       group_first_chunk, chunks_per_row);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dedup_cpu.h"
+#include "recxla/checks.h"
 
 namespace recxla {
 namespace {
@@ -25,14 +26,7 @@ using Encoded = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::T
                            at::Tensor>;
 
 void check_ids_tensor(const at::Tensor& t, const char* name, int64_t numel) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, kOp, ": ", name, " must be int64, got ",
-                   t.scalar_type());
-  TORCH_CHECK_VALUE(t.device().is_cpu(), kOp, ": ", name,
-                    " must be on the CPU (ids are encoded on the host)");
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), kOp, ": ", name,
-                    " must be 1-D and contiguous");
-  TORCH_CHECK_VALUE(numel < 0 || t.numel() == numel, kOp, ": ", name, " must have ", numel,
-                    " entries like group, got ", t.numel());
+  check_host_int64_vector(kOp, t, name, numel, "group", "ids are encoded on the host");
 }
 
 Encoded encode_row_ids_cpu(const at::Tensor& group_t, const at::Tensor& slot_t,

@@ -41,6 +41,21 @@ inline void check_dequantize_input(
       ": dtype must be float32, bfloat16 or float16, got ", dtype);
 }
 
+// A host op's index argument: an int64, 1-D, contiguous CPU tensor of `numel` entries (numel < 0:
+// any), `like` naming the argument that sets that count. `host_why` says why it must be on the
+// CPU.
+inline void check_host_int64_vector(const char* op, const at::Tensor& t, const char* name,
+                                    int64_t numel, const char* like, const char* host_why) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, op, ": ", name, " must be int64, got ",
+                   t.scalar_type());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " must be on the CPU (", host_why,
+                    ")");
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.is_contiguous(), op, ": ", name,
+                    " must be 1-D and contiguous");
+  TORCH_CHECK_VALUE(numel < 0 || t.numel() == numel, op, ": ", name, " must have ", numel,
+                    " entries like ", like, ", got ", t.numel());
+}
+
 // True when the byte ranges that a and b span intersect (conservative for strided tensors, whose
 // gaps count as theirs; at::get_overlap_status gives up on those). Tensors without elements read
 // and write nothing.
