@@ -96,11 +96,11 @@ at::Tensor expand_row_plan_cpu(const at::Tensor& order_t, const at::Tensor& inve
 
   std::vector<int64_t> micro_start(num_micro + 1, 0);
   for (int64_t k = 0; k < num_micro; ++k) micro_start[k + 1] = micro_start[k] + micro[k];
-  // ids per (slot, micro-batch); the routes before each slot; per (slot, micro-batch) the shift
+  // The routes before each slot; the ids of each micro-batch; per (slot, micro-batch) the shift
   // from an id's index in its slot to its position in its micro-batch's output (the ids of the
   // earlier slots in that micro-batch, less the slot's ids in earlier micro-batches).
-  std::vector<int64_t> slot_ids(slots * num_micro, 0), first_route(slots + 1, 0);
-  std::vector<int64_t> shift(slots * num_micro), micro_ids(num_micro, 0);
+  std::vector<int64_t> first_route(slots + 1, 0), shift(slots * num_micro),
+      micro_ids(num_micro, 0);
   for (int64_t s = 0; s < slots; ++s) {
     int64_t in_slot = 0;
     for (int64_t k = 0; k < num_micro; ++k) {
@@ -112,7 +112,6 @@ at::Tensor expand_row_plan_cpu(const at::Tensor& order_t, const at::Tensor& inve
         ids += length;
       }
       shift[s * num_micro + k] = micro_ids[k] - in_slot;
-      slot_ids[s * num_micro + k] = ids;
       micro_ids[k] += ids;
       in_slot += ids;
     }
