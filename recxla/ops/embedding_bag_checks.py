@@ -13,6 +13,7 @@ from typing import List, Sequence
 
 import torch
 
+from recxla.host_copy import int64_on
 from recxla.ops.embedding_bag_enums import (
     ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
 )
@@ -142,10 +143,7 @@ def check_lookup_data(lookup: BagLookup, increasing: bool) -> torch.Tensor:
 def _constant(values: List[int], device: torch.device) -> torch.Tensor:
     """A small int64 tensor on `device`; from pinned memory without blocking on GPU, since a
     plain host-to-device copy waits for the stream (a host sync)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return int64_on(values, device)
 
 
 def raise_for_lookup_flags(op: str, flags: torch.Tensor, weights, num_ids: int) -> None:

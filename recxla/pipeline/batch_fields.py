@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recxla.host_copy import to_device
+
 OWNER = "recxla.pipeline.TrainPipeline"
 
 
@@ -117,11 +119,6 @@ def dense_to(batch: Any, device: torch.device) -> Tuple[Any, List[torch.Tensor]]
     reads them there, and the sharded modules never read the model's copy)."""
     device = torch.device(device)
 
-    def move(value: torch.Tensor) -> torch.Tensor:
-        if device.type == "cuda" and value.device.type == "cpu" and not value.is_pinned():
-            value = value.pin_memory()  # else the copy blocks the host, and no stream overlaps
-        return value.to(device, non_blocking=True)
-
-    changes = {name: move(value) for name, value in batch_fields(batch).items()
+    changes = {name: to_device(value, device) for name, value in batch_fields(batch).items()
                if isinstance(value, torch.Tensor) and value.device != device}
     return replace_fields(batch, changes), list(changes.values())

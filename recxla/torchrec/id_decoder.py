@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import torch
 
+from recxla.host_copy import to_device
 from recxla.ops.dedup import segmented_unique
 from recxla.ops.id_blocks import decode_id_blocks
 from recxla.torchrec import id_wire_format as wire
@@ -77,11 +78,7 @@ class LookupInput:
             return self
 
         def move(t):
-            if t is None:
-                return None
-            if device.type == "cuda" and not t.is_pinned():
-                t = t.pin_memory()
-            return t.to(device, non_blocking=True)
+            return to_device(t, device)
 
         rows = None if self.rows is None else RowInput(move(self.rows.values),
                                                        self.rows.counts)

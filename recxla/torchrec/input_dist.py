@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recxla.host_copy import to_device
 from recxla.torchrec import id_wire_format as wire
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.id_decoder import IdDecoder, LookupInput
@@ -116,7 +117,7 @@ class IdRouter:
         # The sizes cross the links too: one row to and from each other rank.
         self.stats.id_bytes_sent += (world - 1) * wire.meta_row_bytes(len(micro))
         self.stats.id_bytes_received += (world - 1) * wire.meta_row_bytes(len(micro))
-        meta = meta.to(self.device)
+        meta = to_device(meta, self.device)
         received = torch.empty_like(meta)
         work = dist.all_to_all_single(received, meta, group=self.group, async_op=True)
         awaitable = SizesInFlight(self, work, received, blocks, error, meta)

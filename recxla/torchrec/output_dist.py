@@ -44,6 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import get_format
+from recxla.host_copy import to_device
 from recxla.ops.copy_runs import PackRuns, Run, copy_runs, pack
 from recxla.ops.embedding_bag import MEAN, SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.comm_stats import CommStats
@@ -238,8 +239,8 @@ class PooledAssembly:
         such bags."""
         if not self.mean_slots:
             return None
-        return input_lengths[self.mean_slots].t().to(torch.float32).clamp(min=1.0) \
-            .contiguous().to(device, non_blocking=True)
+        return to_device(input_lengths[self.mean_slots].t().to(torch.float32).clamp(min=1.0)
+                         .contiguous(), device)
 
     def form(self, values: torch.Tensor, lengths: Optional[torch.Tensor]) -> KeyedTensor:
         """values float32 [B, sum of dims] as the KeyedTensor of the module's model-parallel

@@ -36,6 +36,7 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.types import ShardingEnv
 
 from recxla.distributed.gather import all_gather_flat
+from recxla.host_copy import int64_on
 from recxla.ops.embedding_bag import NONE, BagLookup, backward_update, pooled_forward, unique_grad
 from recxla.torchrec.choices import REPLICA_PRECISIONS as PRECISIONS
 from recxla.torchrec.choices import REPLICA_SYNCS as SYNCS
@@ -208,7 +209,7 @@ def sum_over_replicas(rows: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     group = replicas.group
     size = dist.get_world_size(group)
     device = grads[0].device if grads else torch.device("cpu")
-    counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64, device=device)
+    counts = int64_on((r.numel() for r in rows), device)
     # gloo gathers into flat outputs only.
     all_counts = torch.empty(size * counts.numel(), dtype=torch.int64, device=device)
     all_gather_flat(all_counts, counts, group=group)

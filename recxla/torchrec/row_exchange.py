@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from recxla.host_copy import int64_on, to_device
 from recxla.ops.cluster import even_sizes
 from recxla.ops.copy_runs import Run, copy_runs, pack
 from recxla.ops.dedup import segmented_unique
@@ -130,7 +131,7 @@ class RowBags:
         device = torch.device(device)
         if self.inverse.device == device:
             return self
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: to_device(t, device)  # noqa: E731
         return RowBags(self.counts, move(self.inverse), self.bounds, self.micro, move(self.plan),
                        move(self.message_weights), self.features, self.sections,
                        move(self.expand_plan), self.expand_sections)
@@ -337,7 +338,7 @@ def requested_rows(weights: Sequence[torch.Tensor], values: torch.Tensor,
     the counts and the tables' widths)."""
     tables = len(weights)
     device = weights[0].device
-    bounds = torch.tensor(list(accumulate(layout.counts, initial=0)), device=device)
+    bounds = int64_on(accumulate(layout.counts, initial=0), device)
     unique, unique_offsets, inverse = segmented_unique(values, bounds)
     # Slot f's bag b holds a row when b < slot_rows[f], else nothing (the ids, bag by bag, are
     # each group's in order), so bag (f, b) ends at the slots' rows before f plus
@@ -345,8 +346,7 @@ def requested_rows(weights: Sequence[torch.Tensor], values: torch.Tensor,
     slot_rows = np.array(layout.slot_rows(), dtype=np.int64)
     ends = np.minimum(np.arange(1, layout.rows + 1), slot_rows[:, None]) + \
         (np.cumsum(slot_rows) - slot_rows)[:, None]
-    offsets = torch.from_numpy(np.concatenate(([0], ends.reshape(-1)))).to(device,
-                                                                            non_blocking=True)
+    offsets = to_device(torch.from_numpy(np.concatenate(([0], ends.reshape(-1)))), device)
     lookup = BagLookup(list(weights), unique, unique_offsets, inverse, offsets, None,
                        layout.slot_group, [SUM] * tables, layout.rows)
     return RequestedRows(lookup, layout)

@@ -29,6 +29,7 @@ from typing import Dict
 import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
+from recxla.host_copy import to_device
 from recxla.ops.embedding_bag import SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.shard_layout import ShardLayout
 
@@ -107,7 +108,7 @@ class ExpandedAssembly:
         if not self.embedding_names:
             return {}
         counts = lengths.sum(0).tolist()
-        on_device = lengths.to(values.device, non_blocking=True)
+        on_device = to_device(lengths, values.device)
         return {name: JaggedTensor(values=part, lengths=on_device[:, s])
                 for s, (name, part) in enumerate(zip(self.embedding_names,
                                                       values.split(counts)))}
