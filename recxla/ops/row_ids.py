@@ -17,12 +17,14 @@ and encoded on the CPU whatever device holds the tables; ids on a GPU take the s
 ops (`encode_row_ids_torch`). The oracle: recxla/reference/row_ids.py.
 """
 
+import functools
 from itertools import accumulate
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 
 from recxla import _extension
+from recxla.host_copy import int64_on
 from recxla.ops.dedup import segmented_unique
 
 OP = "recxla.encode_row_ids"
@@ -115,8 +117,7 @@ def encode_row_ids_torch(group, slot, sample, ids, weights, slot_position, group
     device = ids.device
     groups, num_micro, batch = len(group_features), len(micro), sum(micro)
     max_features = max(group_features, default=1)
-    on_device = lambda values: torch.tensor(list(values), dtype=torch.int64,  # noqa: E731
-                                            device=device)
+    on_device = functools.partial(int64_on, device=device)
     micro_of_sample = torch.repeat_interleave(torch.arange(num_micro, device=device),
                                               on_device(micro), output_size=batch)
     k = micro_of_sample.index_select(0, sample)
@@ -243,8 +244,7 @@ def expand_row_plan_torch(order, inverse, counts, bounds, slot, sample, input_le
     Arguments and result as expand_row_plan's."""
     device = order.device
     num_micro = len(micro)
-    on_device = lambda values: torch.tensor(list(values), dtype=torch.int64,  # noqa: E731
-                                            device=device)
+    on_device = functools.partial(int64_on, device=device)
     lengths = input_lengths.to(torch.int64)
     # Each route's id index in its slot, and its position in its micro-batch's output.
     per_slot = on_device(routes_per_slot)
