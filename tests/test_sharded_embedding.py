@@ -125,14 +125,16 @@ def test_sequence_module_uneven_columns_and_empty_rank(seed):
 
 def test_sequence_module_fp8_rows_three_ranks(seed):
     """e4m3 rows forward, e5m2 gradients back, 3 ranks: the first step's values within e4m3's
-    rounding (1/16 relative, on each wire row's scale), the tables close after training; and
-    each unique row crosses the wire once: fewer embedding bytes than ids x dim x 4."""
+    rounding (1/16 relative, on each wire row's scale), the tables after 3 steps within e5m2's
+    rounding of the gradients that moved them (1/8 relative, plus the forward's drift: 40 seeds
+    gave 0.037-0.105); and each unique row crosses the wire once: fewer embedding bytes than
+    ids x dim x 4."""
     results = run_distributed(_equal_body, world_size=3, args=(
         seed, ["row_wise", "mixed"], [4, 5, 3], "e4m3", "e5m2", 3, False))
     for rank, per_kind in enumerate(results):
         for kind, (out_errors, weight_error, _, _, stats) in per_kind.items():
             assert 0 < out_errors[0] <= 0.07, (rank, kind, out_errors)
-            assert weight_error <= 0.1, (rank, kind, weight_error)
+            assert weight_error <= 0.15, (rank, kind, weight_error)
             assert stats["embedding_bytes_received"] > 0, (rank, kind, stats)
 
 
