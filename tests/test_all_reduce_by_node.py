@@ -1,7 +1,8 @@
 """recxla.distributed.all_reduce_by_node on 4 gloo ranks laid out as 2 nodes x 2, 4 x 1 and
 1 x 4, fp32 and bf16: the sum over every rank, against the exact sum of every rank's tensor; the same bits
-on every rank; sizes that do not split evenly over a node; two sums in flight at once; and the
-errors for what it cannot sum."""
+on every rank; sizes that do not split evenly over a node; two sums in flight at once; several
+completed together (wait_together: the bits of waiting each); and the errors for what it cannot
+sum."""
 
 import pytest
 import torch
@@ -70,6 +71,56 @@ def test_sum_over_every_rank(seed):
             unit = 2 ** -24 if r["dtype"] == "torch.float32" else 2 ** -9
             assert r["in_place"] and r["same_on_ranks"], r
             assert r["relative_error"] <= 8 * unit, r
+
+
+def _together_body(rank, world, seed, sizes):
+    import torch.distributed as dist
+
+    from recxla.distributed import all_reduce_by_node, wait_together
+
+    layouts = [_node_groups(world, ranks_per_node) for ranks_per_node in (2, 4)]
+    # Sums on two node groups and of two dtypes, interleaved: wait_together gathers each
+    # (group, dtype) kind in one call and must pair those calls up alike on every rank.
+    kinds = [(layouts[i % 2], (torch.float32, torch.bfloat16)[i // 2 % 2])
+             for i in range(len(sizes))]
+    tensors = [_tensor(seed + i, rank, n, dtype) for i, (n, (_, dtype)) in
+               enumerate(zip(sizes, kinds))]
+    alone = [t.clone() for t in tensors]
+    for t, ((node_group, cross_group), _) in zip(alone, kinds):
+        all_reduce_by_node(t, node_group, cross_group).wait()
+    handles = [all_reduce_by_node(t, node_group, cross_group)
+               for t, ((node_group, cross_group), _) in zip(tensors, kinds)]
+    handles[0].wait()  # one already finished is left as it is
+    gathers = []
+    original = dist.all_gather_into_tensor
+
+    def counted(*args, **kwargs):
+        gathers.append(args[0].numel())
+        return original(*args, **kwargs)
+
+    dist.all_gather_into_tensor = counted
+    single = getattr(dist, "all_gather_single", None)
+    if single is not None:
+        dist.all_gather_single = counted
+    try:
+        wait_together(handles)
+        wait_together(handles)  # finished ones: nothing more
+    finally:
+        dist.all_gather_into_tensor = original
+        if single is not None:
+            dist.all_gather_single = single
+    return {"equal": [torch.equal(a, t) for a, t in zip(alone, tensors)],
+            "results": [h.wait() is t for h, t in zip(handles, tensors)],
+            "gathers": len(gathers)}
+
+
+def test_wait_together_gives_the_bits_of_each_wait(seed):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(n) for n in torch.randint(1, 2000, (7,), generator=g)]
+    for r in run_distributed(_together_body, 4, (seed, sizes)):
+        assert all(r["equal"]) and all(r["results"]), r
+        # The six left: three of each node group, of both dtypes: four kinds, four gathers.
+        assert r["gathers"] == 4, r
 
 
 def _errors_body(rank, world, seed):

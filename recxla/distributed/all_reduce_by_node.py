@@ -13,13 +13,14 @@ already spreads a ring over every NIC.
 The three collectives are issued by the calling thread in program order (no callbacks), so
 every rank issues them on each group in the same order whatever the timing: the reduce-scatter
 inside the node when the call starts (synchronous: the node's links are the fast ones), the
-all-reduce across nodes asynchronously, the all-gather inside the node at wait(). On gloo the
+all-reduce across nodes asynchronously, the all-gather inside the node at wait() (one for
+several sums with `wait_together`: the pipeline's DDP buckets end with one). On gloo the
 reduce-scatter is an all-to-all of the slices and this rank's sum of its slice
 (`_reduce_scatter_in_node`: gloo's own reduce-scatter costs the CPU of an all-reduce of the
 whole tensor).
 """
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -42,16 +43,49 @@ class AllReduceByNodeHandle:
     def wait(self) -> torch.Tensor:
         """Waits for the all-reduce across nodes, gathers the node's slices (blocking, inside
         the node) and writes the sum into the tensor given to all_reduce_by_node (idempotent)."""
-        if self._result is not None:
-            return self._result
-        if self._work is not None:
-            self._work.wait()
-        all_gather_flat(self._padded, self._part, group=self._node_group)
+        if self._result is None:
+            wait_together([self])
+        return self._result
+
+    def _finish(self) -> None:
+        """The sum is in padded: into the tensor given to all_reduce_by_node."""
         flat = self._tensor.view(-1)
         if self._padded is not flat:
             flat.copy_(self._padded[:flat.numel()])
         self._result = self._tensor
-        return self._tensor
+
+
+def wait_together(handles: Sequence[AllReduceByNodeHandle]) -> None:
+    """Completes `handles` (sums started in this order, the unfinished ones) with one all-gather
+    inside the node for all of those on the same node group and of one dtype, not one each:
+    on gloo every collective costs its fixed CPU, whatever its bytes (bench.cluster.
+    collective_cpu). The gather only copies, so the sums are the bits each wait() would give.
+    Every rank must pass the same handles in the same order, as with wait()."""
+    pending = [h for h in handles if h._result is None]
+    while pending:
+        first = pending[0]
+        batch = [h for h in pending if h._node_group is first._node_group and
+                 h._part.dtype == first._part.dtype]
+        pending = [h for h in pending if not any(h is b for b in batch)]
+        for h in batch:
+            if h._work is not None:
+                h._work.wait()
+        if len(batch) == 1:
+            all_gather_flat(first._padded, first._part, group=first._node_group)
+        else:
+            ranks_per_node = dist.get_world_size(first._node_group)
+            parts = torch.cat([h._part for h in batch])
+            gathered = parts.new_empty(ranks_per_node * parts.numel())
+            all_gather_flat(gathered, parts, group=first._node_group)
+            # Rank by rank, each rank's parts one after another: each sum's slices are a
+            # column range of that [ranks, parts] view.
+            by_rank, at = gathered.view(ranks_per_node, -1), 0
+            for h in batch:
+                n = h._part.numel()
+                h._padded.view(ranks_per_node, n).copy_(by_rank[:, at:at + n])
+                at += n
+        for h in batch:
+            h._finish()
 
 
 def all_reduce_by_node(tensor: torch.Tensor, node_group: dist.ProcessGroup,

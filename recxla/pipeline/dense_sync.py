@@ -44,7 +44,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from recxla.distributed.all_reduce_by_node import all_reduce_by_node
+from recxla.distributed.all_reduce_by_node import (AllReduceByNodeHandle, all_reduce_by_node,
+                                                    wait_together)
 from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.distributed.fp8_all_reduce import FP8AllReduce
 from recxla.distributed.powersgd_all_reduce import DEFAULT_START_STEP, PowerSGDAllReduce
@@ -228,6 +229,9 @@ class MicroBatchGradientSync:
         """Waits for the deferred all-reduces and writes each bucket's average into it (the
         parameters' .grad): every last collective is issued before the first wait."""
         pending, self.in_flight = self.in_flight, []
+        # The buckets summed by node end with one all-gather inside the node for all of them.
+        wait_together([b.handle for b in pending if isinstance(b, _DeferredBucket) and
+                       isinstance(b.handle, AllReduceByNodeHandle)])
         CompressedAllReduce.finish(pending)
 
     def reset(self) -> None:
