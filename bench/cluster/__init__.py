@@ -9,7 +9,9 @@ and runs every rank on plain loopback instead (see launch.py).
   (one process per rank, gloo process group already up), collect each rank's JSON result, and
   always clean up: ranks, namespaces, veths.
 - rank_info (rank.py): inside a rank, its rank, node, local rank and the cluster mode.
-- benchmark_lock (launch.py): one cluster benchmark at a time on a machine (run_a2a, run_train).
+- benchmark_lock (launch.py): one cluster benchmark at a time on a machine (run_a2a, run_train,
+  collective_cpu).
+- collective_cpu.py: the CPU one gloo collective costs each rank, by kind, group and size.
 - history.py, train_report.py: run_train's sittings, one history file per cluster shape
   (bench/results/training_<N>x<R>.json), and the tables of bench/results/training.md
   generated from them.
