@@ -124,7 +124,7 @@ def test_wait_together_gives_the_bits_of_each_wait(seed):
 
 
 def _errors_body(rank, world, seed):
-    from recxla.distributed import all_reduce_by_node
+    from recxla.distributed import all_reduce_by_node, wait_together
 
     node_group, cross_group = _node_groups(world, 2)
     messages = []
@@ -135,6 +135,9 @@ def _errors_body(rank, world, seed):
     with pytest.raises(TypeError) as e:
         all_reduce_by_node(torch.randn(4), None, cross_group)
     messages.append(str(e.value))
+    with pytest.raises(TypeError) as e:
+        wait_together([torch.randn(4)])
+    messages.append(str(e.value))
     return messages
 
 
@@ -143,3 +146,4 @@ def test_errors_name_the_op_and_argument(seed):
     assert all(m.startswith("recxla.distributed.all_reduce_by_node:") for m in messages), messages
     assert "floating-point" in messages[0] and "contiguous" in messages[1], messages
     assert "floating-point" in messages[2] and "node_group" in messages[3], messages
+    assert "wait_together takes the handles" in messages[4] and "Tensor" in messages[4], messages

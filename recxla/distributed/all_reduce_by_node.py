@@ -61,6 +61,10 @@ def wait_together(handles: Sequence[AllReduceByNodeHandle]) -> None:
     on gloo every collective costs its fixed CPU, whatever its bytes (bench.cluster.
     collective_cpu). The gather only copies, so the sums are the bits each wait() would give.
     Every rank must pass the same handles in the same order, as with wait()."""
+    for h in handles:
+        if not isinstance(h, AllReduceByNodeHandle):
+            raise TypeError(f"{OP}: wait_together takes the handles all_reduce_by_node returns, "
+                            f"got {type(h).__name__}")
     pending = [h for h in handles if h._result is None]
     while pending:
         first = pending[0]
