@@ -1,8 +1,9 @@
 """recxla.distributed.all_reduce_by_node on 4 gloo ranks laid out as 2 nodes x 2, 4 x 1 and
 1 x 4, fp32 and bf16: the sum over every rank, against the exact sum of every rank's tensor; the same bits
 on every rank; sizes that do not split evenly over a node; two sums in flight at once; several
-completed together (wait_together: the bits of waiting each); and the errors for what it cannot
-sum."""
+completed together (wait_together: the bits of waiting each); on 2 x 2 the bits of gloo's own
+all-reduce and all-gather (its sum across two nodes and its gather are all-to-alls); and the
+errors for what it cannot sum."""
 
 import pytest
 import torch
@@ -91,27 +92,30 @@ def _together_body(rank, world, seed, sizes):
     handles = [all_reduce_by_node(t, node_group, cross_group)
                for t, ((node_group, cross_group), _) in zip(tensors, kinds)]
     handles[0].wait()  # one already finished is left as it is
-    gathers = []
-    original = dist.all_gather_into_tensor
+    # What wait_together issues: the gathers inside the node (on gloo all-to-alls; the sums
+    # across the nodes were started with the handles).
+    issued = []
+    names = [n for n in ("all_to_all_single", "all_gather_into_tensor", "all_gather_single")
+             if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
 
-    def counted(*args, **kwargs):
-        gathers.append(args[0].numel())
-        return original(*args, **kwargs)
+    def counting(name):
+        def call(*args, **kwargs):
+            issued.append(name)
+            return originals[name](*args, **kwargs)
+        return call
 
-    dist.all_gather_into_tensor = counted
-    single = getattr(dist, "all_gather_single", None)
-    if single is not None:
-        dist.all_gather_single = counted
+    for n in names:
+        setattr(dist, n, counting(n))
     try:
         wait_together(handles)
         wait_together(handles)  # finished ones: nothing more
     finally:
-        dist.all_gather_into_tensor = original
-        if single is not None:
-            dist.all_gather_single = single
+        for n in names:
+            setattr(dist, n, originals[n])
     return {"equal": [torch.equal(a, t) for a, t in zip(alone, tensors)],
             "results": [h.wait() is t for h, t in zip(handles, tensors)],
-            "gathers": len(gathers)}
+            "gathers": len(issued)}
 
 
 def test_wait_together_gives_the_bits_of_each_wait(seed):
@@ -121,6 +125,38 @@ def test_wait_together_gives_the_bits_of_each_wait(seed):
         assert all(r["equal"]) and all(r["results"]), r
         # The six left: three of each node group, of both dtypes: four kinds, four gathers.
         assert r["gathers"] == 4, r
+
+
+def _as_gloo_collectives_body(rank, world, seed, sizes):
+    import torch.distributed as dist
+
+    from recxla.distributed import all_reduce_by_node
+    from recxla.distributed.all_reduce_by_node import _reduce_scatter_in_node
+
+    node_group, cross_group = _node_groups(world, 2)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for i, n in enumerate(sizes):
+            t = _tensor(seed + i, rank, n, dtype)
+            # The sum by gloo's own all-reduce across the nodes and all-gather inside them.
+            part_len = -(-n // 2)
+            padded = torch.cat([t, t.new_zeros(2 * part_len - n)])
+            part = padded.new_empty(part_len)
+            _reduce_scatter_in_node(part, padded, node_group, 2)
+            dist.all_reduce(part, group=cross_group)
+            dist.all_gather_into_tensor(padded, part, group=node_group)
+            out.append(torch.equal(all_reduce_by_node(t, node_group, cross_group).wait(),
+                                   padded[:n]))
+    return out
+
+
+def test_all_to_alls_give_the_bits_of_gloos_all_reduce_and_all_gather(seed):
+    """On 2 x 2 gloo ranks the sum across the nodes and the gather inside them are all-to-alls:
+    the bits of gloo's all-reduce and all-gather."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(n) for n in torch.randint(1, 5000, (4,), generator=g)] + [1]
+    for r in run_distributed(_as_gloo_collectives_body, 4, (seed, sizes)):
+        assert all(r), r
 
 
 def _errors_body(rank, world, seed):

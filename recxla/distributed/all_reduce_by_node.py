@@ -14,13 +14,16 @@ The three collectives are issued by the calling thread in program order (no call
 every rank issues them on each group in the same order whatever the timing: the reduce-scatter
 inside the node when the call starts (synchronous: the node's links are the fast ones), the
 all-reduce across nodes asynchronously, the all-gather inside the node at wait() (one for
-several sums with `wait_together`: the pipeline's DDP buckets end with one). On gloo the
-reduce-scatter is an all-to-all of the slices and this rank's sum of its slice
-(`_reduce_scatter_in_node`: gloo's own reduce-scatter costs the CPU of an all-reduce of the
-whole tensor).
+several sums with `wait_together`: the pipeline's DDP buckets end with one). On gloo, where
+each collective costs every rank a fixed CPU whatever its bytes (bench.cluster.collective_cpu),
+all three are all-to-alls, the cheapest of its collectives, with the ring's bytes: the
+reduce-scatter one of the slices and this rank's sum of its slice (`_reduce_scatter_in_node`:
+gloo's own reduce-scatter costs the CPU of an all-reduce of the whole tensor), the sum across
+two nodes one of the parts and an add (`_start_sum_across`; more nodes: gloo's all-reduce),
+the all-gather one of this rank's part to every rank of the node (`_gather_in_node`).
 """
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,7 @@ class AllReduceByNodeHandle:
     """The sum across the nodes in flight; wait() finishes it and returns the summed tensor."""
 
     def __init__(self, tensor: torch.Tensor, padded: torch.Tensor, part: torch.Tensor,
-                 work: Optional[dist.Work], node_group: dist.ProcessGroup):
+                 work: Optional[Any], node_group: dist.ProcessGroup):
         self._tensor, self._padded, self._part = tensor, padded, part
         self._work, self._node_group = work, node_group
         self._result: Optional[torch.Tensor] = None
@@ -74,13 +77,13 @@ def wait_together(handles: Sequence[AllReduceByNodeHandle]) -> None:
         for h in batch:
             if h._work is not None:
                 h._work.wait()
+        ranks_per_node = dist.get_world_size(first._node_group)
         if len(batch) == 1:
-            all_gather_flat(first._padded, first._part, group=first._node_group)
+            _gather_in_node(first._padded, first._part, first._node_group, ranks_per_node)
         else:
-            ranks_per_node = dist.get_world_size(first._node_group)
             parts = torch.cat([h._part for h in batch])
             gathered = parts.new_empty(ranks_per_node * parts.numel())
-            all_gather_flat(gathered, parts, group=first._node_group)
+            _gather_in_node(gathered, parts, first._node_group, ranks_per_node)
             # Rank by rank, each rank's parts one after another: each sum's slices are a
             # column range of that [ranks, parts] view.
             by_rank, at = gathered.view(ranks_per_node, -1), 0
@@ -126,10 +129,58 @@ def all_reduce_by_node(tensor: torch.Tensor, node_group: dist.ProcessGroup,
     padded = flat if padding == 0 else torch.cat([flat, flat.new_zeros(padding)])
     part = padded.new_empty(slice_len)
     _reduce_scatter_in_node(part, padded, node_group, ranks_per_node)
-    work = None
-    if dist.get_world_size(cross_group) > 1:
-        work = dist.all_reduce(part, group=cross_group, async_op=True)
-    return AllReduceByNodeHandle(tensor, padded, part, work, node_group)
+    return AllReduceByNodeHandle(tensor, padded, part, _start_sum_across(part, cross_group),
+                                 node_group)
+
+
+class _PairSum:
+    """The sum of `part` over a cross group of two gloo ranks in flight: each rank's part went
+    to the other by one all-to-all; wait() adds the two, in rank order, into part."""
+
+    def __init__(self, part: torch.Tensor, cross_group: dist.ProcessGroup):
+        self._part = part
+        self._both = part.new_empty(2 * part.numel())
+        with carrying("dense"):
+            self._work = dist.all_to_all_single(self._both, part.repeat(2), group=cross_group,
+                                                async_op=True)
+
+    def wait(self) -> None:
+        self._work.wait()
+        n = self._part.numel()
+        torch.add(self._both[:n], self._both[n:], out=self._part)
+
+
+def _start_sum_across(part: torch.Tensor, cross_group: dist.ProcessGroup):
+    """Starts summing `part` in place over `cross_group` -> what to wait() for, or None (a
+    group of one rank).
+
+    On gloo with two nodes the sum is one all-to-all of the parts and an add: the same bytes
+    across the nodes as gloo's all-reduce of two ranks (each rank's part once), a third of its
+    CPU (bench.cluster.collective_cpu: gloo wakes every rank's threads for each collective,
+    and its all-reduce of two ranks is two steps), and the same bits (a sum of two terms does
+    not depend on their order). Otherwise the collective itself."""
+    nodes = dist.get_world_size(cross_group)
+    if nodes == 1:
+        return None
+    if nodes == 2 and dist.get_backend(cross_group) == "gloo":
+        return _PairSum(part, cross_group)
+    return dist.all_reduce(part, group=cross_group, async_op=True)
+
+
+def _gather_in_node(output: torch.Tensor, local: torch.Tensor, node_group: dist.ProcessGroup,
+                    ranks_per_node: int) -> None:
+    """output [ranks_per_node * local.numel()] <- every node rank's `local`, rank by rank.
+
+    On gloo an all-to-all of `local` to every rank of the node: the ring all-gather's bytes,
+    half its CPU or less (bench.cluster.collective_cpu); a copy either way. Other backends run
+    the all-gather."""
+    if ranks_per_node == 1:
+        output.copy_(local)
+    elif dist.get_backend(node_group) == "gloo":
+        with carrying("dense"):
+            dist.all_to_all_single(output, local.repeat(ranks_per_node), group=node_group)
+    else:
+        all_gather_flat(output, local, group=node_group)
 
 
 def _reduce_scatter_in_node(part: torch.Tensor, padded: torch.Tensor,
