@@ -39,13 +39,14 @@ class AllReduceByNodeHandle:
 
     def __init__(self, tensor: torch.Tensor, padded: torch.Tensor, part: torch.Tensor,
                  work: Optional[Any], node_group: dist.ProcessGroup):
+        # work: the sum across the nodes in flight (_start_sum_across), None with one node.
         self._tensor, self._padded, self._part = tensor, padded, part
         self._work, self._node_group = work, node_group
         self._result: Optional[torch.Tensor] = None
 
     def wait(self) -> torch.Tensor:
-        """Waits for the all-reduce across nodes, gathers the node's slices (blocking, inside
-        the node) and writes the sum into the tensor given to all_reduce_by_node (idempotent)."""
+        """Waits for the sum across the nodes, gathers the node's slices (blocking, inside the
+        node) and writes the sum into the tensor given to all_reduce_by_node (idempotent)."""
         if self._result is None:
             wait_together([self])
         return self._result
