@@ -74,7 +74,7 @@ def wait_together(handles: Sequence[AllReduceByNodeHandle]) -> None:
         first = pending[0]
         batch = [h for h in pending if h._node_group is first._node_group and
                  h._part.dtype == first._part.dtype]
-        pending = [h for h in pending if not any(h is b for b in batch)]
+        pending = [h for h in pending if h not in batch]
         for h in batch:
             if h._work is not None:
                 h._work.wait()

@@ -9,7 +9,7 @@ before any CUDA or Triton kernel launches.
 """
 
 import math
-from typing import List, Sequence
+from typing import Sequence
 
 import torch
 
@@ -118,7 +118,7 @@ def check_lookup_data(lookup: BagLookup, increasing: bool) -> torch.Tensor:
     uo = unique_offsets
     uo_bad = (uo[0] != 0) | (uo[-1] != u) | (uo[1:] < uo[:-1]).any()
     decreasing = first(offsets[1:] < offsets[:-1], torch.arange(offsets.numel() - 1, device=device))
-    rows = _constant([w.shape[0] for w in weights] + [0], device)
+    rows = int64_on([w.shape[0] for w in weights] + [0], device)
     positions = torch.arange(u, device=device)
     table = (torch.searchsorted(uo, positions, right=True) - 1).clamp(0, max(num_tables - 1, 0))
     values = unique_values.long()
@@ -133,17 +133,11 @@ def check_lookup_data(lookup: BagLookup, increasing: bool) -> torch.Tensor:
                          .clamp(max=offsets.numel() - 1)]
         feature = (torch.searchsorted(bounds, torch.arange(n, device=device), right=True) - 1) \
             .clamp(0, num_features - 1)
-        t = _constant(list(feature_table), device)[feature]
+        t = int64_on(feature_table, device)[feature]
         ends = uo.clamp(0, u)
         outside = first((inverse < ends[t]) | (inverse >= ends[t + 1]), feature)
     return torch.stack([offsets[0], offsets[-1], torch.where(uo_bad, 0, big), decreasing,
                         out_of_range, unsorted, outside])
-
-
-def _constant(values: List[int], device: torch.device) -> torch.Tensor:
-    """A small int64 tensor on `device`; from pinned memory without blocking on GPU, since a
-    plain host-to-device copy waits for the stream (a host sync)."""
-    return int64_on(values, device)
 
 
 def raise_for_lookup_flags(op: str, flags: torch.Tensor, weights, num_ids: int) -> None:
