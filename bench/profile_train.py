@@ -31,6 +31,19 @@ equal, is_nonzero, repeat_interleave without output_size, indexing by a boolean 
 Tensor.tolist; by the site that made them (path and function of the innermost caller outside
 torch, rank 0, the synthetic batches' making left out). docs/gpu.md lists each site with why
 it stays; tests/test_host_syncs.py holds the step to that list.
+
+With --kernel-times it records every call of a recxla op (`torch.ops.recxla.*`) that rank 0's
+measured steps make, with a copy of its arguments and the CPU time it took in the step (the
+calling thread: run the trainer with --threads 1), then runs each call again alone on fresh
+copies: warm (repeated, so its data stays in cache) and cold (twice the last-level cache
+written before each run). The table gives each op's milliseconds a step in the three settings:
+how far the step runs its kernels from their warm speed (the pytest benchmarks' setting), and
+whether the cold one accounts for the gap. Two measured steps are enough (the run's last step
+loads no next batch, so --steps WARMUP + 2); the recording, a dispatch mode over every op and a
+copy of each recxla call's arguments, adds time between the ops, not in them.
+
+    python -m bench.profile_train --ranks 2 --steps 22 --warmup 20 --schedule dbp \\
+        --kernel-times -- --threads 1
 """
 
 import argparse
@@ -166,6 +179,124 @@ class _HostSyncs:
         torch.Tensor.tolist = self._tolist
 
 
+# --kernel-times: how far the step's own recxla ops run from the same calls alone.
+KERNEL_NAMESPACE = "recxla"
+KERNEL_REPEATS = 7
+
+
+def _copied(value):
+    """value with every tensor in it cloned (lists and tuples followed): a call's arguments,
+    kept past the step and given afresh to each timed run (some ops write into them)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def evict_bytes() -> int:
+    """Bytes written between the cold runs: twice the last-level cache the OS reports, at
+    least 256 MB and at most 1 GB (a VM may report a cache it shares)."""
+    try:
+        cache = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+    except (ValueError, OSError):
+        cache = 0
+    return min(max(2 * max(cache, 0), 256 << 20), 1 << 30)
+
+
+def time_alone(func, args, kwargs, repeats: int, evict=None) -> float:
+    """Median CPU seconds (this thread) of func on fresh copies of args and kwargs, the
+    copies made outside the timing; evict(), if given, runs before each call (a cold cache)."""
+    import time
+
+    times = []
+    for _ in range(repeats):
+        a, k = _copied(args), _copied(kwargs)
+        if evict is not None:
+            evict()
+        start = time.thread_time()
+        func(*a, **k)
+        times.append(time.thread_time() - start)
+    times.sort()
+    return times[len(times) // 2]
+
+
+class _KernelTimes:
+    """While active (start / stop), records every call of a recxla op with a copy of its
+    arguments and the CPU time it took there (this thread); stop() then runs each recorded
+    call again alone, warm (the call repeated) and cold (evict_bytes() written before each
+    run), and `counts` holds a row per op: name, calls, seconds in the step, alone warm,
+    alone cold (totals over the recorded calls)."""
+
+    def __init__(self, repeats: int = KERNEL_REPEATS):
+        import time
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls = self.calls = []
+        self.repeats = repeats
+        self.counts: List[dict] = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func.namespace != KERNEL_NAMESPACE:
+                    return func(*args, **kwargs)
+                start = time.thread_time()
+                out = func(*args, **kwargs)
+                took = time.thread_time() - start
+                # Copied after the call, not before: the copy would leave the cache full of
+                # the call's data. An op that writes into its arguments leaves them with
+                # other values but the same shapes and indices, which is what its time
+                # depends on.
+                calls.append((func, _copied(args), _copied(kwargs), took))
+                return out
+
+        self._mode = Mode()
+        self._torch = torch
+
+    def start(self) -> None:
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        self._mode.__exit__(None, None, None)
+        scratch = self._torch.empty(evict_bytes() // 4)
+
+        def evict():
+            scratch.fill_(1.0)
+
+        rows = {}
+        for func, args, kwargs, in_step in self.calls:
+            row = rows.setdefault(func._schema.name, {"op": func._schema.name, "calls": 0,
+                                                      "in_step": 0.0, "warm": 0.0,
+                                                      "cold": 0.0})
+            row["calls"] += 1
+            row["in_step"] += in_step
+            row["warm"] += time_alone(func, args, kwargs, self.repeats)
+            row["cold"] += time_alone(func, args, kwargs, self.repeats, evict)
+        self.calls.clear()
+        self.counts = sorted(rows.values(), key=lambda r: -r["in_step"])
+
+
+def kernel_table(rows: List[dict], steps: int) -> str:
+    """_KernelTimes rows as a markdown table, milliseconds a step, the total last."""
+    lines = ["| op | calls / step | in the step (ms) | alone, warm (ms) | alone, cold (ms) | "
+             "in the step / warm |", "|---|---|---|---|---|---|"]
+    total = {"op": "all", "calls": 0, "in_step": 0.0, "warm": 0.0, "cold": 0.0}
+    for row in rows + [total]:
+        if row is not total:
+            for key in ("calls", "in_step", "warm", "cold"):
+                total[key] += row[key]
+        ratio = row["in_step"] / row["warm"] if row["warm"] > 0 else float("nan")
+        lines.append(f"| `{row['op']}` | {row['calls'] / steps:g} | "
+                     f"{row['in_step'] * 1e3 / steps:.2f} | {row['warm'] * 1e3 / steps:.2f} | "
+                     f"{row['cold'] * 1e3 / steps:.2f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
 def sync_sites(counts: Counter, steps: int) -> dict:
     """{(site, op): calls per step} of the step's own syncs (the synthetic batches' making,
     DATA_CODE, left out)."""
@@ -189,12 +320,16 @@ def _short_path(path: str) -> str:
     return os.path.relpath(path) if path.startswith(os.getcwd()) else path
 
 
+# What profile_run records on rank 0: op times (torch.profiler), ATen calls by line, host
+# syncs by site, or the recxla ops' times in the step and alone.
+RECORDERS = ("profiler", "calls", "syncs", "kernels")
+
+
 def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
-                port: int = 0, calls_by_line: bool = False, host_syncs: bool = False):
+                port: int = 0, recorder: str = "profiler"):
     """Run recxla-train ARGV as rank `rank` of `world` (port: the rendezvous's, 0 for a free
-    one); returns (key averages of the measured steps, or with calls_by_line the Counter of
-    ATen calls by line, with host_syncs the Counter of _HostSyncs, steps), profiled on rank 0
-    only."""
+    one); returns (what `recorder` recorded over the measured steps on rank 0: the profiler's
+    key averages, _CallsByLine's Counter, _HostSyncs' Counter or _KernelTimes' rows; steps)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -207,8 +342,8 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
     captured = {}
 
     def profiled(pipeline, batches, first, last, meter, progress, on_step_done, log=None):
-        prof = _HostSyncs() if host_syncs else _CallsByLine() if calls_by_line else \
-            profile(activities=[ProfilerActivity.CPU], record_shapes=False)
+        prof = {"calls": _CallsByLine, "syncs": _HostSyncs, "kernels": _KernelTimes}.get(
+            recorder, lambda: profile(activities=[ProfilerActivity.CPU], record_shapes=False))()
 
         def step_done(done: int) -> None:
             on_step_done(done)
@@ -220,8 +355,8 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
         finally:
             if rank == 0:
                 prof.stop()
-                captured["averages"] = prof.counts if calls_by_line or host_syncs else \
-                    prof.key_averages()
+                captured["averages"] = prof.key_averages() if recorder == "profiler" else \
+                    prof.counts
             captured["steps"] = last - first - warmup
 
     stages.run_steps = profiled
@@ -296,8 +431,8 @@ def _profile_into(queue, *args) -> None:
     queue.put(profile_run(*args))
 
 
-def run_ranks(train: List[str], warmup: int, ranks: int, calls_by_line: bool,
-              host_syncs: bool, fresh: bool = False):
+def run_ranks(train: List[str], warmup: int, ranks: int, recorder: str,
+              fresh: bool = False):
     """recxla-train TRAIN on `ranks` processes over loopback, rank 0 profiled: -> profile_run's
     (averages, steps). Rank 0 runs in this process, or with `fresh` in a new one like the
     others: the other ranks are new processes each time, and TorchRec's DMP makes a collective
@@ -310,12 +445,12 @@ def run_ranks(train: List[str], warmup: int, ranks: int, calls_by_line: bool,
     queue = context.Queue() if fresh else None
     if fresh:
         others.append(context.Process(target=_profile_into, args=(
-            queue, train, warmup, 0, ranks, port, calls_by_line, host_syncs)))
+            queue, train, warmup, 0, ranks, port, recorder)))
     for process in others:
         process.start()
     try:
         result = _result_of(queue, others[-1]) if fresh else \
-            profile_run(train, warmup, 0, ranks, port, calls_by_line, host_syncs)
+            profile_run(train, warmup, 0, ranks, port, recorder)
     finally:
         for process in others:
             process.join()
@@ -351,6 +486,9 @@ def main(argv=None) -> int:
                    help="count ATen calls by the line of Python that made them, not time ops")
     p.add_argument("--host-syncs", action="store_true",
                    help="count the calls that read values back to the host, by site")
+    p.add_argument("--kernel-times", action="store_true",
+                   help="time each recxla op call of the measured steps there and again alone, "
+                   "warm and cold (--steps WARMUP + 2 is enough)")
     p.add_argument("--side-by-side", action="store_true",
                    help=f"count the ATen calls a step of {', '.join(SIDE_BY_SIDE)} (the "
                    "trainer options after -- go to each), one table")
@@ -367,8 +505,8 @@ def main(argv=None) -> int:
         results = []
         for schedule in SIDE_BY_SIDE:
             try:
-                counts, steps = run_ranks(train_argv(schedule), args.warmup, args.ranks, True,
-                                          False, fresh=True)
+                counts, steps = run_ranks(train_argv(schedule), args.warmup, args.ranks,
+                                          "calls", fresh=True)
             except RuntimeError as e:  # a path these options do not run (the table says so)
                 counts, steps = str(e), 0
             results.append((schedule, counts, steps))
@@ -380,14 +518,17 @@ def main(argv=None) -> int:
         print(side_by_side(results))
         return 0
     train = train_argv(args.schedule)
-    averages, steps = run_ranks(train, args.warmup, args.ranks, args.calls_by_line,
-                                args.host_syncs)
+    recorder = "syncs" if args.host_syncs else "calls" if args.calls_by_line else \
+        "kernels" if args.kernel_times else "profiler"
+    averages, steps = run_ranks(train, args.warmup, args.ranks, recorder)
     print(f"\nrecxla-train {' '.join(train)} on {args.ranks} rank(s): {steps} steps profiled "
           f"on rank 0; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end")
     if args.host_syncs:
         print(sync_table(averages, steps))
+    elif args.kernel_times:
+        print(kernel_table(averages, steps))
     else:
         print(top_lines(averages, steps, args.top) if args.calls_by_line else
               markdown(top_entries(averages, steps, args.top)))

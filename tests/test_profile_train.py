@@ -70,3 +70,52 @@ def test_side_by_side_table_splits_each_path():
     # The shares of the per-line table stay shares of all calls.
     table = top_lines(results[0][1], steps, 1).splitlines()
     assert table[4].endswith(f"| {own / (own + data):.1%} |")
+
+
+def test_kernel_times_record_each_recxla_call_and_time_it_again_on_copies(seed):
+    from bench.profile_train import _KernelTimes, kernel_table
+    from recxla.copy_runs_layout import Run, pack
+    from recxla.ops.copy_runs import copy_runs
+
+    rows, width = random.randint(2, 40), random.randint(1, 64)
+    source = torch.randn(rows * width)
+    target = torch.zeros(rows * width)
+    runs = pack([Run(0, 0, width, 0, 0, width, rows, width)])
+    recorder = _KernelTimes(repeats=3)
+    recorder.start()
+    try:
+        copy_runs([source], [target], runs)
+        copy_runs([source], [target], runs)
+        scaled = source * 2  # an ATen op: not recorded
+    finally:
+        recorder.stop()
+    assert torch.equal(target, source) and torch.equal(scaled, source * 2)
+    # Outside start() / stop() nothing is recorded.
+    copy_runs([source], [target], runs)
+    [row] = recorder.counts
+    assert row["op"] == "recxla::copy_runs" and row["calls"] == 2
+    assert all(row[key] >= 0.0 for key in ("in_step", "warm", "cold"))
+    lines = kernel_table(recorder.counts, steps=2).splitlines()
+    assert lines[2].startswith("| `recxla::copy_runs` | 1 |")
+    assert lines[3].startswith("| `all` | 1 |") and len(lines) == 4
+
+
+def test_kernel_times_run_on_copies_of_the_arguments(seed):
+    from bench.profile_train import _copied, time_alone
+
+    x = torch.randn(random.randint(1, 100))
+    args = ([x, (x, 3)], "name")
+    copied = _copied(args)
+    assert copied[1] == "name" and copied[0][1][1] == 3
+    assert torch.equal(copied[0][0], x) and copied[0][0].data_ptr() != x.data_ptr()
+    seen = []
+
+    def add_one(values, _name):  # writes into its argument, as *_out ops do
+        values[0].add_(1.0)
+        seen.append(values[0].clone())
+
+    evictions = []
+    assert time_alone(add_one, args, {}, repeats=3, evict=lambda: evictions.append(1)) >= 0
+    # Every run started from the arguments as given, and the originals are untouched.
+    assert len(seen) == 3 and all(torch.equal(s, x + 1.0) for s in seen)
+    assert len(evictions) == 3 and torch.equal(args[0][0], x)
