@@ -105,6 +105,89 @@ def test_deferred_all_reduce_by_node_equals_ddp(seed, wire):
         assert r["error_vs_ddp"] <= tolerance, r
 
 
+def _merge_body(rank, world, seed, wire, steps, tested_way):
+    """Two copies of one model on 2 nodes x 2 ranks, one syncing with bucket_merge "off", the
+    other with `tested_way` ("auto": rank 0's tuner changes its way every few steps): per step,
+    whether the averages are the same bits, and what each copy did."""
+    from types import SimpleNamespace
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from recxla.pipeline.bucket_merge import MergeTuner
+    from recxla.pipeline.dense_sync import DenseAllReduce, MicroBatchGradientSync
+    from test_all_reduce_by_node import _node_groups
+
+    node_group, cross_group = _node_groups(world, 2)
+    nodes = SimpleNamespace(num_nodes=world // 2, ranks_per_node=2, shard_group=node_group,
+                            replica_group=cross_group)
+    torch.manual_seed(seed)
+    # Over 1 MB of gradients: DDP's first bucket holds 1 MB, and the rest go in buckets of
+    # bucket_cap_mb (from the second step: the first holds everything in one).
+    model = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 1))
+    syncs, ddps = {}, {}
+    for way in ("off", "tested"):
+        copy = torch.nn.Sequential(*[torch.nn.Linear(m.in_features, m.out_features)
+                                     if isinstance(m, torch.nn.Linear) else m for m in model])
+        copy.load_state_dict(model.state_dict())
+        ddps[way] = DistributedDataParallel(copy, gradient_as_bucket_view=True,
+                                            bucket_cap_mb=0.001)
+        syncs[way] = MicroBatchGradientSync.for_ddp(ddps[way])
+    tuner = MergeTuner(block=2, rounds=1, recheck=3)
+    if rank == 0:
+        syncs["tested"].tuner = tuner
+    out = []
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed + 100 * step + rank))
+        record = {}
+        for way, sync in syncs.items():
+            ddp = ddps[way]
+            ddp.zero_grad(set_to_none=False)
+            sync.begin_step(DenseAllReduce(wire, nodes,
+                                           bucket_merge="off" if way == "off" else tested_way))
+            ddp(x).sum().backward()
+            record[way] = {"merged": sync.merged, "collectives": len(sync.in_flight)}
+            sync.wait()
+            record[way]["grads"] = torch.cat([p.grad.flatten().clone()
+                                              for p in ddp.module.parameters()])
+        out.append({"merged": record["tested"]["merged"],
+                    "collectives": (record["off"]["collectives"],
+                                    record["tested"]["collectives"]),
+                    "same_bits": torch.equal(record["off"]["grads"], record["tested"]["grads"])})
+    for sync in syncs.values():
+        sync.reset()
+    return out
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_buckets_sent_together_give_the_bits_of_each_on_its_own(seed, wire):
+    """bucket_merge="on": the step's buckets in one sum by node, the same averages as one sum
+    each (by node on gloo over two nodes, every value is summed alike however grouped)."""
+    for r in run_distributed(_merge_body, 4, (seed, wire, 3, "on")):
+        assert all(s["merged"] and s["same_bits"] for s in r), r
+        assert all(s["collectives"][1] == 1 for s in r) and r[-1]["collectives"][0] > 1, r
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_auto_merge_goes_every_rank_the_same_way_and_keeps_the_bits(seed, wire):
+    """bucket_merge="auto": rank 0's tuner chooses a step ahead, its choice carried in the
+    step's sum; every rank applies it at the same step, both ways are used, and every step's
+    averages are those of the buckets sent one by one."""
+    steps = 10
+    results = run_distributed(_merge_body, 4, (seed, wire, steps, "auto"))
+    ways = [[s["merged"] for s in r] for r in results]
+    assert all(w == ways[0] for w in ways), ways
+    # The tuner's first proposals: two steps apart, two together (each a step late: the first
+    # step goes apart), then its choice.
+    assert ways[0][:5] == [False, False, False, True, True], ways[0]
+    for r in results:
+        for s in r:
+            assert s["same_bits"], s
+            apart, tested = s["collectives"]
+            assert tested == (1 if s["merged"] else apart), s
+
+
 def _mismatched_nodes_body(rank, world):
     from types import SimpleNamespace
 

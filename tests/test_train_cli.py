@@ -318,6 +318,12 @@ def test_an_error_before_training_is_one_line_from_each_nodes_first_rank(
     (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
     (["--timeout", "0"], "--timeout: must be a number > 0"),
     (["--ddp-bucket-mb", "0"], "--ddp-bucket-mb: must be a number > 0"),
+    (["--ddp-bucket-merge", "on", "--dense-allreduce", "fp8"],
+     "--ddp-bucket-merge applies to --dense-allreduce fp32 and bf16 (the fp8 wire sends its "
+     "buckets its own way)"),
+    (["--ddp-bucket-merge", "sometimes"], "invalid choice: 'sometimes'"),
+    (["--baseline", "torchrec", "--ddp-bucket-merge", "on"],
+     "--ddp-bucket-merge applies to the recxla path only"),
     (["--data", "/nonexistent/x.parquet"], "/nonexistent/x.parquet: no such file or folder"),
     (["--device", "cuda"], "no CUDA device"),
 ])

@@ -26,7 +26,10 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
     recxla rows (+AR)    row exchange where it is smaller (--row-exchange auto), fp32 dense
                          all-reduce; +AR: bf16 (the default)
     recxla DBP           the trainer's defaults: the next batch's ids during this batch, overlap
-                         on, bf16 dense all-reduce by node in 1 MB buckets; "ring AR":
+                         on, bf16 dense all-reduce by node in 1 MB buckets, sent one by
+                         one or together as measured (--ddp-bucket-merge auto); "buckets
+                         apart": always one by one (off); "4 MB buckets": the dense
+                         gradients in one bucket; "ring AR":
                          the dense all-reduce as one ring over every rank instead of by node;
                          "own plan": TorchRec's own plan (--data-parallel-tables);
                          "fp8 AR": the dense all-reduce in FP8 with error feedback
@@ -96,6 +99,7 @@ VARIANTS = {
     "recxla DBP": ["--dense-allreduce", "bf16"],
     "recxla DBP ring AR": ["--dense-allreduce", "bf16", "--no-dense-allreduce-by-node"],
     "recxla DBP 4 MB buckets": ["--dense-allreduce", "bf16", "--ddp-bucket-mb", "4"],
+    "recxla DBP buckets apart": ["--dense-allreduce", "bf16", "--ddp-bucket-merge", "off"],
     "recxla DBP own plan": ["--dense-allreduce", "bf16", "--data-parallel-tables"],
     "recxla DBP fp8 AR": ["--dense-allreduce", "fp8"],
     "recxla DBP dims auto": ["--dense-allreduce", "bf16", "--embedding-dims", "auto"],

@@ -36,9 +36,10 @@ DDP's own all-reduce (fp32, averaged over the ranks, waited for by DDP), so the 
 its own as without it.
 """
 
+import time
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,8 @@ from recxla.distributed.all_reduce_by_node import (AllReduceByNodeHandle, all_re
 from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.distributed.fp8_all_reduce import FP8AllReduce
 from recxla.distributed.powersgd_all_reduce import DEFAULT_START_STEP, PowerSGDAllReduce
+from recxla.pipeline.bucket_merge import MergeTuner, bits_independent_of_grouping
+from recxla.pipeline.choices import BUCKET_MERGE
 from recxla.pipeline.choices import DENSE_ALLREDUCE_FORMATS as PRECISIONS
 from recxla.pipeline.micro_batches import OWNER
 
@@ -103,12 +106,17 @@ class DenseAllReduce:
         powersgd_rank: wire "powersgd": the factors' columns per matrix.
         powersgd_start: wire "powersgd": averages of each parameter sent whole before it is
             compressed.
+        bucket_merge: wires "fp32" and "bf16": "off" sends each DDP bucket as soon as DDP has
+            it, "on" all of a step's buckets together once the last is ready (one sum), "auto"
+            chooses each step by measured step time where the bits do not depend on it
+            (recxla.pipeline.bucket_merge), else as "off".
     """
 
     wire: str = "fp32"
     nodes: object = None
     powersgd_rank: int = 1
     powersgd_start: int = DEFAULT_START_STEP
+    bucket_merge: str = "auto"
 
     def __post_init__(self):
         wire_dtype(self.wire)
@@ -118,6 +126,12 @@ class DenseAllReduce:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{OWNER}: DenseAllReduce's {name} must be an int >= {least}, "
                                  f"got {value!r}")
+        if self.bucket_merge not in BUCKET_MERGE:
+            raise ValueError(f"{OWNER}: DenseAllReduce's bucket_merge must be one of "
+                             f"{BUCKET_MERGE}, got {self.bucket_merge!r}")
+        if self.bucket_merge == "on" and self.wire in COMPRESSED:
+            raise ValueError(f"{OWNER}: DenseAllReduce's bucket_merge='on' applies to the fp32 "
+                             f"and bf16 wires; the {self.wire} wire sends its buckets its own way")
         if self.wire != "powersgd" and (self.powersgd_rank, self.powersgd_start) != \
                 (1, DEFAULT_START_STEP):
             raise ValueError(f"{OWNER}: DenseAllReduce's powersgd_rank and powersgd_start set "
@@ -146,18 +160,29 @@ class DenseAllReduce:
 
 
 class _DeferredBucket:
-    """A bucket's average on its way: `handle` is the all-reduce's Work, or the
-    AllReduceByNodeHandle; finish() waits for it and writes the average into the bucket."""
+    """The average of one or more buckets on its way: `sent` holds their values one after
+    another (with bucket_merge's choice after the first one's when `carries`); `handle` is
+    the all-reduce's Work, or the AllReduceByNodeHandle. wait() waits for it, writes each
+    bucket's average into the bucket and reads the carried choice (`carried`)."""
 
-    def __init__(self, buffer: torch.Tensor, sent: torch.Tensor, handle):
-        self.buffer, self.sent, self.handle = buffer, sent, handle
+    def __init__(self, buffers: List[torch.Tensor], sent: torch.Tensor, handle,
+                 carries: bool = False):
+        self.buffers, self.sent, self.handle, self.carries = buffers, sent, handle, carries
+        self.carried: Optional[bool] = None
 
     def gather(self) -> None:
         """Nothing left to issue (an FP8AllReduceHandle issues its all-gather here)."""
 
     def wait(self) -> None:
         self.handle.wait()
-        self.buffer.copy_(self.sent)
+        at = 0
+        for i, buffer in enumerate(self.buffers):
+            buffer.copy_(self.sent[at: at + buffer.numel()])
+            at += buffer.numel()
+            if i == 0 and self.carries:
+                # Rank 0's 1.0 or 0.0, every other rank's 0.0: the sum is exact on any wire.
+                self.carried = bool(self.sent[at].item() > 0.5)
+                at += 1
 
 
 class MicroBatchGradientSync:
@@ -186,6 +211,17 @@ class MicroBatchGradientSync:
         self.can_defer = bool(getattr(ddp, "gradient_as_bucket_view", False))
         # The deferred buckets (_DeferredBucket), in order.
         self.in_flight = []
+        # bucket_merge: whether this step's buckets go together, the buckets held until the
+        # last one is ready, and, with "auto", the value this rank appends to the step's first
+        # bucket (rank 0's choice for the next step), rank 0's tuner, and how the next step
+        # goes (read from the last sum that carried it).
+        self.merged = False
+        self.held = []
+        self._carry: Optional[float] = None
+        self.tuner: Optional[MergeTuner] = None
+        self._next_merged = False
+        self._step_started: Optional[float] = None
+        self._ways = (False, False)  # the last two steps' ways, the latest last
         try:
             ddp.register_comm_hook(self, self._hook)
         except (RuntimeError, AssertionError) as e:
@@ -199,6 +235,25 @@ class MicroBatchGradientSync:
         """A pipeline step starts: its all-reduce goes as `allreduce` says, deferred to
         wait(), after the last micro-batch's backward."""
         self.running, self.last_micro_batch = allreduce, True
+        self.held, self._carry = [], None
+        way = allreduce.bucket_merge
+        if way != "auto" or allreduce.wire in COMPRESSED or not self.can_defer or \
+                not bits_independent_of_grouping(allreduce.nodes, allreduce.wire):
+            self.merged = way == "on"
+            return
+        now = time.perf_counter()
+        self.merged = self._next_merged
+        if dist.get_rank(self.group) == 0:
+            if self.tuner is None:
+                self.tuner = MergeTuner()
+            elif self._step_started is not None:
+                self.tuner.record(now - self._step_started, self._ways[1],
+                                  self._ways[0] == self._ways[1])
+            self._carry = float(self.tuner.propose())
+        else:
+            self._carry = 0.0
+        self._step_started = now
+        self._ways = (self._ways[1], self.merged)
 
     def micro_batch(self, last: bool) -> None:
         """The next backward is the step's last micro-batch's (it all-reduces) or not (its
@@ -233,6 +288,9 @@ class MicroBatchGradientSync:
         wait_together([b.handle for b in pending if isinstance(b, _DeferredBucket) and
                        isinstance(b.handle, AllReduceByNodeHandle)])
         CompressedAllReduce.finish(pending)
+        for bucket in pending:
+            if getattr(bucket, "carried", None) is not None:
+                self._next_merged = bucket.carried
 
     def reset(self) -> None:
         """DDP's own behaviour: every backward all-reduces (fp32, averaged) and DDP waits. Any
@@ -243,6 +301,19 @@ class MicroBatchGradientSync:
         for made, _ in self._compressors.values():
             made.drop_pending()
         self.running, self.last_micro_batch = None, True
+        self.held, self._carry = [], None
+
+    def _send_held(self, step: DenseAllReduce) -> None:
+        """Starts the average of the held buckets, one collective for all of them (one bucket
+        but when they go together: its `sent` is then all of theirs, one copy)."""
+        held, self.held = self.held, []
+        sent = held[0][1] if len(held) == 1 else torch.cat([s for _, s, _ in held])
+        if step.nodes is None:
+            handle = dist.all_reduce(sent, group=self.group, async_op=True)
+        else:
+            handle = all_reduce_by_node(sent, step.nodes.shard_group, step.nodes.replica_group)
+        self.in_flight.append(_DeferredBucket([b for b, _, _ in held], sent, handle,
+                                              carries=held[0][2]))
 
     @staticmethod
     def _hook(state: "MicroBatchGradientSync", bucket) -> torch.futures.Future[torch.Tensor]:
@@ -266,16 +337,17 @@ class MicroBatchGradientSync:
             done.set_result(buffer)
             return done
         if deferred:
-            # The average travels in its own tensor; DDP gets the bucket back as it is (copy=True:
-            # a bucket already in the wire dtype must not be divided in place).
-            sent = buffer / state.world if wire is None else \
-                buffer.to(wire, copy=True).div_(state.world)
-            if step.nodes is None:
-                handle = dist.all_reduce(sent, group=state.group, async_op=True)
-            else:
-                handle = all_reduce_by_node(sent, step.nodes.shard_group,
-                                            step.nodes.replica_group)
-            state.in_flight.append(_DeferredBucket(buffer, sent, handle))
+            # The average travels in its own tensor (DDP gets the bucket back as it is), with
+            # bucket_merge's choice after the step's first bucket.
+            carry, state._carry = state._carry, None
+            n = buffer.numel()
+            sent = buffer.new_empty(n + (carry is not None), dtype=wire or buffer.dtype)
+            sent[:n].copy_(buffer).div_(state.world)
+            if carry is not None:
+                sent[n] = carry
+            state.held.append((buffer, sent, carry is not None))
+            if not state.merged or bucket.is_last():
+                state._send_held(step)
             done = torch.futures.Future()
             done.set_result(buffer)
             return done

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 from recxla.data.epoch_plan import SHUFFLE_ROWS
 from recxla.formats import DEFAULT_BWD_COMM, DEFAULT_FWD_COMM, FORMATS
-from recxla.pipeline.choices import DBP_LOOKUPS, DENSE_ALLREDUCE_FORMATS, SPLITS
+from recxla.pipeline.choices import BUCKET_MERGE, DBP_LOOKUPS, DENSE_ALLREDUCE_FORMATS, SPLITS
 from recxla.torchrec.choices import REPLICA_PRECISIONS, REPLICA_SYNCS
 from recxla.train import options
 from recxla.train.options import RECXLA, TORCHREC, option
@@ -175,6 +175,13 @@ class TrainConfig:
         parse=options.positive_float,
         default_text=f"{RECXLA_DDP_BUCKET_MB:g} on the recxla path, TorchRec's DDP wrapper's "
         "(25) on the baseline")
+    ddp_bucket_merge: str = option(
+        "auto", "--dense-allreduce fp32/bf16: a step's DDP buckets sent as soon as each is "
+        "ready (off: early where the link binds), all together once the last one is (on: one "
+        "dense sum, fewer collectives where the CPU binds), or the faster of the two by "
+        "measured step time, where that choice cannot change the bits (auto: by node on gloo "
+        "over at most two nodes, else off; recxla.pipeline.bucket_merge)", group=_C,
+        applies=RECXLA, choices=BUCKET_MERGE)
     baseline: Optional[str] = option(
         None, "train with plain TorchRec (DMP and one of TorchRec's training pipelines: "
         "--baseline-pipeline) instead", group=_C, choices=("torchrec",))

@@ -116,6 +116,9 @@ def _check(err, given: dict) -> dict:
         if name in given and v["dense_allreduce"] != "powersgd":
             err(f"--{name.replace('_', '-')} applies to --dense-allreduce powersgd (the dense "
                 f"all-reduce is {v['dense_allreduce']})")
+    if "ddp_bucket_merge" in given and v["dense_allreduce"] in ("fp8", "powersgd"):
+        err(f"--ddp-bucket-merge applies to --dense-allreduce fp32 and bf16 (the "
+            f"{v['dense_allreduce']} wire sends its buckets its own way)")
     if v["data_parallel_tables"] and v["sharding"] != "auto":
         err(f"--data-parallel-tables applies to --sharding auto (--sharding {v['sharding']} is "
             "one plan for every table)")

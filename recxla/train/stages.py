@@ -163,7 +163,7 @@ def _plan(config, place, device, tables, model, topology):
 def _dense_allreduce(config, place, topology) -> Optional[DenseAllReduce]:
     """The recxla pipeline's dense all-reduce: --dense-allreduce's wire, by node (2d's nodes,
     else groups made now: every rank takes the same branch) or over every rank, PowerSGD's
-    --powersgd-rank and --powersgd-start. None on the baseline path."""
+    --powersgd-rank and --powersgd-start, --ddp-bucket-merge. None on the baseline path."""
     if config.baseline:
         return None
     node_size = topology.ranks_per_node if topology else place.local_world_size
@@ -173,7 +173,8 @@ def _dense_allreduce(config, place, topology) -> Optional[DenseAllReduce]:
     powersgd = {"powersgd_rank": config.powersgd_rank,
                 "powersgd_start": powersgd_start(config)} \
         if config.dense_allreduce == "powersgd" else {}
-    return DenseAllReduce(config.dense_allreduce, nodes, **powersgd)
+    return DenseAllReduce(config.dense_allreduce, nodes, **powersgd,
+                          bucket_merge=config.ddp_bucket_merge)
 
 
 def _row_tables(config, data, tables, plan, ranks: int) -> List[str]:
