@@ -65,6 +65,15 @@ def test_dense_allreduce_by_node_trains_as_the_ring(tmp_path):
     # cross-node part drops from 1.5x to 1.0x per node.
     ring, by_node = runs["ring"], runs["by node"]
     assert by_node["cross_node_bytes_per_step"] < ring["cross_node_bytes_per_step"]
+    # The buckets sent together (one sum a step) train bit for bit as the default's.
+    path = tmp_path / "together.json"
+    launch_ranks([*SMALL, "--steps", str(steps), "--warmup-steps", str(warmup),
+                  "--ddp-bucket-merge", "on", "--metrics", str(path)], tmp_path, world_size=4,
+                 timeout=240, ranks_per_node=2)
+    together = check_metrics(path, 4, steps, warmup)
+    assert together["dense_buckets_together"] == [steps, steps]
+    assert by_node["dense_buckets_together"][1] == steps
+    assert (together["final_loss"], together["auc"]) == (by_node["final_loss"], by_node["auc"])
 
 
 def test_data_parallel_tables_train_on_the_recxla_path(tmp_path):

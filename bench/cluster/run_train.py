@@ -27,8 +27,8 @@ data, TorchRec's planner) on 2 emulated nodes x 2 ranks (see netns.py), at 1 Gbi
                          all-reduce; +AR: bf16 (the default)
     recxla DBP           the trainer's defaults: the next batch's ids during this batch, overlap
                          on, bf16 dense all-reduce by node in 1 MB buckets, sent one by
-                         one or together as measured (--ddp-bucket-merge auto); "buckets
-                         apart": always one by one (off); "4 MB buckets": the dense
+                         one or together as measured (--ddp-bucket-merge auto); "merge
+                         off" / "merge on": always one way; "4 MB buckets": the dense
                          gradients in one bucket; "ring AR":
                          the dense all-reduce as one ring over every rank instead of by node;
                          "own plan": TorchRec's own plan (--data-parallel-tables);
@@ -99,7 +99,8 @@ VARIANTS = {
     "recxla DBP": ["--dense-allreduce", "bf16"],
     "recxla DBP ring AR": ["--dense-allreduce", "bf16", "--no-dense-allreduce-by-node"],
     "recxla DBP 4 MB buckets": ["--dense-allreduce", "bf16", "--ddp-bucket-mb", "4"],
-    "recxla DBP buckets apart": ["--dense-allreduce", "bf16", "--ddp-bucket-merge", "off"],
+    "recxla DBP merge off": ["--dense-allreduce", "bf16", "--ddp-bucket-merge", "off"],
+    "recxla DBP merge on": ["--dense-allreduce", "bf16", "--ddp-bucket-merge", "on"],
     "recxla DBP own plan": ["--dense-allreduce", "bf16", "--data-parallel-tables"],
     "recxla DBP fp8 AR": ["--dense-allreduce", "fp8"],
     "recxla DBP dims auto": ["--dense-allreduce", "bf16", "--embedding-dims", "auto"],

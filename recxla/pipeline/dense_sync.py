@@ -222,6 +222,8 @@ class MicroBatchGradientSync:
         self._next_merged = False
         self._step_started: Optional[float] = None
         self._ways = (False, False)  # the last two steps' ways, the latest last
+        # Steps begun, and those whose buckets went together (the run's summary).
+        self.steps = self.steps_together = 0
         try:
             ddp.register_comm_hook(self, self._hook)
         except (RuntimeError, AssertionError) as e:
@@ -236,10 +238,17 @@ class MicroBatchGradientSync:
         wait(), after the last micro-batch's backward."""
         self.running, self.last_micro_batch = allreduce, True
         self.held, self._carry = [], None
+        self.steps += 1
+        self._choose_way(allreduce)
+        self.steps_together += self.merged
+
+    def _choose_way(self, allreduce: DenseAllReduce) -> None:
+        """Whether this step's buckets go together (bucket_merge), and with "auto" the value
+        this rank carries in the step's first bucket."""
         way = allreduce.bucket_merge
         if way != "auto" or allreduce.wire in COMPRESSED or not self.can_defer or \
                 not bits_independent_of_grouping(allreduce.nodes, allreduce.wire):
-            self.merged = way == "on"
+            self.merged = way == "on" and allreduce.wire not in COMPRESSED and self.can_defer
             return
         now = time.perf_counter()
         self.merged = self._next_merged

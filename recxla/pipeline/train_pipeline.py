@@ -268,6 +268,13 @@ class TrainPipeline:
                 self.dense_allreduce_state = self._gradient_sync.compressor(
                     allreduce.wire, allreduce.nodes, **allreduce.compressor_options)
 
+    @property
+    def dense_buckets_together(self) -> Tuple[int, int]:
+        """(steps whose dense buckets went together, steps) of the model's dense sync so far
+        (DenseAllReduce's bucket_merge); (0, 0) without DDP."""
+        sync = self._gradient_sync
+        return (0, 0) if sync is None else (sync.steps_together, sync.steps)
+
     def _span(self, name: str, phase: str, **args):
         """A timeline span that also tells `phase` (see __init__) what runs."""
         if self._phase is None:

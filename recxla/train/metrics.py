@@ -238,6 +238,10 @@ def format_summary(s: dict) -> str:
     if early + late:
         lines.append(f"  early rows      {early / (early + late):.0%} of the embedding rows "
                      "(pooled bags, row-exchange rows) left before the update (--early-rows)")
+    together, steps = s.get("dense_buckets_together") or (0, 0)
+    if steps and s["config"].get("ddp_bucket_merge", "off") != "off":
+        lines.append(f"    dense buckets together in {together} of {steps} steps "
+                     f"(--ddp-bucket-merge {s['config']['ddp_bucket_merge']})")
     if s.get("cross_node_bytes_per_step") and s["nodes"] > 1:
         lines.append(f"    across nodes  {_si(s['cross_node_bytes_per_step'], 'B')}")
     if s.get("iface_tx_bytes_per_step") is not None:

@@ -370,6 +370,8 @@ def run_summary(config, conn, data, sharded: Sharded, pipeline, measured: Measur
         "topology": config.topology,
         "dense_allreduce_layout": ("by node" if sharded.dense_allreduce is not None
                                    and sharded.dense_allreduce.nodes is not None else "ring"),
+        "dense_buckets_together": None if config.baseline else
+        list(pipeline.dense_buckets_together),
         "nodes": world // place.local_world_size, "device": str(conn.device),
         "resumed_from_step": measured.start if config.resume else None,
         **summarize(config, per_rank, world), **evaluation,
