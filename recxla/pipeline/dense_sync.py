@@ -28,6 +28,12 @@ inside each node, then each rank sends 1/ranks_per_node of it across the nodes
 ring). It needs the deferred wait (its last collective runs at `wait()`); a bucket DDP waits
 for itself goes by the ring.
 
+Buckets one by one or together (DenseAllReduce's `bucket_merge`, recxla.pipeline.bucket_merge):
+deferred buckets leave as DDP hands them over ("off"), or are held and leave as one sum when the
+last one is ready ("on": fewer collectives), or, by default ("auto"), whichever rank 0 measured
+to make the shorter steps, where that choice cannot change the bits; its choice travels to the
+other ranks as one value after the step's first bucket, inside the sum.
+
 The pipeline takes all of this as one value, a `DenseAllReduce` (wire, node layout, PowerSGD's
 rank and start), and owns the sync made from it. A DDP module takes one comm hook, so every
 pipeline on the same model shares one MicroBatchGradientSync (`for_ddp`), each giving it its
@@ -216,7 +222,7 @@ class MicroBatchGradientSync:
         # bucket (rank 0's choice for the next step), rank 0's tuner, and how the next step
         # goes (read from the last sum that carried it).
         self.merged = False
-        self.held = []
+        self._held = []
         self._carry: Optional[float] = None
         self.tuner: Optional[MergeTuner] = None
         self._next_merged = False
@@ -237,7 +243,7 @@ class MicroBatchGradientSync:
         """A pipeline step starts: its all-reduce goes as `allreduce` says, deferred to
         wait(), after the last micro-batch's backward."""
         self.running, self.last_micro_batch = allreduce, True
-        self.held, self._carry = [], None
+        self._held, self._carry = [], None
         self.steps += 1
         self._choose_way(allreduce)
         self.steps_together += self.merged
@@ -310,12 +316,12 @@ class MicroBatchGradientSync:
         for made, _ in self._compressors.values():
             made.drop_pending()
         self.running, self.last_micro_batch = None, True
-        self.held, self._carry = [], None
+        self._held, self._carry = [], None
 
     def _send_held(self, step: DenseAllReduce) -> None:
         """Starts the average of the held buckets, one collective for all of them (one bucket
         but when they go together: its `sent` is then all of theirs, one copy)."""
-        held, self.held = self.held, []
+        held, self._held = self._held, []
         sent = held[0][1] if len(held) == 1 else torch.cat([s for _, s, _ in held])
         if step.nodes is None:
             handle = dist.all_reduce(sent, group=self.group, async_op=True)
@@ -354,7 +360,7 @@ class MicroBatchGradientSync:
             sent[:n].copy_(buffer).div_(state.world)
             if carry is not None:
                 sent[n] = carry
-            state.held.append((buffer, sent, carry is not None))
+            state._held.append((buffer, sent, carry is not None))
             if not state.merged or bucket.is_last():
                 state._send_held(step)
             done = torch.futures.Future()
