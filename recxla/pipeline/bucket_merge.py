@@ -7,9 +7,9 @@ the link binds, that early start is what wins (2 emulated nodes x 2 ranks at 200
 TorchRec's examples/s, against 2.52x with the gradients in one bucket). Sent together once the
 last one is ready, a step makes one dense sum instead of one per bucket: on gloo every sum costs
 each rank a few collectives' CPU whatever its bytes (bench.cluster.collective_cpu), and where
-the CPU binds, fewer collectives win (at 1 Gbit/s one bucket took 19.9 against 22.1 us an
-example of CPU above the dense floor, 1.28x against 1.24x TorchRec's examples/s). Which one a
-cluster needs depends on its links and its cores, so "auto" measures it.
+the CPU binds, fewer collectives win (at 1 Gbit/s together made 1.28x TorchRec's examples/s,
+apart 1.26x; at 200 Mbit/s together 2.49x, apart 2.66x; bench/results/training.md). Which one
+a cluster needs depends on its links and its cores, so "auto" measures it (1.30x and 2.68x).
 
 "auto" (`MergeTuner`): rank 0 runs blocks of `block` steps each way in turn, `rounds` blocks of
 each, keeps the way whose steps took less time (the median step, the first step of each block

@@ -238,15 +238,15 @@ def format_summary(s: dict) -> str:
     if early + late:
         lines.append(f"  early rows      {early / (early + late):.0%} of the embedding rows "
                      "(pooled bags, row-exchange rows) left before the update (--early-rows)")
-    together, steps = s.get("dense_buckets_together") or (0, 0)
-    if steps and s["config"].get("ddp_bucket_merge", "off") != "off":
-        lines.append(f"    dense buckets together in {together} of {steps} steps "
-                     f"(--ddp-bucket-merge {s['config']['ddp_bucket_merge']})")
     if s.get("cross_node_bytes_per_step") and s["nodes"] > 1:
         lines.append(f"    across nodes  {_si(s['cross_node_bytes_per_step'], 'B')}")
     if s.get("iface_tx_bytes_per_step") is not None:
         lines.append(f"    sent on {s['config']['net_iface']}  "
                      f"{_si(s['iface_tx_bytes_per_step'], 'B')} (the interface's counters)")
+    together, steps = s.get("dense_buckets_together") or (0, 0)
+    if steps and s["config"].get("ddp_bucket_merge", "off") != "off":
+        lines.append(f"  dense buckets   together in {together} of {steps} steps "
+                     f"(--ddp-bucket-merge {s['config']['ddp_bucket_merge']})")
     lines += [
         f"  loss            {s['final_loss']:.4f} (train, last steps)",
         f"  held-out        AUC {s['auc']:.4f}, log loss {s['eval_loss']:.4f} "
