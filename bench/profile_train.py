@@ -330,6 +330,9 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
     """Run recxla-train ARGV as rank `rank` of `world` (port: the rendezvous's, 0 for a free
     one); returns (what `recorder` recorded over the measured steps on rank 0: the profiler's
     key averages, _CallsByLine's Counter, _HostSyncs' Counter or _KernelTimes' rows; steps)."""
+    if recorder not in RECORDERS:
+        raise ValueError(f"bench.profile_train: recorder must be one of {RECORDERS}, got "
+                         f"{recorder!r}")
     import torch
     from torch.profiler import ProfilerActivity, profile
 

@@ -318,6 +318,23 @@ class MicroBatchGradientSync:
         self.running, self.last_micro_batch = None, True
         self._held, self._carry = [], None
 
+    def defer_bucket(self, buffer: torch.Tensor, wire, step: DenseAllReduce,
+                     last: bool) -> None:
+        """A bucket of the step's last backward (its buffer, in the wire dtype `wire` or None:
+        its own): its average travels in a tensor of its own, DDP gets the bucket back as it
+        is, and wait() writes the average into it. It leaves now, or with bucket_merge's
+        buckets together, held until the `last` one; bucket_merge's choice rides after the
+        step's first bucket."""
+        carry, self._carry = self._carry, None
+        n = buffer.numel()
+        sent = buffer.new_empty(n + (carry is not None), dtype=wire or buffer.dtype)
+        sent[:n].copy_(buffer).div_(self.world)
+        if carry is not None:
+            sent[n] = carry
+        self._held.append((buffer, sent, carry is not None))
+        if not self.merged or last:
+            self._send_held(step)
+
     def _send_held(self, step: DenseAllReduce) -> None:
         """Starts the average of the held buckets, one collective for all of them (one bucket
         but when they go together: its `sent` is then all of theirs, one copy)."""
@@ -352,17 +369,7 @@ class MicroBatchGradientSync:
             done.set_result(buffer)
             return done
         if deferred:
-            # The average travels in its own tensor (DDP gets the bucket back as it is), with
-            # bucket_merge's choice after the step's first bucket.
-            carry, state._carry = state._carry, None
-            n = buffer.numel()
-            sent = buffer.new_empty(n + (carry is not None), dtype=wire or buffer.dtype)
-            sent[:n].copy_(buffer).div_(state.world)
-            if carry is not None:
-                sent[n] = carry
-            state._held.append((buffer, sent, carry is not None))
-            if not state.merged or bucket.is_last():
-                state._send_held(step)
+            state.defer_bucket(buffer, wire, step, last=bucket.is_last())
             done = torch.futures.Future()
             done.set_result(buffer)
             return done
