@@ -31,6 +31,7 @@ from typing import Dict, List
 
 import torch.distributed as dist
 
+from recxla.pipeline.choices import BUCKET_MERGE_WIRES
 from recxla.pipeline.micro_batches import OWNER
 
 
@@ -38,7 +39,7 @@ def bits_independent_of_grouping(nodes, wire: str) -> bool:
     """Whether summing the dense gradients by `nodes` (a node layout, or None: one all-reduce
     over DDP's group) on `wire` gives the same bits however the buckets are grouped (module
     docstring)."""
-    if nodes is None or wire not in ("fp32", "bf16") or nodes.num_nodes > 2:
+    if nodes is None or wire not in BUCKET_MERGE_WIRES or nodes.num_nodes > 2:
         return False
     return all(dist.get_backend(g) == "gloo" for g in (nodes.shard_group, nodes.replica_group))
 

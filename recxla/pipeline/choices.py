@@ -13,5 +13,7 @@ DBP_LOOKUPS = ("after_update", "early")
 # (recxla.pipeline.dense_sync).
 DENSE_ALLREDUCE_FORMATS = ("fp32", "bf16", "fp8", "powersgd")
 # DenseAllReduce(bucket_merge=...): a step's DDP buckets sent one by one ("off"), together
-# ("on"), or the faster of the two by measured step time ("auto"; recxla.pipeline.bucket_merge).
+# ("on"), or the faster of the two by measured step time ("auto"; recxla.pipeline.bucket_merge),
+# on the wires that send DDP's buckets as they are (the others compress them their own way).
 BUCKET_MERGE = ("auto", "on", "off")
+BUCKET_MERGE_WIRES = ("fp32", "bf16")

@@ -57,7 +57,7 @@ from recxla.distributed.compressed_all_reduce import CompressedAllReduce
 from recxla.distributed.fp8_all_reduce import FP8AllReduce
 from recxla.distributed.powersgd_all_reduce import DEFAULT_START_STEP, PowerSGDAllReduce
 from recxla.pipeline.bucket_merge import MergeTuner, bits_independent_of_grouping
-from recxla.pipeline.choices import BUCKET_MERGE
+from recxla.pipeline.choices import BUCKET_MERGE, BUCKET_MERGE_WIRES
 from recxla.pipeline.choices import DENSE_ALLREDUCE_FORMATS as PRECISIONS
 from recxla.pipeline.micro_batches import OWNER
 
@@ -135,7 +135,7 @@ class DenseAllReduce:
         if self.bucket_merge not in BUCKET_MERGE:
             raise ValueError(f"{OWNER}: DenseAllReduce's bucket_merge must be one of "
                              f"{BUCKET_MERGE}, got {self.bucket_merge!r}")
-        if self.bucket_merge == "on" and self.wire in COMPRESSED:
+        if self.bucket_merge == "on" and self.wire not in BUCKET_MERGE_WIRES:
             raise ValueError(f"{OWNER}: DenseAllReduce's bucket_merge='on' applies to the fp32 "
                              f"and bf16 wires; the {self.wire} wire sends its buckets its own way")
         if self.wire != "powersgd" and (self.powersgd_rank, self.powersgd_start) != \
@@ -252,9 +252,9 @@ class MicroBatchGradientSync:
         """Whether this step's buckets go together (bucket_merge), and with "auto" the value
         this rank carries in the step's first bucket."""
         way = allreduce.bucket_merge
-        if way != "auto" or allreduce.wire in COMPRESSED or not self.can_defer or \
+        if way != "auto" or not self.can_defer or \
                 not bits_independent_of_grouping(allreduce.nodes, allreduce.wire):
-            self.merged = way == "on" and allreduce.wire not in COMPRESSED and self.can_defer
+            self.merged = way == "on" and self.can_defer  # DenseAllReduce keeps "on" to its wires
             return
         now = time.perf_counter()
         self.merged = self._next_merged
@@ -336,8 +336,8 @@ class MicroBatchGradientSync:
             self._send_held(step)
 
     def _send_held(self, step: DenseAllReduce) -> None:
-        """Starts the average of the held buckets, one collective for all of them (one bucket
-        but when they go together: its `sent` is then all of theirs, one copy)."""
+        """Starts the average of the held buckets (one, or all of the step's when they go
+        together: their `sent` concatenated, one copy) as one collective."""
         held, self._held = self._held, []
         sent = held[0][1] if len(held) == 1 else torch.cat([s for _, s, _ in held])
         if step.nodes is None:

@@ -25,6 +25,7 @@ from typing import Callable, NoReturn, Optional, Sequence
 
 import torch
 
+from recxla.pipeline.choices import BUCKET_MERGE_WIRES
 from recxla.train import options
 from recxla.train.checkpoint import resume_checkpoint, resumed_snapshots
 from recxla.train.config import (
@@ -116,7 +117,7 @@ def _check(err, given: dict) -> dict:
         if name in given and v["dense_allreduce"] != "powersgd":
             err(f"--{name.replace('_', '-')} applies to --dense-allreduce powersgd (the dense "
                 f"all-reduce is {v['dense_allreduce']})")
-    if "ddp_bucket_merge" in given and v["dense_allreduce"] in ("fp8", "powersgd"):
+    if "ddp_bucket_merge" in given and v["dense_allreduce"] not in BUCKET_MERGE_WIRES:
         err(f"--ddp-bucket-merge applies to --dense-allreduce fp32 and bf16 (the "
             f"{v['dense_allreduce']} wire sends its buckets its own way)")
     if v["data_parallel_tables"] and v["sharding"] != "auto":
