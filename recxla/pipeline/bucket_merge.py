@@ -52,22 +52,30 @@ class MergeTuner:
         block: steps in a row each way while measuring.
         rounds: blocks of each way per measurement.
         recheck: steps the chosen way runs before the next measurement.
+        lag: steps from the one whose begin makes a proposal to the one that runs it (1 in
+            MicroBatchGradientSync: a proposal rides in its step's sum, which the next step
+            reads at its begin). The driver records each step's time before the next
+            proposal, so the step that ran proposal c is timed just before proposal c + lag + 1,
+            and the measurement waits for its last planned steps' times before it chooses.
     """
 
-    def __init__(self, block: int = 16, rounds: int = 2, recheck: int = 400):
+    def __init__(self, block: int = 16, rounds: int = 2, recheck: int = 400, lag: int = 1):
         for name, value, least in (("block", block, 2), ("rounds", rounds, 1),
-                                   ("recheck", recheck, 1)):
+                                   ("recheck", recheck, 1), ("lag", lag, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{OWNER}: MergeTuner's {name} must be an int >= {least}, got "
                                  f"{value!r}")
-        self.block, self.rounds, self.recheck = block, rounds, recheck
+        self.block, self.rounds, self.recheck, self.lag = block, rounds, recheck, lag
         self.chosen = False  # the way kept after the last measurement (False: one by one)
         self.measurements = 0  # measurements completed
+        self._proposals = 0  # proposals made
         self._measure()
 
     def _measure(self) -> None:
-        self._plan: List[bool] = [merged for _ in range(self.rounds) for merged in (False, True)
-                                  for _ in range(self.block)]
+        # The measurement's ways, by proposal from the one at `_start`, and the measured times.
+        self._planned: List[bool] = [merged for _ in range(self.rounds)
+                                     for merged in (False, True) for _ in range(self.block)]
+        self._start = self._proposals
         self._times: Dict[bool, List[float]] = {False: [], True: []}
         self._measuring = True
         self._left = 0
@@ -75,15 +83,22 @@ class MergeTuner:
     def record(self, seconds: float, merged: bool, after_same: bool) -> None:
         """A finished step: its time, whether its buckets went together, and whether the step
         before it went the same way (if not, it also waited for the other way's sum, and is
-        left out)."""
-        if self._measuring and after_same:
+        left out). Only the steps that ran the measurement's proposals count: the steps
+        proposed before it began are still being timed when it starts."""
+        planned = self._proposals - 1 - self.lag - self._start
+        if self._measuring and after_same and 0 <= planned < len(self._planned):
             self._times[merged].append(seconds)
 
     def propose(self) -> bool:
         """Whether a coming step sends its buckets together."""
-        if self._plan:
-            return self._plan.pop(0)
+        made, self._proposals = self._proposals, self._proposals + 1
         if self._measuring:
+            planned = made - self._start
+            if planned < len(self._planned):
+                return self._planned[planned]
+            if planned < len(self._planned) + self.lag:
+                # The last planned steps have not been timed yet: their way goes on meanwhile.
+                return self._planned[-1]
             self._measuring = False
             self.measurements += 1
             apart, together = self._times[False], self._times[True]
@@ -93,4 +108,4 @@ class MergeTuner:
             self._left -= 1
             return self.chosen
         self._measure()
-        return self._plan.pop(0)
+        return self.propose()
