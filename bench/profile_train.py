@@ -44,6 +44,16 @@ copy of each recxla call's arguments, adds time between the ops, not in them.
 
     python -m bench.profile_train --ranks 2 --steps 22 --warmup 20 --schedule dbp \\
         --kernel-times -- --threads 1
+
+With --python-times it runs cProfile over rank 0's measured steps (its main thread: the step;
+the batch worker's thread is not counted) and lists the Python functions, and the C functions
+they call, with the most own time: what a step spends in the interpreter by function, the
+part of the CPU above the dense floor that no kernel accounts for. cProfile's own cost
+inflates functions with many small calls (about a microsecond a call here); compare the
+shares and the calls, and time a change with the trainer itself.
+
+    python -m bench.profile_train --ranks 2 --steps 40 --warmup 20 --schedule dbp \\
+        --python-times --top 40 -- --threads 1
 """
 
 import argparse
@@ -281,6 +291,64 @@ class _KernelTimes:
         self.counts = sorted(rows.values(), key=lambda r: -r["in_step"])
 
 
+class _PythonTimes:
+    """While active (start / stop), cProfile over the calling thread; `counts` then holds a
+    row per Python function (and per C function it called, by name): where it is, its calls,
+    its own time (the body, not its callees) and its time with its callees, totals over the
+    recorded steps, the largest own time first."""
+
+    def __init__(self):
+        import cProfile
+
+        self._profile = cProfile.Profile()
+        self.counts: List[dict] = []
+
+    def start(self) -> None:
+        self._profile.enable()
+
+    def stop(self) -> None:
+        import pstats
+
+        self._profile.disable()
+        stats = pstats.Stats(self._profile).stats
+        rows = [{"function": f"{_short_path(path)}:{line}({name})" if line else name,
+                 "calls": calls, "own": own, "with_callees": total}
+                for (path, line, name), (_, calls, own, total, _) in stats.items()]
+        self.counts = sorted(rows, key=lambda r: -r["own"])
+
+
+def _origin(function: str) -> str:
+    """Where a _PythonTimes row's function is: "C" (a built-in: torch's ops and bindings, the
+    interpreter's own), recxla's subpackage (recxla/data, recxla/pipeline, ...), else the top
+    folder of its file (torchrec, torch, ...)."""
+    if ":" not in function:
+        return "C"
+    parts = function.split(":", 1)[0].split(os.sep)
+    if len(parts) < 2 or not parts[0]:
+        return "other Python"
+    return os.sep.join(parts[:2]) if parts[0] == "recxla" and len(parts) > 2 else parts[0]
+
+
+def python_table(rows: List[dict], steps: int, n: int) -> str:
+    """The first `n` _PythonTimes rows as a markdown table, milliseconds and calls a step,
+    with each one's share of the thread's recorded own time."""
+    total = sum(r["own"] for r in rows) or 1.0
+    by_origin = Counter()
+    for row in rows:
+        by_origin[_origin(row["function"])] += row["own"]
+    lines = [f"All functions' own time: {total * 1e3 / steps:.2f} ms a step, "
+             f"{sum(r['calls'] for r in rows) / steps:,.0f} calls a step; by where they are: "
+             + ", ".join(f"{origin} {seconds * 1e3 / steps:.2f}"
+                         for origin, seconds in by_origin.most_common()) + ".", "",
+             "| function | calls / step | own ms / step | own share | with callees ms / step |",
+             "|---|---:|---:|---:|---:|"]
+    for row in rows[:n]:
+        lines.append(f"| `{row['function']}` | {row['calls'] / steps:g} | "
+                     f"{row['own'] * 1e3 / steps:.3f} | {row['own'] / total:.1%} | "
+                     f"{row['with_callees'] * 1e3 / steps:.3f} |")
+    return "\n".join(lines)
+
+
 def kernel_table(rows: List[dict], steps: int) -> str:
     """_KernelTimes rows as a markdown table, milliseconds a step, the total last."""
     lines = ["| op | calls / step | in the step (ms) | alone, warm (ms) | alone, cold (ms) | "
@@ -321,15 +389,16 @@ def _short_path(path: str) -> str:
 
 
 # What profile_run records on rank 0: op times (torch.profiler), ATen calls by line, host
-# syncs by site, or the recxla ops' times in the step and alone.
-RECORDERS = ("profiler", "calls", "syncs", "kernels")
+# syncs by site, the recxla ops' times in the step and alone, or Python functions' own time.
+RECORDERS = ("profiler", "calls", "syncs", "kernels", "python")
 
 
 def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
                 port: int = 0, recorder: str = "profiler"):
     """Run recxla-train ARGV as rank `rank` of `world` (port: the rendezvous's, 0 for a free
     one); returns (what `recorder` recorded over the measured steps on rank 0: the profiler's
-    key averages, _CallsByLine's Counter, _HostSyncs' Counter or _KernelTimes' rows; steps)."""
+    key averages, _CallsByLine's Counter, _HostSyncs' Counter, _KernelTimes' or _PythonTimes'
+    rows; steps)."""
     if recorder not in RECORDERS:
         raise ValueError(f"bench.profile_train: recorder must be one of {RECORDERS}, got "
                          f"{recorder!r}")
@@ -345,7 +414,8 @@ def profile_run(argv: List[str], warmup: int, rank: int = 0, world: int = 1,
     captured = {}
 
     def profiled(pipeline, batches, first, last, meter, progress, on_step_done, log=None):
-        prof = {"calls": _CallsByLine, "syncs": _HostSyncs, "kernels": _KernelTimes}.get(
+        prof = {"calls": _CallsByLine, "syncs": _HostSyncs, "kernels": _KernelTimes,
+                "python": _PythonTimes}.get(
             recorder, lambda: profile(activities=[ProfilerActivity.CPU], record_shapes=False))()
 
         def step_done(done: int) -> None:
@@ -492,6 +562,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-times", action="store_true",
                    help="time each recxla op call of the measured steps there and again alone, "
                    "warm and cold (--steps WARMUP + 2 is enough)")
+    p.add_argument("--python-times", action="store_true",
+                   help="cProfile rank 0's measured steps: the Python functions with the most "
+                   "own time (--top of them)")
     p.add_argument("--side-by-side", action="store_true",
                    help=f"count the ATen calls a step of {', '.join(SIDE_BY_SIDE)} (the "
                    "trainer options after -- go to each), one table")
@@ -522,7 +595,7 @@ def main(argv=None) -> int:
         return 0
     train = train_argv(args.schedule)
     recorder = "syncs" if args.host_syncs else "calls" if args.calls_by_line else \
-        "kernels" if args.kernel_times else "profiler"
+        "kernels" if args.kernel_times else "python" if args.python_times else "profiler"
     averages, steps = run_ranks(train, args.warmup, args.ranks, recorder)
     print(f"\nrecxla-train {' '.join(train)} on {args.ranks} rank(s): {steps} steps profiled "
           f"on rank 0; load average "
@@ -532,6 +605,8 @@ def main(argv=None) -> int:
         print(sync_table(averages, steps))
     elif args.kernel_times:
         print(kernel_table(averages, steps))
+    elif args.python_times:
+        print(python_table(averages, steps, args.top))
     else:
         print(top_lines(averages, steps, args.top) if args.calls_by_line else
               markdown(top_entries(averages, steps, args.top)))

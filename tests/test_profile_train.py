@@ -119,3 +119,32 @@ def test_kernel_times_run_on_copies_of_the_arguments(seed):
     # Every run started from the arguments as given, and the originals are untouched.
     assert len(seen) == 3 and all(torch.equal(s, x + 1.0) for s in seen)
     assert len(evictions) == 3 and torch.equal(args[0][0], x)
+
+
+def test_python_times_count_each_function_and_its_own_time(seed):
+    from bench.profile_train import _origin, _PythonTimes, python_table
+
+    calls = random.randint(2, 30)
+
+    def busy(n):
+        return sum(range(n))
+
+    recorder = _PythonTimes()
+    recorder.start()
+    try:
+        for _ in range(calls):
+            busy(2000)
+    finally:
+        recorder.stop()
+    busy(10)  # after stop(): not counted
+    rows = {r["function"]: r for r in recorder.counts}
+    [name] = [f for f in rows if f.endswith("(busy)")]
+    assert rows[name]["calls"] == calls and rows[name]["own"] >= 0.0
+    assert rows[name]["with_callees"] >= rows[name]["own"]
+    assert rows["<built-in method builtins.sum>"]["calls"] == calls
+    assert _origin("<built-in method builtins.sum>") == "C"
+    assert _origin("recxla/pipeline/window.py:1(f)") == "recxla/pipeline"
+    assert _origin("torchrec/models/dlrm.py:2(g)") == "torchrec"
+    table = python_table(recorder.counts, steps=calls, n=2).splitlines()
+    assert table[0].startswith("All functions' own time: ") and len(table) == 6
+    assert all(line.startswith("| `") for line in table[4:])
