@@ -30,6 +30,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
+from recxla.torchrec.keyed_output import KeyedOutput
 from recxla.torchrec.shard_layout import OWNER
 
 DATA_PARALLEL = ShardingType.DATA_PARALLEL.value
@@ -156,7 +157,7 @@ class OutputMerge:
         if dp_values.dtype != mp_values.dtype:
             dp_values = dp_values.to(mp_values.dtype)
         values = torch.cat([mp_values, dp_values], dim=1).index_select(1, index)
-        return KeyedTensor(keys=self.keys, length_per_key=self.dims, values=values)
+        return KeyedOutput(keys=self.keys, length_per_key=self.dims, values=values)
 
     def _build_index(self, mp_keys, mp_dims, dp_keys, dp_dims, device) -> torch.Tensor:
         offsets = []

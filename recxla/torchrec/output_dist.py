@@ -48,6 +48,7 @@ from recxla.host_copy import to_device
 from recxla.ops.copy_runs import PackRuns, Run, copy_runs, pack
 from recxla.ops.embedding_bag import MEAN, SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.comm_stats import CommStats
+from recxla.torchrec.keyed_output import KeyedOutput
 from recxla.torchrec.row_exchange import RowBags, RowInput
 from recxla.torchrec.shard_layout import OWNER, ShardLayout
 
@@ -244,8 +245,9 @@ class PooledAssembly:
 
     def form(self, values: torch.Tensor, lengths: Optional[torch.Tensor]) -> KeyedTensor:
         """values float32 [B, sum of dims] as the KeyedTensor of the module's model-parallel
-        features (keys and dims in TorchRec's order)."""
-        return KeyedTensor(keys=self.embedding_names, length_per_key=self.embedding_dims,
+        features (keys and dims in TorchRec's order; a KeyedOutput, whose to_dict() hands the
+        pieces' gradient back without a copy where it can)."""
+        return KeyedOutput(keys=self.embedding_names, length_per_key=self.embedding_dims,
                            values=values)
 
     def assemble(self, flat: torch.Tensor, message: Message,
