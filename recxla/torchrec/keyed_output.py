@@ -15,6 +15,7 @@ the gradient holds the same values; only its strides can differ, and recxla's ou
 its gradient with any strides.
 """
 
+from itertools import accumulate
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -32,8 +33,8 @@ def side_by_side(pieces: Sequence[Optional[torch.Tensor]], dim: int,
     memory and are passed over."""
     if any(p is None for p in pieces):
         return None
-    placed = [(sum(p.shape[dim] for p in pieces[:i]), p) for i, p in enumerate(pieces)
-              if p.numel() > 0]
+    starts = accumulate((p.shape[dim] for p in pieces), initial=0)
+    placed = [(at, p) for at, p in zip(starts, pieces) if p.numel() > 0]
     if not placed:
         return None
     at, first = placed[0]
