@@ -25,12 +25,14 @@ extra_info as bench/common.py: bytes = the message and the output, read and writ
 """
 
 import dataclasses
+import random
 from typing import List
 
 import pytest
 import torch
 
 from bench.common import run_and_record
+from recxla.ops.copy_runs import ColumnRange, JoinColumns
 from recxla.ops.embedding_bag import SUM, BagLookup, pooled_forward, unique_grad
 from recxla.ops.row_ids import encode_row_ids
 from recxla.torchrec.comm_stats import CommStats
@@ -142,3 +144,59 @@ def test_output_dist_assemble_and_split(benchmark, provider):
         torch.testing.assert_close(out[1], want[1])
         if provider == "recxla":
             assert not torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+# ------------------------------------------------------------ the data-parallel tables' merge
+# The pooled module's output when TorchRec's planner makes some tables data-parallel
+# (recxla/torchrec/data_parallel.py OutputMerge): the model-parallel columns and the
+# data-parallel ones joined in the unsharded module's order, forward and backward. Providers:
+# recxla (JoinColumns: one copy_runs each way), "cat + index_select" (how it was joined
+# before: a cat, a column gather, and in the backward the gather's scatter into zeros), and
+# memcpy (the output's bytes once each way).
+MERGE_DP_FEATURES = 6  # of the TABLES features, spread over the output
+
+
+def _merge_case(generator):
+    dp = sorted(random.Random(0).sample(range(TABLES), MERGE_DP_FEATURES))
+    mp = [f for f in range(TABLES) if f not in dp]
+    ranges, index, column = [], [], 0
+    for f in range(TABLES):
+        part, position = (1, dp.index(f)) if f in dp else (0, mp.index(f))
+        ranges.append(ColumnRange(part, position * DIM, column, DIM))
+        index.extend(range((len(mp) * DIM if part else 0) + position * DIM,
+                           (len(mp) * DIM if part else 0) + (position + 1) * DIM))
+        column += DIM
+    parts = [torch.randn(BATCH, len(mp) * DIM, generator=generator).requires_grad_(),
+             torch.randn(BATCH, len(dp) * DIM, generator=generator).requires_grad_()]
+    return parts, ranges, torch.tensor(index, dtype=torch.int64)
+
+
+def _merge_recxla(parts, ranges, grad):
+    out = JoinColumns.apply(ranges, TABLES * DIM, *parts)
+    return out.detach(), torch.autograd.grad(out, parts, grad)
+
+
+def _merge_cat_index_select(parts, index, grad):
+    out = torch.cat(parts, dim=1).index_select(1, index)
+    return out.detach(), torch.autograd.grad(out, parts, grad)
+
+
+@pytest.mark.parametrize("provider", ["recxla", "cat + index_select", "memcpy"])
+def test_data_parallel_merge(benchmark, provider):
+    generator = torch.Generator().manual_seed(0)
+    parts, ranges, index = _merge_case(generator)
+    grad = torch.randn(BATCH, TABLES * DIM, generator=generator)
+    benchmark.group = (f"the data-parallel merge: {TABLES - MERGE_DP_FEATURES} model-parallel "
+                       f"and {MERGE_DP_FEATURES} data-parallel features x dim {DIM}, batch "
+                       f"{BATCH}, forward + backward")
+    moved = 2 * 4 * grad.numel()  # the output read + written, fp32, each way
+    forward, backward = torch.empty_like(grad), torch.empty_like(grad)
+    fn = {"recxla": lambda: _merge_recxla(parts, ranges, grad),
+          "cat + index_select": lambda: _merge_cat_index_select(parts, index, grad),
+          "memcpy": lambda: (forward.copy_(grad), backward.copy_(grad))}[provider]
+    out = run_and_record(benchmark, fn, nbytes=2 * moved, memcpy_nbytes=moved,
+                         provider=provider)
+    if provider != "memcpy":  # both ways give the same bits
+        want = _merge_cat_index_select(parts, index, grad)
+        assert torch.equal(out[0], want[0])
+        assert all(torch.equal(g, w) for g, w in zip(out[1], want[1]))

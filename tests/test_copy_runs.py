@@ -10,7 +10,8 @@ import torch
 
 import recxla
 from recxla import _extension
-from recxla.ops.copy_runs import PackRuns, Run, check_runs, copy_runs, pack
+from recxla.ops.copy_runs import (ColumnRange, JoinColumns, PackRuns, Run, check_runs,
+                                   copy_runs, pack, row_span, rows_in_place)
 from recxla.reference.copy_runs import copy_runs_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -143,6 +144,61 @@ def test_pack_runs_gradient_equals_cat():
     got = PackRuns.apply(runs, want.numel(), pooled, frozen)
     (only,) = torch.autograd.grad(got, [pooled], grad)
     assert torch.equal(only, want_grads[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_join_columns_equals_cat_and_index_select_both_ways(seed, dtype):
+    """JoinColumns against torch.cat + index_select over columns (the merge it replaces), bit
+    for bit both ways: the parts' column blocks in a random order, the gradient contiguous or
+    a column range of a wider tensor (read where it lies), a part without a gradient."""
+    batch = random.randint(0, 7)
+    widths = [random.randint(0, 12) for _ in range(random.randint(1, 3))]  # 0: no columns
+    parts = [torch.randn(batch, w).to(dtype).requires_grad_() for w in widths]
+    blocks = []
+    for p, w in enumerate(widths):
+        cuts = sorted(random.sample(range(1, w), random.randint(0, min(3, w - 1)))) if w > 1 \
+            else []
+        blocks += [(p, lo, hi - lo) for lo, hi in zip([0] + cuts, cuts + [w])]
+    random.shuffle(blocks)
+    ranges, column, index = [], 0, []
+    offsets = [sum(widths[:p]) for p in range(len(widths))]
+    for p, lo, count in blocks:
+        ranges.append(ColumnRange(p, lo, column, count))
+        index.extend(range(offsets[p] + lo, offsets[p] + lo + count))
+        column += count
+    want = torch.cat(parts, dim=1).index_select(1, torch.tensor(index, dtype=torch.int64))
+    got = JoinColumns.apply(ranges, column, *parts)
+    assert torch.equal(got, want) and got.is_contiguous()
+    wide = torch.randn(batch, column + random.randint(1, 5)).to(dtype)
+    left = random.randint(0, wide.shape[1] - column)
+    for grad in (torch.randn(batch, column).to(dtype), wide[:, left:left + column]):
+        want_grads = torch.autograd.grad(want, parts, grad, retain_graph=True)
+        got_grads = torch.autograd.grad(got, parts, grad, retain_graph=True)
+        assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+    frozen = [parts[0].detach()] + parts[1:]
+    got = JoinColumns.apply(ranges, column, *frozen)
+    if len(parts) > 1:
+        grad = torch.randn(batch, column).to(dtype)
+        assert all(torch.equal(g, w) for g, w in zip(
+            torch.autograd.grad(got, parts[1:], grad),
+            torch.autograd.grad(want, parts[1:], grad)))
+
+
+def test_rows_in_place_copies_only_what_row_span_cannot_read(seed):
+    rows, width = random.randint(2, 6), random.randint(1, 8)
+    wide = torch.randn(rows, width + random.randint(1, 4))
+    block = wide[:, :width]
+    assert rows_in_place(block) is block
+    span, stride = row_span(block)
+    assert stride == wide.shape[1] and span.data_ptr() == block.data_ptr()
+    assert torch.equal(span.as_strided((rows, width), (stride, 1)), block)
+    for apart in (torch.randn(width, rows).t(), torch.randn(1, width).expand(rows, width)):
+        copied = rows_in_place(apart)
+        assert copied.is_contiguous() and torch.equal(copied, apart)
+    # Rows of nothing (a part with no columns) and no rows: nothing to read.
+    for empty in (torch.empty(rows, 0), torch.empty(0, width)):
+        span, _ = row_span(rows_in_place(empty))
+        assert span.numel() == 0
 
 
 def test_opcheck():

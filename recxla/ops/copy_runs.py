@@ -8,6 +8,9 @@ tables) and, backward, the output gradient's columns back into the blocks. Done 
 each piece is a slice, a view and a copy or a cat (about 250 ATen calls a step on the trainer's
 defaults, and on a GPU each copy is a kernel launch). As runs each move is one call:
 `recxla::copy_runs` (C++ on CPU, one CUDA launch per wave, Triton with RECXLA_BACKEND=triton).
+Two differentiable layouts are built on it here: `PackRuns` (pieces into one flat message) and
+`JoinColumns` (column ranges of [B, C] tensors into one, as the data-parallel tables' merge
+joins them; its backward reads the gradient where it lies, `row_span`).
 
 A `Run` moves `rows` rows of `width` elements from sources[source] (row i at
 source_offset + i * source_stride) to targets[target] (row i at target_offset + i *
@@ -20,7 +23,7 @@ written: a bad one raises a ValueError naming the run and the limit.
 The plain-PyTorch reference, the tests' oracle: recxla/reference/copy_runs.py.
 """
 
-from typing import List, Sequence
+from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
 
@@ -143,4 +146,67 @@ class PackRuns(torch.autograd.Function):
         if back:
             targets = [g if g is not None else grad.new_empty((0,)) for g in grads]
             copy_runs([grad.contiguous()], targets, pack(back))
+        return (None, None, *grads)
+
+
+def row_span(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """t [B, C] with adjacent columns -> (the contiguous 1-D span of memory its rows lie in,
+    starting at its first element, as copy_runs takes a source; the rows' stride in it)."""
+    batch, width = t.shape
+    stride = t.stride(0) if batch > 1 else width
+    if t.numel() == 0:  # no rows, or rows of nothing: no memory to read (maybe none at all)
+        return t.new_empty((0,)), stride
+    return t.as_strided(((batch - 1) * stride + width,), (1,)), stride
+
+
+def rows_in_place(t: torch.Tensor) -> torch.Tensor:
+    """t [B, C] as row_span can read it: t itself when its columns are adjacent and its rows
+    do not overlap (a column range of a wider tensor, say), else a contiguous copy."""
+    if t.stride(1) != 1 or (t.shape[0] > 1 and t.stride(0) < t.shape[1]):
+        return t.contiguous()
+    return t
+
+
+class ColumnRange(NamedTuple):
+    """`count` columns of parts[part], from column `part_column` on, are the joined tensor's
+    columns from `column` on (JoinColumns)."""
+
+    part: int
+    part_column: int
+    column: int
+    count: int
+
+
+class JoinColumns(torch.autograd.Function):
+    """JoinColumns.apply(ranges, width, *parts): parts [B, C_p] (contiguous, one dtype and
+    device) -> [B, width] whose columns are the parts' column ranges as `ranges` place them
+    (every column of the result and of each part in exactly one range): one copy_runs forward,
+    and one backward that reads the gradient where it lies (any row stride, rows_in_place)
+    into each part's gradient. Where a cat and a column index_select would each move the
+    whole tensor, and the index_select's backward would zero it and scatter into it."""
+
+    @staticmethod
+    def forward(ctx, ranges: Sequence[ColumnRange], width: int, *parts):
+        batch = parts[0].shape[0]
+        out = parts[0].new_empty((batch, width))
+        widths = [p.shape[1] for p in parts]
+        copy_runs([p.reshape(-1) for p in parts], [out.view(-1)],
+                  pack(Run(r.part, r.part_column, widths[r.part], 0, r.column, width, batch,
+                           r.count) for r in ranges if r.count))
+        ctx.ranges, ctx.widths = list(ranges), widths
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = rows_in_place(grad)
+        span, stride = row_span(grad)
+        batch = grad.shape[0]
+        needed = ctx.needs_input_grad[2:]
+        # Every column of every part is in one range: its gradient is written whole.
+        grads = [grad.new_empty((batch, w)) if n else None for w, n in zip(ctx.widths, needed)]
+        back = [Run(0, r.column, stride, r.part, r.part_column, ctx.widths[r.part], batch,
+                    r.count) for r in ctx.ranges if r.count and grads[r.part] is not None]
+        if back:
+            copy_runs([span], [g.view(-1) if g is not None else grad.new_empty((0,))
+                               for g in grads], pack(back))
         return (None, None, *grads)

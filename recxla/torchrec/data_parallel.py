@@ -30,6 +30,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
+from recxla.ops.copy_runs import ColumnRange, JoinColumns
 from recxla.torchrec.keyed_output import KeyedOutput
 from recxla.torchrec.shard_layout import OWNER
 
@@ -141,38 +142,42 @@ class OutputMerge:
         ]
         self._slots = [(c.name, f) for c in configs for f in c.feature_names]
         self._in_mp = [c.name in parallel for c in configs for _ in c.feature_names]
-        self._index: Dict[Tuple, torch.Tensor] = {}
+        self._ranges: Dict[Tuple, List[ColumnRange]] = {}
 
     def merge(self, mp_values: torch.Tensor, mp_keys: Sequence[str], mp_dims: Sequence[int],
               dp: KeyedTensor) -> KeyedTensor:
         """mp_values float32 [B, sum(mp_dims)] (columns per mp_keys), dp: the data-parallel
-        KeyedTensor -> KeyedTensor with `keys`, float32 [B, sum(dims)]."""
-        signature = (tuple(mp_keys), tuple(dp.keys()), mp_values.device)
-        index = self._index.get(signature)
-        if index is None:
-            index = self._build_index(mp_keys, mp_dims, dp.keys(), dp.length_per_key(),
-                                      mp_values.device)
-            self._index[signature] = index
+        KeyedTensor -> KeyedTensor with `keys`, float32 [B, sum(dims)]: each feature's columns
+        moved from its part by one copy_runs (JoinColumns), its gradient back the same way."""
+        signature = (tuple(mp_keys), tuple(mp_dims), tuple(dp.keys()), tuple(dp.length_per_key()))
+        ranges = self._ranges.get(signature)
+        if ranges is None:
+            ranges = self._build_ranges(mp_keys, mp_dims, dp.keys(), dp.length_per_key())
+            self._ranges[signature] = ranges
         dp_values = dp.values()
         if dp_values.dtype != mp_values.dtype:
             dp_values = dp_values.to(mp_values.dtype)
-        values = torch.cat([mp_values, dp_values], dim=1).index_select(1, index)
+        values = JoinColumns.apply(ranges, sum(self.dims), mp_values.contiguous(),
+                                   dp_values.contiguous())
         return KeyedOutput(keys=self.keys, length_per_key=self.dims, values=values)
 
-    def _build_index(self, mp_keys, mp_dims, dp_keys, dp_dims, device) -> torch.Tensor:
-        offsets = []
-        for part, (keys, dims) in enumerate(((mp_keys, mp_dims), (dp_keys, dp_dims))):
-            start, at = (0 if part == 0 else sum(mp_dims)), {}
+    def _build_ranges(self, mp_keys, mp_dims, dp_keys, dp_dims) -> List[ColumnRange]:
+        """Where each output feature's columns come from: part 0 (model-parallel) or 1
+        (data-parallel), by the name each part gives the feature."""
+        starts = []
+        for keys, dims in ((mp_keys, mp_dims), (dp_keys, dp_dims)):
+            at, start = {}, 0
             for key, dim in zip(keys, dims):
                 at[key] = start
                 start += dim
-            offsets.append(at)
-        columns: List[int] = []
+            starts.append(at)
+        ranges, column = [], 0
         for slot, in_mp, dim in zip(self._slots, self._in_mp, self.dims):
             part = 0 if in_mp else 1
-            first = offsets[part][self._part_names[part][slot]]
-            columns.extend(range(first, first + dim))
-        return torch.tensor(columns, dtype=torch.int64, device=device)
+            ranges.append(ColumnRange(part, starts[part][self._part_names[part][slot]], column,
+                                      dim))
+            column += dim
+        return ranges
 
 
 class _SequenceLookup(nn.Module):

@@ -45,7 +45,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 from recxla.distributed import quantized_all_to_all
 from recxla.formats import get_format
 from recxla.host_copy import to_device
-from recxla.ops.copy_runs import PackRuns, Run, copy_runs, pack
+from recxla.ops.copy_runs import PackRuns, Run, copy_runs, pack, row_span, rows_in_place
 from recxla.ops.embedding_bag import MEAN, SUM, BagLookup, pooled_forward, unique_grad
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.keyed_output import KeyedOutput
@@ -279,10 +279,10 @@ class PooledAssembly:
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
             for k, (lo, hi) in enumerate(self.mean_ranges):
                 grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
-        elif grad_out.stride(1) != 1 or (batch > 1 and grad_out.stride(0) < grad_out.shape[1]):
-            grad_out = grad_out.contiguous()  # columns apart, or rows that overlap (broadcast)
+        else:  # columns apart, or rows that overlap (broadcast): a copy
+            grad_out = rows_in_place(grad_out)
         # Read where it lies: the model hands over a column range of its wider gradient.
-        rows, row_stride = _row_span(grad_out)
+        rows, row_stride = row_span(grad_out)
         grad = grad_out.new_empty(received.shape)
         flat = grad.view(-1)
         placed = bool(message.rows) and self.row_feature_columns is not None
@@ -540,14 +540,6 @@ def _check_tiling(copies: List[ColumnCopy], side: str, width: int) -> None:
     if position != width or sum(c.width for c in copies) != width:
         raise RuntimeError(f"{OWNER}: the output columns' {side} ranges do not tile "
                            f"[0, {width}): {copies}")
-
-
-def _row_span(t: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """t [B, C] with adjacent columns -> (the contiguous 1-D span of memory its rows lie in,
-    starting at its first element, as copy_runs takes a source; the rows' stride in it)."""
-    batch, width = t.shape
-    stride = t.stride(0) if batch > 1 else width
-    return t.as_strided((max(batch - 1, 0) * stride + width if batch else 0,), (1,)), stride
 
 
 def _row_feature_columns(row_copies: List[ColumnCopy], group_features: Sequence[int],
