@@ -123,3 +123,13 @@ def test_without_autograd_it_is_torchrecs_split_and_pytree_sees_a_keyed_tensor(s
     back = tree_unflatten(leaves, spec)
     assert isinstance(back, KeyedTensor) and back.keys() == keys
     assert torch.equal(back.values(), values)
+
+
+def test_a_piece_changed_in_place_raises_as_torchrecs_does(seed):
+    num_keys, dim = random.randint(2, 5), random.randint(1, 4)
+    keys = [f"k{i}" for i in range(num_keys)]
+    for cls in (KeyedTensor, KeyedOutput):
+        values = torch.randn(random.randint(1, 6), num_keys * dim, requires_grad=True) * 1.0
+        piece = cls(keys=keys, length_per_key=[dim] * num_keys, values=values).to_dict()["k1"]
+        with pytest.raises(RuntimeError, match="returns multiple views"):
+            piece.mul_(2.0)
