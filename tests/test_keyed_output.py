@@ -133,3 +133,31 @@ def test_a_piece_changed_in_place_raises_as_torchrecs_does(seed):
         piece = cls(keys=keys, length_per_key=[dim] * num_keys, values=values).to_dict()["k1"]
         with pytest.raises(RuntimeError, match="returns multiple views"):
             piece.mul_(2.0)
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_split_by_key_of_rows_gives_torchs_gradient_and_no_copy_for_one_piece(seed, pieces):
+    """The sequence module's split of its rows by feature: each feature used on its own (the
+    gradients apart: a cat, as torch's), or one feature (its gradient handed back as it is,
+    where torch's split copies it)."""
+    from recxla.torchrec.keyed_output import split_by_key
+
+    counts = [random.randint(0, 6) for _ in range(pieces)]
+    counts[0] += 1
+    dim = random.randint(1, 5)
+    values = torch.randn(sum(counts), dim)
+    weights = [torch.randn(n, dim) for n in counts]
+    grads, ops = [], []
+    for split in (lambda x: x.split(counts), lambda x: split_by_key(x, counts, 0)):
+        leaf = values.clone().requires_grad_()
+        parts = split(leaf * 1.0)
+        assert all(torch.equal(p, values[sum(counts[:i]):][:n])
+                   for i, (p, n) in enumerate(zip(parts, counts)))
+        recorded = _Ops()
+        with recorded:
+            sum((torch.tanh(p) * w).sum() for p, w in zip(parts, weights)).backward()
+        grads.append(leaf.grad)
+        ops.append(recorded.names)
+    assert torch.equal(grads[0], grads[1])
+    assert "aten::cat" in ops[0]
+    assert ("aten::cat" in ops[1]) == (pieces > 1)

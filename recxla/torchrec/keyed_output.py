@@ -13,16 +13,22 @@ backward hands that memory back as one view when the pieces lie side by side in 
 (a piece without a gradient, pieces apart) it concatenates them as TorchRec's does. Either way
 the gradient holds the same values; only its strides can differ, and recxla's output dist reads
 its gradient with any strides.
+
+The sequence module's output splits its values [ids, dim] by feature into JaggedTensors the same
+way (`split_by_key`): there the pieces' gradients come from the model's separate uses of each
+feature, so with several features they are concatenated as before, but a single feature's
+gradient (a split into one piece, which TorchRec's split copies all the same) is handed back
+as it is: the user histories' rows, [B x history length, dim], not copied a step.
 """
 
 from itertools import accumulate
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._pytree import register_pytree_node
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-__all__ = ["KeyedOutput", "side_by_side"]
+__all__ = ["KeyedOutput", "side_by_side", "split_by_key"]
 
 
 def side_by_side(pieces: Sequence[Optional[torch.Tensor]], dim: int,
@@ -66,15 +72,22 @@ class _SplitByKey(torch.autograd.Function):
         return joined, None, None
 
 
+def split_by_key(values: torch.Tensor, lengths: Sequence[int],
+                 dim: int) -> Tuple[torch.Tensor, ...]:
+    """values.split(lengths, dim): the same views, and where autograd records it, a backward
+    that hands the pieces' gradients back as one view when they lie side by side (a single
+    piece always does), with no copy (module docstring)."""
+    if not (torch.is_grad_enabled() and values.requires_grad):
+        return values.split(list(lengths), dim=dim)
+    return _SplitByKey.apply(values, list(lengths), dim)
+
+
 class KeyedOutput(KeyedTensor):
     """A KeyedTensor (TorchRec's, with its keys, lengths and values) whose to_dict() pieces
     hand their gradient back without a copy where they can (module docstring)."""
 
     def to_dict(self) -> Dict[str, torch.Tensor]:
-        values = self._values
-        if not (torch.is_grad_enabled() and values.requires_grad):
-            return super().to_dict()
-        pieces = _SplitByKey.apply(values, list(self._length_per_key), self._key_dim)
+        pieces = split_by_key(self._values, self._length_per_key, self._key_dim)
         return {key: pieces[index] for key, index in self._key_indices().items()}
 
 

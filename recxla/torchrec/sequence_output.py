@@ -31,6 +31,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from recxla.host_copy import to_device
 from recxla.ops.embedding_bag import SUM, BagLookup, pooled_forward, unique_grad
+from recxla.torchrec.keyed_output import split_by_key
 from recxla.torchrec.shard_layout import ShardLayout
 
 
@@ -111,7 +112,7 @@ class ExpandedAssembly:
         on_device = to_device(lengths, values.device)
         return {name: JaggedTensor(values=part, lengths=on_device[:, s])
                 for s, (name, part) in enumerate(zip(self.embedding_names,
-                                                      values.split(counts)))}
+                                                      split_by_key(values, counts, 0)))}
 
     def plan(self, message) -> ExpandPlan:
         """The ExpandPlan of exchange `message` (once per message: forward and backward)."""
