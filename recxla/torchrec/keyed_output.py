@@ -17,8 +17,10 @@ its gradient with any strides.
 The sequence module's output splits its values [ids, dim] by feature into JaggedTensors the same
 way (`split_by_key`): there the pieces' gradients come from the model's separate uses of each
 feature, so with several features they are concatenated as before, but a single feature's
-gradient (a split into one piece, which TorchRec's split copies all the same) is handed back
-as it is: the user histories' rows, [B x history length, dim], not copied a step.
+gradient (a split into one piece, which torch's split copies all the same) is handed back as
+it is: a module of one sequence feature (a user history, [B x its length, dim]) no longer
+copies its rows' gradient a step. (The trainer's history model has two sequence features,
+whose gradients come apart, and keeps its cat.)
 """
 
 from itertools import accumulate

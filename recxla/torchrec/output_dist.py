@@ -279,7 +279,7 @@ class PooledAssembly:
             grad_out = grad_out.clone(memory_format=torch.contiguous_format)
             for k, (lo, hi) in enumerate(self.mean_ranges):
                 grad_out[:, lo:hi].div_(bag_lengths[:, k: k + 1])
-        else:  # columns apart, or rows that overlap (broadcast): a copy
+        else:  # copied only where its columns are apart or its rows overlap (broadcast)
             grad_out = rows_in_place(grad_out)
         # Read where it lies: the model hands over a column range of its wider gradient.
         rows, row_stride = row_span(grad_out)
