@@ -54,6 +54,10 @@ shares and the calls, and time a change with the trainer itself.
 
     python -m bench.profile_train --ranks 2 --steps 40 --warmup 20 --schedule dbp \\
         --python-times --top 40 -- --threads 1
+
+With --side-by-side as well it does that for recxla's default schedule, TorchRec's pipeline and
+the dense floor in turn, and prints one table of their own time by part (built-ins, recxla's
+Python, TorchRec's and torch's, the synthetic batches).
 """
 
 import argparse
@@ -491,6 +495,50 @@ def side_by_side(results: List[tuple]) -> str:
     return "\n".join(lines)
 
 
+# --python-times --side-by-side: the parts of a step's own time, by where the code lies.
+PYTHON_PARTS = ("built-ins (ops, kernels, bindings)", "recxla's Python",
+                "TorchRec's, FBGEMM's and torch's Python", "the synthetic batches (recxla/data)",
+                "other Python")
+
+
+def python_part(origin: str) -> str:
+    """The PYTHON_PARTS entry of a _origin."""
+    if origin == "C":
+        return PYTHON_PARTS[0]
+    if origin == "recxla/data":
+        return PYTHON_PARTS[3]
+    if origin.split(os.sep)[0] == "recxla":
+        return PYTHON_PARTS[1]
+    if origin in ("torchrec", "torch", "fbgemm_gpu"):
+        return PYTHON_PARTS[2]
+    return PYTHON_PARTS[4]
+
+
+def python_side_by_side(results: List[tuple]) -> str:
+    """(schedule, _PythonTimes rows, steps) of each path (rows: why, where it failed) -> a
+    markdown table of their own time a step (ms) by PYTHON_PARTS, and their Python calls."""
+    columns = []
+    for schedule, rows, steps in results:
+        if isinstance(rows, str):
+            columns.append((schedule, None, rows))
+            continue
+        parts = Counter()
+        for row in rows:
+            parts[python_part(_origin(row["function"]))] += row["own"] * 1e3 / steps
+        calls = sum(r["calls"] for r in rows) / steps
+        columns.append((schedule, parts, calls))
+    lines = ["| ms a step | " + " | ".join(s for s, _, _ in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for i, part in enumerate(PYTHON_PARTS + ("all",)):
+        cells = [(f"failed: {extra}" if i == 0 else "") if parts is None else
+                 f"{sum(parts.values()) if part == 'all' else parts[part]:.1f}"
+                 for _, parts, extra in columns]
+        lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    lines.append("| Python calls a step | " + " | ".join(
+        "" if parts is None else f"{calls:,.0f}" for _, parts, calls in columns) + " |")
+    return "\n".join(lines)
+
+
 def markdown(entries: List[dict]) -> str:
     lines = ["| op or range | self CPU share | ms / step | calls / step |", "|---|---|---|---|"]
     for e in entries:
@@ -567,7 +615,8 @@ def main(argv=None) -> int:
                    "own time (--top of them)")
     p.add_argument("--side-by-side", action="store_true",
                    help=f"count the ATen calls a step of {', '.join(SIDE_BY_SIDE)} (the "
-                   "trainer options after -- go to each), one table")
+                   "trainer options after -- go to each), one table; with --python-times, "
+                   "their own time by where it lies")
     args = p.parse_args(argv)
 
     common = ["--steps", str(args.steps), "--warmup-steps", str(args.warmup), "--eval-batches",
@@ -578,11 +627,12 @@ def main(argv=None) -> int:
 
     load = os.getloadavg()
     if args.side_by_side:
+        recorder = "python" if args.python_times else "calls"
         results = []
         for schedule in SIDE_BY_SIDE:
             try:
                 counts, steps = run_ranks(train_argv(schedule), args.warmup, args.ranks,
-                                          "calls", fresh=True)
+                                          recorder, fresh=True)
             except RuntimeError as e:  # a path these options do not run (the table says so)
                 counts, steps = str(e), 0
             results.append((schedule, counts, steps))
@@ -591,7 +641,7 @@ def main(argv=None) -> int:
               + f") on {args.ranks} rank(s), rank 0, {args.steps - args.warmup} steps each; "
               f"load average "
               f"{load[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end")
-        print(side_by_side(results))
+        print(python_side_by_side(results) if args.python_times else side_by_side(results))
         return 0
     train = train_argv(args.schedule)
     recorder = "syncs" if args.host_syncs else "calls" if args.calls_by_line else \

@@ -148,3 +148,31 @@ def test_python_times_count_each_function_and_its_own_time(seed):
     table = python_table(recorder.counts, steps=calls, n=2).splitlines()
     assert table[0].startswith("All functions' own time: ") and len(table) == 6
     assert all(line.startswith("| `") for line in table[4:])
+
+
+def test_python_side_by_side_sums_each_path_by_part(seed):
+    from bench.profile_train import PYTHON_PARTS, python_side_by_side
+
+    steps = random.randint(1, 5)
+    own = {f: random.uniform(0.001, 0.01) for f in (
+        "<built-in method torch.cat>", "recxla/pipeline/window.py:1(a)",
+        "recxla/data/synthetic.py:2(b)", "torchrec/models/dlrm.py:3(c)",
+        "fbgemm_gpu/x.py:4(d)", "tests/t.py:5(e)")}
+    rows = [{"function": f, "calls": 2 * steps, "own": t, "with_callees": t}
+            for f, t in own.items()]
+    lines = python_side_by_side([("dbp", rows, steps),
+                                 ("torchrec", "rank 0 exited with code 1", 0)]).splitlines()
+    assert lines[0] == "| ms a step | dbp | torchrec |"
+    by_part = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in lines[2:]}
+
+    def ms(*functions):
+        return f"{sum(own[f] for f in functions) * 1e3 / steps:.1f}"
+
+    assert by_part[PYTHON_PARTS[0]] == ms("<built-in method torch.cat>")
+    assert by_part[PYTHON_PARTS[1]] == ms("recxla/pipeline/window.py:1(a)")
+    assert by_part[PYTHON_PARTS[2]] == ms("torchrec/models/dlrm.py:3(c)", "fbgemm_gpu/x.py:4(d)")
+    assert by_part[PYTHON_PARTS[3]] == ms("recxla/data/synthetic.py:2(b)")
+    assert by_part[PYTHON_PARTS[4]] == ms("tests/t.py:5(e)")
+    assert by_part["all"] == ms(*own)
+    assert by_part["Python calls a step"] == f"{2 * len(own):,.0f}"
+    assert "failed: rank 0 exited with code 1" in lines[2]
