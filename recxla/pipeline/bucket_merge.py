@@ -69,13 +69,13 @@ class MergeTuner:
         self.chosen = False  # the way kept after the last measurement (False: one by one)
         self.measurements = 0  # measurements completed
         self._proposals = 0  # proposals made
-        self._measure()
+        self._measure(start=0)
 
-    def _measure(self) -> None:
-        # The measurement's ways, by proposal from the one at `_start`, and the measured times.
+    def _measure(self, start: int) -> None:
+        # The measurement's ways, by proposal from proposal `start` on, and the measured times.
         self._planned: List[bool] = [merged for _ in range(self.rounds)
                                      for merged in (False, True) for _ in range(self.block)]
-        self._start = self._proposals
+        self._start = start
         self._times: Dict[bool, List[float]] = {False: [], True: []}
         self._measuring = True
         self._left = 0
@@ -107,5 +107,5 @@ class MergeTuner:
         if self._left > 0:
             self._left -= 1
             return self.chosen
-        self._measure()
-        return self.propose()
+        self._measure(start=made)
+        return self._planned[0]

@@ -328,7 +328,10 @@ class MicroBatchGradientSync:
         carry, self._carry = self._carry, None
         n = buffer.numel()
         sent = buffer.new_empty(n + (carry is not None), dtype=wire or buffer.dtype)
-        sent[:n].copy_(buffer).div_(self.world)
+        if sent.dtype == buffer.dtype:  # one pass; the same bits as a copy divided in place
+            torch.div(buffer, self.world, out=sent[:n])
+        else:  # cast, then divided on the wire dtype (as torch's bf16 compress hook does)
+            sent[:n].copy_(buffer).div_(self.world)
         if carry is not None:
             sent[n] = carry
         self._held.append((buffer, sent, carry is not None))
