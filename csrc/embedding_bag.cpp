@@ -54,9 +54,14 @@ TORCH_LIBRARY_FRAGMENT(recxla, m) {
   // tensors (SGD: any, unused; Adagrad: [E_t, D_t]; row-wise Adagrad: E_t values); hparams:
   // 4 * T floats, per table (lr, eps, weight_decay, grad_sign): lr, eps, weight_decay finite and
   // >= 0, grad_sign 1 or -1.
+  // grad_offsets (int64 [F * B], optional): the gradient is read where another op left it, not
+  // from a [B, total_dim] tensor: grad_output is then any contiguous float32 tensor, read flat,
+  // and bag f * B + b's gradient row is its D_f elements from grad_offsets[f * B + b] on (a
+  // received message, its rows in any order). Only non-empty bags' entries are read; each must
+  // keep its row inside grad_output.
   m.def(
       "embedding_bag_backward_update(Tensor grad_output, Tensor(a!)[] weights, "
       "Tensor(b!)[] states, Tensor unique_values, Tensor unique_offsets, Tensor inverse, "
       "Tensor offsets, Tensor? per_sample_weights, int[] feature_table, int[] pooling, "
-      "int batch_size, int[] optim, float[] hparams) -> ()");
+      "int batch_size, int[] optim, float[] hparams, Tensor? grad_offsets=None) -> ()");
 }

@@ -132,11 +132,12 @@ def embedding_bag_forward_triton(lookup, out=None, feature_columns=None) -> torc
 
 
 def group_ids_by_row(lookup, signs: Optional[Sequence[float]] = None, feature_columns=None,
-                     row_stride: Optional[int] = None):
+                     row_stride: Optional[int] = None, grad_offsets=None):
     """The ids of each unique row, as a CSR in torch ops: -> (start int64 [U + 1], grad_offset
     int64 [N] into grad_output (its rows row_stride apart, each feature's columns at
-    feature_columns; by default [B, total_dim] contiguous), scale float32 [N] = per-sample
-    weight x (1 / bag length for mean) x sign), entries of a row in id order."""
+    feature_columns; by default [B, total_dim] contiguous; with grad_offsets, int64 [F * B],
+    each bag's row where that says), scale float32 [N] = per-sample weight x (1 / bag length
+    for mean) x sign), entries of a row in id order."""
     weights, unique_values, _, inverse, offsets, psw, feature_table, pooling, batch_size = lookup
     num_unique = unique_values.numel()
     device = inverse.device
@@ -149,7 +150,8 @@ def group_ids_by_row(lookup, signs: Optional[Sequence[float]] = None, feature_co
     bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths,
                                   output_size=inverse.numel())
     feature = bag // max(batch_size, 1)
-    grad_offset = (bag % max(batch_size, 1)) * stride + columns[feature]
+    grad_offset = grad_offsets[bag] if grad_offsets is not None else \
+        (bag % max(batch_size, 1)) * stride + columns[feature]
     mean = torch.tensor([p == MEAN for p in pooling] + [False], device=device)[table][feature]
     sign = torch.tensor(list(signs) if signs is not None else [1.0] * len(weights) + [1.0],
                         dtype=torch.float32, device=device)
@@ -162,10 +164,14 @@ def group_ids_by_row(lookup, signs: Optional[Sequence[float]] = None, feature_co
     return start, grad_offset[order].contiguous(), scale[order].contiguous()
 
 
-def _run_update(grad_output, lookup, states, optim, hparams, outs, feature_columns=None):
+def _run_update(grad_output, lookup, states, optim, hparams, outs, feature_columns=None,
+                grad_offsets=None):
     weights, unique_values, unique_offsets = lookup[:3]
     signs = [hparams[4 * t + 3] for t in range(len(weights))] if hparams else None
-    if feature_columns is None:
+    if grad_offsets is not None:  # read where it lies (contiguous: checked by the caller)
+        grad = grad_output
+        start, grad_offset, scale = group_ids_by_row(lookup, signs, grad_offsets=grad_offsets)
+    elif feature_columns is None:
         grad = grad_output.contiguous().float()
         start, grad_offset, scale = group_ids_by_row(lookup, signs)
     else:  # read where it lies: the kernel takes its offsets from the first element
@@ -198,6 +204,8 @@ def embedding_bag_unique_grad_triton(grad_output, lookup,
     return outs
 
 
-def embedding_bag_backward_update_triton(grad_output, lookup, states, optim, hparams) -> None:
+def embedding_bag_backward_update_triton(grad_output, lookup, states, optim, hparams,
+                                         grad_offsets=None) -> None:
     """In place; arguments as recxla.ops.embedding_bag.backward_update."""
-    _run_update(grad_output, lookup, states, optim, hparams, [None] * len(lookup.weights))
+    _run_update(grad_output, lookup, states, optim, hparams, [None] * len(lookup.weights),
+                grad_offsets=grad_offsets)

@@ -136,6 +136,7 @@ def embedding_bag(device: str) -> None:
                 out = _counted(module, kjt).values()
                 _counted(out.backward, torch.randn_like(out))
         _placed_embedding_bag(dev)  # the gradient runs the variant's update kernel
+        _scattered_update(dev)
 
 
 def _placed_embedding_bag(dev: torch.device) -> None:
@@ -172,6 +173,46 @@ def _placed_embedding_bag(dev: torch.device) -> None:
     if not torch.allclose(got.cpu(), want, **close) or not all(
             torch.allclose(g.cpu(), w, **close) for g, w in zip(got_grad, want_grad)):
         raise AssertionError("embedding_bag with feature_columns: differs from the reference")
+
+
+def _scattered_update(dev: torch.device) -> None:
+    """The fused update reading each bag's gradient row where a received message holds it
+    (grad_offsets: the rows shuffled, with gaps; the empty bags' offsets never read), against the
+    reference on the same rows gathered into [B, total_dim]."""
+    from recxla.ops.embedding_bag import ROWWISE_ADAGRAD, SUM, BagLookup, backward_update
+    from recxla.reference.embedding_bag import embedding_bag_backward_update_ref
+
+    batch, rows, dims, feature_table = 30, (50, 3, 300), (8, 33, 64), [2, 0, 1]
+    lengths = torch.randint(0, 9, (len(feature_table) * batch,))
+    bounds = [0, *itertools.accumulate(rows)]
+    ids = [torch.randint(0, rows[t], (int(n),)) + bounds[t]
+           for t, n in zip(feature_table, lengths.view(-1, batch).sum(1))]
+    lookup = BagLookup([torch.randn(r, d) for r, d in zip(rows, dims)],
+                       torch.cat([torch.arange(r) for r in rows]), torch.tensor(bounds),
+                       torch.cat(ids), torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                  lengths.cumsum(0)]),
+                       None, feature_table, [SUM] * 3, batch)
+    bags, slot = len(feature_table) * batch, max(dims) + 5
+    grad_offsets = torch.randperm(bags) * slot + torch.randint(0, 5, (bags,))
+    flat = torch.randn(bags * slot)
+    grad = torch.cat([flat[grad_offsets[f * batch: (f + 1) * batch, None] +
+                           torch.arange(dims[t])] for f, t in enumerate(feature_table)], 1)
+    grad_offsets[lengths == 0] = -(10**12)  # never read
+    states = [torch.rand(r) for r in rows]
+    hparams = [0.1, 1e-8, 0.0, 1.0] * 3
+    want = lookup._replace(weights=[w.clone() for w in lookup.weights])
+    want_states = [s.clone() for s in states]
+    embedding_bag_backward_update_ref(grad, want, want_states, [ROWWISE_ADAGRAD] * 3, hparams)
+    on_dev = lookup._replace(weights=[w.to(dev) for w in lookup.weights],
+                             **{name: getattr(lookup, name).to(dev) for name in
+                                ("unique_values", "unique_offsets", "inverse", "offsets")})
+    got_states = [s.to(dev) for s in states]
+    _counted(backward_update, flat.to(dev), on_dev, got_states, [ROWWISE_ADAGRAD] * 3, hparams,
+             grad_offsets.to(dev))
+    close = dict(rtol=1e-5, atol=1e-6)
+    if not all(torch.allclose(g.cpu(), w, **close) for g, w in
+               zip(on_dev.weights + got_states, want.weights + want_states)):
+        raise AssertionError("embedding_bag update with grad_offsets: differs from the reference")
 
 
 def copy_runs(device: str) -> None:

@@ -120,11 +120,10 @@ RECXLA_INLINE void run_part(
   for (int64_t k = 0; k < p.num_features; ++k) {
     const int64_t f = p.features[k];
     const int64_t* bags = a.offsets + f * B;
-    const float* src = grad + a.feature_column[f];
     for (int64_t b = 0; b < B; ++b) {
       const int64_t first = bags[b], last = bags[b + 1];
       if (first == last) continue;
-      const GradRow<kDim> g(src + b * a.row_stride, dim);
+      const GradRow<kDim> g(grad + grad_row_offset(a, f, b), dim);
       const float scale = bag_scale(mean, sign, first, last);
       for (int64_t i = first; i < last; ++i) {
         const int64_t u = a.inverse[i];
@@ -236,6 +235,35 @@ void check_inverse(const char* op, const Call& c) {
   }
 }
 
+// Every non-empty bag's gradient row inside grad_output (`numel` elements), checked before
+// anything is written.
+void check_grad_offsets_data(const char* op, const Call& c, const int64_t* grad_offsets,
+                             int64_t numel) {
+  const Layout& l = c.l;
+  const int64_t B = l.batch_size;
+  std::vector<int64_t> bad(l.num_features, -1);  // per feature its first bad bag
+  at::parallel_for(0, l.num_features, 1, [&](int64_t f0, int64_t f1) {
+    for (int64_t f = f0; f < f1; ++f) {
+      const int64_t dim = l.table_dim[l.feature_table[f]];
+      const int64_t* bags = c.args.offsets + f * B;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t at = grad_offsets[f * B + b];
+        if (bags[b] != bags[b + 1] && (at < 0 || at > numel - dim)) {
+          bad[f] = f * B + b;  // one writer per feature
+          break;
+        }
+      }
+    }
+  });
+  for (int64_t f = 0; f < l.num_features; ++f) {
+    if (bad[f] < 0) continue;
+    const int64_t bag = bad[f], dim = l.table_dim[l.feature_table[f]];
+    TORCH_CHECK_INDEX(false, op, ": grad_offsets[", bag, "] = ", grad_offsets[bag], " puts bag ",
+                      bag, "'s ", dim, "-wide gradient row outside grad_output's ", numel,
+                      " elements");
+  }
+}
+
 // Accumulators up to this size stay in cache, and adding into them beats any reordering.
 constexpr int64_t kCachedAccumulatorBytes = 4 << 20;
 // With at least this many ids per unique row on average, a bag's gradient row read once for
@@ -268,7 +296,7 @@ void group_by_row(const Args& a, int64_t t, const std::vector<int64_t>& features
     const int64_t* bags = a.offsets + f * B;
     for (int64_t b = 0; b < B; ++b) {
       const float scale = bag_scale(mean, a.grad_sign[t], bags[b], bags[b + 1]);
-      const int64_t grad_offset = b * a.row_stride + a.feature_column[f];
+      const int64_t grad_offset = grad_row_offset(a, f, b);
       for (int64_t i = bags[b]; i < bags[b + 1]; ++i) {
         entries[start[a.inverse[i] - lo]++] =
             Entry{grad_offset, a.psw != nullptr ? a.psw[i] * scale : scale};
@@ -408,14 +436,24 @@ void embedding_bag_backward_update_cpu(
     const at::Tensor& unique_values, const at::Tensor& unique_offsets, const at::Tensor& inverse,
     const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
     at::IntArrayRef feature_table, at::IntArrayRef pooling, int64_t batch_size,
-    at::IntArrayRef optim, at::ArrayRef<double> hparams) {
+    at::IntArrayRef optim, at::ArrayRef<double> hparams,
+    const std::optional<at::Tensor>& grad_offsets) {
   constexpr const char* op = "recxla::embedding_bag_backward_update";
   Call c(op, weights, unique_values, unique_offsets, inverse, offsets, per_sample_weights,
          feature_table, pooling, batch_size, /*increasing=*/true);
-  emb::check_grad_output(op, grad_output, c.l);
+  at::Tensor grad, placed;
+  if (grad_offsets.has_value()) {  // read where it lies
+    emb::check_grad_offsets(op, grad_output, *grad_offsets, c.l, unique_values.device());
+    placed = grad_offsets->contiguous();
+    check_grad_offsets_data(op, c, placed.const_data_ptr<int64_t>(), grad_output.numel());
+    c.args.grad_offsets = placed.const_data_ptr<int64_t>();
+    grad = grad_output;
+  } else {
+    emb::check_grad_output(op, grad_output, c.l);
+    grad = grad_output.contiguous();
+  }
   const std::vector<Hparams> h =
       emb::check_optimizer(op, c.l, unique_values.device(), states, optim, hparams);
-  const at::Tensor grad = grad_output.contiguous();
   for (const at::Tensor& s : states) {
     c.state_ptrs.push_back(s.numel() > 0 && s.scalar_type() == at::kFloat ? s.data_ptr<float>()
                                                                           : nullptr);

@@ -55,7 +55,16 @@ struct Args {
   int64_t row_stride;  // elements between two samples' output (gradient) rows
   int64_t num_tables;
   int64_t num_features;
+  // Backward: where each bag's gradient row starts ([F * B]), or null: at
+  // b * row_stride + feature_column[f].
+  const int64_t* grad_offsets = nullptr;
 };
+
+// Where bag f * B + b's output-gradient row starts in the backward's gradient.
+RECXLA_INLINE int64_t grad_row_offset(const Args& a, int64_t f, int64_t b) {
+  return a.grad_offsets != nullptr ? a.grad_offsets[f * a.batch_size + b]
+                                   : b * a.row_stride + a.feature_column[f];
+}
 
 // Ids ahead of the current one whose rows are prefetched: enough to keep several row loads in
 // flight (ids of one bag, and of consecutive one-id bags, are independent of each other).

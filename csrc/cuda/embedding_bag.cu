@@ -341,9 +341,11 @@ void embedding_bag_forward_out_cuda(
 
 // The ids of every unique row (start [U + 1], grad_offset [N], scale [N]), in ATen ops; the
 // same CSR as the CPU kernel's IdsByRow, with the same scale rounding (sign x 1/len, then x psw).
+// grad_offsets (defined: int64 [F * B]): where each bag's gradient row starts, instead of the
+// layout's rows and columns.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_ids(
     const Layout& l, const at::Tensor& inverse, const at::Tensor& offsets, const at::Tensor& psw,
-    const std::vector<float>& sign) {
+    const std::vector<float>& sign, const at::Tensor& grad_offsets) {
   const auto dev = inverse.device();
   const auto i64 = at::TensorOptions().dtype(at::kLong).device(dev);
   const int64_t B = std::max<int64_t>(l.batch_size, 1);
@@ -351,8 +353,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_ids(
   const at::Tensor bag = at::repeat_interleave(at::arange(lengths.numel(), i64), lengths, 0,
                                                inverse.numel());
   const at::Tensor feature = at::floor_divide(bag, B);
-  const at::Tensor column = upload(l.feature_column, at::kLong, dev).index_select(0, feature);
-  const at::Tensor grad_offset = (bag - feature * B) * l.row_stride + column;
+  at::Tensor grad_offset;
+  if (grad_offsets.defined()) {
+    grad_offset = grad_offsets.index_select(0, bag);
+  } else {
+    const at::Tensor column = upload(l.feature_column, at::kLong, dev).index_select(0, feature);
+    grad_offset = (bag - feature * B) * l.row_stride + column;
+  }
   std::vector<float> feature_sign;
   std::vector<uint8_t> feature_mean;
   for (int64_t f = 0; f < l.num_features; ++f) {
@@ -379,7 +386,8 @@ void run_update(
     const std::vector<at::Tensor>& grad_out, const at::Tensor& grad_output,
     const at::Tensor& unique_values, const at::Tensor& inverse, const at::Tensor& offsets,
     const std::optional<at::Tensor>& per_sample_weights, const std::vector<int64_t>& optim,
-    const std::vector<Hparams>& h, const at::Tensor& unique_offsets, bool read_in_place) {
+    const std::vector<Hparams>& h, const at::Tensor& unique_offsets, bool read_in_place,
+    const at::Tensor& grad_offsets = at::Tensor()) {
   if (l.num_unique == 0) return;
   const int64_t smem_dim = shared_dim(op, l);
   const auto dev = unique_values.device();
@@ -389,14 +397,16 @@ void run_update(
     hp.insert(hp.end(), {p.lr, p.eps, p.weight_decay, p.grad_sign});
   }
   const at::Tensor psw = per_sample_weights.has_value() ? per_sample_weights->contiguous() : at::Tensor();
-  const auto ids = group_ids(l, inverse.contiguous(), offsets.contiguous(), psw, sign);
+  const auto ids = group_ids(l, inverse.contiguous(), offsets.contiguous(), psw, sign,
+                             grad_offsets.defined() ? grad_offsets.contiguous() : grad_offsets);
   const at::Tensor& start = std::get<0>(ids);
   const at::Tensor& grad_offset = std::get<1>(ids);
   const at::Tensor& scale = std::get<2>(ids);
   const DeviceMeta meta = make_meta(l, unique_offsets, weights, states, grad_out, dev);
   const at::Tensor optim_d = upload(optim, at::kLong, dev);
   const at::Tensor hp_d = upload(hp, at::kFloat, dev);
-  // read_in_place: the gradient's layout was placed by feature_columns (strides checked).
+  // read_in_place: the gradient's layout was placed by feature_columns (strides checked) or by
+  // grad_offsets (contiguous, checked).
   const at::Tensor rows = unique_values.contiguous();
   const at::Tensor grad = read_in_place ? grad_output : grad_output.contiguous();
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -453,18 +463,24 @@ void embedding_bag_backward_update_cuda(
     const at::Tensor& unique_values, const at::Tensor& unique_offsets, const at::Tensor& inverse,
     const at::Tensor& offsets, const std::optional<at::Tensor>& per_sample_weights,
     at::IntArrayRef feature_table, at::IntArrayRef pooling, int64_t batch_size,
-    at::IntArrayRef optim, at::ArrayRef<double> hparams) {
+    at::IntArrayRef optim, at::ArrayRef<double> hparams,
+    const std::optional<at::Tensor>& grad_offsets) {
   constexpr const char* op = "recxla::embedding_bag_backward_update";
   Layout l = emb::check_layout(op, weights, unique_values, unique_offsets, inverse, offsets,
                                per_sample_weights, feature_table, pooling, batch_size,
                                /*read_unique_offsets=*/false);
-  emb::check_grad_output(op, grad_output, l);
+  if (grad_offsets.has_value()) {
+    emb::check_grad_offsets(op, grad_output, *grad_offsets, l, unique_values.device());
+  } else {
+    emb::check_grad_output(op, grad_output, l);
+  }
   const std::vector<Hparams> h =
       emb::check_optimizer(op, l, unique_values.device(), states, optim, hparams);
   const c10::cuda::CUDAGuard guard(unique_values.device());
   run_update(op, l, weights, states, {}, grad_output, unique_values, inverse, offsets,
              per_sample_weights, std::vector<int64_t>(optim.begin(), optim.end()), h,
-             unique_offsets, /*read_in_place=*/false);
+             unique_offsets, /*read_in_place=*/grad_offsets.has_value(),
+             grad_offsets.has_value() ? *grad_offsets : at::Tensor());
 }
 
 }  // namespace

@@ -24,8 +24,8 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 
 from recxla import _extension
-from recxla.ops.embedding_bag_checks import (check_feature_columns, check_lookup,
-                                              check_optimizer)
+from recxla.ops.embedding_bag_checks import (check_feature_columns, check_grad_offsets,
+                                              check_lookup, check_optimizer)
 from recxla.ops.embedding_bag_enums import (  # noqa: F401  (the op's codes, public here)
     ADAGRAD, MEAN, NONE, NUM_HPARAMS, ROWWISE_ADAGRAD, SGD, SUM,
 )
@@ -54,7 +54,8 @@ def _unique_grad_fake(grad_output, weights, unique_values, unique_offsets, inver
 
 @_extension.register_fake("recxla::embedding_bag_backward_update")
 def _backward_update_fake(grad_output, weights, states, unique_values, unique_offsets, inverse,
-                          offsets, psw, feature_table, pooling, batch_size, optim, hparams):
+                          offsets, psw, feature_table, pooling, batch_size, optim, hparams,
+                          grad_offsets=None):
     return None
 
 
@@ -85,15 +86,16 @@ def _unique_grad(grad_output, lookup: BagLookup, backend: str,
 
 
 def _backward_update(grad_output, lookup: BagLookup, states, optim, hparams,
-                     backend: str) -> None:
+                     backend: str, grad_offsets: Optional[torch.Tensor] = None) -> None:
     states, optim, hparams = list(states), list(optim), [float(h) for h in hparams]
     if backend == "triton":
         from recxla.triton_kernels.embedding_bag import embedding_bag_backward_update_triton
 
-        return embedding_bag_backward_update_triton(grad_output, lookup, states, optim, hparams)
+        return embedding_bag_backward_update_triton(grad_output, lookup, states, optim, hparams,
+                                                    grad_offsets)
     weights, *rest = lookup
     torch.ops.recxla.embedding_bag_backward_update(grad_output, weights, states, *rest, optim,
-                                                   hparams)
+                                                   hparams, grad_offsets)
 
 
 def pooled_forward(lookup: BagLookup, out: Optional[torch.Tensor] = None,
@@ -144,6 +146,7 @@ def backward_update(
     states: Sequence[torch.Tensor],
     optim: Sequence[int],
     hparams: Sequence[float],
+    grad_offsets: Optional[torch.Tensor] = None,
 ) -> None:
     """Reduce grad_output (float32 [B, total_dim]) per unique row and apply each table's
     optimizer to those rows of lookup.weights in place.
@@ -151,7 +154,10 @@ def backward_update(
     optim: T ints (NONE, SGD, ADAGRAD, ROWWISE_ADAGRAD); states: T float32 tensors (Adagrad
     [E_t, D_t], row-wise Adagrad E_t values, else unused); hparams: 4 * T floats, per table
     (lr, eps, weight_decay, grad_sign). lookup.unique_values must be strictly increasing per
-    table.
+    table. grad_offsets (int64 [F * B]): read the gradient where it lies instead: grad_output is
+    any contiguous float32 tensor, read flat, and bag f * B + b's gradient row is its D_f
+    elements from grad_offsets[f * B + b] on (a received message, say); only non-empty bags'
+    entries are read, and each must keep its row inside grad_output.
     """
     lookup = lookup.op_args()
     backend = _extension.backend_for(lookup.unique_values,
@@ -159,9 +165,11 @@ def backward_update(
     op = "recxla::embedding_bag_backward_update"
     if backend != "cpu":
         check_lookup(op, lookup, increasing=True)
+        if grad_offsets is not None:
+            check_grad_offsets(op, lookup, grad_output, grad_offsets)
     if backend not in ("cpu", "cuda"):  # the C++ kernels check these themselves
         check_optimizer(op, lookup.weights, states, optim, hparams)
-    _backward_update(grad_output, lookup, states, optim, hparams, backend)
+    _backward_update(grad_output, lookup, states, optim, hparams, backend, grad_offsets)
 
 
 # What the backward asks for, once per step: per table its optimizer kind, state tensor and

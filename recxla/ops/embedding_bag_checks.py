@@ -213,3 +213,42 @@ def check_optimizer(op, weights, states, optim, hparams) -> None:
         if sign not in (1.0, -1.0):
             raise ValueError(f"{op}: hparams[{first + 3}] (grad_sign of table {t}) must be 1 or "
                              f"-1, got {sign}")
+
+
+def check_grad_offsets(op: str, lookup: BagLookup, grad_output: torch.Tensor,
+                       grad_offsets: torch.Tensor) -> None:
+    """backward_update's grad_offsets for a backend whose kernels trust them, as the C++ checks
+    raise them (csrc/include/recxla/embedding_bag_checks.h, csrc/cpu/embedding_bag_backward.cpp):
+    grad_output contiguous float32, grad_offsets int64 [F * B], and every non-empty bag's
+    gradient row inside grad_output (one host sync)."""
+    device = lookup.unique_values.device
+    bags = len(lookup.feature_table) * lookup.batch_size
+    if grad_output.dtype != torch.float32:
+        raise TypeError(f"{op}: grad_output must be float32, got {grad_output.dtype}")
+    if not grad_output.is_contiguous():
+        raise ValueError(f"{op}: grad_output must be contiguous when grad_offsets places its "
+                         "rows")
+    if grad_output.device != device:
+        raise ValueError(f"{op}: grad_output is on {grad_output.device} but unique_values is on "
+                         f"{device}")
+    if grad_offsets.dtype != torch.int64:
+        raise TypeError(f"{op}: grad_offsets must be int64, got {grad_offsets.dtype}")
+    if grad_offsets.dim() != 1 or grad_offsets.numel() != bags:
+        raise ValueError(f"{op}: grad_offsets must be 1-D with num_features * batch_size = "
+                         f"{bags} entries, got shape {list(grad_offsets.shape)}")
+    if grad_offsets.device != device:
+        raise ValueError(f"{op}: grad_offsets is on {grad_offsets.device} but unique_values is "
+                         f"on {device}")
+    if not bags:
+        return
+    dims = int64_on([lookup.weights[t].shape[1] for t in lookup.feature_table], device)
+    dim = dims.repeat_interleave(lookup.batch_size)
+    used = lookup.offsets[1:] != lookup.offsets[:-1]
+    bad = used & ((grad_offsets < 0) | (grad_offsets > grad_output.numel() - dim))
+    index = torch.where(bad, torch.arange(bags, device=device),
+                        torch.full((), _NO_ERROR, device=device)).min()
+    first = int(index)
+    if first < _NO_ERROR:
+        raise IndexError(f"{op}: grad_offsets[{first}] = {int(grad_offsets[first])} puts bag "
+                         f"{first}'s {int(dim[first])}-wide gradient row outside grad_output's "
+                         f"{grad_output.numel()} elements")

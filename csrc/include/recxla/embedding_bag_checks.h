@@ -177,6 +177,29 @@ inline void check_grad_output(const char* op, const at::Tensor& grad_output, Lay
       "], got ", grad_output.sizes());
 }
 
+// grad_offsets of embedding_bag_backward_update (csrc/embedding_bag.cpp): int64 [F * B] on the
+// inputs' device, with grad_output a contiguous float32 tensor of any shape (read flat). The
+// data (each non-empty bag's row inside grad_output) is checked where the data is read: by the
+// CPU kernel, and by recxla.ops.embedding_bag_checks before a GPU kernel runs.
+inline void check_grad_offsets(const char* op, const at::Tensor& grad_output,
+                               const at::Tensor& grad_offsets, const Layout& l,
+                               const at::Device& device) {
+  TORCH_CHECK_TYPE(grad_output.scalar_type() == at::kFloat, op,
+                   ": grad_output must be float32, got ", grad_output.scalar_type());
+  TORCH_CHECK_VALUE(grad_output.is_contiguous(), op,
+                    ": grad_output must be contiguous when grad_offsets places its rows");
+  TORCH_CHECK_VALUE(grad_output.device() == device, op, ": grad_output is on ",
+                    grad_output.device(), " but unique_values is on ", device);
+  TORCH_CHECK_TYPE(grad_offsets.scalar_type() == at::kLong, op,
+                   ": grad_offsets must be int64, got ", grad_offsets.scalar_type());
+  TORCH_CHECK_VALUE(grad_offsets.dim() == 1 &&
+                        grad_offsets.numel() == l.num_features * l.batch_size,
+                    op, ": grad_offsets must be 1-D with num_features * batch_size = ",
+                    l.num_features * l.batch_size, " entries, got shape ", grad_offsets.sizes());
+  TORCH_CHECK_VALUE(grad_offsets.device() == device, op, ": grad_offsets is on ",
+                    grad_offsets.device(), " but unique_values is on ", device);
+}
+
 // The out= tensor of embedding_bag_forward_out, on the inputs' device: float32 [B, total_dim],
 // contiguous (it is written whole, so its contents do not matter), or with feature_columns as
 // place_features says (only the features' columns are written).
