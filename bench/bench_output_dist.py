@@ -32,8 +32,10 @@ import pytest
 import torch
 
 from bench.common import run_and_record
-from recxla.ops.copy_runs import ColumnRange, JoinColumns
-from recxla.ops.embedding_bag import SUM, BagLookup, pooled_forward, unique_grad
+from recxla.ops.copy_runs import ColumnRange, JoinColumns, copy_runs, pack
+from recxla.ops.dedup import segmented_unique
+from recxla.ops.embedding_bag import (SGD, SUM, BagLookup, backward_update, pooled_forward,
+                                      unique_grad)
 from recxla.ops.row_ids import encode_row_ids
 from recxla.torchrec.comm_stats import CommStats
 from recxla.torchrec.output_dist import OutputDist
@@ -200,3 +202,103 @@ def test_data_parallel_merge(benchmark, provider):
         want = _merge_cat_index_select(parts, index, grad)
         assert torch.equal(out[0], want[0])
         assert all(torch.equal(g, w) for g, w in zip(out[1], want[1]))
+
+
+# ------------------------------------------------------------ the owner's update
+# Rank 0's side of the gradient coming back in the same job with one micro-batch (DBP's
+# default): a message from each of the WORLD sources, its pooled rows [BATCH, D_owner] then the
+# rows it asked of each of the owner's row groups, and the owner's fused update (SGD) of both
+# lookups. Providers: recxla (OutputDist.owner_gradient_offsets, then each lookup's
+# embedding_bag_backward_update reading its rows where the message holds them: the window's
+# update_from_message), "unpack + update" (the message first unpacked into the [B, D_owner]
+# gradient and the row block in one copy_runs, as several micro-batches still do), and memcpy
+# (the message's bytes once).
+
+
+def _owner_case(generator):
+    """rank 0's RowInput, RequestedRows and pooled BagLookup, and a gradient message."""
+    from recxla.torchrec.row_exchange import RowInput, requested_rows
+
+    dist = _dist()
+    groups = len(dist.local_group_cols)
+    requested = int(UNIQUE * BATCH)  # of each group by each source
+    values = torch.cat([torch.randperm(ROWS, generator=generator)[:requested]
+                        for _ in range(groups * WORLD)])
+    rows = RowInput(values, [[[requested] * WORLD] for _ in range(groups)])
+    row_weights = [torch.randn(ROWS, DIM, generator=generator) for _ in range(groups)]
+    row_lookup = requested_rows(row_weights, rows.values,
+                                rows.block_layout(dist.local_group_cols))
+    pooled_tables = dist.owner_dims[0] // DIM
+    ids = torch.randint(0, ROWS, (pooled_tables * WORLD * BATCH,), generator=generator)
+    unique, unique_offsets, inverse = segmented_unique(
+        ids, torch.arange(pooled_tables + 1) * WORLD * BATCH)
+    pooled = BagLookup([torch.randn(ROWS, DIM, generator=generator)
+                        for _ in range(pooled_tables)], unique, unique_offsets, inverse,
+                       torch.arange(ids.numel() + 1), None, list(range(pooled_tables)),
+                       [SUM] * pooled_tables, WORLD * BATCH)
+    sources = [BATCH] * WORLD
+    flat = torch.randn(sum(dist.send_sizes(sources, rows)), generator=generator)
+    return dist, sources, rows, row_lookup, pooled, flat
+
+
+def _owner_update_in_place(dist, sources, rows, row_lookup, pooled, flat):
+    from recxla.torchrec.row_exchange import update_requested_rows
+
+    columns = [DIM * f for f in range(len(pooled.feature_table))]
+    pooled_at, rows_at = dist.owner_gradient_offsets(sources, rows, columns)
+    sgd = [SGD], [0.01, 0.0, 0.0, 1.0]
+    backward_update(flat, pooled, [flat.new_empty(0)] * len(pooled.weights),
+                    sgd[0] * len(pooled.weights), sgd[1] * len(pooled.weights),
+                    torch.from_numpy(pooled_at))
+    groups = len(row_lookup.lookup.weights)
+    update_requested_rows(row_lookup, [flat.new_empty(0)] * groups, flat, sgd[0] * groups,
+                          sgd[1] * groups, torch.from_numpy(rows_at))
+
+
+def _owner_update_unpacked(dist, sources, rows, row_lookup, pooled, flat):
+    from recxla.torchrec.row_exchange import update_requested_rows
+
+    gradient = flat.new_empty((WORLD * BATCH, dist.owner_dims[0]))
+    row_gradient = flat.new_empty((row_lookup.layout.rows, row_lookup.layout.width))
+    runs = dist.owner_message_runs(sources, rows, 0, 0, True)
+    copy_runs([flat], [gradient, row_gradient], pack(r.transposed() for r in runs))
+    sgd = [SGD], [0.01, 0.0, 0.0, 1.0]
+    backward_update(gradient, pooled, [flat.new_empty(0)] * len(pooled.weights),
+                    sgd[0] * len(pooled.weights), sgd[1] * len(pooled.weights))
+    groups = len(row_lookup.lookup.weights)
+    update_requested_rows(row_lookup, [flat.new_empty(0)] * groups, row_gradient,
+                          sgd[0] * groups, sgd[1] * groups)
+
+
+@pytest.mark.parametrize("provider", ["recxla", "unpack + update", "memcpy"])
+def test_owner_update_from_the_message(benchmark, provider):
+    generator = torch.Generator().manual_seed(0)
+    case = _owner_case(generator)
+    dist, _, _, row_lookup, pooled, flat = case
+    benchmark.group = (f"the owner's update, rank 0 of {WORLD}: {len(pooled.weights)} pooled "
+                       f"and {len(row_lookup.lookup.weights)} row-exchange tables x dim {DIM}, "
+                       f"{WORLD} sources x batch {BATCH}, one message, SGD")
+    copy = torch.empty_like(flat)
+    fn = {"recxla": lambda: _owner_update_in_place(*case),
+          "unpack + update": lambda: _owner_update_unpacked(*case),
+          "memcpy": lambda: copy.copy_(flat)}[provider]
+    run_and_record(benchmark, fn, nbytes=2 * 4 * flat.numel(), memcpy_nbytes=4 * flat.numel(),
+                   provider=provider, message_values=flat.numel())
+    if provider != "memcpy":  # both read the same gradient: the same rows after one update
+        before = [w.clone() for w in pooled.weights + row_lookup.lookup.weights]
+        got = _copy_weights(case, before)
+        _owner_update_in_place(*got)
+        want = _copy_weights(case, before)
+        _owner_update_unpacked(*want)
+        for a, b in zip(got[4].weights + got[3].lookup.weights,
+                        want[4].weights + want[3].lookup.weights):
+            assert torch.equal(a, b)
+
+
+def _copy_weights(case, weights):
+    """`case` with fresh copies of `weights` (the pooled tables', then the row tables')."""
+    dist, sources, rows, row_lookup, pooled, flat = case
+    weights = [w.clone() for w in weights]
+    pooled = pooled._replace(weights=weights[:len(pooled.weights)])
+    lookup = row_lookup.lookup._replace(weights=weights[len(pooled.weights):])
+    return dist, sources, rows, dataclasses.replace(row_lookup, lookup=lookup), pooled, flat

@@ -259,6 +259,63 @@ def test_pipeline_with_fp8_comms_matches_sequential(seed):
             assert trained == 6 and error <= bounds[name], (rank, name, trained, error)
 
 
+def _message_update_body(rank, world, seed, configs, refuse):
+    """_pipeline_body's results for `configs`, and how the owners' updates read their gradient:
+    messages, those read in place by the fused update, those unpacked into buffers. refuse: the
+    lookups say their backward is more than the fused update, so every message is unpacked."""
+    from unittest import mock
+
+    from recxla.ops.embedding_bag import FusedPooledLookup
+    from recxla.torchrec.row_exchange import RowLookup
+    from recxla.torchrec.sharded_steps import ShardedSteps
+
+    counts = {"messages": 0, "in place": 0, "unpacked": 0}
+    update_from_message, unpack = ShardedSteps.update_from_message, ShardedSteps.unpack_gradient
+
+    def counted_update(self, *args):
+        done = update_from_message(self, *args)
+        counts["messages"] += 1
+        counts["in place"] += done
+        return done
+
+    def counted_unpack(self, *args):
+        counts["unpacked"] += 1
+        return unpack(self, *args)
+
+    with mock.patch.object(ShardedSteps, "update_from_message", counted_update), \
+            mock.patch.object(ShardedSteps, "unpack_gradient", counted_unpack), \
+            mock.patch.object(FusedPooledLookup, "message_update",
+                              (lambda output: None) if refuse else
+                              FusedPooledLookup.message_update), \
+            mock.patch.object(RowLookup, "message_update",
+                              (lambda output: None) if refuse else RowLookup.message_update):
+        results = _pipeline_body(rank, world, seed, configs, 6, 7, "table_wise", "fp32", "fp32")
+    return results, counts
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_one_micro_batch_updates_from_the_message(seed, refuse):
+    """With one micro-batch the owners' fused update reads the gradient message where it lies:
+    pooled tables and row-exchange tables (both in one message), and row tables alone; no
+    message is unpacked. Where a lookup's backward is more than the fused update the message
+    is unpacked and the backward runs: the same training either way."""
+    configs = {"dbp, pooled and row tables": dict(num_micro_batches=1, row_exchange=["t0", "t2"]),
+               "dbp, row tables": dict(num_micro_batches=1, row_exchange="all"),
+               "dbp, pooled tables": dict(num_micro_batches=1)}
+    results = run_distributed(_message_update_body, world_size=2,
+                              args=(seed, configs, refuse), timeout=300)
+    for rank, (per_config, counts) in enumerate(results):
+        for name, (trained, error, _, _, _) in per_config.items():
+            assert trained == 6 and error <= 1e-5, (rank, name, trained, error)
+        # One message a step of each configuration.
+        if refuse:
+            assert counts["messages"] == 18 and counts["in place"] == 0, (rank, counts)
+        else:
+            assert counts == {"messages": 18, "in place": 18, "unpacked": 0}, (rank, counts)
+    # A message that holds row tables' rows is unpacked (pooled rows alone are the buffer).
+    assert refuse == any(counts["unpacked"] for _, counts in results), results
+
+
 def test_pipeline_rejects_bad_options():
     from recxla.pipeline import TrainPipeline
 

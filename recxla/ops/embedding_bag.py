@@ -18,6 +18,7 @@ CPU kernel would. The functions below do that on every call; `FusedPooledLookup`
 (in its forward: the backward reuses the tensors autograd saved, which cannot change between).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -172,6 +173,9 @@ def backward_update(
     _backward_update(grad_output, lookup, states, optim, hparams, backend, grad_offsets)
 
 
+# A lookup's backward run on a received message: (message, grad_offsets or None) -> None.
+MessageUpdate = Callable[[torch.Tensor, Optional[torch.Tensor]], Any]
+
 # What the backward asks for, once per step: per table its optimizer kind, state tensor and
 # (lr, eps, weight_decay, grad_sign); tables of kind NONE get a dense gradient instead.
 OptimizerStep = Callable[[], Tuple[List[int], List[torch.Tensor], List[float]]]
@@ -229,6 +233,7 @@ class FusedPooledLookup(torch.autograd.Function):
         out = _forward(lookup, out, backend)
         ctx.plan = plan
         ctx.backend = backend
+        ctx.made_by = FusedPooledLookup  # what message_update looks for
         # The weights are kept as objects, not saved tensors: the fused update changes them in
         # place, and an earlier lookup's backward in the same step may already have done so.
         ctx.weights = weights
@@ -237,26 +242,16 @@ class FusedPooledLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        plan, backend = ctx.plan, ctx.backend
-        unique_values, unique_offsets, inverse, offsets, psw = ctx.saved_tensors
-        weights = [w.detach() for w in ctx.weights]
         grad_output = grad_output.contiguous().float()
-        lookup = BagLookup(weights, unique_values, unique_offsets, inverse, offsets, psw,
-                           plan.feature_table, plan.pooling, plan.batch_size).op_args()
+        lookup = _saved_lookup(ctx)
         grad_psw = None
-        if psw is not None and ctx.needs_input_grad[5]:
+        if lookup.per_sample_weights is not None and ctx.needs_input_grad[5]:
             grad_psw = _per_sample_weight_grad(grad_output, lookup)
-        num_tables = len(weights)
-        optim, states, hparams = (
-            plan.optimizer_step() if plan.optimizer_step is not None
-            else ([NONE] * num_tables, [None] * num_tables, [0.0] * (NUM_HPARAMS * num_tables))
-        )
-        if any(k != NONE for k in optim):
-            states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
-            with torch.no_grad():
-                _backward_update(grad_output, lookup, states, optim, hparams, backend)
-                if plan.after_update is not None:
-                    plan.after_update(weights, unique_values, unique_offsets)
+        optim = _fused_update(ctx, lookup, _optimizer_arguments(ctx.plan, len(lookup.weights)),
+                              grad_output, None)
+        weights, unique_values, unique_offsets = lookup.weights, lookup.unique_values, \
+            lookup.unique_offsets
+        num_tables, backend = len(weights), ctx.backend
         grads = [None] * num_tables
         need = [t for t, k in enumerate(optim) if k == NONE and ctx.needs_input_grad[6 + t]]
         if need:
@@ -267,6 +262,56 @@ class FusedPooledLookup(torch.autograd.Function):
                     0, unique_values[uoff[t] : uoff[t + 1]].long(), rows[t]
                 )
         return (None, None, None, None, None, grad_psw, *grads)
+
+    @staticmethod
+    def message_update(output: torch.Tensor) -> Optional[MessageUpdate]:
+        """`output`'s backward as a call on a gradient that autograd could not hand over
+        without a copy: update(message, grad_offsets) with bag f * B + b's gradient row in
+        `message` at grad_offsets[f * B + b] (backward_update's grad_offsets; None: message is
+        the [B, total_dim] gradient); the caller then drops `output` without its backward.
+        None where that backward is more than the fused update (a table without an optimizer,
+        per-sample weights that want a gradient) or `output` is not this Function's."""
+        ctx = output.grad_fn
+        if getattr(ctx, "made_by", None) is not FusedPooledLookup or ctx.needs_input_grad[5]:
+            return None
+        lookup = _saved_lookup(ctx)
+        arguments = _optimizer_arguments(ctx.plan, len(lookup.weights))
+        if NONE in arguments[0]:
+            return None
+        return functools.partial(_fused_update, ctx, lookup, arguments)
+
+
+def _saved_lookup(ctx) -> BagLookup:
+    """The lookup a FusedPooledLookup's forward ran, from its context (op arguments)."""
+    plan = ctx.plan
+    unique_values, unique_offsets, inverse, offsets, psw = ctx.saved_tensors
+    return BagLookup([w.detach() for w in ctx.weights], unique_values, unique_offsets, inverse,
+                     offsets, psw, plan.feature_table, plan.pooling, plan.batch_size).op_args()
+
+
+def _optimizer_arguments(plan: LookupPlan, num_tables: int):
+    """The plan's (kinds, states, hparams) for this step; without an optimizer, NONE for every
+    table."""
+    if plan.optimizer_step is not None:
+        return plan.optimizer_step()
+    return [NONE] * num_tables, [None] * num_tables, [0.0] * (NUM_HPARAMS * num_tables)
+
+
+def _fused_update(ctx, lookup: BagLookup, arguments, grad_output: torch.Tensor,
+                  grad_offsets: Optional[torch.Tensor]) -> List[int]:
+    """A FusedPooledLookup's fused update of its tables with an optimizer (backward_update's
+    grad_output and grad_offsets), then the plan's after_update. -> the kinds."""
+    optim, states, hparams = arguments
+    if any(k != NONE for k in optim):
+        states = [s if s is not None else w.new_empty(0)
+                  for s, w in zip(states, lookup.weights)]
+        with torch.no_grad():
+            _backward_update(grad_output, lookup, states, optim, hparams, ctx.backend,
+                             grad_offsets)
+            if ctx.plan.after_update is not None:
+                ctx.plan.after_update(lookup.weights, lookup.unique_values,
+                                      lookup.unique_offsets)
+    return optim
 
 
 def _per_sample_weight_grad(grad_output: torch.Tensor, lookup: BagLookup) -> torch.Tensor:

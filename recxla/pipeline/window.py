@@ -7,7 +7,9 @@ rows and requested rows go to their ranks (O(k)), its model runs on them, and th
 comes back (G(k)) into the owner's gradient buffers, at the rows the lookup produced. At the
 end the buffers hold exactly the gradient the whole batch's backward would give the lookup,
 and the lookup's own backward applies the fused optimizer once per row (U). Only the order of
-the float additions differs from the sequential step.
+the float additions differs from the sequential step. With one micro-batch (DBP's default) the
+batch's gradient is one message, and the fused update reads each bag's row where the message
+holds it: no buffer, no copy.
 
 On CPU the all-to-alls progress in gloo's threads while the caller computes; on GPU they run
 on NCCL's stream, and waits order the streams without blocking the host. The same code serves
@@ -93,14 +95,14 @@ class FrozenWindow:
         self.rows = None if self.row_output is None else self.row_output.detach()
         self.out_dim = self.pooled.shape[1]
         self._pooled_gradient = self.output.requires_grad
-        # With one micro-batch and pooled rows only, the gradient message is laid out as the
-        # buffer (each source's rows in turn) and becomes it (receive_gradient): no copy.
-        self._message_is_gradient = self.num_micro == 1 and self.rows is None
-        self.gradient = self.pooled.new_empty(self.pooled.shape) \
-            if self._pooled_gradient and not self._message_is_gradient else None
-        # Every requested row's gradient arrives, and the update reads no padding of the row
-        # block (row_exchange.RowBlockLayout): no fill.
-        self.row_gradient = None if self.rows is None else torch.empty_like(self.rows)
+        # With one micro-batch the batch's gradient arrives in one message, which the update
+        # reads where it lies (steps.update_from_message); it is unpacked into the gradient
+        # buffers only where that update cannot run (_unpack_message). Several micro-batches'
+        # messages are unpacked as they arrive.
+        self._message: Optional[torch.Tensor] = None
+        self.gradient, self.row_gradient = None, None
+        if self.num_micro > 1:
+            self._gradient_buffers()
         self._messages = [steps.output_message(n, row_bags, k)
                           for k, n in enumerate(self.my_rows)]
         self.early_rows = early_rows
@@ -110,6 +112,26 @@ class FrozenWindow:
         # the backward) or kept for the caller (arrived_gradient).
         self._send_on_arrival = [False] * self.num_micro
         self._arrived: List[Optional[torch.Tensor]] = [None] * self.num_micro
+
+    def _gradient_buffers(self) -> None:
+        """The buffers the gradient messages are unpacked into: the pooled lookup's [B, D] and
+        the row block's (every requested row's gradient arrives, and the update reads no
+        padding of the row block, row_exchange.RowBlockLayout: no fill)."""
+        if self._pooled_gradient:
+            self.gradient = self.pooled.new_empty(self.pooled.shape)
+        if self.rows is not None:
+            self.row_gradient = torch.empty_like(self.rows)
+
+    def _unpack_message(self, flat: torch.Tensor) -> None:
+        """The one message of a batch into the gradient buffers; with pooled rows only it is
+        laid out as the buffer (each source's rows in turn) and becomes it: no copy."""
+        if self.rows is None:
+            if self._pooled_gradient:
+                self.gradient = flat.view(self.pooled.shape)
+            return
+        self._gradient_buffers()
+        self.steps.unpack_gradient(flat, self.input.micro_batch_rows(0), self.input.rows, 0,
+                                   0, self.gradient, self.row_gradient)
 
     def _my_range(self, k: int):
         start = sum(self.my_rows[:k])
@@ -179,15 +201,15 @@ class FrozenWindow:
             self.input.rows)
 
     def receive_gradient(self, k: int) -> None:
-        """Waits for G(k) and puts its rows into the gradient buffers (A(k))."""
+        """Waits for G(k) and puts its rows into the gradient buffers (A(k)); with one
+        micro-batch keeps the message for the update to read where it lies."""
         if self._returning[k] is None:
             return
         handle, _ = self._returning[k]
         flat = handle.wait().reshape(-1)
         self._returning[k] = None
-        if self._message_is_gradient:
-            if self._pooled_gradient:
-                self.gradient = flat.view(self.pooled.shape)
+        if self.num_micro == 1:
+            self._message = flat
             return
         self.steps.unpack_gradient(flat, self.input.micro_batch_rows(k), self.input.rows, k,
                                    self.input.micro_batch_start(k), self.gradient,
@@ -200,6 +222,13 @@ class FrozenWindow:
         """U: the lookup's backward on the whole batch's gradient: the fused optimizer updates
         every touched row once (tables without one get their ordinary gradient)."""
         self.steps.count_step()
+        if self._message is not None:
+            flat, self._message = self._message, None
+            pooled = self.output if self._pooled_gradient else None
+            if self.steps.update_from_message(flat, self.input, pooled, self.row_output):
+                self.output, self.row_output = None, None
+                return
+            self._unpack_message(flat)
         outputs, grads = [], []
         if self.gradient is not None and self.output.requires_grad:
             outputs.append(self.output)

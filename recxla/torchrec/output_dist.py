@@ -38,6 +38,7 @@ row before it travels; a sum of divided terms is the divided sum, so it is divid
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -450,18 +451,71 @@ class OutputDist:
         block, laid out as rows.block_layout(local_group_cols))."""
         dim = self.owner_dims[self.layout.rank]
         block = rows.block_layout(self.local_group_cols) if with_rows else None
-        runs, at, sample = [], 0, first_sample
+        runs = []
+        for group, first, count, at in self._owner_message_parts(source_batches, rows, k,
+                                                                 first_sample, with_rows):
+            if group is None:
+                runs.append(Run(0, first * dim, 0, 0, at, 0, 1, count * dim))
+                continue
+            cols = self.local_group_cols[group]
+            for offset, n in block.pieces(group, first, count):
+                runs.append(Run(1, offset, block.width, 0, at, cols, n, cols))
+                at += n * cols
+        return runs
+
+    def _owner_message_parts(self, source_batches: Sequence[int], rows: Optional[RowInput],
+                             k: int, first_sample: int, with_rows: bool):
+        """The parts of owner_message_runs's message, in order: for each source rank its pooled
+        rows (None, first sample, samples, element offset in the message), then, with_rows, its
+        rows of each local row group g (g, first row in rows.ids order, rows, element
+        offset)."""
+        dim = self.owner_dims[self.layout.rank]
+        at, sample = 0, first_sample
         for s, samples in enumerate(source_batches):
-            runs.append(Run(0, sample * dim, 0, 0, at, 0, 1, samples * dim))
+            yield None, sample, samples, at
             at += samples * dim
             sample += samples
-            if block is None:
+            if not with_rows:
                 continue
             for g, cols in enumerate(self.local_group_cols):
-                for offset, n in block.pieces(g, rows.start(g, k, s), rows.rows(g, k, s)):
-                    runs.append(Run(1, offset, block.width, 0, at, cols, n, cols))
-                    at += n * cols
-        return runs
+                count = rows.rows(g, k, s)
+                yield g, rows.start(g, k, s), count, at
+                at += count * cols
+
+    def owner_gradient_offsets(self, source_batches: Sequence[int], rows: Optional[RowInput],
+                               feature_columns: Sequence[int]
+                               ) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """Where the owner's lookups find each bag's gradient row in the gradient message of a
+        batch sent as one exchange (owner_message_runs's layout, k = 0), for the fused update
+        to read it there (embedding_bag_backward_update's grad_offsets) instead of from
+        buffers it is first unpacked into. feature_columns: the pooled lookup's F features'
+        first columns in its [B, D_owner] output. -> (pooled: int64 [F * B], bag f * B + b at
+        sample b's row plus feature f's column; rows: None without row groups, else int64
+        [slots * slot rows], a bag per row of the row block (RequestedRows), the requested
+        row's gradient where it lies; a padding row's entry 0, never read)."""
+        dim = self.owner_dims[self.layout.rank]
+        batch = sum(source_batches)
+        with_rows = rows is not None
+        sample_at = np.empty(batch, dtype=np.int64)
+        segments = []  # (first bag, rows, element offset, cols) of each row group part
+        block = rows.block_layout(self.local_group_cols) if with_rows else None
+        for group, first, count, at in self._owner_message_parts(source_batches, rows, 0, 0,
+                                                                 with_rows):
+            if group is None:
+                sample_at[first: first + count] = at + dim * np.arange(count)
+            elif count:
+                segments.append((block.first_slot[group] * block.rows + first, count, at,
+                                 self.local_group_cols[group]))
+        pooled = (np.asarray(feature_columns, dtype=np.int64)[:, None] + sample_at).reshape(-1)
+        if block is None:
+            return pooled, None
+        row_offsets = np.zeros(block.first_slot[-1] * block.rows, dtype=np.int64)
+        if segments:
+            first_bag, count, at, cols = (np.array(c, dtype=np.int64) for c in zip(*segments))
+            part = np.repeat(np.arange(len(segments)), count)
+            within = np.arange(part.size) - np.repeat(np.cumsum(count) - count, count)
+            row_offsets[first_bag[part] + within] = at[part] + within * cols[part]
+        return pooled, row_offsets
 
     def start_values(self, flat: torch.Tensor, send: List[int], recv: List[int]):
         """Starts a forward exchange of values laid out by the caller (`start`, and

@@ -16,6 +16,7 @@ Owner: `RowInput` holds, per row group, the ids every rank asked for, micro-batc
 micro-batch and rank by rank: the rows to gather and send, and where their gradients land.
 """
 
+import functools
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import List, Optional, Sequence, Tuple
@@ -354,11 +355,15 @@ def requested_rows(weights: Sequence[torch.Tensor], values: torch.Tensor,
 
 def update_requested_rows(requested: RequestedRows, states: Sequence[torch.Tensor],
                           grad: torch.Tensor, kinds: Sequence[int],
-                          hparams: Sequence[float]) -> None:
+                          hparams: Sequence[float],
+                          grad_offsets: Optional[torch.Tensor] = None) -> None:
     """RowLookup's update: each requested row's fused optimizer step, once per distinct row
     with the sum of its gradients. grad: float32, the row block's gradient (its rows past a
-    slot's count are not read)."""
-    backward_update(grad, requested.lookup, list(states), list(kinds), list(hparams))
+    slot's count are not read); or, with grad_offsets (int64, a bag per slot row, as
+    backward_update reads them), any flat tensor holding each requested row's gradient where
+    grad_offsets says (a received message)."""
+    backward_update(grad, requested.lookup, list(states), list(kinds), list(hparams),
+                    grad_offsets)
 
 
 def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.Tensor],
@@ -400,19 +405,40 @@ class RowLookup(torch.autograd.Function):
         ctx.optimizer_step = optimizer_step
         ctx.apply_gradients = apply_gradients
         ctx.requested = requested
+        ctx.made_by = RowLookup  # what message_update looks for
         # forward runs without autograd: the weights need no detach.
         return pooled_forward(requested.lookup)
 
     @staticmethod
     def backward(ctx, grad):
-        kinds, states, hparams = ctx.optimizer_step()
-        # Updated in place under no_grad: the weights need no detach.
-        weights = ctx.requested.lookup.weights
-        states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
-        with torch.no_grad():
-            ctx.apply_gradients(ctx.requested, states, grad.contiguous().float(), kinds,
-                                hparams)
-        return (None, None, None) + (None,) * len(weights)
+        _apply_row_update(ctx, ctx.apply_gradients, grad.contiguous().float())
+        return (None, None, None) + (None,) * len(ctx.requested.lookup.weights)
+
+    @staticmethod
+    def message_update(output: torch.Tensor):
+        """`output`'s backward as a call on the requested rows' gradients where a received
+        message holds them: update(message, grad_offsets), slot f's bag b's row at
+        message[grad_offsets[f * rows + b]:] (update_requested_rows's grad_offsets); the
+        caller then drops `output` without its backward. None where the update is not
+        update_requested_rows (2D's replicated rows first sum over replicas) or `output` is
+        not this Function's."""
+        ctx = output.grad_fn
+        if getattr(ctx, "made_by", None) is not RowLookup or \
+                ctx.apply_gradients is not update_requested_rows:
+            return None
+        return lambda message, grad_offsets: _apply_row_update(
+            ctx, functools.partial(update_requested_rows, grad_offsets=grad_offsets), message)
+
+
+def _apply_row_update(ctx, apply_gradients, grad: torch.Tensor) -> None:
+    """A RowLookup's update (`apply_gradients`, update_requested_rows's signature) of the
+    gradient `grad`, with this step's optimizer arguments."""
+    kinds, states, hparams = ctx.optimizer_step()
+    # Updated in place under no_grad: the weights need no detach.
+    weights = ctx.requested.lookup.weights
+    states = [s if s is not None else w.new_empty(0) for s, w in zip(states, weights)]
+    with torch.no_grad():
+        apply_gradients(ctx.requested, states, grad, kinds, hparams)
 
 
 def choose_row_tables(configs, sample, num_micro_batches: int = 1,

@@ -19,6 +19,7 @@ wants it (docs/architecture.md maps them to the schedule). In the order one step
     end_staging        after that forward: did it call the module (once)?
     start_gradient     the gradient of those values back to their owners
     count_step         one fused optimizer step counted, before the lookup's backward
+    update_from_message  one micro-batch: the fused update reads the gradient message in place
     average_replicas   (2D, sync="weights") the replicas averaged now, before a checkpoint
 
 and, for DBP's early lookup (the next batch looked up before this batch's update),
@@ -30,11 +31,14 @@ The steps read the parts (sharded_parts.py) and nothing else of the module.
 """
 
 import functools
+from itertools import accumulate
 from typing import Any, Callable, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recxla.host_copy import to_device
 from recxla.ops.copy_runs import copy_runs, pack
 from recxla.ops.embedding_bag import FusedPooledLookup, LookupPlan
 from recxla.torchrec.early_lookup import EarlyLookup
@@ -289,6 +293,43 @@ class ShardedSteps:
         gradient division divides it; the values it holds per source rank: per source its
         pooled rows [samples, D_owner] then its row groups' rows [count, cols])."""
         return self.parts.output.start_gradient(grad, source_batches, message, lengths, rows)
+
+    def update_from_message(self, flat: torch.Tensor, lookup_input: LookupInput,
+                            output: Optional[torch.Tensor],
+                            row_output: Optional[torch.Tensor]) -> bool:
+        """The lookups' backward (the fused update, after count_step) of a batch sent as one
+        exchange, reading the owner's gradient message (flat, what start_gradient's handle
+        gave) where it lies, not from the buffers unpack_gradient would copy it into. output:
+        lookup_pooled's or early_lookup's output, None when it takes no gradient; row_output:
+        lookup_rows's, or None. -> True: done (the caller drops both without their backward);
+        False: nothing done, where a lookup's backward is more than the fused update (a table
+        without an optimizer, per-sample weights that want a gradient, 2D's replicas): the
+        caller unpacks the message and runs the backward."""
+        updates = []
+        if output is not None and output.grad_fn is not None:  # a leaf: no table to update
+            updates.append(FusedPooledLookup.message_update(output))
+        if row_output is not None and row_output.requires_grad:
+            updates.append(RowLookup.message_update(row_output))
+        if None in updates:
+            return False
+        if not updates:
+            return True
+        rows = lookup_input.rows if row_output is not None else None
+        sources = lookup_input.micro_batch_rows(0)
+        if rows is None:  # the message is the pooled lookup's [B, D_owner] gradient
+            updates[0](flat.view(output.shape), None)
+            return True
+        pooled = self.parts.tables.pooled
+        columns = list(accumulate((pooled.weights[t].shape[1] for t in pooled.slot_table),
+                                  initial=0))[:-1]
+        pooled_at, rows_at = self.parts.output.owner_gradient_offsets(sources, rows, columns)
+        # One copy to the device for both.
+        both = to_device(torch.from_numpy(np.concatenate([pooled_at, rows_at])), flat.device)
+        pooled_at, rows_at = both.split([pooled_at.size, rows_at.size])
+        if len(updates) == 2:
+            updates[0](flat, pooled_at)
+        updates[-1](flat, rows_at)
+        return True
 
     def unpack_gradient(self, flat: torch.Tensor, source_batches: List[int],
                         rows: Optional[RowInput], k: int, first_sample: int,

@@ -96,6 +96,11 @@ class EmbeddingSteps(Protocol):
                        lengths: Optional[torch.Tensor], rows):
         ...
 
+    def update_from_message(self, flat: torch.Tensor, lookup_input,
+                            output: Optional[torch.Tensor],
+                            row_output: Optional[torch.Tensor]) -> bool:
+        ...
+
     def unpack_gradient(self, flat: torch.Tensor, source_batches: List[int], rows, k: int,
                         first_sample: int, gradient: Optional[torch.Tensor],
                         row_gradient: Optional[torch.Tensor]) -> None:
