@@ -148,6 +148,7 @@ def backward_update(
     optim: Sequence[int],
     hparams: Sequence[float],
     grad_offsets: Optional[torch.Tensor] = None,
+    checked_upstream: bool = False,
 ) -> None:
     """Reduce grad_output (float32 [B, total_dim]) per unique row and apply each table's
     optimizer to those rows of lookup.weights in place.
@@ -158,16 +159,19 @@ def backward_update(
     table. grad_offsets (int64 [F * B]): read the gradient where it lies instead: grad_output is
     any contiguous float32 tensor, read flat, and bag f * B + b's gradient row is its D_f
     elements from grad_offsets[f * B + b] on (a received message, say); only non-empty bags'
-    entries are read, and each must keep its row inside grad_output.
+    entries are read, and each must keep its row inside grad_output. checked_upstream: the
+    data (ids, rows, offsets, grad_offsets) were made or checked by the caller (recxla's
+    sharded module: LookupPlan.checked_upstream says how), so on GPU the device checks, a host
+    sync each, are skipped; the layout checks still run, and the CPU kernel checks everything.
     """
     lookup = lookup.op_args()
     backend = _extension.backend_for(lookup.unique_values,
                                      "recxla.ops.embedding_bag.backward_update")
     op = "recxla::embedding_bag_backward_update"
     if backend != "cpu":
-        check_lookup(op, lookup, increasing=True)
+        check_lookup(op, lookup, increasing=True, data=not checked_upstream)
         if grad_offsets is not None:
-            check_grad_offsets(op, lookup, grad_output, grad_offsets)
+            check_grad_offsets(op, lookup, grad_output, grad_offsets, data=not checked_upstream)
     if backend not in ("cpu", "cuda"):  # the C++ kernels check these themselves
         check_optimizer(op, lookup.weights, states, optim, hparams)
     _backward_update(grad_output, lookup, states, optim, hparams, backend, grad_offsets)

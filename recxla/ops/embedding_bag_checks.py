@@ -216,11 +216,11 @@ def check_optimizer(op, weights, states, optim, hparams) -> None:
 
 
 def check_grad_offsets(op: str, lookup: BagLookup, grad_output: torch.Tensor,
-                       grad_offsets: torch.Tensor) -> None:
+                       grad_offsets: torch.Tensor, data: bool = True) -> None:
     """backward_update's grad_offsets for a backend whose kernels trust them, as the C++ checks
     raise them (csrc/include/recxla/embedding_bag_checks.h, csrc/cpu/embedding_bag_backward.cpp):
-    grad_output contiguous float32, grad_offsets int64 [F * B], and every non-empty bag's
-    gradient row inside grad_output (one host sync)."""
+    grad_output contiguous float32, grad_offsets int64 [F * B], and (with `data`: one host
+    sync) every non-empty bag's gradient row inside grad_output."""
     device = lookup.unique_values.device
     bags = len(lookup.feature_table) * lookup.batch_size
     if grad_output.dtype != torch.float32:
@@ -239,7 +239,7 @@ def check_grad_offsets(op: str, lookup: BagLookup, grad_output: torch.Tensor,
     if grad_offsets.device != device:
         raise ValueError(f"{op}: grad_offsets is on {grad_offsets.device} but unique_values is "
                          f"on {device}")
-    if not bags:
+    if not bags or not data:
         return
     dims = int64_on([lookup.weights[t].shape[1] for t in lookup.feature_table], device)
     dim = dims.repeat_interleave(lookup.batch_size)

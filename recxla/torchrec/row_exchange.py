@@ -362,15 +362,19 @@ def update_requested_rows(requested: RequestedRows, states: Sequence[torch.Tenso
     slot's count are not read); or, with grad_offsets (int64, a bag per slot row, as
     backward_update reads them), any flat tensor holding each requested row's gradient where
     grad_offsets says (a received message)."""
+    # The requested ids were checked by the input dist's sender (or are a union of such), the
+    # lookup's rows and bags made by requested_rows and the offsets from the message's layout:
+    # no device checks (a host sync each on GPU).
     backward_update(grad, requested.lookup, list(states), list(kinds), list(hparams),
-                    grad_offsets)
+                    grad_offsets, checked_upstream=True)
 
 
 def apply_row_gradients(weights: Sequence[torch.Tensor], states: Sequence[torch.Tensor],
                         ids: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                         kinds: Sequence[int], hparams: Sequence[float]) -> None:
     """The fused optimizer of each table once per distinct id, with the sum of that id's
-    gradients: ids int64 [R_t] (repeats allowed), grads float32 [R_t, D_t]."""
+    gradients: ids int64 [R_t] (repeats allowed, each in its table's range: on GPU they are not
+    checked again, update_requested_rows), grads float32 [R_t, D_t]."""
     if not weights:
         return
     requested = requested_rows(weights, torch.cat([i.to(torch.int64) for i in ids]),
