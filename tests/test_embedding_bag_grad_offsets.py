@@ -26,7 +26,7 @@ def scattered_gradient(a, generator):
     """A gradient message for op_inputs' bags: every bag's row in its own slot of a flat
     float32 tensor, the slots shuffled and a random gap before each row, and the empty bags'
     offsets unusable. -> (flat, grad_offsets int64 [F * B], grad [B, total_dim]: the same rows
-    where a model's gradient holds them)."""
+    where a model's gradient holds them), on the device of a's tensors."""
     batch, feature_table = a["batch_size"], a["feature_table"]
     dims = [a["weights"][t].shape[1] for t in feature_table]
     bags, slot = len(feature_table) * batch, max(dims) + 3
@@ -39,8 +39,9 @@ def scattered_gradient(a, generator):
         at = grad_offsets[f * batch: (f + 1) * batch]
         grad[:, column: column + dim] = flat[at[:, None] + torch.arange(dim)]
         column += dim
-    grad_offsets[a["offsets"].diff() == 0] = NEVER_READ
-    return flat, grad_offsets, grad
+    grad_offsets[a["offsets"].cpu().diff() == 0] = NEVER_READ
+    device = a["offsets"].device
+    return flat.to(device), grad_offsets.to(device), grad.to(device)
 
 
 def _updated(update, args, grad_offsets=None):
@@ -165,15 +166,14 @@ def test_gpu_scattered_gradient(monkeypatch, backend):
     if backend == "cuda" and not recxla.built_with_cuda():
         pytest.skip("this build has no CUDA kernels")
     monkeypatch.setenv("RECXLA_BACKEND", backend)
-    a = op_inputs(torch.int64, True, batch=300)
-    flat, grad_offsets, grad = scattered_gradient(a, _generator())
-    cuda = to_cuda(a)
+    cuda = to_cuda(op_inputs(torch.int64, True, batch=300))
+    flat, grad_offsets, grad = scattered_gradient(cuda, _generator())
     for optim in OPTIMS.values():
-        base = fused_args(cuda, optim, grad.cuda(), wd=0.01, sign=-1.0)
+        base = fused_args(cuda, optim, grad, wd=0.01, sign=-1.0)
         want_w, want_s = _updated(ops.backward_update, base)
         message = list(base)
-        message[0] = flat.cuda()
-        got_w, got_s = _updated(ops.backward_update, message, grad_offsets.cuda())
+        message[0] = flat
+        got_w, got_s = _updated(ops.backward_update, message, grad_offsets)
         # The same entries in the same order: the same bits on one device.
         for got, want in zip(got_w + got_s, want_w + want_s):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
