@@ -241,33 +241,34 @@ def _owner_case(generator):
     return dist, sources, rows, row_lookup, pooled, flat
 
 
-def _owner_update_in_place(dist, sources, rows, row_lookup, pooled, flat):
+def _sgd_updates(row_lookup, pooled, pooled_grad, row_grad, pooled_at=None, rows_at=None):
+    """Both lookups' fused SGD update: of [B, D] and row-block gradients, or (with the offsets)
+    of the message itself."""
     from recxla.torchrec.row_exchange import update_requested_rows
 
+    def offsets(at):
+        return None if at is None else torch.from_numpy(at)
+
+    n = len(pooled.weights)
+    backward_update(pooled_grad, pooled, [pooled_grad.new_empty(0)] * n, [SGD] * n,
+                    [0.01, 0.0, 0.0, 1.0] * n, offsets(pooled_at))
+    n = len(row_lookup.lookup.weights)
+    update_requested_rows(row_lookup, [row_grad.new_empty(0)] * n, row_grad, [SGD] * n,
+                          [0.01, 0.0, 0.0, 1.0] * n, offsets(rows_at))
+
+
+def _owner_update_in_place(dist, sources, rows, row_lookup, pooled, flat):
     columns = [DIM * f for f in range(len(pooled.feature_table))]
     pooled_at, rows_at = dist.owner_gradient_offsets(sources, rows, columns)
-    sgd = [SGD], [0.01, 0.0, 0.0, 1.0]
-    backward_update(flat, pooled, [flat.new_empty(0)] * len(pooled.weights),
-                    sgd[0] * len(pooled.weights), sgd[1] * len(pooled.weights),
-                    torch.from_numpy(pooled_at))
-    groups = len(row_lookup.lookup.weights)
-    update_requested_rows(row_lookup, [flat.new_empty(0)] * groups, flat, sgd[0] * groups,
-                          sgd[1] * groups, torch.from_numpy(rows_at))
+    _sgd_updates(row_lookup, pooled, flat, flat, pooled_at, rows_at)
 
 
 def _owner_update_unpacked(dist, sources, rows, row_lookup, pooled, flat):
-    from recxla.torchrec.row_exchange import update_requested_rows
-
     gradient = flat.new_empty((WORLD * BATCH, dist.owner_dims[0]))
     row_gradient = flat.new_empty((row_lookup.layout.rows, row_lookup.layout.width))
     runs = dist.owner_message_runs(sources, rows, 0, 0, True)
     copy_runs([flat], [gradient, row_gradient], pack(r.transposed() for r in runs))
-    sgd = [SGD], [0.01, 0.0, 0.0, 1.0]
-    backward_update(gradient, pooled, [flat.new_empty(0)] * len(pooled.weights),
-                    sgd[0] * len(pooled.weights), sgd[1] * len(pooled.weights))
-    groups = len(row_lookup.lookup.weights)
-    update_requested_rows(row_lookup, [flat.new_empty(0)] * groups, row_gradient,
-                          sgd[0] * groups, sgd[1] * groups)
+    _sgd_updates(row_lookup, pooled, gradient, row_gradient)
 
 
 @pytest.mark.parametrize("provider", ["recxla", "unpack + update", "memcpy"])

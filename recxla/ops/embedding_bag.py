@@ -251,16 +251,15 @@ class FusedPooledLookup(torch.autograd.Function):
         grad_psw = None
         if lookup.per_sample_weights is not None and ctx.needs_input_grad[5]:
             grad_psw = _per_sample_weight_grad(grad_output, lookup)
-        optim = _fused_update(ctx, lookup, _optimizer_arguments(ctx.plan, len(lookup.weights)),
+        weights, unique_values = lookup.weights, lookup.unique_values
+        num_tables = len(weights)
+        optim = _fused_update(ctx, lookup, _optimizer_arguments(ctx.plan, num_tables),
                               grad_output, None)
-        weights, unique_values, unique_offsets = lookup.weights, lookup.unique_values, \
-            lookup.unique_offsets
-        num_tables, backend = len(weights), ctx.backend
         grads = [None] * num_tables
         need = [t for t, k in enumerate(optim) if k == NONE and ctx.needs_input_grad[6 + t]]
         if need:
-            rows = _unique_grad(grad_output, lookup, backend)
-            uoff = unique_offsets.tolist()
+            rows = _unique_grad(grad_output, lookup, ctx.backend)
+            uoff = lookup.unique_offsets.tolist()
             for t in need:
                 grads[t] = torch.zeros_like(weights[t]).index_add_(
                     0, unique_values[uoff[t] : uoff[t + 1]].long(), rows[t]

@@ -305,30 +305,31 @@ class ShardedSteps:
         False: nothing done, where a lookup's backward is more than the fused update (a table
         without an optimizer, per-sample weights that want a gradient, 2D's replicas): the
         caller unpacks the message and runs the backward."""
-        updates = []
+        pooled_update = row_update = None
         if output is not None and output.grad_fn is not None:  # a leaf: no table to update
-            updates.append(FusedPooledLookup.message_update(output))
+            pooled_update = FusedPooledLookup.message_update(output)
+            if pooled_update is None:
+                return False
         if row_output is not None and row_output.requires_grad:
-            updates.append(RowLookup.message_update(row_output))
-        if None in updates:
-            return False
-        if not updates:
-            return True
-        rows = lookup_input.rows if row_output is not None else None
-        sources = lookup_input.micro_batch_rows(0)
-        if rows is None:  # the message is the pooled lookup's [B, D_owner] gradient
-            updates[0](flat.view(output.shape), None)
+            row_update = RowLookup.message_update(row_output)
+            if row_update is None:
+                return False
+        if row_output is None:  # the message is the pooled lookup's [B, D_owner] gradient
+            if pooled_update is not None:
+                pooled_update(flat.view(output.shape), None)
             return True
         pooled = self.parts.tables.pooled
         columns = list(accumulate((pooled.weights[t].shape[1] for t in pooled.slot_table),
                                   initial=0))[:-1]
-        pooled_at, rows_at = self.parts.output.owner_gradient_offsets(sources, rows, columns)
+        pooled_at, rows_at = self.parts.output.owner_gradient_offsets(
+            lookup_input.micro_batch_rows(0), lookup_input.rows, columns)
         # One copy to the device for both.
         both = to_device(torch.from_numpy(np.concatenate([pooled_at, rows_at])), flat.device)
         pooled_at, rows_at = both.split([pooled_at.size, rows_at.size])
-        if len(updates) == 2:
-            updates[0](flat, pooled_at)
-        updates[-1](flat, rows_at)
+        if pooled_update is not None:
+            pooled_update(flat, pooled_at)
+        if row_update is not None:
+            row_update(flat, rows_at)
         return True
 
     def unpack_gradient(self, flat: torch.Tensor, source_batches: List[int],
